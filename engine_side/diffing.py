@@ -1,0 +1,349 @@
+"""Building one Delta body: the engine's full request compared with the mirror state.
+
+Each ``_x`` method produces the part of :class:`DeltaBody` for one concern and
+relies on the application order fixed in SPEC.md §8 (finishes, adds, schedule,
+tokens, blocks, computed tokens, scheduled tokens, step-only fields).
+Predictions that make a steady step free: the schedule repeats, each request's
+computed count advances by what it was scheduled, and its scheduled count
+repeats; only departures are sent.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from protocol.errors import LocalProtocolError
+from protocol.messages import TOKEN_MODE_ENGINE, DeltaBody, NewRequest, Rows
+from protocol.packing import pack_sints, pack_uints
+from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
+
+if TYPE_CHECKING:
+    from engine_side.mirror import EngineMirror
+    from protocol.state import ReplicaState
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _packed(values: IntArray | list[int]) -> bytes:
+    return pack_uints(values) if len(values) else b""
+
+
+class DiffContext:
+    """One-shot: holds the intermediate results of diffing one request."""
+
+    def __init__(self, mirror: EngineMirror, request: ExecuteModelRequest) -> None:
+        self.mirror = mirror
+        self.state = mirror.state
+        self.request = request
+        self.fields: dict[str, object] = {}
+        self.freed_ids: list[tuple[str, int]] = []
+        self.new_ids: list[tuple[str, int]] = []
+        self.reset: set[int] = set()  # handles whose history restarts in this delta
+        self.handles: IntArray = _EMPTY
+        self.added_at: dict[int, int] = {}  # handle -> batch position, for adds
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        r, n = self.request, len(self.request.req_ids)
+        columns = [len(r.specs), r.num_scheduled_tokens.size, r.num_computed_tokens.size,
+                   r.spec_token_ids.lengths.size, r.encoder_inputs.lengths.size,
+                   *(t.lengths.size for t in r.block_tables)]
+        if any(c != n for c in columns) or len(r.block_tables) != self.state.kv_groups:
+            raise LocalProtocolError("request columns do not align with req_ids", rows=n)
+        tokens = r.output_token_ids
+        if (tokens is not None) != (self.state.token_mode == TOKEN_MODE_ENGINE):
+            raise LocalProtocolError("output_token_ids must be given iff engine token mode")
+        if tokens is not None and len(tokens) != n:
+            raise LocalProtocolError("output_token_ids do not align with req_ids", rows=n)
+
+    def build(self) -> DeltaBody:
+        self._finishes()
+        self._schedule_handles()
+        self._schedule()
+        self._tokens()
+        for g in range(self.state.kv_groups):
+            self._blocks(g)
+        self._computed()
+        self._scheduled_tokens()
+        self._step_fields()
+        return DeltaBody(**self.fields)  # type: ignore[arg-type]
+
+    # -- requests ---------------------------------------------------------------------
+    def _finishes(self) -> None:
+        handles, unknown = [], []
+        for req_id in sorted(self.request.finished_req_ids):
+            h = self.mirror.handles.get(req_id)
+            if h is None:
+                unknown.append(req_id)
+            else:
+                handles.append(h)
+                self.freed_ids.append((req_id, h))
+                self.reset.add(h)
+        handles.sort()
+        if handles:
+            self.fields["finished"] = pack_uints(handles)
+        if unknown:
+            self.fields["finished_unknown"] = tuple(unknown)
+
+    def _schedule_handles(self) -> None:
+        m, r = self.mirror, self.request
+        if not self.reset and r.req_ids == m._last_ids and _same_specs(r.specs, self.state,
+                                                                       m._last_handles):
+            self.handles = m._last_handles
+            return
+        handles = np.empty(len(r.req_ids), dtype=np.int64)
+        adds: list[NewRequest] = []
+        for i, (req_id, spec) in enumerate(zip(r.req_ids, r.specs, strict=True)):
+            handles[i] = self._handle_for(i, req_id, spec, adds)
+        if np.unique(handles).size != handles.size:
+            raise LocalProtocolError("a request id is scheduled twice")
+        self.handles = handles
+        if adds:
+            self.fields["added"] = tuple(sorted(adds, key=lambda a: a.handle))
+
+    def _handle_for(self, i: int, req_id: str, spec: RequestSpec, adds: list[NewRequest]) -> int:
+        if spec.req_id != req_id:
+            raise LocalProtocolError("spec.req_id differs from req_ids", req_id=req_id)
+        h = self.mirror.handles.get(req_id)
+        if h is not None and h not in self.reset:
+            known = self.state.specs[h]
+            if known is spec or _spec_equal(known, spec):
+                return h
+            # an update: same id and handle, new content (the add replaces the entry)
+        elif h is None:
+            h = self.mirror.allocator.allocate()
+        # else: finished in this very step and scheduled again: its handle is reused
+        self.reset.add(h)
+        self.new_ids.append((req_id, h))
+        self.added_at[h] = i
+        adds.append(self._new_request(i, h, spec))
+        return h
+
+    def _new_request(self, i: int, h: int, spec: RequestSpec) -> NewRequest:
+        prompt = spec.prompt_token_ids
+        prefix_handle, prefix, suffix = self._prefix_reference(prompt)
+        tokens = self.request.output_token_ids
+        return NewRequest(
+            handle=h, req_id=spec.req_id,
+            prompt=pack_uints(suffix) if prompt is not None else b"",
+            prefix_handle=prefix_handle, prefix=prefix, prompt_none=prompt is None,
+            sampling=spec.sampling, pooling=spec.pooling, lora=spec.lora,
+            mm_features=spec.mm_features, prompt_embeds=spec.prompt_embeds,
+            prompt_is_token_ids=spec.prompt_is_token_ids,
+            num_computed=int(self.request.num_computed_tokens[i]),
+            output=_packed(np.asarray(tokens[i])) if tokens is not None else b"",
+        )
+
+    def _prefix_reference(self, prompt: IntArray | None) -> tuple[int, int, IntArray]:
+        """(handle, length, rest): reuse a live prompt's leading tokens the workers hold."""
+        from engine_side.mirror import PREFIX_MIN_TOKENS
+
+        if prompt is None or prompt.size < PREFIX_MIN_TOKENS:
+            return -1, 0, _EMPTY if prompt is None else prompt
+        ref = self.mirror.prefix_index.get(np.asarray(prompt[:PREFIX_MIN_TOKENS],
+                                                      dtype=np.int64).tobytes())
+        if ref is None or ref in self.reset or not self.state.cols.live[ref]:
+            return -1, 0, prompt
+        source = self.state.specs[ref].prompt_token_ids  # type: ignore[union-attr]
+        n = min(source.size, prompt.size)  # type: ignore[union-attr]
+        mismatch = np.flatnonzero(source[:n] != prompt[:n])  # type: ignore[index]
+        common = int(mismatch[0]) if mismatch.size else n
+        if common < PREFIX_MIN_TOKENS:
+            return -1, 0, prompt
+        return ref, common, prompt[common:]
+
+    # -- schedule ---------------------------------------------------------------------
+    def _schedule(self) -> None:
+        prev, new = self.state.schedule, self.handles
+        if not self.reset and prev.size == new.size and np.array_equal(prev, new):
+            return
+        keep = np.isin(prev, new)
+        if self.reset:
+            keep &= ~np.isin(prev, np.fromiter(self.reset, dtype=np.int64))
+        kept = prev[keep]
+        if kept.size <= new.size and np.array_equal(kept, new[: kept.size]):
+            drop = np.flatnonzero(~keep)
+            if drop.size:
+                self.fields["schedule_drop"] = pack_uints(drop)
+            if new.size > kept.size:
+                self.fields["schedule_append"] = pack_uints(new[kept.size:])
+        else:
+            self.fields["schedule_full"] = pack_uints(new)
+
+    # -- tokens (engine-token mode) -----------------------------------------------------
+    def _tokens(self) -> None:
+        rows = self.request.output_token_ids
+        if rows is None:
+            return
+        trunc_h, trunc_n, counts, values = [], [], [], []
+        for i, h in enumerate(self.handles.tolist()):
+            new = np.asarray(rows[i], dtype=np.int64)
+            if h in self.reset:  # the add carried the whole history
+                counts.append(0)
+                continue
+            old = self.state.tokens[h].view()  # type: ignore[union-attr]
+            n = min(old.size, new.size)
+            mismatch = np.flatnonzero(old[:n] != new[:n])
+            common = int(mismatch[0]) if mismatch.size else n
+            if common < old.size:
+                trunc_h.append(h)
+                trunc_n.append(common)
+            counts.append(new.size - common)
+            values.append(new[common:])
+        if trunc_h:
+            self.fields["truncate"] = Rows(handles=pack_uints(trunc_h), values=pack_uints(trunc_n))
+        if any(counts):
+            flat = np.concatenate(values) if values else _EMPTY
+            ones = all(c == 1 for c in counts)
+            self.fields["tokens"] = Rows(counts=b"" if ones else pack_uints(counts),
+                                         values=pack_uints(flat))
+
+    # -- blocks ------------------------------------------------------------------------
+    def _old_tables(self, g: int) -> Ragged:
+        """The mirror's block tables for the new schedule's handles (reset ones empty)."""
+        state = self.state
+        if not self.reset and self.handles is state.schedule:
+            from protocol.rebuild import _block_table
+
+            return _block_table(state, g)
+        rows = [_EMPTY if h in self.reset else state.blocks[g][h] for h in self.handles.tolist()]
+        lengths = np.fromiter((r.size for r in rows), dtype=np.int64, count=len(rows))
+        return Ragged(lengths, np.concatenate(rows) if rows else _EMPTY)
+
+    def _blocks(self, g: int) -> None:
+        new = self.request.block_tables[g]
+        old = self._old_tables(g)
+        if np.array_equal(old.lengths, new.lengths) and np.array_equal(old.values, new.values):
+            return
+        replace, append = _table_edits(old, new)
+        hs = self.handles
+        new_off = new.offsets()
+        for name, rows, start in (("block_replace", replace, None), ("block_append", append,
+                                                                      old.lengths)):
+            if not rows.size:
+                continue
+            lo = new_off[rows] if start is None else new_off[rows] + start[rows]
+            hi = new_off[rows + 1]
+            values = np.concatenate([new.values[a:b] for a, b in zip(lo, hi, strict=True)])
+            entry = Rows(handles=pack_uints(hs[rows]), counts=pack_uints(hi - lo),
+                         values=pack_uints(values))
+            self._group_field(name, g, entry)
+
+    def _group_field(self, name: str, g: int, entry: Rows) -> None:
+        groups = self.fields.get(name)
+        if groups is None:
+            groups = [Rows() for _ in range(self.state.kv_groups)]
+            self.fields[name] = groups
+        groups[g] = entry  # type: ignore[index]  (a list until _step_fields freezes it)
+
+    # -- token counts ----------------------------------------------------------------------
+    def _predicted_computed(self) -> IntArray:
+        cols, hs = self.state.cols, self.handles
+        known = self._carried_over()
+        pred = np.zeros(hs.size, dtype=np.int64)
+        pred[known] = cols.computed[hs[known]]
+        was = np.zeros(hs.size, dtype=bool)
+        was[known] = cols.in_sched[hs[known]]
+        pred[was] += cols.last_nsched[hs[was]]
+        for h, i in self.added_at.items():
+            pred[i] = int(self.request.num_computed_tokens[i])
+        return pred
+
+    def _carried_over(self) -> IntArray:
+        """Mask of scheduled handles whose history carries over (not new in this delta)."""
+        hs = self.handles
+        known = hs < self.state.cols.capacity
+        if self.reset:
+            known &= ~np.isin(hs, np.fromiter(self.reset, dtype=np.int64))
+        return known
+
+    def _computed(self) -> None:
+        actual = np.asarray(self.request.num_computed_tokens, dtype=np.int64)
+        if actual.size and actual.min() < 0:
+            raise LocalProtocolError("negative num_computed_tokens")
+        deltas = actual - self._predicted_computed()
+        pos = np.flatnonzero(deltas)
+        if pos.size:
+            self.fields["computed_tokens"] = Rows(handles=pack_uints(pos),
+                                                  values=pack_sints(deltas[pos]))
+
+    def _scheduled_tokens(self) -> None:
+        cols, hs = self.state.cols, self.handles
+        actual = np.asarray(self.request.num_scheduled_tokens, dtype=np.int64)
+        if actual.size and actual.min() < 0:
+            raise LocalProtocolError("negative num_scheduled_tokens")
+        known = self._carried_over()
+        known[known] = cols.in_sched[hs[known]]
+        pred = np.ones(hs.size, dtype=np.int64)
+        pred[known] = cols.last_nsched[hs[known]]
+        pos = np.flatnonzero(actual != pred)
+        if pos.size:
+            self.fields["scheduled_tokens"] = Rows(handles=pack_uints(pos),
+                                                   values=pack_uints(actual[pos]))
+
+    # -- step-only fields -----------------------------------------------------------------
+    def _step_fields(self) -> None:
+        r, f = self.request, self.fields
+        for name, ragged in (("spec_tokens", r.spec_token_ids), ("encoder_inputs",
+                                                                 r.encoder_inputs)):
+            if ragged.values.size or ragged.lengths.any():
+                f[name] = Rows(counts=pack_uints(ragged.lengths), values=pack_uints(ragged.values))
+        for name, ids in (("preempted", r.preempted_req_ids), ("resumed", r.resumed_req_ids)):
+            if ids:
+                f[name] = pack_uints(sorted(self._live_handle(i) for i in ids))
+        if r.free_encoder_mm_hashes:
+            f["free_encoder_mm_hashes"] = tuple(r.free_encoder_mm_hashes)
+        if r.blocks_to_zero is not None:
+            f["blocks_to_zero"] = pack_uints(np.asarray(r.blocks_to_zero, dtype=np.int64))
+        f["has_structured_output"] = r.has_structured_output_requests
+        f["pending_structured_output"] = r.pending_structured_output_tokens
+        f["num_spec_tokens_to_schedule"] = r.num_spec_tokens_to_schedule
+        f["extension"] = dict(r.extension)
+        for name in ("block_replace", "block_append"):
+            if name in f:
+                f[name] = tuple(f[name])  # type: ignore[arg-type]
+
+    def _live_handle(self, req_id: str) -> int:
+        h = self.mirror.handles.get(req_id)
+        new = dict(self.new_ids)
+        if req_id in new:
+            return new[req_id]
+        if h is None or h in self.reset:
+            raise LocalProtocolError("preempted/resumed id is not a live request", req_id=req_id)
+        return h
+
+
+def _table_edits(old: Ragged, new: Ragged) -> tuple[IntArray, IntArray]:
+    """Rows whose table must be replaced, and rows that only grow (vectorised)."""
+    m = np.minimum(old.lengths, new.lengths)
+    rows = np.repeat(np.arange(m.size), m)
+    within = np.arange(rows.size) - np.repeat(np.cumsum(m) - m, m)
+    differ = old.values[old.offsets()[rows] + within] != new.values[new.offsets()[rows] + within]
+    bad = np.zeros(m.size, dtype=bool)
+    bad[rows[differ]] = True
+    bad |= new.lengths < old.lengths
+    grow = ~bad & (new.lengths > old.lengths)
+    return np.flatnonzero(bad), np.flatnonzero(grow)
+
+
+def _spec_equal(a: RequestSpec | None, b: RequestSpec) -> bool:
+    from protocol.request import _same_value
+
+    return a is not None and _same_value(a, b)
+
+
+def _same_specs(specs: list[RequestSpec], state: ReplicaState, handles: IntArray) -> bool:
+    """True when every spec is the very object the mirror holds (C-speed identity check)."""
+    if handles is not state.schedule:
+        return False
+    cached = state._rebuild_cache.get("schedule")
+    if cached is None:
+        held = [state.specs[h] for h in handles.tolist()]
+    else:
+        held = cached[1]  # type: ignore[index]
+    try:
+        return specs == held
+    except (ValueError, TypeError):  # numpy fields make Struct __eq__ ambiguous
+        return False

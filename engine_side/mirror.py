@@ -1,0 +1,122 @@
+"""EngineMirror: what the workers know, and the minimal delta to the next step.
+
+The mirror holds a :class:`ReplicaState` identical to every synced worker's.
+``diff(request)`` compares the engine's full request with it, builds the
+smallest :class:`Delta` that turns one into the other, applies that delta to its
+own state through the same code the workers run, and stamps the resulting
+digest.  Pure: no sockets, no threads, no clock.
+
+Handles: a request gets the lowest free handle when it is first scheduled; the
+string id crosses the wire once.  Finishes apply before adds, so a handle freed
+in a step can be reused in that same step (and an id finished and re-added in
+one step gets a fresh entry).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from engine_side.diffing import DiffContext
+from protocol.errors import LocalProtocolError
+from protocol.messages import TOKEN_MODE_WORKER, Delta, Snapshot
+from protocol.request import ExecuteModelRequest, IntArray, requests_equal
+from protocol.snapshot import build_snapshot
+from protocol.state import ReplicaState
+
+PREFIX_MIN_TOKENS = 16  # shortest shared prompt prefix worth a reference
+
+
+class HandleAllocator:
+    """Lowest-free integer handles."""
+
+    def __init__(self) -> None:
+        self._free: list[int] = []
+        self._next = 0
+
+    def allocate(self) -> int:
+        if self._free:
+            return heapq.heappop(self._free)
+        self._next += 1
+        return self._next - 1
+
+    def release(self, handle: int) -> None:
+        heapq.heappush(self._free, handle)
+
+
+class EngineMirror:
+    """The engine's model of the workers' state; produces one Delta per step.
+
+    Args:
+        epoch: this engine incarnation (u32); a restarted engine MUST use a new one.
+        token_mode: TOKEN_MODE_WORKER (workers own sampled tokens) or TOKEN_MODE_ENGINE.
+        kv_groups: number of KV-cache groups (block tables per request).
+        verify: rebuild after every diff and compare with the input (tests; O(batch)).
+    """
+
+    def __init__(self, epoch: int = 1, token_mode: int = TOKEN_MODE_WORKER, kv_groups: int = 1,
+                 verify: bool = False) -> None:
+        if not 0 <= epoch < 1 << 32:
+            raise LocalProtocolError("epoch must be a u32", epoch=epoch)
+        self.epoch = epoch
+        self.seq = 0
+        self.state = ReplicaState(token_mode, kv_groups)
+        self.handles: dict[str, int] = {}
+        self.allocator = HandleAllocator()
+        self.prefix_index: dict[bytes, int] = {}
+        self._prefix_key: dict[int, bytes] = {}
+        self.verify = verify
+        self._last_ids: list[str] = []
+        self._last_handles: IntArray = np.zeros(0, dtype=np.int64)
+
+    def diff(self, request: ExecuteModelRequest) -> Delta:
+        """The delta from the workers' state to ``request``; advances the mirror.
+
+        Raises LocalProtocolError for an inconsistent request (the mirror is then
+        unchanged).
+        """
+        ctx = DiffContext(self, request)
+        body = ctx.build()
+        plan = self.state.apply(body)
+        self._after_apply(ctx, plan.finished)
+        self.seq += 1
+        if self.verify and not requests_equal(self.state.rebuild(), request):
+            raise LocalProtocolError("mirror rebuild differs from the request", seq=self.seq)
+        return Delta(epoch=self.epoch, seq=self.seq, digest=self.state.digest, body=body)
+
+    def _after_apply(self, ctx: DiffContext, finished: IntArray) -> None:
+        for h in finished.tolist():
+            self._drop_prefix(h)
+        reused = {h for _, h in ctx.new_ids}
+        for req_id, h in ctx.freed_ids:
+            if h not in reused:
+                del self.handles[req_id]
+                self.allocator.release(h)
+        for req_id, h in ctx.new_ids:
+            self._drop_prefix(h)
+            self.handles[req_id] = h
+            self._index_prefix(h)
+        self._last_ids, self._last_handles = list(ctx.request.req_ids), ctx.handles
+
+    def _index_prefix(self, h: int) -> None:
+        prompt = self.state.handle_of(h).prompt_token_ids
+        if prompt is not None and prompt.size >= PREFIX_MIN_TOKENS:
+            key = prompt[:PREFIX_MIN_TOKENS].tobytes()
+            if key not in self.prefix_index:
+                self.prefix_index[key] = h
+                self._prefix_key[h] = key
+
+    def _drop_prefix(self, h: int) -> None:
+        key = self._prefix_key.pop(h, None)
+        if key is not None:
+            del self.prefix_index[key]
+
+    def snapshot(self) -> Snapshot:
+        """The whole state at the current seq (for a joining or resyncing worker)."""
+        return build_snapshot(self.state, self.epoch, self.seq)
+
+    def heartbeat_fields(self) -> tuple[int, int, int]:
+        """(epoch, seq, digest) of the newest state, for a Heartbeat."""
+        return self.epoch, self.seq, self.state.digest
+

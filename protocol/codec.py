@@ -1,0 +1,72 @@
+"""Frames ⇄ messages.
+
+``encode(msg)`` returns ``[body, *tensor_frames]``: frame 0 is the msgpack body,
+every tensor (anywhere inside the message) follows as its own zero-copy frame.
+"Bytes of a message" means the sum of its frame lengths.  ``decode(frames)``
+accepts ``bytes``, ``memoryview`` or ``zmq.Frame`` objects and raises
+:class:`MalformedMessage` -- and nothing else -- for any bad input.
+
+Encoders and decoders are built once per thread (the tensor hook keeps per-call
+scratch, so one encoder must not be shared across threads).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from protocol.errors import MalformedMessage, ProtocolError
+from protocol.messages import AnyMessage, Message
+from protocol.tensors import make_enc_hook, make_ext_hook
+
+Frame = bytes | memoryview
+DEFAULT_MAX_FRAMES = 1 << 16
+
+_local = threading.local()
+
+
+def _encoder() -> tuple[msgspec.msgpack.Encoder, list[Any]]:
+    enc = getattr(_local, "encoder", None)
+    if enc is None:
+        aux: list[Any] = []
+        enc = (msgspec.msgpack.Encoder(enc_hook=make_enc_hook(aux)), aux)
+        _local.encoder = enc
+    return enc  # type: ignore[no-any-return]
+
+
+def encode(msg: Message) -> list[Frame]:
+    """Encode ``msg`` to frames; tensor frames alias the sender's memory (SPEC §11)."""
+    encoder, aux = _encoder()
+    aux.clear()
+    try:
+        body = encoder.encode(msg)
+        return [body, *aux]
+    finally:
+        aux.clear()
+
+
+def _as_buffer(frame: Any) -> Any:
+    return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+def decode(frames: Sequence[Any], *, copy: bool = False,
+           max_frames: int = DEFAULT_MAX_FRAMES) -> AnyMessage:
+    """Decode frames to a message.  Tensors alias the frames unless ``copy``."""
+    if not frames or len(frames) > max_frames:
+        raise MalformedMessage("bad frame count", frames=len(frames))
+    rest = [_as_buffer(f) for f in frames[1:]]
+    decoder = msgspec.msgpack.Decoder(AnyMessage, ext_hook=make_ext_hook(rest, copy=copy))
+    try:
+        return decoder.decode(_as_buffer(frames[0]))
+    except ProtocolError:
+        raise
+    except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as exc:
+        raise MalformedMessage("frames do not decode to a message", cause=str(exc)[:200]) from exc
+
+
+def encoded_size(frames: Sequence[Any]) -> int:
+    """Bytes of a message: the sum of its frame lengths."""
+    return sum(len(_as_buffer(f)) if not isinstance(f, memoryview) else f.nbytes for f in frames)

@@ -1,0 +1,86 @@
+"""The replicated-state digest: a 64-bit sum of per-item terms, updated in O(changes).
+
+digest = Σ spec terms + Σ computed-token terms + Σ block terms + Σ token terms
+         + schedule term   (all mod 2**64)
+
+Each term is a splitmix64 mix of an item keyed by its handle and position, so a
+change anywhere changes the digest with overwhelming probability, and adding or
+removing one item changes only its own term.  No Python ``hash()`` is used, so
+digests are stable across processes and PYTHONHASHSEED values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import numpy.typing as npt
+
+MASK = (1 << 64) - 1
+U64 = npt.NDArray[np.uint64]
+
+_K_SPEC = np.uint64(0x9E3779B97F4A7C15)
+_K_COMP = np.uint64(0xC2B2AE3D27D4EB4F)
+_K_POS = np.uint64(0x165667B19E3779F9)
+_K_HANDLE = np.uint64(0xD6E8FEB86659FD93)
+_K_GROUP = np.uint64(0xFF51AFD7ED558CCD)
+_K_TOKEN = np.uint64(0xC4CEB9FE1A85EC53)
+_K_SCHED = np.uint64(0x27D4EB2F165667C5)
+
+
+def mix64(x: npt.ArrayLike) -> U64:
+    """splitmix64 finaliser over a uint64 array (wrapping arithmetic)."""
+    z = np.array(x, dtype=np.uint64, copy=True, ndmin=1)
+    with np.errstate(over="ignore"):
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return z
+
+
+def _u64(a: npt.ArrayLike) -> U64:
+    return np.asarray(a, dtype=np.int64).astype(np.uint64)
+
+
+def total(terms: U64) -> int:
+    """Sum of terms mod 2**64 as a Python int."""
+    return int(terms.sum(dtype=np.uint64)) & MASK if terms.size else 0
+
+
+def spec_hash(encoded_spec: bytes) -> int:
+    """64-bit content hash of a request's static data (its canonical encoding)."""
+    return int.from_bytes(hashlib.blake2b(encoded_spec, digest_size=8).digest(), "little")
+
+
+def spec_terms(handles: npt.ArrayLike, hashes: npt.ArrayLike) -> U64:
+    with np.errstate(over="ignore"):
+        return mix64(np.asarray(hashes, dtype=np.uint64) ^ (_u64(handles) * _K_SPEC))
+
+
+def computed_terms(handles: npt.ArrayLike, computed: npt.ArrayLike) -> U64:
+    with np.errstate(over="ignore"):
+        return mix64(_u64(computed) * _K_COMP + _u64(handles) * _K_HANDLE)
+
+
+def block_terms(handle: int, group: int, start: int, blocks: npt.ArrayLike) -> U64:
+    """Terms of ``blocks`` at positions ``start..`` of one handle's table in ``group``."""
+    b = _u64(blocks)
+    pos = np.arange(start, start + b.size, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        salt = np.uint64(handle) * _K_HANDLE + np.uint64(group) * _K_GROUP
+        return mix64(b * _K_SPEC + pos * _K_POS + salt)
+
+
+def token_terms(handles: npt.ArrayLike, positions: npt.ArrayLike, tokens: npt.ArrayLike) -> U64:
+    """Terms of output tokens (aligned arrays of handle, position, token)."""
+    with np.errstate(over="ignore"):
+        return mix64(_u64(tokens) * _K_TOKEN + _u64(positions) * _K_POS + _u64(handles) * _K_SPEC)
+
+
+def schedule_term(handles: npt.ArrayLike, num_scheduled: npt.ArrayLike) -> int:
+    h = _u64(handles)
+    pos = np.arange(h.size, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        return total(mix64(h * _K_SCHED + pos * _K_POS + _u64(num_scheduled) * _K_TOKEN))

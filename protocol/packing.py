@@ -1,0 +1,109 @@
+"""Bit-packed unsigned integer arrays.
+
+Token ids, block ids and handles travel as the number of bits their largest
+value needs, not as msgpack lists of ints.  Wire layout of one packed array::
+
+    byte 0      width in bits (0..64); 0 means "every value is zero"
+    bytes 1..k  element count, unsigned LEB128
+    rest        ceil(count * width / 8) bytes, values little-endian bit order
+
+Signed values are zig-zag mapped by :func:`pack_sints` first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from protocol.errors import MalformedMessage
+
+UInts = npt.NDArray[np.uint64]
+_MAX_WIDTH = 64
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _leb128(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _read_leb128(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise MalformedMessage("truncated or overlong varint in packed array")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def pack_uints(values: npt.ArrayLike) -> bytes:
+    """Pack non-negative integers at the minimal common bit width."""
+    arr = np.asarray(values)
+    if arr.size and arr.min() < 0:
+        raise ValueError("pack_uints takes non-negative values; use pack_sints")
+    arr = arr.astype(np.uint64, copy=False).ravel()
+    width = int(arr.max()).bit_length() if arr.size else 0
+    head = bytes([width]) + _leb128(arr.size)
+    if width == 0:
+        return head
+    if width in (8, 16, 32, 64):
+        return head + arr.astype(f"<u{width // 8}").tobytes()
+    shifts = np.arange(width, dtype=np.uint64)
+    bits = ((arr[:, None] >> shifts) & np.uint64(1)).astype(np.uint8)
+    return head + np.packbits(bits.ravel(), bitorder="little").tobytes()
+
+
+def unpack_uints(buf: bytes, *, limit: int = 1 << 26) -> npt.NDArray[np.int64]:
+    """Inverse of :func:`pack_uints`; returns a fresh int64 array.
+
+    Raises MalformedMessage for a truncated buffer, a bad width or a count over
+    ``limit`` (a guard against a hostile count allocating unbounded memory).
+    """
+    if not buf:
+        raise MalformedMessage("empty packed array")
+    width = buf[0]
+    count, pos = _read_leb128(buf, 1)
+    if width > _MAX_WIDTH or count > limit:
+        raise MalformedMessage("packed array out of bounds", width=width, count=count)
+    payload = memoryview(buf)[pos:]
+    if width == 0:
+        if len(payload):
+            raise MalformedMessage("trailing bytes after zero-width array")
+        return np.zeros(count, dtype=np.int64)
+    need = (count * width + 7) // 8
+    if len(payload) != need:
+        raise MalformedMessage("packed array length mismatch", expected=need, got=len(payload))
+    if width in (8, 16, 32, 64):
+        raw = np.frombuffer(payload, dtype=f"<u{width // 8}")
+        return raw.astype(np.int64)  # uint64 > 2**63 wraps; widths that large are not used
+    bits = np.unpackbits(np.frombuffer(payload, dtype=np.uint8), bitorder="little")
+    bits = bits[: count * width].reshape(count, width).astype(np.int64)
+    return bits @ (np.int64(1) << np.arange(width, dtype=np.int64))
+
+
+def pack_sints(values: npt.ArrayLike) -> bytes:
+    """Pack signed integers (zig-zag mapped) at the minimal bit width."""
+    arr = np.asarray(values, dtype=np.int64).ravel()
+    return pack_uints(((arr << 1) ^ (arr >> 63)).view(np.uint64))
+
+
+def unpack_sints(buf: bytes) -> npt.NDArray[np.int64]:
+    """Inverse of :func:`pack_sints`."""
+    z = unpack_uints(buf).view(np.uint64)
+    return ((z >> np.uint64(1)).view(np.int64)) ^ -((z & np.uint64(1)).view(np.int64))
+
+
+def empty_ints() -> npt.NDArray[np.int64]:
+    """A fresh empty int64 array."""
+    return _EMPTY.copy()

@@ -1,0 +1,412 @@
+"""Validate a delta against a state and compute its effects, without mutating anything.
+
+``prepare(state, body)`` is phase one of applying a delta: it decodes every
+packed array, checks every handle and length, resolves prefix references and
+computes the digest the state *would* have.  Phase two
+(:meth:`ReplicaState.commit`) cannot fail.  So a bad delta -- or one whose digest
+does not match -- leaves the state exactly as it was.
+
+Application order (SPEC.md §8): finishes, adds, schedule, truncations, token
+appends, block replacements, block appends, computed-token advance and
+exceptions, scheduled-token prediction and exceptions, step-only fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+
+from protocol import digest as dg
+from protocol.errors import InvalidDelta
+from protocol.messages import TOKEN_MODE_ENGINE, DeltaBody, NewRequest, Rows
+from protocol.packing import unpack_sints, unpack_uints
+from protocol.request import IntArray, Ragged, RequestSpec
+
+if TYPE_CHECKING:
+    from protocol.state import ReplicaState
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclass
+class StepInfo:
+    """Step-only content of the last applied delta (not part of the replicated state)."""
+
+    finished_ids: frozenset[str] = frozenset()
+    preempted: IntArray = field(default_factory=lambda: _EMPTY)
+    resumed: IntArray = field(default_factory=lambda: _EMPTY)
+    spec_tokens: Ragged = field(default_factory=lambda: Ragged.empty(0))
+    encoder_inputs: Ragged = field(default_factory=lambda: Ragged.empty(0))
+    free_encoder_mm_hashes: tuple[str, ...] = ()
+    blocks_to_zero: IntArray | None = None
+    has_structured_output: bool = False
+    pending_structured_output: bool = False
+    num_spec_tokens_to_schedule: int = 0
+    extension: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass
+class Added:
+    handle: int
+    spec: RequestSpec
+    spec_hash: int
+    computed: int
+    tokens: IntArray | None
+
+
+@dataclass
+class Plan:
+    """Everything a delta changes, decoded and checked; ``digest`` is the result."""
+
+    finished: IntArray
+    added: list[Added]
+    schedule: IntArray
+    nsched: IntArray
+    truncate: dict[int, int]
+    token_rows: list[tuple[int, IntArray]]
+    block_replace: list[dict[int, IntArray]]
+    block_append: list[list[tuple[int, IntArray]]]
+    computed_handles: IntArray
+    computed_values: IntArray
+    step: StepInfo
+    digest: int = 0
+
+
+def _ints(buf: bytes) -> IntArray:
+    return unpack_uints(buf) if buf else _EMPTY
+
+
+def encode_spec_for_hash(spec: RequestSpec) -> bytes:
+    """Canonical bytes of a request's static data (the input of its digest term)."""
+    prompt = b"" if spec.prompt_token_ids is None else spec.prompt_token_ids.tobytes()
+    embeds = b""
+    if spec.prompt_embeds is not None:
+        from protocol.tensors import tensor_bytes
+
+        embeds = tensor_bytes(spec.prompt_embeds)
+    meta = (spec.req_id, spec.sampling, spec.pooling, spec.lora,
+            [(f.modality, f.identifier, f.offset, f.length, f.mm_hash) for f in spec.mm_features],
+            spec.prompt_is_token_ids, spec.prompt_token_ids is None)
+    return msgspec.msgpack.encode(meta) + prompt + embeds
+
+
+class _Planner:
+    """One-shot helper holding the intermediate views of a delta being prepared."""
+
+    def __init__(self, state: ReplicaState, body: DeltaBody) -> None:
+        self.state = state
+        self.body = body
+        cols = state.cols
+        self.live = cols.live.copy()
+        self.reset: set[int] = set()  # handles finished or (re)added: no history carried over
+        self.digest = state.digest
+
+    def fail(self, message: str, **fields: object) -> InvalidDelta:
+        return InvalidDelta(message, **fields)
+
+    # -- liveness ---------------------------------------------------------------
+    def check_live(self, handles: IntArray, what: str) -> None:
+        if handles.size == 0:
+            return
+        if handles.max() >= self.live.size or not self.live[handles].all():
+            raise self.fail(f"{what} names a handle that is not live", handles=handles.tolist()[:8])
+
+    def drop_terms(self, h: int) -> None:
+        """Subtract every digest term of live handle ``h`` (finish or replace)."""
+        cols = self.state.cols
+        lost = int(cols.spec_term[h]) + int(cols.token_sum[h]) + int(cols.block_sum[:, h].sum())
+        lost += dg.total(dg.computed_terms([h], [cols.computed[h]]))
+        self.digest = (self.digest - lost) & dg.MASK
+
+    def finishes(self) -> IntArray:
+        finished = _ints(self.body.finished)
+        if np.unique(finished).size != finished.size:
+            raise self.fail("finished handles repeat")
+        self.check_live(finished, "finished")
+        for h in finished.tolist():
+            self.drop_terms(h)
+            self.live[h] = False
+            self.reset.add(h)
+        return finished
+
+    def adds(self) -> list[Added]:
+        out: list[Added] = []
+        for new in self.body.added:
+            if new.handle < 0 or new.handle > 1 << 24 or any(a.handle == new.handle for a in out):
+                raise self.fail("bad or repeated add handle", handle=new.handle)
+            if new.handle < self.live.size and self.live[new.handle]:
+                self.drop_terms(new.handle)  # a new entry for a live handle is an update
+            out.append(self._resolve_add(new))
+        self._mark_added(out)
+        return out
+
+    def _mark_added(self, added: list[Added]) -> None:
+        if added:
+            top = max(a.handle for a in added)
+            if top >= self.live.size:
+                self.live = np.concatenate([self.live, np.zeros(top + 1 - self.live.size, bool)])
+        for a in added:
+            self.live[a.handle] = True
+            self.reset.add(a.handle)
+            terms = dg.spec_terms([a.handle], [a.spec_hash])
+            terms = np.concatenate([terms, dg.computed_terms([a.handle], [a.computed])])
+            if a.tokens is not None:
+                pos = np.arange(a.tokens.size)
+                terms = np.concatenate([terms, dg.token_terms(np.full(pos.size, a.handle), pos,
+                                                              a.tokens)])
+            self.digest = (self.digest + dg.total(terms)) & dg.MASK
+
+    def _resolve_add(self, new: NewRequest) -> Added:
+        prompt: IntArray | None = None
+        if not new.prompt_none:
+            prompt = _ints(new.prompt)
+            if new.prefix_handle >= 0:
+                prompt = np.concatenate([self._prefix(new), prompt])
+            prompt.flags.writeable = False
+        elif new.prompt or new.prefix_handle >= 0:
+            raise self.fail("prompt_none request carries prompt tokens", handle=new.handle)
+        spec = RequestSpec(new.req_id, prompt, new.sampling, new.pooling, new.lora,
+                           tuple(new.mm_features), new.prompt_embeds, new.prompt_is_token_ids)
+        tokens = _ints(new.output) if self.state.token_mode == TOKEN_MODE_ENGINE else None
+        if tokens is None and new.output:
+            raise self.fail("output tokens in worker-owned token mode", handle=new.handle)
+        if new.num_computed < 0:
+            raise self.fail("negative computed tokens", handle=new.handle)
+        h = dg.spec_hash(encode_spec_for_hash(spec))
+        return Added(new.handle, spec, h, new.num_computed, tokens)
+
+    def _prefix(self, new: NewRequest) -> IntArray:
+        ref = new.prefix_handle
+        specs = self.state.specs
+        if ref >= self.live.size or not self.live[ref] or ref in self.reset:
+            raise self.fail("prefix reference to a handle that is not live", handle=ref)
+        source = specs[ref].prompt_token_ids  # type: ignore[union-attr]
+        if source is None or not 0 < new.prefix <= source.size:
+            raise self.fail("prefix reference out of range", handle=ref, length=new.prefix)
+        return source[: new.prefix]
+
+    # -- schedule ---------------------------------------------------------------
+    def schedule(self) -> IntArray:
+        body, prev = self.body, self.state.schedule
+        if body.schedule_full:
+            if body.schedule_drop or body.schedule_append:
+                raise self.fail("full schedule combined with schedule edits")
+            sched = unpack_uints(body.schedule_full)
+        else:
+            drop = _ints(body.schedule_drop)
+            if drop.size and (drop.max() >= prev.size or np.unique(drop).size != drop.size):
+                raise self.fail("schedule drop position out of range")
+            keep = np.ones(prev.size, dtype=bool)
+            keep[drop] = False
+            sched = np.concatenate([prev[keep], _ints(body.schedule_append)])
+            changed = bool(drop.size) or bool(body.schedule_append)
+            if not changed:
+                sched = prev  # steady state: the same array, no allocation
+        if np.unique(sched).size != sched.size:
+            raise self.fail("schedule repeats a handle")
+        self.check_live(sched, "schedule")
+        return sched
+
+    def rows(self, rows: Rows, sched: IntArray, signed: bool = False) -> tuple[IntArray, IntArray,
+                                                                             IntArray]:
+        """Decode a Rows field to (handles, counts, values), checking its shape."""
+        handles = _ints(rows.handles) if rows.handles else sched
+        counts = _ints(rows.counts) if rows.counts else np.ones(handles.size, dtype=np.int64)
+        values = (unpack_sints(rows.values) if signed else _ints(rows.values))
+        if counts.size != handles.size or int(counts.sum()) != values.size:
+            raise self.fail("rows shape mismatch", rows=handles.size, counts=counts.size,
+                            values=values.size)
+        return handles, counts, values
+
+    def positions(self, rows: Rows | None, sched: IntArray, signed: bool) -> tuple[IntArray,
+                                                                                  IntArray]:
+        """Decode (schedule positions, values) exceptions."""
+        if rows is None:
+            return _EMPTY, _EMPTY
+        pos = _ints(rows.handles)
+        vals = unpack_sints(rows.values) if signed else _ints(rows.values)
+        if pos.size != vals.size or (pos.size and pos.max() >= sched.size):
+            raise self.fail("exception positions out of range")
+        if np.unique(pos).size != pos.size:
+            raise self.fail("exception positions repeat")
+        return pos, vals
+
+    # -- tokens -----------------------------------------------------------------
+    def tokens(self, sched: IntArray, added: list[Added]) -> tuple[dict[int, int],
+                                                                 list[tuple[int, IntArray]]]:
+        body, state = self.body, self.state
+        if state.token_mode != TOKEN_MODE_ENGINE:
+            if body.truncate is not None or body.tokens is not None:
+                raise self.fail("token fields in worker-owned token mode")
+            return {}, []
+        new_len = {a.handle: a.tokens.size for a in added if a.tokens is not None}
+        current = {}
+
+        def length(h: int) -> int:
+            if h not in current:
+                buf = state.tokens[h] if h < len(state.tokens) else None
+                current[h] = new_len.get(h, len(buf) if buf is not None else 0)
+            return current[h]
+
+        truncate: dict[int, int] = {}
+        if body.truncate is not None:
+            hs, _, lens = self.rows(body.truncate, sched)
+            self.check_live(hs, "truncate")
+            for h, n in zip(hs.tolist(), lens.tolist(), strict=True):
+                if n > length(h) or h in truncate:
+                    raise self.fail("truncation beyond history", handle=h, length=n)
+                self.drop_token_range(h, n, length(h), added)
+                truncate[h] = current[h] = n
+        return truncate, self._token_appends(sched, length, current)
+
+    def drop_token_range(self, h: int, start: int, end: int, added: list[Added]) -> None:
+        fresh = next((a.tokens for a in added if a.handle == h), None)
+        source = fresh if fresh is not None else self.state.tokens[h].view()  # type: ignore
+        gone = source[start:end]
+        terms = dg.token_terms(np.full(gone.size, h), np.arange(start, end), gone)
+        self.digest = (self.digest - dg.total(terms)) & dg.MASK
+
+    def _token_appends(self, sched: IntArray, length: object, current: dict[int, int]
+                       ) -> list[tuple[int, IntArray]]:
+        if self.body.tokens is None:
+            return []
+        hs, counts, values = self.rows(self.body.tokens, sched)
+        self.check_live(hs, "tokens")
+        if np.unique(hs).size != hs.size:
+            raise self.fail("token rows repeat a handle")
+        starts = np.array([length(h) for h in hs.tolist()], dtype=np.int64)  # type: ignore
+        row = np.repeat(np.arange(hs.size), counts)
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        pos = starts[row] + (np.arange(values.size) - offsets[row])
+        self.digest = (self.digest + dg.total(dg.token_terms(hs[row], pos, values))) & dg.MASK
+        return [(h, values[offsets[i]:offsets[i + 1]]) for i, h in enumerate(hs.tolist())]
+
+    # -- blocks -----------------------------------------------------------------
+    def blocks(self, sched: IntArray) -> tuple[list[dict[int, IntArray]], list[dict[int, int]]]:
+        """Final block tables (and their digest sums) of every handle a delta touches."""
+        groups = self.state.kv_groups
+        for name, rows in (("block_replace", self.body.block_replace),
+                           ("block_append", self.body.block_append)):
+            if rows and len(rows) != groups:
+                raise self.fail(f"{name} must have one entry per KV group", groups=groups)
+        final: list[dict[int, IntArray]] = [{} for _ in range(groups)]
+        sums: list[dict[int, int]] = [{} for _ in range(groups)]
+        for g in range(groups):
+            if self.body.block_replace:
+                self._block_rows(g, self.body.block_replace[g], sched, final[g], sums[g], True)
+            if self.body.block_append:
+                self._block_rows(g, self.body.block_append[g], sched, final[g], sums[g], False)
+        return final, sums
+
+    def _block_rows(self, g: int, rows: Rows, sched: IntArray, final: dict[int, IntArray],
+                    sums: dict[int, int], replace: bool) -> None:
+        hs, counts, values = self.rows(rows, sched)
+        self.check_live(hs, "blocks")
+        if np.unique(hs).size != hs.size:
+            raise self.fail("block rows repeat a handle", group=g)
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        cols = self.state.cols
+        for i, h in enumerate(hs.tolist()):
+            new = values[offsets[i]:offsets[i + 1]]
+            fresh = h in self.reset
+            old = final.get(h, _EMPTY if fresh else self.state.blocks[g][h])
+            old_sum = sums.get(h, 0 if fresh else int(cols.block_sum[g, h]))
+            if replace:
+                table, start, base = new, 0, 0
+            else:
+                table, start, base = np.concatenate([old, new]), old.size, old_sum
+            new_sum = (base + dg.total(dg.block_terms(h, g, start, new))) & dg.MASK
+            self.digest = (self.digest - old_sum + new_sum) & dg.MASK
+            final[h], sums[h] = table, new_sum
+
+    # -- computed and scheduled token counts -------------------------------------
+    def computed(self, sched: IntArray, added: list[Added]) -> tuple[IntArray, IntArray]:
+        cols, prev = self.state.cols, self.state.schedule
+        base = np.zeros(self.live.size, dtype=np.int64)
+        base[: cols.capacity] = cols.computed[: self.live.size]
+        for a in added:
+            base[a.handle] = a.computed
+        new = base.copy()
+        advanced = prev[[h not in self.reset for h in prev.tolist()]] if self.reset else prev
+        new[advanced] += cols.last_nsched[advanced]
+        pos, deltas = self.positions(self.body.computed_tokens, sched, signed=True)
+        new[sched[pos]] += deltas
+        changed = np.unique(np.concatenate([advanced, sched[pos]]))
+        if changed.size and new[changed].min() < 0:
+            raise self.fail("computed tokens would become negative")
+        old_t = dg.total(dg.computed_terms(changed, base[changed]))
+        new_t = dg.total(dg.computed_terms(changed, new[changed]))
+        self.digest = (self.digest - old_t + new_t) & dg.MASK
+        return changed, new[changed]
+
+    def nsched(self, sched: IntArray) -> IntArray:
+        cols, state = self.state.cols, self.state
+        cap = cols.capacity
+        known = np.zeros(sched.size, dtype=bool)
+        inside = sched < cap
+        known[inside] = cols.in_sched[sched[inside]]
+        if self.reset:
+            known &= np.array([h not in self.reset for h in sched.tolist()], dtype=bool)
+        pred = np.ones(sched.size, dtype=np.int64)
+        pred[known] = cols.last_nsched[sched[known]]
+        pos, vals = self.positions(self.body.scheduled_tokens, sched, signed=False)
+        pred[pos] = vals
+        if sched is not state.schedule or not np.array_equal(pred, state.nsched):
+            old_t = dg.schedule_term(state.schedule, state.nsched)
+            new_t = dg.schedule_term(sched, pred)
+            self.digest = (self.digest - old_t + new_t) & dg.MASK
+        return pred
+
+    # -- step-only fields ---------------------------------------------------------
+    def step(self, sched: IntArray, finished: IntArray) -> StepInfo:
+        body, specs = self.body, self.state.specs
+        ids = {specs[h].req_id for h in finished.tolist()}  # type: ignore[union-attr]
+        preempted, resumed = _ints(body.preempted), _ints(body.resumed)
+        self.check_live(preempted, "preempted")
+        self.check_live(resumed, "resumed")
+        return StepInfo(
+            finished_ids=frozenset(ids | set(body.finished_unknown)),
+            preempted=preempted, resumed=resumed,
+            spec_tokens=self.aligned(body.spec_tokens, sched),
+            encoder_inputs=self.aligned(body.encoder_inputs, sched),
+            free_encoder_mm_hashes=tuple(body.free_encoder_mm_hashes),
+            blocks_to_zero=_ints(body.blocks_to_zero) if body.blocks_to_zero else None,
+            has_structured_output=body.has_structured_output,
+            pending_structured_output=body.pending_structured_output,
+            num_spec_tokens_to_schedule=body.num_spec_tokens_to_schedule,
+            extension=dict(body.extension),
+        )
+
+    def aligned(self, rows: Rows | None, sched: IntArray) -> Ragged:
+        if rows is None:
+            return Ragged.empty(sched.size)
+        if rows.handles:
+            raise self.fail("schedule-aligned rows must not name handles")
+        counts = _ints(rows.counts)
+        values = _ints(rows.values)
+        if counts.size != sched.size or int(counts.sum()) != values.size:
+            raise self.fail("schedule-aligned rows shape mismatch")
+        return Ragged(counts, values)
+
+
+def prepare(state: ReplicaState, body: DeltaBody) -> Plan:
+    """Decode and check ``body`` against ``state``; nothing is mutated.
+
+    Raises InvalidDelta (or MalformedMessage for a bad packed array).
+    """
+    p = _Planner(state, body)
+    finished = p.finishes()
+    added = p.adds()
+    sched = p.schedule()
+    truncate, token_rows = p.tokens(sched, added)
+    final, sums = p.blocks(sched)
+    comp_h, comp_v = p.computed(sched, added)
+    nsched = p.nsched(sched)
+    step = p.step(sched, finished)
+    plan = Plan(finished, added, sched, nsched, truncate, token_rows, final, [], comp_h, comp_v,
+                step, p.digest)
+    plan.block_sums = sums  # type: ignore[attr-defined]
+    return plan

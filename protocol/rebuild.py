@@ -1,0 +1,79 @@
+"""Rebuild the full ``ExecuteModelRequest`` of the last applied step from a replica state.
+
+Cost is O(scheduled requests) with vectorised copies; whole token histories are
+never copied (engine-token rows are read-only views that never change).  Lists
+of ids and specs and the flat block tables are cached while the schedule and the
+tables are unchanged, and copied out, so every call returns fresh containers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
+
+if TYPE_CHECKING:
+    from protocol.state import ReplicaState
+
+
+def _ids_and_specs(state: ReplicaState) -> tuple[list[str], list[RequestSpec]]:
+    cached = state._rebuild_cache.get("schedule")
+    if cached is None:
+        specs = [state.specs[h] for h in state.schedule.tolist()]
+        cached = ([s.req_id for s in specs], specs)  # type: ignore[union-attr]
+        state._rebuild_cache["schedule"] = cached
+    ids, specs = cached  # type: ignore[misc]
+    return list(ids), list(specs)
+
+
+def _block_table(state: ReplicaState, g: int) -> Ragged:
+    key = f"blocks{g}"
+    cached = state._rebuild_cache.get(key)
+    if cached is None or cached[0] is not state.schedule:  # type: ignore[index]
+        rows = [state.blocks[g][h] for h in state.schedule.tolist()]
+        lengths = np.fromiter((r.size for r in rows), dtype=np.int64, count=len(rows))
+        values = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+        cached = (state.schedule, lengths, values)
+        state._rebuild_cache[key] = cached
+    _, lengths, values = cached  # type: ignore[misc]
+    return Ragged(lengths.copy(), values.copy())
+
+
+def _tokens(state: ReplicaState) -> list[IntArray] | None:
+    from protocol.messages import TOKEN_MODE_ENGINE
+
+    if state.token_mode != TOKEN_MODE_ENGINE:
+        return None
+    return [state.tokens[h].view() for h in state.schedule.tolist()]  # type: ignore[union-attr]
+
+
+def _names(state: ReplicaState, handles: IntArray) -> frozenset[str]:
+    return frozenset(state.handle_of(h).req_id for h in handles.tolist())
+
+
+def rebuild_request(state: ReplicaState) -> ExecuteModelRequest:
+    """The last applied step's request; see the module docstring for the aliasing rule."""
+    step, sched = state.step, state.schedule
+    ids, specs = _ids_and_specs(state)
+    return ExecuteModelRequest(
+        req_ids=ids,
+        specs=specs,
+        num_scheduled_tokens=state.nsched.copy(),
+        num_computed_tokens=state.cols.computed[sched],
+        block_tables=tuple(_block_table(state, g) for g in range(state.kv_groups)),
+        spec_token_ids=Ragged(step.spec_tokens.lengths.copy(), step.spec_tokens.values.copy()),
+        encoder_inputs=Ragged(step.encoder_inputs.lengths.copy(),
+                              step.encoder_inputs.values.copy()),
+        output_token_ids=_tokens(state),
+        finished_req_ids=step.finished_ids,
+        preempted_req_ids=_names(state, step.preempted),
+        resumed_req_ids=_names(state, step.resumed),
+        free_encoder_mm_hashes=step.free_encoder_mm_hashes,
+        blocks_to_zero=None if step.blocks_to_zero is None else step.blocks_to_zero.copy(),
+        has_structured_output_requests=step.has_structured_output,
+        pending_structured_output_tokens=step.pending_structured_output,
+        num_spec_tokens_to_schedule=step.num_spec_tokens_to_schedule,
+        extension=dict(step.extension),
+    )

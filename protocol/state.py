@@ -1,0 +1,180 @@
+"""The replicated state shared by the engine mirror and every worker replica.
+
+Theory of operation
+-------------------
+The engine and each worker hold a ``ReplicaState``.  The engine computes a
+delta against its own copy and applies that *same* delta to it, so both sides
+run the same code on the same bytes.  Applying is two-phase:
+:func:`protocol.plan.prepare` checks everything and computes the resulting
+digest; :meth:`ReplicaState.commit` then mutates and cannot fail.
+
+State: live requests by handle (static spec, computed-token count, block table
+per KV group, output tokens in engine-token mode), the current schedule with
+its scheduled-token counts, and the 64-bit digest of all of it.  The step-only
+fields of the last delta (speculative tokens, finished ids, ...) are kept
+beside it so :meth:`rebuild` can produce that step's ``ExecuteModelRequest``.
+
+Invariants: ``digest`` always equals :meth:`recompute_digest`; nothing handed
+out by :meth:`rebuild` aliases mutable state (block arrays are replaced, never
+edited; token views never change; everything else is copied).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from protocol import digest as dg
+from protocol.columns import HandleColumns, TokenBuffer
+from protocol.errors import InvalidDelta, LocalProtocolError
+from protocol.messages import TOKEN_MODE_ENGINE, TOKEN_MODE_WORKER, DeltaBody
+from protocol.plan import Plan, StepInfo, encode_spec_for_hash, prepare
+from protocol.request import ExecuteModelRequest, IntArray, RequestSpec
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
+
+
+class ReplicaState:
+    """Pure, columnar replicated state (no I/O, no clock)."""
+
+    def __init__(self, token_mode: int = TOKEN_MODE_WORKER, kv_groups: int = 1) -> None:
+        if token_mode not in (TOKEN_MODE_WORKER, TOKEN_MODE_ENGINE):
+            raise LocalProtocolError("unknown token mode", token_mode=token_mode)
+        if kv_groups < 1:
+            raise LocalProtocolError("kv_groups must be >= 1", kv_groups=kv_groups)
+        self.token_mode = token_mode
+        self.kv_groups = kv_groups
+        self.cols = HandleColumns(kv_groups)
+        self.specs: list[RequestSpec | None] = []
+        self.blocks: list[list[IntArray]] = [[] for _ in range(kv_groups)]
+        self.tokens: list[TokenBuffer | None] = []
+        self.schedule: IntArray = _EMPTY
+        self.nsched: IntArray = _EMPTY
+        self.digest = 0
+        self.step = StepInfo()
+        self._rebuild_cache: dict[str, object] = {}
+
+    # -- applying deltas ------------------------------------------------------------
+    def apply(self, body: DeltaBody, expected_digest: int | None = None) -> Plan:
+        """Apply a delta body; with ``expected_digest``, refuse a mismatch unchanged.
+
+        Raises InvalidDelta (state unchanged) for an inapplicable delta or a digest
+        mismatch.
+        """
+        plan = prepare(self, body)
+        if expected_digest is not None and plan.digest != expected_digest:
+            raise InvalidDelta("state digest mismatch", expected=expected_digest, got=plan.digest)
+        self.commit(plan)
+        return plan
+
+    def commit(self, plan: Plan) -> None:
+        """Mutate the state as ``plan`` says (phase two; cannot fail)."""
+        for h in plan.finished.tolist():
+            self._forget(h)
+        for a in plan.added:
+            self._install(a.handle, a.spec, a.spec_hash, a.computed, a.tokens)
+        self._commit_tokens(plan)
+        self._commit_blocks(plan)
+        cols = self.cols
+        cols.computed[plan.computed_handles] = plan.computed_values
+        if plan.schedule is not self.schedule or not np.array_equal(plan.nsched, self.nsched):
+            self._rebuild_cache.pop("schedule", None)
+        cols.in_sched[self.schedule] = False
+        cols.in_sched[plan.schedule] = True
+        cols.last_nsched[plan.schedule] = plan.nsched
+        self.schedule, self.nsched = plan.schedule, plan.nsched
+        self.step = plan.step
+        self.digest = plan.digest
+
+    def _forget(self, h: int) -> None:
+        self.cols.live[h] = False
+        self.cols.in_sched[h] = False
+        self.specs[h] = None
+        for g in range(self.kv_groups):
+            self.blocks[g][h] = _EMPTY
+            self.cols.block_sum[g, h] = 0
+        if self.token_mode == TOKEN_MODE_ENGINE:
+            self.tokens[h] = None
+            self.cols.token_sum[h] = 0
+        self._rebuild_cache.clear()
+
+    def _install(self, h: int, spec: RequestSpec, spec_hash: int, computed: int,
+                 tokens: IntArray | None) -> None:
+        cols = self.cols
+        cols.ensure(h)
+        while len(self.specs) <= h:
+            self.specs.append(None)
+            self.tokens.append(None)
+            for g in range(self.kv_groups):
+                self.blocks[g].append(_EMPTY)
+        if cols.live[h]:
+            self._forget(h)
+        cols.live[h] = True
+        cols.in_sched[h] = False
+        self.specs[h] = spec
+        cols.spec_term[h] = dg.spec_terms([h], [spec_hash])[0]
+        cols.computed[h] = computed
+        if tokens is not None:
+            self.tokens[h] = TokenBuffer(tokens)
+            pos = np.arange(tokens.size)
+            cols.token_sum[h] = dg.total(dg.token_terms(np.full(pos.size, h), pos, tokens))
+        self._rebuild_cache.clear()
+
+    def _commit_tokens(self, plan: Plan) -> None:
+        for h, n in plan.truncate.items():
+            buf = self.tokens[h]
+            assert buf is not None
+            gone = buf.view()[n:]
+            terms = dg.token_terms(np.full(gone.size, h), np.arange(n, n + gone.size), gone)
+            self.cols.token_sum[h] = (int(self.cols.token_sum[h]) - dg.total(terms)) & dg.MASK
+            buf.truncate(n)
+        for h, values in plan.token_rows:
+            buf = self.tokens[h]
+            assert buf is not None
+            pos = np.arange(len(buf), len(buf) + values.size)
+            terms = dg.token_terms(np.full(values.size, h), pos, values)
+            self.cols.token_sum[h] = (int(self.cols.token_sum[h]) + dg.total(terms)) & dg.MASK
+            buf.append(values)
+
+    def _commit_blocks(self, plan: Plan) -> None:
+        sums = plan.block_sums  # type: ignore[attr-defined]
+        for g, final in enumerate(plan.block_replace):
+            for h, table in final.items():
+                table.flags.writeable = False
+                self.blocks[g][h] = table
+                self.cols.block_sum[g, h] = sums[g][h]
+            if final:
+                self._rebuild_cache.pop(f"blocks{g}", None)
+
+    # -- reading ----------------------------------------------------------------------
+    def live_handles(self) -> IntArray:
+        return np.flatnonzero(self.cols.live).astype(np.int64)
+
+    def handle_of(self, h: int) -> RequestSpec:
+        spec = self.specs[h] if 0 <= h < len(self.specs) else None
+        if spec is None:
+            raise LocalProtocolError("handle is not live", handle=h)
+        return spec
+
+    def recompute_digest(self) -> int:
+        """The digest from scratch, O(state): for tests and periodic verification."""
+        total = 0
+        for h in self.live_handles().tolist():
+            spec = self.handle_of(h)
+            total += dg.total(dg.spec_terms([h], [dg.spec_hash(encode_spec_for_hash(spec))]))
+            total += dg.total(dg.computed_terms([h], [self.cols.computed[h]]))
+            for g in range(self.kv_groups):
+                total += dg.total(dg.block_terms(h, g, 0, self.blocks[g][h]))
+            buf = self.tokens[h] if h < len(self.tokens) else None
+            if buf is not None:
+                toks = buf.view()
+                total += dg.total(dg.token_terms(np.full(toks.size, h), np.arange(toks.size),
+                                                 toks))
+        total += dg.schedule_term(self.schedule, self.nsched)
+        return total & dg.MASK
+
+    def rebuild(self) -> ExecuteModelRequest:
+        """The full request of the last applied step, made of fresh containers."""
+        from protocol.rebuild import rebuild_request
+
+        return rebuild_request(self)

@@ -1,0 +1,1 @@
+"""Worker side of deltacast: the replica that rebuilds requests and the receiving transport."""

@@ -1,0 +1,313 @@
+"""WorkerReplica: the worker's table-driven sync state machine (sans-I/O).
+
+Theory of operation
+-------------------
+Every received message is first *classified* against the replica (in-order
+delta, stale delta, gap, new epoch, snapshot, heartbeat, goodbye).  The pair
+(state, input) is then looked up in ``TRANSITIONS``, which names the action and
+the next state.  A pair missing from the table is a documented error: the
+replica raises LocalProtocolError and keeps its state (see SPEC.md §9).
+
+Rules (SPEC.md §8): a delta applies only when its base (``seq - 1``) equals the
+replica's seq; duplicates and stale deltas are discarded; a gap, a new epoch, an
+invalid delta or a digest mismatch makes the replica DESYNCED, and it waits for
+a snapshot, buffering deltas (bounded) meanwhile.  After a snapshot at seq S,
+buffered deltas with seq <= S are dropped and the rest applied while contiguous.
+The replica never builds a request across a gap: ``request()`` is only
+available right after an Applied event while SYNCED.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+
+from protocol.errors import IncompatibleVersion, InvalidDelta, LocalProtocolError, ProtocolError
+from protocol.messages import (
+    PROTOCOL_MAJOR,
+    AnyMessage,
+    Delta,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Snapshot,
+)
+from protocol.request import ExecuteModelRequest
+from protocol.snapshot import load_snapshot
+from protocol.state import ReplicaState
+from worker_side import events as ev
+
+
+class State(enum.Enum):
+    #: Joined (or restarted) and holding no state yet; deltas are buffered.
+    AWAITING_SNAPSHOT = "awaiting_snapshot"
+    #: State equals the engine's at ``seq``; in-order deltas apply.
+    SYNCED = "synced"
+    #: A gap, new epoch or bad delta was seen; waiting for a snapshot.
+    DESYNCED = "desynced"
+    #: The engine said Goodbye; only a new epoch's snapshot revives the replica.
+    CLOSED = "closed"
+
+
+class Input(enum.Enum):
+    DELTA_IN_ORDER = "delta_in_order"
+    DELTA_STALE = "delta_stale"
+    DELTA_GAP = "delta_gap"
+    NEW_EPOCH = "new_epoch"
+    SNAPSHOT = "snapshot"
+    SNAPSHOT_STALE = "snapshot_stale"
+    HEARTBEAT = "heartbeat"
+    HEARTBEAT_AHEAD = "heartbeat_ahead"
+    HELLO = "hello"
+    GOODBYE = "goodbye"
+
+
+class Action(enum.Enum):
+    APPLY = "apply"
+    DISCARD = "discard"
+    BUFFER = "buffer"
+    DESYNC = "desync"
+    LOAD = "load"
+    NOTE = "note"
+    CHECK_HELLO = "check_hello"
+    CLOSE = "close"
+
+
+S, I, A = State, Input, Action
+#: The normative transition table (SPEC.md §9 mirrors it; a test compares them).
+TRANSITIONS: dict[tuple[State, Input], tuple[Action, State]] = {
+    (S.AWAITING_SNAPSHOT, I.DELTA_IN_ORDER): (A.BUFFER, S.AWAITING_SNAPSHOT),
+    (S.AWAITING_SNAPSHOT, I.DELTA_STALE): (A.BUFFER, S.AWAITING_SNAPSHOT),
+    (S.AWAITING_SNAPSHOT, I.DELTA_GAP): (A.BUFFER, S.AWAITING_SNAPSHOT),
+    (S.AWAITING_SNAPSHOT, I.NEW_EPOCH): (A.BUFFER, S.AWAITING_SNAPSHOT),
+    (S.AWAITING_SNAPSHOT, I.SNAPSHOT): (A.LOAD, S.SYNCED),
+    (S.AWAITING_SNAPSHOT, I.SNAPSHOT_STALE): (A.LOAD, S.SYNCED),
+    (S.AWAITING_SNAPSHOT, I.HEARTBEAT): (A.NOTE, S.AWAITING_SNAPSHOT),
+    (S.AWAITING_SNAPSHOT, I.HEARTBEAT_AHEAD): (A.NOTE, S.AWAITING_SNAPSHOT),
+    (S.AWAITING_SNAPSHOT, I.HELLO): (A.CHECK_HELLO, S.AWAITING_SNAPSHOT),
+    (S.AWAITING_SNAPSHOT, I.GOODBYE): (A.CLOSE, S.CLOSED),
+    (S.SYNCED, I.DELTA_IN_ORDER): (A.APPLY, S.SYNCED),
+    (S.SYNCED, I.DELTA_STALE): (A.DISCARD, S.SYNCED),
+    (S.SYNCED, I.DELTA_GAP): (A.DESYNC, S.DESYNCED),
+    (S.SYNCED, I.NEW_EPOCH): (A.DESYNC, S.DESYNCED),
+    (S.SYNCED, I.SNAPSHOT): (A.LOAD, S.SYNCED),
+    (S.SYNCED, I.SNAPSHOT_STALE): (A.DISCARD, S.SYNCED),
+    (S.SYNCED, I.HEARTBEAT): (A.NOTE, S.SYNCED),
+    (S.SYNCED, I.HEARTBEAT_AHEAD): (A.DESYNC, S.DESYNCED),
+    (S.SYNCED, I.HELLO): (A.CHECK_HELLO, S.SYNCED),
+    (S.SYNCED, I.GOODBYE): (A.CLOSE, S.CLOSED),
+    (S.DESYNCED, I.DELTA_IN_ORDER): (A.BUFFER, S.DESYNCED),
+    (S.DESYNCED, I.DELTA_STALE): (A.BUFFER, S.DESYNCED),
+    (S.DESYNCED, I.DELTA_GAP): (A.BUFFER, S.DESYNCED),
+    (S.DESYNCED, I.NEW_EPOCH): (A.BUFFER, S.DESYNCED),
+    (S.DESYNCED, I.SNAPSHOT): (A.LOAD, S.SYNCED),
+    (S.DESYNCED, I.SNAPSHOT_STALE): (A.LOAD, S.SYNCED),
+    (S.DESYNCED, I.HEARTBEAT): (A.NOTE, S.DESYNCED),
+    (S.DESYNCED, I.HEARTBEAT_AHEAD): (A.NOTE, S.DESYNCED),
+    (S.DESYNCED, I.HELLO): (A.CHECK_HELLO, S.DESYNCED),
+    (S.DESYNCED, I.GOODBYE): (A.CLOSE, S.CLOSED),
+    (S.CLOSED, I.NEW_EPOCH): (A.BUFFER, S.AWAITING_SNAPSHOT),
+    (S.CLOSED, I.SNAPSHOT): (A.LOAD, S.SYNCED),
+    (S.CLOSED, I.DELTA_STALE): (A.DISCARD, S.CLOSED),
+    (S.CLOSED, I.HEARTBEAT): (A.NOTE, S.CLOSED),
+    (S.CLOSED, I.GOODBYE): (A.NOTE, S.CLOSED),
+    (S.CLOSED, I.HELLO): (A.CHECK_HELLO, S.CLOSED),
+}
+# Missing on purpose: (CLOSED, DELTA_IN_ORDER / DELTA_GAP / SNAPSHOT_STALE /
+# HEARTBEAT_AHEAD): the engine said Goodbye and then kept talking in the same
+# epoch.  That is a remote protocol violation; see WorkerReplica.receive.
+
+
+class WorkerReplica:
+    """A worker's replica of the engine state.
+
+    Args:
+        silence_timeout: seconds without any engine message before EngineSilent.
+        snapshot_retry: seconds before a pending NeedSnapshot is repeated.
+        max_buffer: deltas kept while waiting for a snapshot (oldest dropped).
+    """
+
+    def __init__(self, silence_timeout: float = 1.0, snapshot_retry: float = 0.5,
+                 max_buffer: int = 4096) -> None:
+        self.state = State.AWAITING_SNAPSHOT
+        self.epoch = -1
+        self.seq = -1
+        self.data: ReplicaState | None = None
+        self.silence_timeout = silence_timeout
+        self.snapshot_retry = snapshot_retry
+        self._buffer: deque[Delta] = deque(maxlen=max_buffer)
+        self._last_heard: float | None = None
+        self._silent_reported = False
+        self._need_since: float | None = None
+        self._ready = False
+        self.stats = {"applied": 0, "discarded": 0, "gaps": 0, "rejected": 0, "snapshots": 0}
+
+    # -- input ---------------------------------------------------------------------
+    def classify(self, msg: AnyMessage) -> Input:
+        """Which table input ``msg`` is for this replica, right now."""
+        if isinstance(msg, Hello):
+            return Input.HELLO
+        if isinstance(msg, Goodbye):
+            return Input.GOODBYE if msg.epoch == self.epoch or self.epoch < 0 else Input.NEW_EPOCH
+        fresh_epoch = self.epoch >= 0 and msg.epoch != self.epoch
+        if isinstance(msg, Snapshot):
+            stale = not fresh_epoch and self.epoch >= 0 and msg.seq <= self.seq
+            return Input.SNAPSHOT_STALE if stale else Input.SNAPSHOT
+        if fresh_epoch:
+            return Input.NEW_EPOCH
+        if isinstance(msg, Heartbeat):
+            return Input.HEARTBEAT_AHEAD if self.seq >= 0 and msg.seq > self.seq else Input.HEARTBEAT
+        if isinstance(msg, Delta):
+            if msg.seq <= self.seq:
+                return Input.DELTA_STALE
+            return Input.DELTA_IN_ORDER if msg.seq == self.seq + 1 else Input.DELTA_GAP
+        raise LocalProtocolError("not a message for a worker", type=type(msg).__name__)
+
+    def receive(self, msg: AnyMessage, now: float) -> list[ev.Event]:
+        """Feed one decoded engine message; returns what happened.
+
+        Raises IncompatibleVersion for a Hello of another major version and
+        RemoteProtocolError for a message with no transition (state unchanged).
+        """
+        self._last_heard, self._silent_reported = now, False
+        self._ready = False
+        kind = self.classify(msg)
+        entry = TRANSITIONS.get((self.state, kind))
+        if entry is None:
+            from protocol.errors import RemoteProtocolError
+
+            raise RemoteProtocolError("message not allowed in this state",
+                                      state=self.state.value, input=kind.value, seq=msg.seq)
+        action, target = entry
+        events = self._act(action, msg, now)
+        if action not in (Action.DESYNC, Action.LOAD, Action.APPLY):
+            self.state = target
+        return events
+
+    def _act(self, action: Action, msg: AnyMessage, now: float) -> list[ev.Event]:
+        if action is Action.APPLY:
+            assert isinstance(msg, Delta)
+            return self._apply(msg, now)
+        if action is Action.LOAD:
+            assert isinstance(msg, Snapshot)
+            return self._load(msg, now)
+        if action is Action.BUFFER:
+            assert isinstance(msg, (Delta, Goodbye))
+            if isinstance(msg, Delta):
+                self._buffer.append(msg)
+                return [ev.Buffered(msg.seq), *self._need("waiting for snapshot", now)]
+            return []
+        if action is Action.DESYNC:
+            return self._desync(msg, now)
+        if action is Action.DISCARD:
+            self.stats["discarded"] += 1
+            return [ev.Discarded(msg.seq, "stale")]
+        if action is Action.CHECK_HELLO:
+            assert isinstance(msg, Hello)
+            check_hello(msg)
+            return []
+        if action is Action.CLOSE:
+            assert isinstance(msg, Goodbye)
+            self._buffer.clear()
+            return [ev.Closed(msg.reason)]
+        return []  # NOTE: liveness only
+
+    def _apply(self, delta: Delta, now: float) -> list[ev.Event]:
+        assert self.data is not None
+        try:
+            self.data.apply(delta.body, expected_digest=delta.digest)
+        except ProtocolError as exc:
+            self.stats["rejected"] += 1
+            self.state = State.DESYNCED
+            return [ev.RejectedDelta(delta.seq, str(exc)), *self._need("rejected delta", now)]
+        self.seq = delta.seq
+        self.state = State.SYNCED
+        self.stats["applied"] += 1
+        self._ready = True
+        return [ev.Applied(delta.seq)]
+
+    def _desync(self, msg: AnyMessage, now: float) -> list[ev.Event]:
+        self.state = State.DESYNCED
+        out: list[ev.Event] = []
+        if msg.epoch != self.epoch:
+            out.append(ev.EpochChanged(self.epoch, msg.epoch))
+        else:
+            self.stats["gaps"] += 1
+            out.append(ev.GapDetected(self.seq + 1, msg.seq))
+        if isinstance(msg, Delta):
+            self._buffer.append(msg)
+        return out + self._need(type(out[0]).__name__, now)
+
+    def _load(self, snap: Snapshot, now: float) -> list[ev.Event]:
+        try:
+            data = load_snapshot(snap)
+        except (InvalidDelta, ProtocolError) as exc:
+            self.stats["rejected"] += 1
+            return [ev.RejectedDelta(snap.seq, f"snapshot: {exc}"), *self._need("bad snapshot",
+                                                                                now)]
+        self.data, self.epoch, self.seq = data, snap.epoch, snap.seq
+        self.state = State.SYNCED
+        self._need_since = None
+        self.stats["snapshots"] += 1
+        return [ev.SnapshotLoaded(snap.seq), *self._drain(now)]
+
+    def _drain(self, now: float) -> list[ev.Event]:
+        """Apply buffered deltas that continue the snapshot; stop at a gap."""
+        pending = sorted((d for d in self._buffer if d.epoch == self.epoch and d.seq > self.seq),
+                         key=lambda d: d.seq)
+        self._buffer.clear()
+        out: list[ev.Event] = []
+        for i, delta in enumerate(pending):
+            if delta.seq <= self.seq:
+                continue  # duplicate inside the buffer
+            if delta.seq != self.seq + 1:
+                self._buffer.extend(pending[i:])
+                self.state = State.DESYNCED
+                self.stats["gaps"] += 1
+                return out + [ev.GapDetected(self.seq + 1, delta.seq),
+                              *self._need("gap after snapshot", now)]
+            out += self._apply(delta, now)
+            if self.state is not State.SYNCED:
+                return out
+        return out
+
+    def _need(self, reason: str, now: float) -> list[ev.Event]:
+        if self._need_since is not None:
+            return []
+        self._need_since = now
+        return [ev.NeedSnapshot(reason)]
+
+    # -- time and output -------------------------------------------------------------
+    def poll(self, now: float) -> list[ev.Event]:
+        """Timers: engine silence, and repeating an unanswered snapshot request."""
+        out: list[ev.Event] = []
+        heard = self._last_heard
+        if heard is not None and not self._silent_reported and now - heard > self.silence_timeout:
+            self._silent_reported = True
+            out.append(ev.EngineSilent(now - heard))
+        if self.state is State.AWAITING_SNAPSHOT and self._need_since is None:
+            out += self._need("joining", now)
+        elif self._need_since is not None and now - self._need_since > self.snapshot_retry:
+            self._need_since = now
+            out.append(ev.NeedSnapshot("retry"))
+        return out
+
+    def request(self) -> ExecuteModelRequest:
+        """The request of the step just applied (fresh containers).
+
+        Raises LocalProtocolError unless the last event was Applied while SYNCED:
+        a request is never built across a gap or from a bare snapshot.
+        """
+        if not self._ready or self.state is not State.SYNCED or self.data is None:
+            raise LocalProtocolError("no applied step to rebuild", state=self.state.value)
+        return self.data.rebuild()
+
+
+def check_hello(hello: Hello) -> int:
+    """Validate a peer's Hello; returns the agreed feature bits."""
+    from protocol.messages import SUPPORTED_FEATURES
+
+    if hello.major != PROTOCOL_MAJOR:
+        raise IncompatibleVersion("peer speaks another major protocol version",
+                                  ours=PROTOCOL_MAJOR, theirs=hello.major)
+    return hello.features & SUPPORTED_FEATURES
