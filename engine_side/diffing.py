@@ -247,7 +247,7 @@ class DiffContext:
         was = np.zeros(hs.size, dtype=bool)
         was[known] = cols.in_sched[hs[known]]
         pred[was] += cols.last_nsched[hs[was]]
-        for h, i in self.added_at.items():
+        for i in self.added_at.values():
             pred[i] = int(self.request.num_computed_tokens[i])
         return pred
 
@@ -339,10 +339,7 @@ def _same_specs(specs: list[RequestSpec], state: ReplicaState, handles: IntArray
     if handles is not state.schedule:
         return False
     cached = state._rebuild_cache.get("schedule")
-    if cached is None:
-        held = [state.specs[h] for h in handles.tolist()]
-    else:
-        held = cached[1]  # type: ignore[index]
+    held = [state.specs[h] for h in handles.tolist()] if cached is None else cached[1]  # type: ignore[index]
     try:
         return specs == held
     except (ValueError, TypeError):  # numpy fields make Struct __eq__ ambiguous
