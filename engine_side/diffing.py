@@ -17,13 +17,15 @@ import numpy as np
 from protocol.errors import LocalProtocolError
 from protocol.messages import TOKEN_MODE_ENGINE, DeltaBody, NewRequest, Rows
 from protocol.packing import pack_sints, pack_uints
-from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
+from protocol.plan import _STEADY_BODY
+from protocol.rebuild import cached_block_table
+from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec, same_ints
 
 if TYPE_CHECKING:
     from engine_side.mirror import EngineMirror
-    from protocol.state import ReplicaState
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_NO_ROWS = Rows(handles=pack_uints(_EMPTY))  # a Rows entry naming no handle
 
 
 def _packed(values: IntArray | list[int]) -> bytes:
@@ -59,6 +61,9 @@ class DiffContext:
             raise LocalProtocolError("output_token_ids do not align with req_ids", rows=n)
 
     def build(self) -> DeltaBody:
+        if self._is_steady():
+            self.handles = self.state.schedule
+            return _STEADY_BODY
         self._finishes()
         self._schedule_handles()
         self._schedule()
@@ -69,6 +74,28 @@ class DiffContext:
         self._scheduled_tokens()
         self._step_fields()
         return DeltaBody(**self.fields)  # type: ignore[arg-type]
+
+    def _is_steady(self) -> bool:
+        """The common decode step: nothing but the predicted advance (checked in ~10 ops)."""
+        r, state, m = self.request, self.state, self.mirror
+        if (r.finished_req_ids or r.preempted_req_ids or r.resumed_req_ids
+                or r.free_encoder_mm_hashes or r.blocks_to_zero is not None or r.extension
+                or r.has_structured_output_requests or r.pending_structured_output_tokens
+                or r.num_spec_tokens_to_schedule or r.output_token_ids is not None
+                or r.spec_token_ids.values.size or r.encoder_inputs.values.size
+                or r.spec_token_ids.lengths.any() or r.encoder_inputs.lengths.any()):
+            return False
+        if m._last_handles is not state.schedule or r.req_ids != m._last_ids:
+            return False
+        if not _same_specs(r.specs, m._last_specs):
+            return False
+        if not same_ints(r.num_scheduled_tokens, state.nsched):
+            return False
+        predicted = state.cols.computed[state.schedule] + state.nsched
+        if not same_ints(r.num_computed_tokens, predicted):
+            return False
+        return all(_same_table(Ragged(*cached_block_table(state, g)), r.block_tables[g])
+                   for g in range(state.kv_groups))
 
     # -- requests ---------------------------------------------------------------------
     def _finishes(self) -> None:
@@ -89,8 +116,7 @@ class DiffContext:
 
     def _schedule_handles(self) -> None:
         m, r = self.mirror, self.request
-        if not self.reset and r.req_ids == m._last_ids and _same_specs(r.specs, self.state,
-                                                                       m._last_handles):
+        if not self.reset and r.req_ids == m._last_ids and _same_specs(r.specs, m._last_specs):
             self.handles = m._last_handles
             return
         handles = np.empty(len(r.req_ids), dtype=np.int64)
@@ -108,7 +134,7 @@ class DiffContext:
             raise LocalProtocolError("spec.req_id differs from req_ids", req_id=req_id)
         h = self.mirror.handles.get(req_id)
         if h is not None and h not in self.reset:
-            known = self.state.specs[h]
+            known = self.mirror.engine_specs.get(h)
             if known is spec or _spec_equal(known, spec):
                 return h
             # an update: same id and handle, new content (the add replaces the entry)
@@ -205,9 +231,7 @@ class DiffContext:
         """The mirror's block tables for the new schedule's handles (reset ones empty)."""
         state = self.state
         if not self.reset and self.handles is state.schedule:
-            from protocol.rebuild import _block_table
-
-            return _block_table(state, g)
+            return Ragged(*cached_block_table(state, g))
         rows = [_EMPTY if h in self.reset else state.blocks[g][h] for h in self.handles.tolist()]
         lengths = np.fromiter((r.size for r in rows), dtype=np.int64, count=len(rows))
         return Ragged(lengths, np.concatenate(rows) if rows else _EMPTY)
@@ -234,7 +258,9 @@ class DiffContext:
     def _group_field(self, name: str, g: int, entry: Rows) -> None:
         groups = self.fields.get(name)
         if groups is None:
-            groups = [Rows() for _ in range(self.state.kv_groups)]
+            # An untouched group names no rows explicitly: Rows() would mean "every
+            # scheduled request" (SPEC §6.2).
+            groups = [_NO_ROWS for _ in range(self.state.kv_groups)]
             self.fields[name] = groups
         groups[g] = entry  # type: ignore[index]  (a list until _step_fields freezes it)
 
@@ -315,6 +341,10 @@ class DiffContext:
         return h
 
 
+def _same_table(a: Ragged, b: Ragged) -> bool:
+    return same_ints(a.lengths, b.lengths) and same_ints(a.values, b.values)
+
+
 def _table_edits(old: Ragged, new: Ragged) -> tuple[IntArray, IntArray]:
     """Rows whose table must be replaced, and rows that only grow (vectorised)."""
     m = np.minimum(old.lengths, new.lengths)
@@ -334,13 +364,9 @@ def _spec_equal(a: RequestSpec | None, b: RequestSpec) -> bool:
     return a is not None and _same_value(a, b)
 
 
-def _same_specs(specs: list[RequestSpec], state: ReplicaState, handles: IntArray) -> bool:
-    """True when every spec is the very object the mirror holds (C-speed identity check)."""
-    if handles is not state.schedule:
-        return False
-    cached = state._rebuild_cache.get("schedule")
-    held = [state.specs[h] for h in handles.tolist()] if cached is None else cached[1]  # type: ignore[index]
+def _same_specs(specs: list[RequestSpec], last: list[RequestSpec]) -> bool:
+    """True when every spec is the very object seen last step (C-speed identity check)."""
     try:
-        return specs == held
+        return specs == last
     except (ValueError, TypeError):  # numpy fields make Struct __eq__ ambiguous
         return False

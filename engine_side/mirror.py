@@ -21,7 +21,7 @@ import numpy as np
 from engine_side.diffing import DiffContext
 from protocol.errors import LocalProtocolError
 from protocol.messages import TOKEN_MODE_WORKER, Delta, Snapshot
-from protocol.request import ExecuteModelRequest, IntArray, requests_equal
+from protocol.request import ExecuteModelRequest, IntArray, RequestSpec, requests_equal
 from protocol.snapshot import build_snapshot
 from protocol.state import ReplicaState
 
@@ -69,6 +69,9 @@ class EngineMirror:
         self.verify = verify
         self._last_ids: list[str] = []
         self._last_handles: IntArray = np.zeros(0, dtype=np.int64)
+        self._last_specs: list[RequestSpec] = []
+        #: handle -> the engine's own spec object (identity makes unchanged specs free)
+        self.engine_specs: dict[int, RequestSpec] = {}
 
     def diff(self, request: ExecuteModelRequest) -> Delta:
         """The delta from the workers' state to ``request``; advances the mirror.
@@ -92,12 +95,17 @@ class EngineMirror:
         for req_id, h in ctx.freed_ids:
             if h not in reused:
                 del self.handles[req_id]
+                self.engine_specs.pop(h, None)
                 self.allocator.release(h)
         for req_id, h in ctx.new_ids:
             self._drop_prefix(h)
             self.handles[req_id] = h
+            self.engine_specs[h] = ctx.request.specs[ctx.added_at[h]]
             self._index_prefix(h)
-        self._last_ids, self._last_handles = list(ctx.request.req_ids), ctx.handles
+        request = ctx.request
+        # the state's own schedule array: identity lets the next diff take cached paths
+        self._last_ids, self._last_handles = list(request.req_ids), self.state.schedule
+        self._last_specs = list(request.specs)
 
     def _index_prefix(self, h: int) -> None:
         prompt = self.state.handle_of(h).prompt_token_ids

@@ -52,13 +52,27 @@ def _as_buffer(frame: Any) -> Any:
     return frame.buffer if hasattr(frame, "buffer") else frame
 
 
+def _ext_hook(code: int, data: memoryview) -> Any:
+    """Resolve a tensor Ext against the frames of the decode in progress (thread-local)."""
+    return _local.ext_hook(code, data)
+
+
+def _decoder() -> msgspec.msgpack.Decoder[AnyMessage]:
+    dec = getattr(_local, "decoder", None)
+    if dec is None:
+        dec = msgspec.msgpack.Decoder(AnyMessage, ext_hook=_ext_hook)
+        _local.decoder = dec
+    return dec
+
+
 def decode(frames: Sequence[Any], *, copy: bool = False,
            max_frames: int = DEFAULT_MAX_FRAMES) -> AnyMessage:
     """Decode frames to a message.  Tensors alias the frames unless ``copy``."""
     if not frames or len(frames) > max_frames:
         raise MalformedMessage("bad frame count", frames=len(frames))
     rest = [_as_buffer(f) for f in frames[1:]]
-    decoder = msgspec.msgpack.Decoder(AnyMessage, ext_hook=make_ext_hook(rest, copy=copy))
+    _local.ext_hook = make_ext_hook(rest, copy=copy)
+    decoder = _decoder()
     try:
         return decoder.decode(_as_buffer(frames[0]))
     except ProtocolError:

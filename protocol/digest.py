@@ -59,9 +59,17 @@ def spec_terms(handles: npt.ArrayLike, hashes: npt.ArrayLike) -> U64:
         return mix64(np.asarray(hashes, dtype=np.uint64) ^ (_u64(handles) * _K_SPEC))
 
 
-def computed_terms(handles: npt.ArrayLike, computed: npt.ArrayLike) -> U64:
+def handle_keys(handles: npt.ArrayLike) -> U64:
+    """Odd 64-bit per-handle multipliers for the linear computed-token terms."""
     with np.errstate(over="ignore"):
-        return mix64(_u64(computed) * _K_COMP + _u64(handles) * _K_HANDLE)
+        return mix64(_u64(handles) * _K_COMP + _K_HANDLE) | np.uint64(1)
+
+
+def computed_terms(handles: npt.ArrayLike, computed: npt.ArrayLike) -> U64:
+    """``computed * key(handle)``: linear, so advancing a whole schedule by its
+    scheduled counts adds one cacheable constant (Σ nsched·key) to the digest."""
+    with np.errstate(over="ignore"):
+        return _u64(computed) * handle_keys(handles)
 
 
 def block_terms(handle: int, group: int, start: int, blocks: npt.ArrayLike) -> U64:

@@ -134,9 +134,11 @@ class _Planner:
 
     def adds(self) -> list[Added]:
         out: list[Added] = []
+        seen: set[int] = set()
         for new in self.body.added:
-            if new.handle < 0 or new.handle > 1 << 24 or any(a.handle == new.handle for a in out):
+            if new.handle < 0 or new.handle > 1 << 24 or new.handle in seen:
                 raise self.fail("bad or repeated add handle", handle=new.handle)
+            seen.add(new.handle)
             if new.handle < self.live.size and self.live[new.handle]:
                 self.drop_terms(new.handle)  # a new entry for a live handle is an update
             out.append(self._resolve_add(new))
@@ -205,6 +207,8 @@ class _Planner:
             changed = bool(drop.size) or bool(body.schedule_append)
             if not changed:
                 sched = prev  # steady state: the same array, no allocation
+        if sched is prev and not self.reset:
+            return sched  # unchanged and already validated when it was installed
         if np.unique(sched).size != sched.size:
             raise self.fail("schedule repeats a handle")
         self.check_live(sched, "schedule")
@@ -334,7 +338,7 @@ class _Planner:
         new[advanced] += cols.last_nsched[advanced]
         pos, deltas = self.positions(self.body.computed_tokens, sched, signed=True)
         new[sched[pos]] += deltas
-        changed = np.unique(np.concatenate([advanced, sched[pos]]))
+        changed = np.unique(np.concatenate([advanced, sched[pos]])) if pos.size else advanced
         if changed.size and new[changed].min() < 0:
             raise self.fail("computed tokens would become negative")
         old_t = dg.total(dg.computed_terms(changed, base[changed]))
@@ -392,11 +396,41 @@ class _Planner:
         return Ragged(counts, values)
 
 
+_STEADY_BODY = DeltaBody()
+
+
+def advance_delta(state: ReplicaState) -> int:
+    """Digest change of advancing every scheduled request by its scheduled count (cached)."""
+    key = state._rebuild_cache.get("advance")
+    if key is None or key[0] is not state.schedule or key[1] is not state.nsched:  # type: ignore[index]
+        delta = dg.total(dg.computed_terms(state.schedule, state.nsched))
+        key = (state.schedule, state.nsched, delta)
+        state._rebuild_cache["advance"] = key
+    return key[2]  # type: ignore[index,no-any-return]
+
+
+def _steady(state: ReplicaState) -> Plan:
+    """The plan of an empty delta: same schedule, every request advanced (O(1) digest)."""
+    sched = state.schedule
+    values = state.cols.computed[sched] + state.nsched
+    step = state._rebuild_cache.get("steady_step")
+    if step is None or step.spec_tokens.lengths.size != sched.size:  # type: ignore[attr-defined]
+        step = StepInfo(spec_tokens=Ragged.empty(sched.size),
+                        encoder_inputs=Ragged.empty(sched.size))
+        state._rebuild_cache["steady_step"] = step
+    plan = Plan(_EMPTY, [], sched, state.nsched, {}, [], [{}] * state.kv_groups, [], sched,
+                values, step, (state.digest + advance_delta(state)) & dg.MASK)  # type: ignore[arg-type]
+    plan.block_sums = [{}] * state.kv_groups  # type: ignore[attr-defined]
+    return plan
+
+
 def prepare(state: ReplicaState, body: DeltaBody) -> Plan:
     """Decode and check ``body`` against ``state``; nothing is mutated.
 
     Raises InvalidDelta (or MalformedMessage for a bad packed array).
     """
+    if body == _STEADY_BODY:
+        return _steady(state)
     p = _Planner(state, body)
     finished = p.finishes()
     added = p.adds()

@@ -29,6 +29,15 @@ def _ids_and_specs(state: ReplicaState) -> tuple[list[str], list[RequestSpec]]:
 
 
 def _block_table(state: ReplicaState, g: int) -> Ragged:
+    lengths, values = cached_block_table(state, g)
+    return Ragged(lengths.copy(), values.copy())
+
+
+def cached_block_table(state: ReplicaState, g: int) -> tuple[IntArray, IntArray]:
+    """(lengths, flat values) of the current schedule's tables in group ``g``.
+
+    Shared, cached arrays: callers MUST NOT mutate them (rebuild copies them out).
+    """
     key = f"blocks{g}"
     cached = state._rebuild_cache.get(key)
     if cached is None or cached[0] is not state.schedule:  # type: ignore[index]
@@ -38,7 +47,7 @@ def _block_table(state: ReplicaState, g: int) -> Ragged:
         cached = (state.schedule, lengths, values)
         state._rebuild_cache[key] = cached
     _, lengths, values = cached  # type: ignore[misc]
-    return Ragged(lengths.copy(), values.copy())
+    return lengths, values
 
 
 def _tokens(state: ReplicaState) -> list[IntArray] | None:
@@ -50,7 +59,13 @@ def _tokens(state: ReplicaState) -> list[IntArray] | None:
 
 
 def _names(state: ReplicaState, handles: IntArray) -> frozenset[str]:
+    if not handles.size:
+        return frozenset()
     return frozenset(state.handle_of(h).req_id for h in handles.tolist())
+
+
+def _copy(r: Ragged) -> Ragged:
+    return Ragged(r.lengths.copy(), r.values.copy())
 
 
 def rebuild_request(state: ReplicaState) -> ExecuteModelRequest:
@@ -63,9 +78,8 @@ def rebuild_request(state: ReplicaState) -> ExecuteModelRequest:
         num_scheduled_tokens=state.nsched.copy(),
         num_computed_tokens=state.cols.computed[sched],
         block_tables=tuple(_block_table(state, g) for g in range(state.kv_groups)),
-        spec_token_ids=Ragged(step.spec_tokens.lengths.copy(), step.spec_tokens.values.copy()),
-        encoder_inputs=Ragged(step.encoder_inputs.lengths.copy(),
-                              step.encoder_inputs.values.copy()),
+        spec_token_ids=_copy(step.spec_tokens),
+        encoder_inputs=_copy(step.encoder_inputs),
         output_token_ids=_tokens(state),
         finished_req_ids=step.finished_ids,
         preempted_req_ids=_names(state, step.preempted),

@@ -104,6 +104,15 @@ class ExecuteModelRequest(msgspec.Struct):
         return int(self.num_scheduled_tokens.sum())
 
 
+def same_ints(a: IntArray, b: IntArray) -> bool:
+    """Fast exact equality of two integer arrays (memcmp when dtypes and shapes match)."""
+    if a.shape != b.shape:
+        return False
+    if a.dtype == b.dtype and a.flags.c_contiguous and b.flags.c_contiguous:
+        return a.tobytes() == b.tobytes()
+    return bool(np.array_equal(a, b))
+
+
 def _same_array(a: Any, b: Any) -> bool:
     if a is None or b is None:
         return a is None and b is None

@@ -77,12 +77,13 @@ class ReplicaState:
         self._commit_blocks(plan)
         cols = self.cols
         cols.computed[plan.computed_handles] = plan.computed_values
-        if plan.schedule is not self.schedule or not np.array_equal(plan.nsched, self.nsched):
-            self._rebuild_cache.pop("schedule", None)
-        cols.in_sched[self.schedule] = False
-        cols.in_sched[plan.schedule] = True
-        cols.last_nsched[plan.schedule] = plan.nsched
-        self.schedule, self.nsched = plan.schedule, plan.nsched
+        if plan.schedule is not self.schedule or plan.nsched is not self.nsched:
+            if plan.schedule is not self.schedule:
+                self._rebuild_cache.pop("schedule", None)
+            cols.in_sched[self.schedule] = False
+            cols.in_sched[plan.schedule] = True
+            cols.last_nsched[plan.schedule] = plan.nsched
+            self.schedule, self.nsched = plan.schedule, plan.nsched
         self.step = plan.step
         self.digest = plan.digest
 
