@@ -345,8 +345,33 @@ def _same_table(a: Ragged, b: Ragged) -> bool:
     return same_ints(a.lengths, b.lengths) and same_ints(a.values, b.values)
 
 
+def _segments(starts: IntArray, counts: IntArray) -> IntArray:
+    """Indices ``starts[i] + (0..counts[i])`` for every i, concatenated (vectorised)."""
+    total = int(counts.sum())
+    if not total:
+        return _EMPTY
+    shift = np.repeat(starts - (np.cumsum(counts) - counts), counts)
+    return shift + np.arange(total)
+
+
 def _table_edits(old: Ragged, new: Ragged) -> tuple[IntArray, IntArray]:
-    """Rows whose table must be replaced, and rows that only grow (vectorised)."""
+    """Rows whose table must be replaced, and rows that only grow.
+
+    Fast path (the common step: some tables gained blocks, nothing else changed):
+    cut the new tails out and memcmp what is left against the old tables.
+    """
+    grow = new.lengths > old.lengths
+    if not (new.lengths < old.lengths).any():
+        rows = np.flatnonzero(grow)
+        tails = _segments(new.offsets()[rows] + old.lengths[rows],
+                          new.lengths[rows] - old.lengths[rows])
+        if same_ints(np.delete(new.values, tails) if tails.size else new.values, old.values):
+            return _EMPTY, rows
+    return _table_edits_exact(old, new)
+
+
+def _table_edits_exact(old: Ragged, new: Ragged) -> tuple[IntArray, IntArray]:
+    """Element-wise comparison of the overlapping prefixes (any kind of change)."""
     m = np.minimum(old.lengths, new.lengths)
     rows = np.repeat(np.arange(m.size), m)
     within = np.arange(rows.size) - np.repeat(np.cumsum(m) - m, m)

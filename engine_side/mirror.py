@@ -7,9 +7,10 @@ own state through the same code the workers run, and stamps the resulting
 digest.  Pure: no sockets, no threads, no clock.
 
 Handles: a request gets the lowest free handle when it is first scheduled; the
-string id crosses the wire once.  Finishes apply before adds, so a handle freed
-in a step can be reused in that same step (and an id finished and re-added in
-one step gets a fresh entry).
+string id crosses the wire once.  Finishes apply before adds; this mirror hands a
+freed handle to a *new* id from the next step on, while an id finished and
+re-added in one step keeps its handle and gets a fresh entry (the protocol allows
+same-step reuse either way).
 """
 
 from __future__ import annotations
@@ -80,7 +81,13 @@ class EngineMirror:
         unchanged).
         """
         ctx = DiffContext(self, request)
-        body = ctx.build()
+        try:
+            body = ctx.build()
+        except LocalProtocolError:
+            for req_id, h in ctx.new_ids:  # hand back handles allocated for this request
+                if self.handles.get(req_id) != h:
+                    self.allocator.release(h)
+            raise
         plan = self.state.apply(body)
         self._after_apply(ctx, plan.finished)
         self.seq += 1

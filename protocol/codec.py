@@ -70,15 +70,36 @@ def decode(frames: Sequence[Any], *, copy: bool = False,
     """Decode frames to a message.  Tensors alias the frames unless ``copy``."""
     if not frames or len(frames) > max_frames:
         raise MalformedMessage("bad frame count", frames=len(frames))
-    rest = [_as_buffer(f) for f in frames[1:]]
+    rest = _TensorFrames([_as_buffer(f) for f in frames[1:]])
     _local.ext_hook = make_ext_hook(rest, copy=copy)
     decoder = _decoder()
     try:
-        return decoder.decode(_as_buffer(frames[0]))
+        msg = decoder.decode(_as_buffer(frames[0]))
     except ProtocolError:
         raise
     except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as exc:
         raise MalformedMessage("frames do not decode to a message", cause=str(exc)[:200]) from exc
+    finally:
+        _local.ext_hook = None  # never keep a message's frames alive past its decode
+    if sorted(rest.referenced) != list(range(len(rest))):
+        raise MalformedMessage("every tensor frame must be referenced exactly once",
+                               frames=len(rest), references=len(rest.referenced))
+    return msg
+
+
+class _TensorFrames(Sequence[Any]):
+    """The extra frames of one decode, recording which ones the body references."""
+
+    def __init__(self, frames: list[Any]) -> None:
+        self._frames = frames
+        self.referenced: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+    def __getitem__(self, index: int) -> Any:  # type: ignore[override]
+        self.referenced.append(index)
+        return self._frames[index]
 
 
 def encoded_size(frames: Sequence[Any]) -> int:

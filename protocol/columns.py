@@ -24,6 +24,7 @@ class HandleColumns:
         self.spec_term = np.zeros(capacity, dtype=np.uint64)
         self.token_sum = np.zeros(capacity, dtype=np.uint64)
         self.block_sum = np.zeros((kv_groups, capacity), dtype=np.uint64)
+        self.block_len = np.zeros((kv_groups, capacity), dtype=np.int64)
         self.last_nsched = np.zeros(capacity, dtype=np.int64)
         self.in_sched = np.zeros(capacity, dtype=bool)
 
@@ -42,9 +43,11 @@ class HandleColumns:
             grown = np.zeros(new_cap, dtype=old.dtype)
             grown[:cap] = old
             setattr(self, name, grown)
-        blocks = np.zeros((self.kv_groups, new_cap), dtype=np.uint64)
-        blocks[:, :cap] = self.block_sum
-        self.block_sum = blocks
+        for name in ("block_sum", "block_len"):
+            old2 = getattr(self, name)
+            grown2 = np.zeros((self.kv_groups, new_cap), dtype=old2.dtype)
+            grown2[:, :cap] = old2
+            setattr(self, name, grown2)
 
 
 class TokenBuffer:

@@ -26,22 +26,28 @@ _K_HANDLE = np.uint64(0xD6E8FEB86659FD93)
 _K_GROUP = np.uint64(0xFF51AFD7ED558CCD)
 _K_TOKEN = np.uint64(0xC4CEB9FE1A85EC53)
 _K_SCHED = np.uint64(0x27D4EB2F165667C5)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
 def mix64(x: npt.ArrayLike) -> U64:
-    """splitmix64 finaliser over a uint64 array (wrapping arithmetic)."""
-    z = np.array(x, dtype=np.uint64, copy=True, ndmin=1)
-    with np.errstate(over="ignore"):
-        z ^= z >> np.uint64(30)
-        z *= np.uint64(0xBF58476D1CE4E5B9)
-        z ^= z >> np.uint64(27)
-        z *= np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
+    """splitmix64 finaliser over a uint64 array (array arithmetic wraps silently)."""
+    z = np.array(x, dtype=np.uint64, ndmin=1)
+    z ^= z >> _S30
+    z *= _M1
+    z ^= z >> _S27
+    z *= _M2
+    z ^= z >> _S31
     return z
 
 
 def _u64(a: npt.ArrayLike) -> U64:
     return np.asarray(a, dtype=np.int64).astype(np.uint64)
+
+
+def _scalar(value: int) -> np.uint64:
+    return np.uint64(value & MASK)
 
 
 def total(terms: U64) -> int:
@@ -55,40 +61,39 @@ def spec_hash(encoded_spec: bytes) -> int:
 
 
 def spec_terms(handles: npt.ArrayLike, hashes: npt.ArrayLike) -> U64:
-    with np.errstate(over="ignore"):
-        return mix64(np.asarray(hashes, dtype=np.uint64) ^ (_u64(handles) * _K_SPEC))
+    return mix64(np.asarray(hashes, dtype=np.uint64) ^ (_u64(handles) * _K_SPEC))
 
 
 def handle_keys(handles: npt.ArrayLike) -> U64:
     """Odd 64-bit per-handle multipliers for the linear computed-token terms."""
-    with np.errstate(over="ignore"):
-        return mix64(_u64(handles) * _K_COMP + _K_HANDLE) | np.uint64(1)
+    return mix64(_u64(handles) * _K_COMP + _K_HANDLE) | np.uint64(1)
 
 
 def computed_terms(handles: npt.ArrayLike, computed: npt.ArrayLike) -> U64:
     """``computed * key(handle)``: linear, so advancing a whole schedule by its
     scheduled counts adds one cacheable constant (Σ nsched·key) to the digest."""
-    with np.errstate(over="ignore"):
-        return _u64(computed) * handle_keys(handles)
+    return _u64(computed) * handle_keys(handles)
 
 
 def block_terms(handle: int, group: int, start: int, blocks: npt.ArrayLike) -> U64:
     """Terms of ``blocks`` at positions ``start..`` of one handle's table in ``group``."""
     b = _u64(blocks)
-    pos = np.arange(start, start + b.size, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        salt = np.uint64(handle) * _K_HANDLE + np.uint64(group) * _K_GROUP
-        return mix64(b * _K_SPEC + pos * _K_POS + salt)
+    return block_terms_rows(np.full(b.size, handle), group, np.arange(start, start + b.size), b)
+
+
+def block_terms_rows(handles: npt.ArrayLike, group: int, positions: npt.ArrayLike,
+                     blocks: npt.ArrayLike) -> U64:
+    """Terms of block ids at (handle, position) pairs of ``group`` (aligned arrays)."""
+    salt = _u64(handles) * _K_HANDLE + _scalar(group * int(_K_GROUP))
+    return mix64(_u64(blocks) * _K_SPEC + _u64(positions) * _K_POS + salt)
 
 
 def token_terms(handles: npt.ArrayLike, positions: npt.ArrayLike, tokens: npt.ArrayLike) -> U64:
     """Terms of output tokens (aligned arrays of handle, position, token)."""
-    with np.errstate(over="ignore"):
-        return mix64(_u64(tokens) * _K_TOKEN + _u64(positions) * _K_POS + _u64(handles) * _K_SPEC)
+    return mix64(_u64(tokens) * _K_TOKEN + _u64(positions) * _K_POS + _u64(handles) * _K_SPEC)
 
 
 def schedule_term(handles: npt.ArrayLike, num_scheduled: npt.ArrayLike) -> int:
     h = _u64(handles)
     pos = np.arange(h.size, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        return total(mix64(h * _K_SCHED + pos * _K_POS + _u64(num_scheduled) * _K_TOKEN))
+    return total(mix64(h * _K_SCHED + pos * _K_POS + _u64(num_scheduled) * _K_TOKEN))

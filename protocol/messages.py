@@ -103,7 +103,7 @@ class DeltaBody(_Body, frozen=True):
 
 
 class SnapshotBody(_Body, frozen=True):
-    """The whole replicated state (SPEC.md §7): live requests in handle order."""
+    """The whole replicated state (SPEC.md §6.2): live requests in handle order."""
 
     token_mode: int = msgspec.field(default=TOKEN_MODE_WORKER, name="tm")
     kv_groups: int = msgspec.field(default=1, name="kg")

@@ -19,6 +19,7 @@ from protocol.errors import MalformedMessage
 
 UInts = npt.NDArray[np.uint64]
 _MAX_WIDTH = 64
+_INT64_MAX = (1 << 63) - 1
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
@@ -67,9 +68,17 @@ def pack_uints(values: npt.ArrayLike) -> bytes:
 def unpack_uints(buf: bytes, *, limit: int = 1 << 26) -> npt.NDArray[np.int64]:
     """Inverse of :func:`pack_uints`; returns a fresh int64 array.
 
-    Raises MalformedMessage for a truncated buffer, a bad width or a count over
-    ``limit`` (a guard against a hostile count allocating unbounded memory).
+    Raises MalformedMessage for a truncated buffer, a bad width, a value that does
+    not fit int64, or a count over ``limit`` (a guard against a hostile count
+    allocating unbounded memory).
     """
+    raw = _unpack_raw(buf, limit)
+    if raw.dtype == np.uint64 and raw.size and int(raw.max()) > _INT64_MAX:
+        raise MalformedMessage("packed value does not fit int64")
+    return raw.astype(np.int64)
+
+
+def _unpack_raw(buf: bytes, limit: int) -> npt.NDArray[np.uint64] | npt.NDArray[np.int64]:
     if not buf:
         raise MalformedMessage("empty packed array")
     width = buf[0]
@@ -85,8 +94,7 @@ def unpack_uints(buf: bytes, *, limit: int = 1 << 26) -> npt.NDArray[np.int64]:
     if len(payload) != need:
         raise MalformedMessage("packed array length mismatch", expected=need, got=len(payload))
     if width in (8, 16, 32, 64):
-        raw = np.frombuffer(payload, dtype=f"<u{width // 8}")
-        return raw.astype(np.int64)  # uint64 > 2**63 wraps; widths that large are not used
+        return np.frombuffer(payload, dtype=f"<u{width // 8}").astype(np.uint64)
     bits = np.unpackbits(np.frombuffer(payload, dtype=np.uint8), bitorder="little")
     bits = bits[: count * width].reshape(count, width).astype(np.int64)
     return bits @ (np.int64(1) << np.arange(width, dtype=np.int64))
@@ -100,7 +108,7 @@ def pack_sints(values: npt.ArrayLike) -> bytes:
 
 def unpack_sints(buf: bytes) -> npt.NDArray[np.int64]:
     """Inverse of :func:`pack_sints`."""
-    z = unpack_uints(buf).view(np.uint64)
+    z = _unpack_raw(buf, 1 << 26).astype(np.uint64)
     return ((z >> np.uint64(1)).view(np.int64)) ^ -((z & np.uint64(1)).view(np.int64))
 
 

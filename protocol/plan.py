@@ -102,6 +102,7 @@ class _Planner:
         cols = state.cols
         self.live = cols.live.copy()
         self.reset: set[int] = set()  # handles finished or (re)added: no history carried over
+        self.appended: dict[int, tuple[IntArray, IntArray, IntArray]] = {}  # group -> rows
         self.digest = state.digest
 
     def fail(self, message: str, **fields: object) -> InvalidDelta:
@@ -177,7 +178,11 @@ class _Planner:
             raise self.fail("output tokens in worker-owned token mode", handle=new.handle)
         if new.num_computed < 0:
             raise self.fail("negative computed tokens", handle=new.handle)
-        h = dg.spec_hash(encode_spec_for_hash(spec))
+        try:
+            h = dg.spec_hash(encode_spec_for_hash(spec))
+        except (TypeError, ValueError) as exc:  # e.g. prompt_embeds that is not a tensor
+            raise self.fail("request content cannot be hashed", handle=new.handle,
+                            cause=str(exc)[:100]) from exc
         return Added(new.handle, spec, h, new.num_computed, tokens)
 
     def _prefix(self, new: NewRequest) -> IntArray:
@@ -307,24 +312,51 @@ class _Planner:
 
     def _block_rows(self, g: int, rows: Rows, sched: IntArray, final: dict[int, IntArray],
                     sums: dict[int, int], replace: bool) -> None:
+        """Vectorised: digest terms of all rows at once; a Python step per row only to
+        materialise its final table (tables are immutable arrays, replaced whole)."""
         hs, counts, values = self.rows(rows, sched)
         self.check_live(hs, "blocks")
-        if np.unique(hs).size != hs.size:
+        if hs.size > 1 and np.unique(hs).size != hs.size:
             raise self.fail("block rows repeat a handle", group=g)
-        offsets = np.concatenate([[0], np.cumsum(counts)])
-        cols = self.state.cols
+        if not hs.size:
+            return
+        old_tables, base, lens = self._current_tables(g, hs, final, sums)
+        offsets = np.zeros(hs.size + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        row_of = np.repeat(np.arange(hs.size), counts)
+        starts = np.zeros(hs.size, dtype=np.int64) if replace else lens
+        pos = starts[row_of] + (np.arange(values.size) - offsets[row_of])
+        terms = dg.block_terms_rows(hs[row_of], g, pos, values)
+        cum = np.zeros(values.size + 1, dtype=np.uint64)
+        np.cumsum(terms, out=cum[1:])
+        added = cum[offsets[1:]] - cum[offsets[:-1]]
+        new_sums = added if replace else base + added
+        self.digest = (self.digest + dg.total(new_sums) - dg.total(base)) & dg.MASK
+        bounds, sums_list = offsets.tolist(), new_sums.tolist()
         for i, h in enumerate(hs.tolist()):
-            new = values[offsets[i]:offsets[i + 1]]
-            fresh = h in self.reset
-            old = final.get(h, _EMPTY if fresh else self.state.blocks[g][h])
-            old_sum = sums.get(h, 0 if fresh else int(cols.block_sum[g, h]))
-            if replace:
-                table, start, base = new, 0, 0
-            else:
-                table, start, base = np.concatenate([old, new]), old.size, old_sum
-            new_sum = (base + dg.total(dg.block_terms(h, g, start, new))) & dg.MASK
-            self.digest = (self.digest - old_sum + new_sum) & dg.MASK
-            final[h], sums[h] = table, new_sum
+            new = values[bounds[i]:bounds[i + 1]]
+            final[h] = new if replace else np.concatenate((old_tables[i], new))
+            sums[h] = sums_list[i]
+        if not replace:
+            self.appended[g] = (hs, counts, values)
+
+    def _current_tables(self, g: int, hs: IntArray, final: dict[int, IntArray],
+                        sums: dict[int, int]) -> tuple[list[IntArray], IntArray, IntArray]:
+        """(tables, digest sums, lengths) of rows as they stand earlier in this delta."""
+        state, cols = self.state, self.state.cols
+        inside = hs < cols.capacity
+        base = np.zeros(hs.size, dtype=np.uint64)
+        lens = np.zeros(hs.size, dtype=np.int64)
+        base[inside] = cols.block_sum[g, hs[inside]]
+        lens[inside] = cols.block_len[g, hs[inside]]
+        tables = [state.blocks[g][h] if h < len(state.blocks[g]) else _EMPTY for h in hs.tolist()]
+        if self.reset or final:
+            for i, h in enumerate(hs.tolist()):
+                if h in final:
+                    tables[i], base[i], lens[i] = final[h], sums[h], final[h].size
+                elif h in self.reset:
+                    tables[i], base[i], lens[i] = _EMPTY, 0, 0
+        return tables, base, lens
 
     # -- computed and scheduled token counts -------------------------------------
     def computed(self, sched: IntArray, added: list[Added]) -> tuple[IntArray, IntArray]:
@@ -421,6 +453,7 @@ def _steady(state: ReplicaState) -> Plan:
     plan = Plan(_EMPTY, [], sched, state.nsched, {}, [], [{}] * state.kv_groups, [], sched,
                 values, step, (state.digest + advance_delta(state)) & dg.MASK)  # type: ignore[arg-type]
     plan.block_sums = [{}] * state.kv_groups  # type: ignore[attr-defined]
+    plan.appended = {}  # type: ignore[attr-defined]
     return plan
 
 
@@ -443,4 +476,5 @@ def prepare(state: ReplicaState, body: DeltaBody) -> Plan:
     plan = Plan(finished, added, sched, nsched, truncate, token_rows, final, [], comp_h, comp_v,
                 step, p.digest)
     plan.block_sums = sums  # type: ignore[attr-defined]
+    plan.appended = p.appended if not p.reset and not body.block_replace else {}  # type: ignore[attr-defined]
     return plan

@@ -95,3 +95,4 @@ def _load_blocks(state: ReplicaState, body: SnapshotBody, planner: _Planner) -> 
             table.flags.writeable = False
             state.blocks[g][h] = table
             state.cols.block_sum[g, h] = dg.total(dg.block_terms(h, g, 0, table))
+            state.cols.block_len[g, h] = table.size

@@ -94,6 +94,7 @@ class ReplicaState:
         for g in range(self.kv_groups):
             self.blocks[g][h] = _EMPTY
             self.cols.block_sum[g, h] = 0
+            self.cols.block_len[g, h] = 0
         if self.token_mode == TOKEN_MODE_ENGINE:
             self.tokens[h] = None
             self.cols.token_sum[h] = 0
@@ -139,13 +140,52 @@ class ReplicaState:
 
     def _commit_blocks(self, plan: Plan) -> None:
         sums = plan.block_sums  # type: ignore[attr-defined]
+        appended = plan.appended  # type: ignore[attr-defined]
         for g, final in enumerate(plan.block_replace):
+            if not final:
+                continue
             for h, table in final.items():
                 table.flags.writeable = False
                 self.blocks[g][h] = table
-                self.cols.block_sum[g, h] = sums[g][h]
-            if final:
+            hs = np.fromiter(final.keys(), dtype=np.int64, count=len(final))
+            self.cols.block_sum[g, hs] = np.fromiter(sums[g].values(), dtype=np.uint64,
+                                                     count=len(final))
+            self.cols.block_len[g, hs] = [t.size for t in final.values()]
+            if g in appended and plan.schedule is self.schedule:
+                self._patch_block_cache(g, *appended[g])
+            else:
                 self._rebuild_cache.pop(f"blocks{g}", None)
+
+    def _patch_block_cache(self, g: int, hs: IntArray, counts: IntArray,
+                           values: IntArray) -> None:
+        """Insert appended blocks into the cached flat table instead of rebuilding it (O(n)
+        memcpy, no per-row Python)."""
+        key = f"blocks{g}"
+        cached = self._rebuild_cache.get(key)
+        if cached is None or cached[0] is not self.schedule:  # type: ignore[index]
+            self._rebuild_cache.pop(key, None)
+            return
+        position = self._schedule_positions()
+        pos = position[hs]
+        if (pos < 0).any():  # a row outside the schedule: nothing cached to patch
+            self._rebuild_cache.pop(key, None)
+            return
+        _, lengths, flat = cached  # type: ignore[misc]
+        ends = np.cumsum(lengths)[pos]
+        flat = np.insert(flat, np.repeat(ends, counts), values)
+        lengths = lengths.copy()
+        lengths[pos] += counts
+        self._rebuild_cache[key] = (self.schedule, lengths, flat)
+
+    def _schedule_positions(self) -> IntArray:
+        """handle -> batch position for the current schedule (-1 when unscheduled); cached."""
+        cached = self._rebuild_cache.get("positions")
+        if cached is None or cached[0] is not self.schedule:  # type: ignore[index]
+            position = np.full(self.cols.capacity, -1, dtype=np.int64)
+            position[self.schedule] = np.arange(self.schedule.size)
+            cached = (self.schedule, position)
+            self._rebuild_cache["positions"] = cached
+        return cached[1]  # type: ignore[index,no-any-return]
 
     # -- reading ----------------------------------------------------------------------
     def live_handles(self) -> IntArray:

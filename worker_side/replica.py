@@ -45,7 +45,7 @@ class State(enum.Enum):
     SYNCED = "synced"
     #: A gap, new epoch or bad delta was seen; waiting for a snapshot.
     DESYNCED = "desynced"
-    #: The engine said Goodbye; only a new epoch's snapshot revives the replica.
+    #: The engine said Goodbye; a snapshot (a new epoch's, or a newer one) revives it.
     CLOSED = "closed"
 
 
@@ -193,7 +193,7 @@ class WorkerReplica:
             assert isinstance(msg, Snapshot)
             return self._load(msg, now)
         if action is Action.BUFFER:
-            assert isinstance(msg, (Delta, Goodbye))
+            assert isinstance(msg, (Delta, Goodbye, Heartbeat))  # new-epoch heartbeat: wait
             if isinstance(msg, Delta):
                 self._buffer.append(msg)
                 return [ev.Buffered(msg.seq), *self._need("waiting for snapshot", now)]
