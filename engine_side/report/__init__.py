@@ -1,0 +1,1 @@
+"""Wire-size reports: replay workloads through every format, account bytes per field."""

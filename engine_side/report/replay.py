@@ -1,0 +1,125 @@
+"""Replay a stream of full requests through every format, step by step, side by side.
+
+Formats (the bench's names): ``deltacast`` (mirror diff + codec; decode = decode
++ apply + rebuild), ``msgspec_full`` (the full request in msgspec, no deltas;
+arrays as zero-copy frames), ``pickle_v1`` (vLLM v1 SchedulerOutput RPC tuple,
+real classes when vLLM is importable, else the stand-in -- labelled), ``pickle``
+(the full request pickled: the old v0 path).  Every step is measured in every
+format, interleaved, so machine noise hits all formats alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from engine_side.bench import baselines
+from engine_side.mirror import EngineMirror
+from engine_side.report.accounting import delta_breakdown, pickle_v1_breakdown
+from protocol import codec
+from protocol.request import ExecuteModelRequest, request_differences
+from protocol.tensors import make_enc_hook, make_ext_hook
+from worker_side.events import Applied
+from worker_side.replica import WorkerReplica
+
+FORMATS = ("deltacast", "msgspec_full", "pickle_v1", "pickle")
+
+
+@dataclass
+class StepRecord:
+    bytes: int
+    encode_us: float
+    decode_us: float
+    breakdown: dict[str, int] | None = None
+
+
+@dataclass
+class Replay:
+    """Per-format step records of one workload."""
+
+    name: str
+    batch: int
+    steps: dict[str, list[StepRecord]] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter_ns()
+    out = fn()
+    return out, (time.perf_counter_ns() - t0) / 1e3
+
+
+class _Deltacast:
+    def __init__(self, token_mode: int, kv_groups: int) -> None:
+        self.mirror = EngineMirror(token_mode=token_mode, kv_groups=kv_groups)
+        self.replica = WorkerReplica(silence_timeout=float("inf"))
+        self.replica.receive(codec.decode(codec.encode(self.mirror.snapshot())), 0.0)
+
+    def step(self, req: ExecuteModelRequest) -> StepRecord:
+        (delta, frames), enc_us = _timed(lambda: (d := self.mirror.diff(req), codec.encode(d)))
+        events, dec_us = _timed(lambda: (self.replica.receive(codec.decode(frames), 0.0),
+                                         self.replica.request()))
+        if not isinstance(events[0][-1], Applied):
+            raise RuntimeError(f"replica did not apply step {delta.seq}: {events[0]}")
+        differ = request_differences(events[1], req)
+        if differ:
+            raise RuntimeError(f"rebuilt request differs at step {delta.seq}: {differ}")
+        return StepRecord(codec.encoded_size(frames), enc_us, dec_us,
+                          delta_breakdown(delta, frames))
+
+
+def _dec_hook(kind: type, obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return obj
+    raise NotImplementedError(f"cannot decode {kind}")
+
+
+class _MsgspecFull:
+    def step(self, req: ExecuteModelRequest) -> StepRecord:
+        aux: list[Any] = []
+        encoder = msgspec.msgpack.Encoder(enc_hook=make_enc_hook(aux))
+        body, enc_us = _timed(lambda: encoder.encode(req))
+        frames = [body, *aux]
+        decoder = msgspec.msgpack.Decoder(ExecuteModelRequest, dec_hook=_dec_hook,
+                                          ext_hook=make_ext_hook(frames[1:]))
+        _, dec_us = _timed(lambda: decoder.decode(body))
+        return StepRecord(codec.encoded_size(frames), enc_us, dec_us)
+
+
+class _Pickle:
+    def __init__(self, convert: Callable[[ExecuteModelRequest], Any], account: bool) -> None:
+        self.convert, self.account = convert, account
+
+    def step(self, req: ExecuteModelRequest) -> StepRecord:
+        obj = self.convert(req)
+        frames, enc_us = _timed(lambda: baselines.pickle_frames(obj))
+        _, dec_us = _timed(lambda: baselines.unpickle_frames(frames))
+        size = baselines.frames_size(frames)
+        split = pickle_v1_breakdown(obj[1][0], size) if self.account else None
+        return StepRecord(size, enc_us, dec_us, split)
+
+
+def replay(name: str, requests: Iterable[ExecuteModelRequest], batch: int, token_mode: int,
+           kv_groups: int = 1, on_step: Callable[[], None] | None = None) -> Replay:
+    """Run every step of ``requests`` through every format (interleaved per step)."""
+    v1 = baselines.V1Scheduler()
+    lanes: dict[str, Any] = {
+        "deltacast": _Deltacast(token_mode, kv_groups),
+        "msgspec_full": _MsgspecFull(),
+        "pickle_v1": _Pickle(lambda r: baselines.rpc_message(v1.convert(r)), account=True),
+        "pickle": _Pickle(lambda r: r, account=False),
+    }
+    result = Replay(name, batch, {f: [] for f in FORMATS},
+                    {"pickle_v1": f"vLLM SchedulerOutput ({v1.label})"})
+    for i, req in enumerate(requests):
+        order = FORMATS[i % len(FORMATS):] + FORMATS[: i % len(FORMATS)]
+        for fmt in order:
+            result.steps[fmt].append(lanes[fmt].step(req))
+        if on_step is not None:
+            on_step()
+    return result
