@@ -183,7 +183,7 @@ class DiffContext:
     # -- schedule ---------------------------------------------------------------------
     def _schedule(self) -> None:
         prev, new = self.state.schedule, self.handles
-        if not self.reset and prev.size == new.size and np.array_equal(prev, new):
+        if not self.reset and (new is prev or same_ints(prev, new)):
             return
         keep = np.isin(prev, new)
         if self.reset:
@@ -289,7 +289,14 @@ class DiffContext:
         actual = np.asarray(self.request.num_computed_tokens, dtype=np.int64)
         if actual.size and actual.min() < 0:
             raise LocalProtocolError("negative num_computed_tokens")
-        deltas = actual - self._predicted_computed()
+        state = self.state
+        if self.handles is state.schedule and not self.reset:  # unchanged batch: advance
+            predicted = state.cols.computed[state.schedule] + state.nsched
+            if same_ints(actual, predicted):
+                return
+        else:
+            predicted = self._predicted_computed()
+        deltas = actual - predicted
         pos = np.flatnonzero(deltas)
         if pos.size:
             self.fields["computed_tokens"] = Rows(handles=pack_uints(pos),
@@ -300,6 +307,8 @@ class DiffContext:
         actual = np.asarray(self.request.num_scheduled_tokens, dtype=np.int64)
         if actual.size and actual.min() < 0:
             raise LocalProtocolError("negative num_scheduled_tokens")
+        if hs is self.state.schedule and not self.reset and same_ints(actual, self.state.nsched):
+            return
         known = self._carried_over()
         known[known] = cols.in_sched[hs[known]]
         pred = np.ones(hs.size, dtype=np.int64)

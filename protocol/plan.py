@@ -100,10 +100,15 @@ class _Planner:
         self.state = state
         self.body = body
         cols = state.cols
-        self.live = cols.live.copy()
+        self.live = cols.live  # copied on first write (_own_live): most deltas add nothing
+        self._live_owned = False
         self.reset: set[int] = set()  # handles finished or (re)added: no history carried over
         self.appended: dict[int, tuple[IntArray, IntArray, IntArray]] = {}  # group -> rows
         self.digest = state.digest
+
+    def _own_live(self) -> None:
+        if not self._live_owned:
+            self.live, self._live_owned = self.live.copy(), True
 
     def fail(self, message: str, **fields: object) -> InvalidDelta:
         return InvalidDelta(message, **fields)
@@ -129,6 +134,7 @@ class _Planner:
         self.check_live(finished, "finished")
         for h in finished.tolist():
             self.drop_terms(h)
+            self._own_live()
             self.live[h] = False
             self.reset.add(h)
         return finished
@@ -148,6 +154,7 @@ class _Planner:
 
     def _mark_added(self, added: list[Added]) -> None:
         if added:
+            self._own_live()
             top = max(a.handle for a in added)
             if top >= self.live.size:
                 self.live = np.concatenate([self.live, np.zeros(top + 1 - self.live.size, bool)])
@@ -359,8 +366,14 @@ class _Planner:
         return tables, base, lens
 
     # -- computed and scheduled token counts -------------------------------------
+    def _unchanged_schedule(self, sched: IntArray) -> bool:
+        return sched is self.state.schedule and not self.reset
+
     def computed(self, sched: IntArray, added: list[Added]) -> tuple[IntArray, IntArray]:
         cols, prev = self.state.cols, self.state.schedule
+        if self._unchanged_schedule(sched) and self.body.computed_tokens is None:
+            self.digest = (self.digest + advance_delta(self.state)) & dg.MASK
+            return sched, cols.computed[sched] + self.state.nsched  # the steady advance
         base = np.zeros(self.live.size, dtype=np.int64)
         base[: cols.capacity] = cols.computed[: self.live.size]
         for a in added:
@@ -380,6 +393,8 @@ class _Planner:
 
     def nsched(self, sched: IntArray) -> IntArray:
         cols, state = self.state.cols, self.state
+        if self._unchanged_schedule(sched) and self.body.scheduled_tokens is None:
+            return state.nsched  # repeats: same object, schedule term unchanged
         cap = cols.capacity
         known = np.zeros(sched.size, dtype=bool)
         inside = sched < cap
@@ -418,7 +433,7 @@ class _Planner:
 
     def aligned(self, rows: Rows | None, sched: IntArray) -> Ragged:
         if rows is None:
-            return Ragged.empty(sched.size)
+            return _empty_rows(self.state, sched.size)
         if rows.handles:
             raise self.fail("schedule-aligned rows must not name handles")
         counts = _ints(rows.counts)
@@ -429,6 +444,16 @@ class _Planner:
 
 
 _STEADY_BODY = DeltaBody()
+
+
+def _empty_rows(state: ReplicaState, n: int) -> Ragged:
+    """A shared all-empty Ragged of ``n`` rows (never mutated: rebuild copies it out)."""
+    key = ("empty_rows", n)
+    cached = state._rebuild_cache.get(key)  # type: ignore[call-overload]
+    if cached is None:
+        cached = Ragged.empty(n)
+        state._rebuild_cache[key] = cached  # type: ignore[index]
+    return cached  # type: ignore[no-any-return]
 
 
 def advance_delta(state: ReplicaState) -> int:
@@ -447,8 +472,8 @@ def _steady(state: ReplicaState) -> Plan:
     values = state.cols.computed[sched] + state.nsched
     step = state._rebuild_cache.get("steady_step")
     if step is None or step.spec_tokens.lengths.size != sched.size:  # type: ignore[attr-defined]
-        step = StepInfo(spec_tokens=Ragged.empty(sched.size),
-                        encoder_inputs=Ragged.empty(sched.size))
+        empty = _empty_rows(state, sched.size)
+        step = StepInfo(spec_tokens=empty, encoder_inputs=empty)
         state._rebuild_cache["steady_step"] = step
     plan = Plan(_EMPTY, [], sched, state.nsched, {}, [], [{}] * state.kv_groups, [], sched,
                 values, step, (state.digest + advance_delta(state)) & dg.MASK)  # type: ignore[arg-type]

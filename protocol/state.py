@@ -52,7 +52,7 @@ class ReplicaState:
         self.nsched: IntArray = _EMPTY
         self.digest = 0
         self.step = StepInfo()
-        self._rebuild_cache: dict[str, object] = {}
+        self._rebuild_cache: dict[object, object] = {}
 
     # -- applying deltas ------------------------------------------------------------
     def apply(self, body: DeltaBody, expected_digest: int | None = None) -> Plan:

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``deltacast bench``: one module per kind, shared JSON rows (``rows``)."""
