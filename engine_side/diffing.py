@@ -200,31 +200,42 @@ class DiffContext:
 
     # -- tokens (engine-token mode) -----------------------------------------------------
     def _tokens(self) -> None:
+        """Appended tokens and truncations per scheduled row.
+
+        Rows are whole histories, usually only appended to (SPEC §8).  A row at least
+        as long as what the workers hold and agrees on all held tokens is taken as
+        an append (one vectorised compare); anything else becomes a truncation at
+        the first difference plus an append.  ``EngineMirror(verify=True)`` checks
+        the whole rebuilt request.
+        """
         rows = self.request.output_token_ids
         if rows is None:
             return
-        trunc_h, trunc_n, counts, values = [], [], [], []
-        for i, h in enumerate(self.handles.tolist()):
-            new = np.asarray(rows[i], dtype=np.int64)
-            if h in self.reset:  # the add carried the whole history
+        bufs, reset = self.state.tokens, self.reset
+        trunc_h: list[int] = []
+        trunc_n: list[int] = []
+        counts: list[int] = []
+        tails: list[IntArray] = []
+        for h, row in zip(self.handles.tolist(), rows, strict=True):
+            buf = None if h in reset else bufs[h]
+            if buf is None:  # a new entry: the add carried the whole history
                 counts.append(0)
                 continue
-            old = self.state.tokens[h].view()  # type: ignore[union-attr]
-            n = min(old.size, new.size)
-            mismatch = np.flatnonzero(old[:n] != new[:n])
-            common = int(mismatch[0]) if mismatch.size else n
-            if common < old.size:
+            held, size = len(buf), len(row)
+            # The whole held prefix must agree: a rewrite may keep the last token.
+            if size < held or (held and not _same_prefix(buf.view(), row, held)):
+                held = _common_prefix(buf.view(), np.asarray(row, dtype=np.int64))
                 trunc_h.append(h)
-                trunc_n.append(common)
-            counts.append(new.size - common)
-            values.append(new[common:])
+                trunc_n.append(held)
+            counts.append(size - held)
+            if size > held:
+                tails.append(row[held:])
         if trunc_h:
             self.fields["truncate"] = Rows(handles=pack_uints(trunc_h), values=pack_uints(trunc_n))
-        if any(counts):
-            flat = np.concatenate(values) if values else _EMPTY
-            ones = all(c == 1 for c in counts)
+        if tails:
+            ones = len(tails) == len(counts) and all(c == 1 for c in counts)
             self.fields["tokens"] = Rows(counts=b"" if ones else pack_uints(counts),
-                                         values=pack_uints(flat))
+                                         values=pack_uints(np.concatenate(tails)))
 
     # -- blocks ------------------------------------------------------------------------
     def _old_tables(self, g: int) -> Ragged:
@@ -352,6 +363,20 @@ class DiffContext:
 
 def _same_table(a: Ragged, b: Ragged) -> bool:
     return same_ints(a.lengths, b.lengths) and same_ints(a.values, b.values)
+
+
+def _same_prefix(held: IntArray, row: IntArray, n: int) -> bool:
+    """``row[:n]`` equals ``held`` (memcmp when the dtypes agree)."""
+    head = row[:n]
+    if head.dtype == held.dtype:
+        return bool(head.tobytes() == held.tobytes())
+    return bool(np.array_equal(head, held))
+
+
+def _common_prefix(a: IntArray, b: IntArray) -> int:
+    n = min(a.size, b.size)
+    mismatch = np.flatnonzero(a[:n] != b[:n])
+    return int(mismatch[0]) if mismatch.size else n
 
 
 def _segments(starts: IntArray, counts: IntArray) -> IntArray:

@@ -111,7 +111,7 @@ class Workload:
         self.computed = np.zeros(n, dtype=np.int64)
         self.out_len = np.zeros(n, dtype=np.int64)
         self.nblocks = np.zeros(n, dtype=np.int64)
-        self.blocks = np.zeros((n, self.max_blocks), dtype=np.int64)
+        self.blocks = np.zeros((n, self.max_blocks), dtype=np.int32)  # block ids < 2**31
         width = self.max_out if self.scenario.engine_tokens else 1
         self.tokens = np.zeros((n, width), dtype=np.int64)
 

@@ -74,6 +74,10 @@ class TokenBuffer:
         out.flags.writeable = False
         return out
 
+    def last(self) -> int:
+        """The newest token (the buffer must not be empty)."""
+        return int(self._buf[self._len - 1])
+
     def append(self, tokens: IntArray) -> None:
         end = self._len + tokens.size
         if end > self._buf.size:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from protocol import digest as dg
 from protocol.errors import InvalidDelta
@@ -58,6 +59,18 @@ class Added:
 
 
 @dataclass
+class TokenRows:
+    """Token appends of a delta, decoded: rows ``handles`` get ``values[offsets[i]:
+    offsets[i+1]]``; ``sums`` are each row's digest terms."""
+
+    handles: IntArray
+    counts: IntArray
+    values: IntArray
+    offsets: IntArray
+    sums: npt.NDArray[np.uint64]
+
+
+@dataclass
 class Plan:
     """Everything a delta changes, decoded and checked; ``digest`` is the result."""
 
@@ -66,7 +79,7 @@ class Plan:
     schedule: IntArray
     nsched: IntArray
     truncate: dict[int, int]
-    token_rows: list[tuple[int, IntArray]]
+    token_rows: TokenRows | None
     block_replace: list[dict[int, IntArray]]
     block_append: list[list[tuple[int, IntArray]]]
     computed_handles: IntArray
@@ -103,6 +116,7 @@ class _Planner:
         self.live = cols.live  # copied on first write (_own_live): most deltas add nothing
         self._live_owned = False
         self.reset: set[int] = set()  # handles finished or (re)added: no history carried over
+        self.truncated_sums: dict[int, int] = {}  # handle -> digest terms removed
         self.appended: dict[int, tuple[IntArray, IntArray, IntArray]] = {}  # group -> rows
         self.digest = state.digest
 
@@ -252,12 +266,12 @@ class _Planner:
 
     # -- tokens -----------------------------------------------------------------
     def tokens(self, sched: IntArray, added: list[Added]) -> tuple[dict[int, int],
-                                                                 list[tuple[int, IntArray]]]:
+                                                                 TokenRows | None]:
         body, state = self.body, self.state
         if state.token_mode != TOKEN_MODE_ENGINE:
             if body.truncate is not None or body.tokens is not None:
                 raise self.fail("token fields in worker-owned token mode")
-            return {}, []
+            return {}, None
         new_len = {a.handle: a.tokens.size for a in added if a.tokens is not None}
         current = {}
 
@@ -282,23 +296,29 @@ class _Planner:
         fresh = next((a.tokens for a in added if a.handle == h), None)
         source = fresh if fresh is not None else self.state.tokens[h].view()  # type: ignore
         gone = source[start:end]
-        terms = dg.token_terms(np.full(gone.size, h), np.arange(start, end), gone)
-        self.digest = (self.digest - dg.total(terms)) & dg.MASK
+        lost = dg.total(dg.token_terms(np.full(gone.size, h), np.arange(start, end), gone))
+        self.truncated_sums[h] = lost
+        self.digest = (self.digest - lost) & dg.MASK
 
     def _token_appends(self, sched: IntArray, length: object, current: dict[int, int]
-                       ) -> list[tuple[int, IntArray]]:
+                       ) -> TokenRows | None:
         if self.body.tokens is None:
-            return []
+            return None
         hs, counts, values = self.rows(self.body.tokens, sched)
         self.check_live(hs, "tokens")
-        if np.unique(hs).size != hs.size:
+        if hs is not sched and np.unique(hs).size != hs.size:
             raise self.fail("token rows repeat a handle")
-        starts = np.array([length(h) for h in hs.tolist()], dtype=np.int64)  # type: ignore
+        starts = np.fromiter((length(h) for h in hs.tolist()), dtype=np.int64,  # type: ignore
+                             count=hs.size)
+        offsets = np.zeros(hs.size + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
         row = np.repeat(np.arange(hs.size), counts)
-        offsets = np.concatenate([[0], np.cumsum(counts)])
         pos = starts[row] + (np.arange(values.size) - offsets[row])
-        self.digest = (self.digest + dg.total(dg.token_terms(hs[row], pos, values))) & dg.MASK
-        return [(h, values[offsets[i]:offsets[i + 1]]) for i, h in enumerate(hs.tolist())]
+        cum = np.zeros(values.size + 1, dtype=np.uint64)
+        np.cumsum(dg.token_terms(hs[row], pos, values), out=cum[1:])
+        sums = cum[offsets[1:]] - cum[offsets[:-1]]
+        self.digest = (self.digest + int(cum[-1])) & dg.MASK
+        return TokenRows(hs, counts, values, offsets, sums)
 
     # -- blocks -----------------------------------------------------------------
     def blocks(self, sched: IntArray) -> tuple[list[dict[int, IntArray]], list[dict[int, int]]]:
@@ -475,10 +495,11 @@ def _steady(state: ReplicaState) -> Plan:
         empty = _empty_rows(state, sched.size)
         step = StepInfo(spec_tokens=empty, encoder_inputs=empty)
         state._rebuild_cache["steady_step"] = step
-    plan = Plan(_EMPTY, [], sched, state.nsched, {}, [], [{}] * state.kv_groups, [], sched,
+    plan = Plan(_EMPTY, [], sched, state.nsched, {}, None, [{}] * state.kv_groups, [], sched,
                 values, step, (state.digest + advance_delta(state)) & dg.MASK)  # type: ignore[arg-type]
     plan.block_sums = [{}] * state.kv_groups  # type: ignore[attr-defined]
     plan.appended = {}  # type: ignore[attr-defined]
+    plan.truncated_sums = {}  # type: ignore[attr-defined]
     return plan
 
 
@@ -502,4 +523,5 @@ def prepare(state: ReplicaState, body: DeltaBody) -> Plan:
                 step, p.digest)
     plan.block_sums = sums  # type: ignore[attr-defined]
     plan.appended = p.appended if not p.reset and not body.block_replace else {}  # type: ignore[attr-defined]
+    plan.truncated_sums = p.truncated_sums  # type: ignore[attr-defined]
     return plan

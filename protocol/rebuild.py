@@ -14,6 +14,8 @@ import numpy as np
 
 from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
 
+_EMPTY = np.zeros(0, dtype=np.int64)
+
 if TYPE_CHECKING:
     from protocol.state import ReplicaState
 
@@ -43,7 +45,7 @@ def cached_block_table(state: ReplicaState, g: int) -> tuple[IntArray, IntArray]
     if cached is None or cached[0] is not state.schedule:  # type: ignore[index]
         rows = [state.blocks[g][h] for h in state.schedule.tolist()]
         lengths = np.fromiter((r.size for r in rows), dtype=np.int64, count=len(rows))
-        values = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+        values = (np.concatenate(rows) if rows else _EMPTY).astype(np.int32)  # ids < 2**31
         cached = (state.schedule, lengths, values)
         state._rebuild_cache[key] = cached
     _, lengths, values = cached  # type: ignore[misc]

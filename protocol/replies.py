@@ -22,7 +22,7 @@ from protocol.messages import CheckIn, Goodbye, Hello, Message, SnapshotRequest
 from protocol.request import IntArray
 
 
-class StepResult(Message, tag=100):
+class StepResult(Message, frozen=True, tag=100):
     """Tokens sampled by ``rank`` for step ``seq`` of ``epoch``.
 
     ``rows`` are the batch positions of the requests that sampled (a partial

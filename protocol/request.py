@@ -76,7 +76,8 @@ class ExecuteModelRequest(msgspec.Struct):
     """One step, complete.  Columns align with ``req_ids`` (batch order).
 
     ``block_tables`` holds one Ragged per KV-cache group with each request's
-    *whole* block table.  ``output_token_ids`` is None when workers own their
+    *whole* block table (rebuilt values are int32: block ids are below 2**31;
+    equality ignores integer width).  ``output_token_ids`` is None when workers own their
     sampled tokens (tensor parallelism); otherwise each row is the request's
     whole output history (engine-sent tokens).
     """

@@ -123,20 +123,18 @@ class ReplicaState:
         self._rebuild_cache.clear()
 
     def _commit_tokens(self, plan: Plan) -> None:
+        sums = self.cols.token_sum
         for h, n in plan.truncate.items():
-            buf = self.tokens[h]
-            assert buf is not None
-            gone = buf.view()[n:]
-            terms = dg.token_terms(np.full(gone.size, h), np.arange(n, n + gone.size), gone)
-            self.cols.token_sum[h] = (int(self.cols.token_sum[h]) - dg.total(terms)) & dg.MASK
-            buf.truncate(n)
-        for h, values in plan.token_rows:
-            buf = self.tokens[h]
-            assert buf is not None
-            pos = np.arange(len(buf), len(buf) + values.size)
-            terms = dg.token_terms(np.full(values.size, h), pos, values)
-            self.cols.token_sum[h] = (int(self.cols.token_sum[h]) + dg.total(terms)) & dg.MASK
-            buf.append(values)
+            self.tokens[h].truncate(n)  # type: ignore[union-attr]
+            sums[h] = (int(sums[h]) - plan.truncated_sums[h]) & dg.MASK  # type: ignore[attr-defined]
+        rows = plan.token_rows
+        if rows is None:
+            return
+        sums[rows.handles] += rows.sums  # uint64 arithmetic wraps: digest sums are mod 2**64
+        bufs, bounds = self.tokens, rows.offsets.tolist()
+        for i, h in enumerate(rows.handles.tolist()):
+            if bounds[i + 1] > bounds[i]:
+                bufs[h].append(rows.values[bounds[i]:bounds[i + 1]])  # type: ignore[union-attr]
 
     def _commit_blocks(self, plan: Plan) -> None:
         sums = plan.block_sums  # type: ignore[attr-defined]

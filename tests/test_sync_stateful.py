@@ -1,0 +1,509 @@
+"""Convergence of engine mirror and worker replicas over a lossy network (model-based).
+
+A random engine workload (``tests/engine_model.py``) produces one full
+``ExecuteModelRequest`` per step; the :class:`EngineMirror` turns it into a Delta
+that travels as bytes through ``tests/fakenet.py`` to several
+:class:`WorkerReplica`s, with loss, duplication, reordering, late joins,
+heartbeats, snapshots on request and engine restarts.  Checked throughout:
+
+1. every applied step rebuilds exactly the engine's request for that step;
+2. a replica never applies across a gap: after ``SnapshotLoaded(s)`` it applies
+   ``s + 1, s + 2, ...`` of the same epoch and nothing else;
+3. a SYNCED replica's digest is consistent and equals the engine's at its seq;
+4. after delivering everything plus a snapshot, all replicas are SYNCED at the
+   engine's seq with the engine's digest (``settle``, also run at teardown).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import pytest
+from engine_model import EngineModel
+from fakenet import FakeNetwork
+from hypothesis import event, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from engine_side.mirror import EngineMirror
+from protocol import codec
+from protocol.messages import TOKEN_MODE_ENGINE, TOKEN_MODE_WORKER, Delta, Heartbeat
+from protocol.request import (
+    ExecuteModelRequest,
+    Ragged,
+    RequestSpec,
+    _same_value,
+    request_differences,
+)
+from worker_side import events as ev
+from worker_side.replica import State, WorkerReplica
+
+Key = tuple[int, int]  # (epoch, seq)
+
+
+class CheckedReplica(WorkerReplica):
+    """A replica that rebuilds the request right after *every* applied delta.
+
+    ``request()`` only reflects the last Applied of a ``receive`` call, but one
+    call may apply several buffered deltas after a snapshot; this hook checks
+    each of them through the same public ``request()``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(silence_timeout=1.0, snapshot_retry=0.5)
+        self.rebuilt: list[tuple[Key, ExecuteModelRequest]] = []
+
+    def _apply(self, delta: Delta, now: float) -> list[ev.Event]:
+        events = super()._apply(delta, now)
+        if any(isinstance(e, ev.Applied) for e in events):
+            self.rebuilt.append(((self.epoch, delta.seq), self.request()))
+        return events
+
+
+class Comparator:
+    """``request_differences`` with a memo of spec pairs already found equal.
+
+    Specs are immutable and shared across steps on both sides, so each
+    (engine spec, replica spec) pair is compared deeply once; the memo keeps
+    both objects alive so their ids stay unique.
+    """
+
+    def __init__(self) -> None:
+        self._equal: dict[tuple[int, int], tuple[RequestSpec, RequestSpec]] = {}
+
+    def same_spec(self, a: RequestSpec, b: RequestSpec) -> bool:
+        if a is b or (id(a), id(b)) in self._equal:
+            return True
+        if not _same_value(a, b):  # the deep comparison request_differences uses
+            return False
+        self._equal[(id(a), id(b))] = (a, b)
+        return True
+
+    def differences(self, got: ExecuteModelRequest, want: ExecuteModelRequest) -> list[str]:
+        rest = request_differences(msgspec.structs.replace(got, specs=[]),
+                                   msgspec.structs.replace(want, specs=[]))
+        same = len(got.specs) == len(want.specs) and all(
+            map(self.same_spec, got.specs, want.specs))
+        return rest if same else ["specs", *rest]
+
+
+@dataclass
+class Worker:
+    replica: CheckedReplica = field(default_factory=CheckedReplica)
+    anchor: Key | None = None  # last snapshot loaded or step applied
+    wants_snapshot: bool = False
+    applied: int = 0
+    checked: tuple[int, int, int] | None = None  # (id(data), epoch, seq) digest-checked
+
+
+class Harness:
+    """Engine model + mirror + fake network + checked replicas; every check is here."""
+
+    def __init__(self, token_mode: int, kv_groups: int, workers: int) -> None:
+        self.model = EngineModel(token_mode, kv_groups)
+        self.mirror = EngineMirror(1, token_mode, kv_groups)
+        self.net = FakeNetwork()
+        self.workers: list[Worker] = []
+        self.history: dict[Key, ExecuteModelRequest] = {}
+        self.digests: dict[Key, int] = {(1, 0): self.mirror.state.digest}
+        self.now = 0.0
+        self.coverage: Counter[str] = Counter()
+        self.compare = Comparator()
+        for _ in range(workers):
+            self.join()
+
+    # -- engine ------------------------------------------------------------------------
+    def step(self, seed: int) -> ExecuteModelRequest:
+        return self.publish(self.model.step(seed))
+
+    def publish(self, request: ExecuteModelRequest) -> ExecuteModelRequest:
+        """Diff ``request`` against the mirror, check the mirror, send the delta."""
+        delta = self.mirror.diff(request)
+        key = (delta.epoch, delta.seq)
+        diffs = self.compare.differences(self.mirror.state.rebuild(), request)
+        assert not diffs, f"engine mirror at {key} differs in {diffs}"  # EngineMirror.verify
+        self.history[key], self.digests[key] = request, delta.digest
+        self.net.publish(delta)
+        self._count(request, delta)
+        return request
+
+    def _count(self, request: ExecuteModelRequest, delta: Delta) -> None:
+        """Which delta features this step exercised (coverage statistics)."""
+        b, c = delta.body, self.coverage
+        c["prefix refs"] += sum(a.prefix_handle >= 0 for a in b.added)
+        c["truncations"] += b.truncate is not None
+        c["block replacements"] += bool(b.block_replace)
+        c["unknown finishes"] += bool(b.finished_unknown)
+        c["full schedules"] += bool(b.schedule_full)
+        c["same-step id reuse"] += bool(request.finished_req_ids & set(request.req_ids))
+        c["preemptions"] += bool(request.preempted_req_ids)
+        c["resumptions"] += bool(request.resumed_req_ids)
+        c["spec decode steps"] += bool(request.spec_token_ids.values.size)
+
+    def restart(self, keep: bool) -> None:
+        m = self.mirror
+        self.mirror = EngineMirror(m.epoch + 1, m.state.token_mode, m.state.kv_groups)
+        self.digests[(self.mirror.epoch, 0)] = self.mirror.state.digest
+        self.model.restart(keep)
+
+    def heartbeat(self) -> None:
+        epoch, seq, digest = self.mirror.heartbeat_fields()
+        self.net.publish(Heartbeat(epoch=epoch, seq=seq, digest=digest))
+
+    # -- workers -----------------------------------------------------------------------
+    def join(self) -> int:
+        self.workers.append(Worker())
+        return self.net.join()
+
+    def deliver(self, w: int) -> list[ev.Event]:
+        msg = codec.decode(self.net.links[w].pop())
+        events = self.workers[w].replica.receive(msg, self.now)
+        self.check_events(w, events)
+        return events
+
+    def serve_snapshot(self, w: int, front: bool = False) -> None:
+        self.workers[w].wants_snapshot = False
+        self.net.send(w, self.mirror.snapshot(), front=front)
+
+    def poll(self, dt: float) -> None:
+        self.now += dt
+        for w, worker in enumerate(self.workers):
+            self.check_events(w, worker.replica.poll(self.now))
+
+    def check_events(self, w: int, events: list[ev.Event]) -> None:
+        """Invariants 1 and 2, right where the events happen."""
+        worker = self.workers[w]
+        rebuilt, worker.replica.rebuilt = worker.replica.rebuilt, []
+        applied = [e.seq for e in events if isinstance(e, ev.Applied)]
+        assert [key[1] for key, _ in rebuilt] == applied, (w, events)
+        for e in events:
+            if isinstance(e, ev.SnapshotLoaded):
+                worker.anchor = (worker.replica.epoch, e.seq)
+            elif isinstance(e, ev.Applied):
+                key, request = rebuilt.pop(0)
+                after = worker.anchor
+                assert after is not None and key == (after[0], after[1] + 1), \
+                    f"worker {w} applied {key} after {after}: across a gap"
+                worker.anchor, worker.applied = key, worker.applied + 1
+                diffs = self.compare.differences(request, self.history[key])
+                assert not diffs, f"worker {w} step {key} differs in {diffs}"
+            elif isinstance(e, ev.NeedSnapshot):
+                worker.wants_snapshot = True
+
+    def check_synced(self) -> None:
+        """Invariant 3: a SYNCED replica is where its events say, with the engine's digest."""
+        for w, worker in enumerate(self.workers):
+            replica = worker.replica
+            if replica.state is not State.SYNCED:
+                continue
+            assert replica.data is not None
+            key = (replica.epoch, replica.seq)
+            assert key == worker.anchor, (w, key, worker.anchor)
+            assert replica.data.digest == self.digests[key], f"worker {w} digest at {key}"
+            if worker.checked != (id(replica.data), *key):  # O(state): once per state
+                assert replica.data.digest == replica.data.recompute_digest(), w
+                worker.checked = (id(replica.data), *key)
+
+    def stats(self) -> dict[str, int]:
+        """Coverage counters (reported as Hypothesis events)."""
+        replicas = [w.replica.stats for w in self.workers]
+        return {
+            "engine steps": len(self.history),
+            "applied deltas": sum(w.applied for w in self.workers),
+            "snapshots loaded": sum(r["snapshots"] for r in replicas),
+            "gaps": sum(r["gaps"] for r in replicas),
+            "epochs": self.mirror.epoch,
+            **self.coverage,
+        }
+
+    def settle(self) -> None:
+        """Invariant 4: deliver all in order, then a snapshot; everyone converges."""
+        for w in range(len(self.workers)):
+            while self.net.links[w].queue:
+                self.deliver(w)
+            self.serve_snapshot(w)
+            self.deliver(w)
+        self.check_synced()
+        target = (self.mirror.epoch, self.mirror.seq)
+        for w, worker in enumerate(self.workers):
+            replica = worker.replica
+            assert replica.state is State.SYNCED, (w, replica.state)
+            assert (replica.epoch, replica.seq) == target, (w, replica.epoch, replica.seq)
+            assert replica.data is not None and replica.data.digest == self.mirror.state.digest
+
+
+SEEDS = st.integers(0, 2**32 - 1)
+
+
+def _bucket(n: int) -> str:
+    """Coarse ranges for ``hypothesis.event`` statistics."""
+    return next(f"<{b}" for b in (1, 5, 20, 50, 100, 10**9) if n < b)
+
+
+class SyncMachine(RuleBasedStateMachine):
+    """One engine, 1-4 workers, a lossy network; see the module docstring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._h: Harness | None = None
+        self.seed = 0
+
+    @property
+    def h(self) -> Harness:
+        assert self._h is not None
+        return self._h
+
+    @initialize(token_mode=st.sampled_from([TOKEN_MODE_WORKER, TOKEN_MODE_ENGINE]),
+                kv_groups=st.sampled_from([1, 2]), workers=st.integers(1, 3),
+                cold=st.booleans(), seed=SEEDS)
+    def start(self, token_mode: int, kv_groups: int, workers: int, cold: bool,
+              seed: int) -> None:
+        self._h = Harness(token_mode, kv_groups, workers)
+        self.seed = seed  # engine steps draw nothing: their seeds follow from this one
+        self.h.poll(0.0)  # joining replicas ask for a snapshot
+        for w in range(0 if cold else workers):  # warm start: the snapshot at seq 0 arrived
+            self.h.serve_snapshot(w)
+            self.h.deliver(w)
+
+    # -- workload --------------------------------------------------------------------
+    def _steps(self, steps: int) -> None:
+        for _ in range(steps):
+            self.seed = random.Random(self.seed).getrandbits(32)
+            for change in self.h.model.churn(self.seed):
+                note(change)
+            request = self.h.step(self.seed + 1)
+            note(f"step {self.h.mirror.epoch}:{self.h.mirror.seq} batch={request.req_ids} "
+                 f"sched={request.num_scheduled_tokens.tolist()} "
+                 f"finished={sorted(request.finished_req_ids)}")
+
+    @rule()
+    def engine_step(self) -> None:
+        """Workload churn (adds, finishes, preemptions...) then one step."""
+        self._steps(1)
+
+    @rule(steps=st.integers(2, 5))
+    def engine_burst(self, steps: int) -> None:
+        self._steps(steps)
+
+    @rule(seed=SEEDS)
+    def add_request(self, seed: int) -> None:
+        note(f"add {self.h.model.add_request(seed)}")
+
+    @precondition(lambda self: bool(self.h.model.live))
+    @rule(seed=SEEDS)
+    def finish_request(self, seed: int) -> None:
+        note(f"finish {self.h.model.finish(seed)}")
+
+    @precondition(lambda self: bool(self.h.model.live))
+    @rule(seed=SEEDS)
+    def reuse_id(self, seed: int) -> None:
+        note(f"finish and re-add {self.h.model.reuse_id(seed)}")
+
+    @precondition(lambda self: bool(self.h.model.preemptible()))
+    @rule(seed=SEEDS)
+    def preempt(self, seed: int) -> None:
+        note(f"preempt {self.h.model.preempt(seed)}")
+
+    @precondition(lambda self: bool(self.h.model.resumable()))
+    @rule(seed=SEEDS)
+    def resume(self, seed: int) -> None:
+        note(f"resume {self.h.model.resume(seed)}")
+
+    @precondition(lambda self: bool(self.h.model.live))
+    @rule(seed=SEEDS)
+    def update_params(self, seed: int) -> None:
+        note(f"new params for {self.h.model.update_params(seed)}")
+
+    @rule(keep=st.booleans())
+    def restart_engine(self, keep: bool) -> None:
+        self.h.restart(keep)
+        note(f"engine restarted as epoch {self.h.mirror.epoch} (keep requests: {keep})")
+
+    # -- network -----------------------------------------------------------------------
+    @precondition(lambda self: bool(self.h.net.busy()))
+    @rule(data=st.data(), count=st.integers(1, 4))
+    def deliver(self, data: st.DataObject, count: int) -> None:
+        w = data.draw(st.sampled_from(self.h.net.busy()), label="worker")
+        for _ in range(min(count, len(self.h.net.links[w].queue))):
+            note(f"worker {w} <- {self.h.deliver(w)}")
+
+    @precondition(lambda self: bool(self.h.net.busy()))
+    @rule(data=st.data())
+    def flush(self, data: st.DataObject) -> None:
+        w = data.draw(st.sampled_from(self.h.net.busy()), label="worker")
+        while self.h.net.links[w].queue:
+            note(f"worker {w} <- {self.h.deliver(w)}")
+
+    @precondition(lambda self: bool(self.h.net.busy()))
+    @rule(data=st.data(), kind=st.sampled_from(["drop", "duplicate", "reorder"]))
+    def fault(self, data: st.DataObject, kind: str) -> None:
+        w = data.draw(st.sampled_from(self.h.net.busy()), label="worker")
+        link = self.h.net.links[w]
+        i = data.draw(st.integers(0, len(link.queue) - 1), label="message")
+        if kind == "drop":
+            link.drop(i)
+        elif kind == "duplicate":
+            link.duplicate(i)
+        elif i + 1 < len(link.queue):
+            j = data.draw(st.integers(i + 1, len(link.queue) - 1), label="other")
+            link.swap(i, j)
+            kind = f"swap with {j}"
+        note(f"{kind}: message {i} to worker {w}")
+
+    @precondition(lambda self: len(self.h.workers) < 4)
+    @rule()
+    def join_late(self) -> None:
+        note(f"worker {self.h.join()} joins at seq {self.h.mirror.seq}")
+
+    @rule()
+    def heartbeat(self) -> None:
+        self.h.heartbeat()
+
+    @rule()
+    def keyframe(self) -> None:
+        """A snapshot published to everyone (periodic resync without back-chatter)."""
+        self.h.net.publish(self.h.mirror.snapshot())
+
+    @rule(dt=st.sampled_from([0.1, 0.6, 2.0]))
+    def advance_time(self, dt: float) -> None:
+        self.h.poll(dt)
+
+    @precondition(lambda self: any(w.wants_snapshot for w in self.h.workers))
+    @rule(data=st.data(), front=st.booleans())
+    def serve_snapshot(self, data: st.DataObject, front: bool) -> None:
+        wanting = [i for i, w in enumerate(self.h.workers) if w.wants_snapshot]
+        w = data.draw(st.sampled_from(wanting), label="worker")
+        self.h.serve_snapshot(w, front)
+        note(f"snapshot at {self.h.mirror.seq} queued for worker {w} (front: {front})")
+
+    @precondition(lambda self: any(w.wants_snapshot for w in self.h.workers))
+    @rule(data=st.data())
+    def lose_snapshot_request(self, data: st.DataObject) -> None:
+        wanting = [i for i, w in enumerate(self.h.workers) if w.wants_snapshot]
+        w = data.draw(st.sampled_from(wanting), label="worker")
+        self.h.workers[w].wants_snapshot = False  # a poll retry will ask again
+
+    @rule()
+    def settle(self) -> None:
+        self.h.settle()
+
+    # -- invariants --------------------------------------------------------------------
+    @invariant()
+    def synced_replicas_match_engine(self) -> None:
+        if self._h is not None:
+            self.h.check_synced()
+
+    def teardown(self) -> None:
+        # Convergence at the end of every run, unless the run already failed.
+        if self._h is not None and sys.exc_info()[0] is None:
+            self.h.settle()
+            stats = self.h.stats()
+            for name, value in stats.items():
+                event(f"{name}: {_bucket(value)}")
+
+
+SyncMachine.TestCase.settings = settings(stateful_step_count=50)
+TestSyncStateful = SyncMachine.TestCase
+
+
+# -- deterministic scenarios ---------------------------------------------------------------
+def _synced_harness(token_mode: int, kv_groups: int, workers: int) -> Harness:
+    """A harness whose workers have loaded the initial snapshot."""
+    h = Harness(token_mode, kv_groups, workers)
+    h.poll(0.0)
+    for w in range(workers):
+        assert h.workers[w].wants_snapshot
+        h.serve_snapshot(w)
+        h.deliver(w)
+    return h
+
+
+def _step_and_deliver(h: Harness, seed: int) -> None:
+    h.step(seed)
+    for w in range(len(h.workers)):
+        while h.net.links[w].queue:
+            h.deliver(w)
+    h.check_synced()
+    for worker in h.workers:
+        assert worker.anchor == (h.mirror.epoch, h.mirror.seq)
+
+
+@pytest.mark.parametrize("token_mode", [TOKEN_MODE_WORKER, TOKEN_MODE_ENGINE])
+@pytest.mark.parametrize("kv_groups", [1, 2])
+def test_scripted_lossless(token_mode: int, kv_groups: int) -> None:
+    """Adds, prefills, decodes, preemption, resume, id reuse; equality at every step."""
+    h = _synced_harness(token_mode, kv_groups, workers=2)
+    m = h.model
+    for seed in range(4):
+        m.add_request(seed)
+    for seed in range(100, 108):
+        _step_and_deliver(h, seed)
+    m.preempt(1)
+    _step_and_deliver(h, 200)
+    assert h.history[(1, h.mirror.seq)].preempted_req_ids
+    m.resume(2)
+    _step_and_deliver(h, 201)
+    assert h.history[(1, h.mirror.seq)].resumed_req_ids
+    reused = m.reuse_id(3)
+    _step_and_deliver(h, 202)
+    assert reused in h.history[(1, h.mirror.seq)].finished_req_ids
+    m.finish(4)
+    m.add_request(5)
+    for seed in range(300, 310):
+        _step_and_deliver(h, seed)
+    for seed in range(400, 500, 2):  # random churn: long prompts, sliding windows, ...
+        m.churn(seed)
+        _step_and_deliver(h, seed + 1)
+    assert all(w.applied == h.mirror.seq for w in h.workers)
+    assert sum(h.coverage.values()) > 0
+
+
+def test_drop_then_snapshot() -> None:
+    """A lost delta is detected at the next one; a snapshot and buffered deltas heal it."""
+    h = _synced_harness(TOKEN_MODE_ENGINE, 2, workers=2)
+    for seed in range(5):
+        h.model.add_request(seed)
+    for seed in range(10, 14):
+        _step_and_deliver(h, seed)
+    h.step(20)
+    h.net.links[1].drop(0)  # worker 1 misses this step
+    h.step(21)
+    h.step(22)
+    h.deliver(0), h.deliver(0), h.deliver(0)
+    gap = h.deliver(1)
+    assert any(isinstance(e, ev.GapDetected) for e in gap), gap
+    assert h.workers[1].replica.state is State.DESYNCED and h.workers[1].wants_snapshot
+    h.step(23)  # more steps while the snapshot request is in flight
+    h.serve_snapshot(1, front=True)  # out of band: overtakes the queued deltas
+    loaded = h.deliver(1)
+    assert any(isinstance(e, ev.SnapshotLoaded) for e in loaded), loaded
+    while h.net.links[1].queue:
+        h.deliver(1)  # the queued deltas (seq 7, 8) are stale now
+    _step_and_deliver(h, 24)
+    assert h.workers[1].replica.state is State.SYNCED
+    assert h.workers[1].replica.seq == h.workers[0].replica.seq == h.mirror.seq
+
+
+def test_engine_tokens_edited_before_the_last_token() -> None:
+    """A history rewritten in the middle whose last token still matches is a truncation."""
+    h = _synced_harness(TOKEN_MODE_ENGINE, 1, workers=1)
+    spec = RequestSpec("r", np.arange(20, dtype=np.int64))
+    for step, tokens in enumerate([[], [1, 2, 3], [1, 4, 3], [1, 4, 3, 5], [1, 4]]):
+        h.publish(ExecuteModelRequest(
+            req_ids=["r"], specs=[spec], num_scheduled_tokens=np.ones(1, dtype=np.int64),
+            num_computed_tokens=np.array([20 + step], dtype=np.int64),
+            block_tables=(Ragged.from_lists([[1, 2]]),), spec_token_ids=Ragged.empty(1),
+            encoder_inputs=Ragged.empty(1), output_token_ids=[np.array(tokens, dtype=np.int64)]))
+        h.deliver(0)
+        assert h.workers[0].anchor == (1, step + 1)
