@@ -22,7 +22,13 @@ from __future__ import annotations
 import enum
 from collections import deque
 
-from protocol.errors import IncompatibleVersion, InvalidDelta, LocalProtocolError, ProtocolError
+from protocol.errors import (
+    IncompatibleVersion,
+    InvalidDelta,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+)
 from protocol.messages import (
     PROTOCOL_MAJOR,
     AnyMessage,
@@ -147,6 +153,8 @@ class WorkerReplica:
         """Which table input ``msg`` is for this replica, right now."""
         if isinstance(msg, Hello):
             return Input.HELLO
+        if not isinstance(msg, (Goodbye, Snapshot, Heartbeat, Delta)):  # worker -> engine only
+            raise RemoteProtocolError("not a message for a worker", type=type(msg).__name__)
         if isinstance(msg, Goodbye):
             return Input.GOODBYE if msg.epoch == self.epoch or self.epoch < 0 else Input.NEW_EPOCH
         fresh_epoch = self.epoch >= 0 and msg.epoch != self.epoch
@@ -158,25 +166,22 @@ class WorkerReplica:
         if isinstance(msg, Heartbeat):
             ahead = self.seq >= 0 and msg.seq > self.seq
             return Input.HEARTBEAT_AHEAD if ahead else Input.HEARTBEAT
-        if isinstance(msg, Delta):
-            if msg.seq <= self.seq:
-                return Input.DELTA_STALE
-            return Input.DELTA_IN_ORDER if msg.seq == self.seq + 1 else Input.DELTA_GAP
-        raise LocalProtocolError("not a message for a worker", type=type(msg).__name__)
+        if msg.seq <= self.seq:
+            return Input.DELTA_STALE
+        return Input.DELTA_IN_ORDER if msg.seq == self.seq + 1 else Input.DELTA_GAP
 
     def receive(self, msg: AnyMessage, now: float) -> list[ev.Event]:
         """Feed one decoded engine message; returns what happened.
 
         Raises IncompatibleVersion for a Hello of another major version and
-        RemoteProtocolError for a message with no transition (state unchanged).
+        RemoteProtocolError for a message with no transition or one meant for
+        the engine (CheckIn, SnapshotRequest); the state is then unchanged.
         """
         self._last_heard, self._silent_reported = now, False
         self._ready = False
         kind = self.classify(msg)
         entry = TRANSITIONS.get((self.state, kind))
         if entry is None:
-            from protocol.errors import RemoteProtocolError
-
             raise RemoteProtocolError("message not allowed in this state",
                                       state=self.state.value, input=kind.value, seq=msg.seq)
         action, target = entry

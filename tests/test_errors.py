@@ -1,0 +1,65 @@
+"""The error tree (protocol.errors): abstract base, h11 split, structured fields."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol import codec
+from protocol.errors import (
+    IncompatibleVersion,
+    InvalidDelta,
+    LocalProtocolError,
+    MalformedMessage,
+    ProtocolError,
+    RemoteProtocolError,
+)
+from protocol.messages import DeltaBody, Hello
+from protocol.state import ReplicaState
+from worker_side.replica import check_hello
+
+
+def test_protocol_error_is_abstract() -> None:
+    with pytest.raises(TypeError, match="abstract"):
+        ProtocolError("boom")
+    with pytest.raises(TypeError):
+        ProtocolError("boom", seq=3)
+
+
+def test_hierarchy_splits_local_and_remote() -> None:
+    for cls in (MalformedMessage, IncompatibleVersion, InvalidDelta):
+        assert issubclass(cls, RemoteProtocolError)
+        assert not issubclass(cls, LocalProtocolError)
+    assert not issubclass(LocalProtocolError, RemoteProtocolError)
+    assert issubclass(RemoteProtocolError, ProtocolError)
+    assert issubclass(ProtocolError, Exception)
+
+
+@pytest.mark.parametrize("cls", [LocalProtocolError, RemoteProtocolError, MalformedMessage,
+                                 InvalidDelta])
+def test_fields_appear_in_str(cls: type[ProtocolError]) -> None:
+    err = cls("bad thing", seq=7, handles=[1, 2])
+    assert str(err) == "bad thing (seq=7, handles=[1, 2])"
+    assert err.fields == {"seq": 7, "handles": [1, 2]}
+    assert err.message == "bad thing"
+    assert str(cls("plain")) == "plain"
+
+
+def test_incompatible_version_fields() -> None:
+    err = IncompatibleVersion("other major", ours=1, theirs=2)
+    assert (err.ours, err.theirs) == (1, 2)
+    assert str(err) == "other major (ours=1, theirs=2)"
+
+
+def test_raised_errors_carry_their_fields() -> None:
+    with pytest.raises(IncompatibleVersion) as hello:
+        check_hello(Hello(epoch=1, seq=0, major=99))
+    assert "theirs=99" in str(hello.value)
+    with pytest.raises(MalformedMessage) as bad:
+        codec.decode([b"\xc1"])
+    assert "cause=" in str(bad.value)
+    with pytest.raises(InvalidDelta) as mismatch:
+        ReplicaState().apply(DeltaBody(), expected_digest=1)
+    assert mismatch.value.fields == {"expected": 1, "got": 0}
+    with pytest.raises(LocalProtocolError) as local:
+        ReplicaState(token_mode=5)
+    assert "token_mode=5" in str(local.value)
