@@ -10,9 +10,10 @@ repeats; only departures are sent.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from protocol.errors import LocalProtocolError
 from protocol.messages import TOKEN_MODE_ENGINE, DeltaBody, NewRequest, Rows
@@ -273,7 +274,7 @@ class DiffContext:
             # scheduled request" (SPEC §6.2).
             groups = [_NO_ROWS for _ in range(self.state.kv_groups)]
             self.fields[name] = groups
-        groups[g] = entry  # type: ignore[index]  (a list until _step_fields freezes it)
+        cast(list[Rows], groups)[g] = entry  # a list until _step_fields freezes it
 
     # -- token counts ----------------------------------------------------------------------
     def _predicted_computed(self) -> IntArray:
@@ -288,7 +289,7 @@ class DiffContext:
             pred[i] = int(self.request.num_computed_tokens[i])
         return pred
 
-    def _carried_over(self) -> IntArray:
+    def _carried_over(self) -> npt.NDArray[np.bool_]:
         """Mask of scheduled handles whose history carries over (not new in this delta)."""
         hs = self.handles
         known = hs < self.state.cols.capacity
@@ -301,6 +302,7 @@ class DiffContext:
         if actual.size and actual.min() < 0:
             raise LocalProtocolError("negative num_computed_tokens")
         state = self.state
+        predicted: IntArray
         if self.handles is state.schedule and not self.reset:  # unchanged batch: advance
             predicted = state.cols.computed[state.schedule] + state.nsched
             if same_ints(actual, predicted):

@@ -9,9 +9,8 @@ valid (truncation reallocates).
 from __future__ import annotations
 
 import numpy as np
-import numpy.typing as npt
 
-IntArray = npt.NDArray[np.int64]
+from protocol.request import IntArray
 
 
 class HandleColumns:

@@ -12,6 +12,7 @@ digests are stable across processes and PYTHONHASHSEED values.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -50,7 +51,7 @@ def _scalar(value: int) -> np.uint64:
     return np.uint64(value & MASK)
 
 
-def total(terms: U64) -> int:
+def total(terms: npt.NDArray[Any]) -> int:
     """Sum of terms mod 2**64 as a Python int."""
     return int(terms.sum(dtype=np.uint64)) & MASK if terms.size else 0
 

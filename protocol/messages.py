@@ -120,7 +120,7 @@ class Message(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=True):
     seq: int
 
 
-class Hello(Message, tag=1):
+class Hello(Message, frozen=True, tag=1):
     """First message of a session in either direction: version and features."""
 
     major: int = PROTOCOL_MAJOR
@@ -130,33 +130,33 @@ class Hello(Message, tag=1):
     rank: int = -1
 
 
-class Goodbye(Message, tag=2):
+class Goodbye(Message, frozen=True, tag=2):
     """Orderly end of a session; ``seq`` is the last seq the sender published/applied."""
 
     reason: str = ""
 
 
-class Heartbeat(Message, tag=3):
+class Heartbeat(Message, frozen=True, tag=3):
     """Engine liveness; ``seq`` is the newest delta seq published (gap detection when idle)."""
 
     digest: int = 0
 
 
-class Delta(Message, tag=4):
+class Delta(Message, frozen=True, tag=4):
     """One step's changes.  Its base is ``seq - 1``; ``digest`` is the state after applying."""
 
     digest: int
     body: DeltaBody = DeltaBody()
 
 
-class Snapshot(Message, tag=5):
+class Snapshot(Message, frozen=True, tag=5):
     """The whole state at ``seq``; deltas with a seq above it follow."""
 
     digest: int
     body: SnapshotBody = SnapshotBody()
 
 
-class CheckIn(Message, tag=6):
+class CheckIn(Message, frozen=True, tag=6):
     """Worker → engine: liveness, applied ``seq`` and a lagged hash of its sampled tokens."""
 
     rank: int = 0
@@ -166,7 +166,7 @@ class CheckIn(Message, tag=6):
     pid: int = 0
 
 
-class SnapshotRequest(Message, tag=7):
+class SnapshotRequest(Message, frozen=True, tag=7):
     """Worker → engine: please send a Snapshot (``seq`` = the worker's applied seq or -1)."""
 
     rank: int = 0

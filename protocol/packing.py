@@ -95,8 +95,8 @@ def _unpack_raw(buf: bytes, limit: int) -> npt.NDArray[np.uint64] | npt.NDArray[
         raise MalformedMessage("packed array length mismatch", expected=need, got=len(payload))
     if width in (8, 16, 32, 64):
         return np.frombuffer(payload, dtype=f"<u{width // 8}").astype(np.uint64)
-    bits = np.unpackbits(np.frombuffer(payload, dtype=np.uint8), bitorder="little")
-    bits = bits[: count * width].reshape(count, width).astype(np.int64)
+    flat = np.unpackbits(np.frombuffer(payload, dtype=np.uint8), bitorder="little")
+    bits = flat[: count * width].reshape(count, width).astype(np.int64)
     return bits @ (np.int64(1) << np.arange(width, dtype=np.int64))
 
 

@@ -14,7 +14,7 @@ exceptions, scheduled-token prediction and exceptions, step-only fields.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 import numpy as np
@@ -219,6 +219,7 @@ class _Planner:
     # -- schedule ---------------------------------------------------------------
     def schedule(self) -> IntArray:
         body, prev = self.body, self.state.schedule
+        sched: IntArray
         if body.schedule_full:
             if body.schedule_drop or body.schedule_append:
                 raise self.fail("full schedule combined with schedule edits")
@@ -473,7 +474,7 @@ def _empty_rows(state: ReplicaState, n: int) -> Ragged:
     if cached is None:
         cached = Ragged.empty(n)
         state._rebuild_cache[key] = cached  # type: ignore[index]
-    return cached  # type: ignore[no-any-return]
+    return cast(Ragged, cached)
 
 
 def advance_delta(state: ReplicaState) -> int:

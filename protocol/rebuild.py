@@ -8,7 +8,7 @@ tables are unchanged, and copied out, so every call returns fresh containers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,12 +21,12 @@ if TYPE_CHECKING:
 
 
 def _ids_and_specs(state: ReplicaState) -> tuple[list[str], list[RequestSpec]]:
-    cached = state._rebuild_cache.get("schedule")
+    cached: Any = state._rebuild_cache.get("schedule")
     if cached is None:
         specs = [state.specs[h] for h in state.schedule.tolist()]
         cached = ([s.req_id for s in specs], specs)  # type: ignore[union-attr]
         state._rebuild_cache["schedule"] = cached
-    ids, specs = cached  # type: ignore[misc]
+    ids, specs = cached
     return list(ids), list(specs)
 
 
@@ -41,14 +41,14 @@ def cached_block_table(state: ReplicaState, g: int) -> tuple[IntArray, IntArray]
     Shared, cached arrays: callers MUST NOT mutate them (rebuild copies them out).
     """
     key = f"blocks{g}"
-    cached = state._rebuild_cache.get(key)
-    if cached is None or cached[0] is not state.schedule:  # type: ignore[index]
+    cached: Any = state._rebuild_cache.get(key)
+    if cached is None or cached[0] is not state.schedule:
         rows = [state.blocks[g][h] for h in state.schedule.tolist()]
         lengths = np.fromiter((r.size for r in rows), dtype=np.int64, count=len(rows))
         values = (np.concatenate(rows) if rows else _EMPTY).astype(np.int32)  # ids < 2**31
         cached = (state.schedule, lengths, values)
         state._rebuild_cache[key] = cached
-    _, lengths, values = cached  # type: ignore[misc]
+    _, lengths, values = cached
     return lengths, values
 
 

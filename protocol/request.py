@@ -21,7 +21,7 @@ import numpy.typing as npt
 
 from protocol.params import LoRASpec, MMFeatureRef, PoolingSpec, SamplingSpec
 
-IntArray = npt.NDArray[np.int64]
+IntArray = npt.NDArray[np.integer[Any]]  # int64 columns; block-table values may be int32
 
 
 class Ragged(msgspec.Struct, frozen=True):

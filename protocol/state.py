@@ -21,6 +21,8 @@ edited; token views never change; everything else is copied).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from protocol import digest as dg
@@ -159,8 +161,8 @@ class ReplicaState:
         """Insert appended blocks into the cached flat table instead of rebuilding it (O(n)
         memcpy, no per-row Python)."""
         key = f"blocks{g}"
-        cached = self._rebuild_cache.get(key)
-        if cached is None or cached[0] is not self.schedule:  # type: ignore[index]
+        cached: Any = self._rebuild_cache.get(key)
+        if cached is None or cached[0] is not self.schedule:
             self._rebuild_cache.pop(key, None)
             return
         position = self._schedule_positions()
@@ -168,7 +170,7 @@ class ReplicaState:
         if (pos < 0).any():  # a row outside the schedule: nothing cached to patch
             self._rebuild_cache.pop(key, None)
             return
-        _, lengths, flat = cached  # type: ignore[misc]
+        _, lengths, flat = cached
         ends = np.cumsum(lengths)[pos]
         flat = np.insert(flat, np.repeat(ends, counts), values)
         lengths = lengths.copy()

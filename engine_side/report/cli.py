@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import sys
@@ -54,7 +55,7 @@ def _replays(args: argparse.Namespace) -> list[Replay]:
             task = progress.add_task(f"replaying {source.name}", total=source.steps)
             out.append(replay(source.name, itertools.islice(source.requests, source.steps),
                               source.batch, source.token_mode, source.kv_groups,
-                              on_step=lambda t=task: progress.advance(t)))
+                              on_step=functools.partial(progress.advance, task)))
     return out
 
 
