@@ -355,7 +355,7 @@ class EngineModel:
 
     def _assemble(self, rng: random.Random, batch: list[ModelRequest],
                   rows: list[Row]) -> ExecuteModelRequest:
-        outputs = None
+        outputs: list[IntArray] | None = None
         if self.token_mode == TOKEN_MODE_ENGINE:
             outputs = [np.array(r.outputs + row.drafts, dtype=np.int64)
                        for r, row in zip(batch, rows, strict=True)]

@@ -6,7 +6,8 @@ that travels as bytes through ``tests/fakenet.py`` to several
 :class:`WorkerReplica`s, with loss, duplication, reordering, late joins,
 heartbeats, snapshots on request and engine restarts.  Checked throughout:
 
-1. every applied step rebuilds exactly the engine's request for that step;
+1. every applied step rebuilds exactly the engine's request for that step, and
+   no genuine delta or snapshot is ever rejected;
 2. a replica never applies across a gap: after ``SnapshotLoaded(s)`` it applies
    ``s + 1, s + 2, ...`` of the same epoch and nothing else;
 3. a SYNCED replica's digest is consistent and equals the engine's at its seq;
@@ -200,6 +201,9 @@ class Harness:
                 assert not diffs, f"worker {w} step {key} differs in {diffs}"
             elif isinstance(e, ev.NeedSnapshot):
                 worker.wants_snapshot = True
+            # The fake network loses and reorders but never corrupts: every delta
+            # or snapshot a replica tries to use must be acceptable.
+            assert not isinstance(e, ev.RejectedDelta), f"worker {w}: {e}"
 
     def check_synced(self) -> None:
         """Invariant 3: a SYNCED replica is where its events say, with the engine's digest."""
