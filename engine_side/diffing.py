@@ -18,7 +18,7 @@ import numpy.typing as npt
 from protocol.errors import LocalProtocolError
 from protocol.messages import TOKEN_MODE_ENGINE, DeltaBody, NewRequest, Rows
 from protocol.packing import pack_sints, pack_uints
-from protocol.plan import _STEADY_BODY
+from protocol.plan import STEADY_BODY
 from protocol.rebuild import cached_block_table
 from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec, same_ints
 
@@ -64,7 +64,7 @@ class DiffContext:
     def build(self) -> DeltaBody:
         if self._is_steady():
             self.handles = self.state.schedule
-            return _STEADY_BODY
+            return STEADY_BODY
         self._finishes()
         self._schedule_handles()
         self._schedule()
@@ -83,8 +83,8 @@ class DiffContext:
                 or r.free_encoder_mm_hashes or r.blocks_to_zero is not None or r.extension
                 or r.has_structured_output_requests or r.pending_structured_output_tokens
                 or r.num_spec_tokens_to_schedule or r.output_token_ids is not None
-                or r.spec_token_ids.values.size or r.encoder_inputs.values.size
-                or r.spec_token_ids.lengths.any() or r.encoder_inputs.lengths.any()):
+                or r.spec_token_ids.values.size or r.encoder_inputs.values.size):
+            # (a consistent Ragged with no values has all-zero lengths)
             return False
         if m._last_handles is not state.schedule or r.req_ids != m._last_ids:
             return False
@@ -95,7 +95,9 @@ class DiffContext:
         predicted = state.cols.computed[state.schedule] + state.nsched
         if not same_ints(r.num_computed_tokens, predicted):
             return False
-        return all(_same_table(Ragged(*cached_block_table(state, g)), r.block_tables[g])
+        last = m._last_tables
+        return all((g < len(last) and r.block_tables[g] is last[g])
+                   or _same_table(Ragged(*cached_block_table(state, g)), r.block_tables[g])
                    for g in range(state.kv_groups))
 
     # -- requests ---------------------------------------------------------------------
@@ -250,6 +252,9 @@ class DiffContext:
 
     def _blocks(self, g: int) -> None:
         new = self.request.block_tables[g]
+        last = self.mirror._last_tables
+        if g < len(last) and new is last[g] and self.handles is self.state.schedule:
+            return  # the very table of the last step, for the same batch: unchanged
         old = self._old_tables(g)
         if np.array_equal(old.lengths, new.lengths) and np.array_equal(old.values, new.values):
             return

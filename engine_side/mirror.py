@@ -6,6 +6,12 @@ smallest :class:`Delta` that turns one into the other, applies that delta to its
 own state through the same code the workers run, and stamps the resulting
 digest.  Pure: no sockets, no threads, no clock.
 
+Identity contract: arrays and specs handed to ``diff`` MUST NOT be mutated
+afterwards.  A spec or block table that is the very object seen in the previous
+step is taken as unchanged without comparing its contents (an engine keeps its
+tables while they do not change, as vLLM keeps its block lists); anything else
+is compared in full.
+
 Handles: a request gets the lowest free handle when it is first scheduled; the
 string id crosses the wire once.  Finishes apply before adds; this mirror hands a
 freed handle to a *new* id from the next step on, while an id finished and
@@ -22,7 +28,7 @@ import numpy as np
 from engine_side.diffing import DiffContext
 from protocol.errors import LocalProtocolError
 from protocol.messages import TOKEN_MODE_WORKER, Delta, Snapshot
-from protocol.request import ExecuteModelRequest, IntArray, RequestSpec, requests_equal
+from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec, requests_equal
 from protocol.snapshot import build_snapshot
 from protocol.state import ReplicaState
 
@@ -71,6 +77,8 @@ class EngineMirror:
         self._last_ids: list[str] = []
         self._last_handles: IntArray = np.zeros(0, dtype=np.int64)
         self._last_specs: list[RequestSpec] = []
+        #: the block tables of the last diffed request: the same object again is unchanged
+        self._last_tables: tuple[Ragged, ...] = ()
         #: handle -> the engine's own spec object (identity makes unchanged specs free)
         self.engine_specs: dict[int, RequestSpec] = {}
 
@@ -89,7 +97,9 @@ class EngineMirror:
                     self.allocator.release(h)
             raise
         plan = self.state.apply(body)
-        self._after_apply(ctx, plan.finished)
+        if plan is not None:  # None: the steady step, nothing to re-index
+            self._after_apply(ctx, plan.finished)
+        self._last_tables = request.block_tables
         self.seq += 1
         if self.verify and not requests_equal(self.state.rebuild(), request):
             raise LocalProtocolError("mirror rebuild differs from the request", seq=self.seq)

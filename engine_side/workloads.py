@@ -100,6 +100,8 @@ class Workload:
         self.system_prompt = self.rng.integers(0, vocab, self.scenario.shared_prefix)
         self.finished: list[str] = []
         self.steps = 0
+        self._table: Ragged | None = None  # the last emitted block table (reused while valid)
+        self._table_order: IntArray = np.zeros(0, dtype=np.int64)
 
     def _alloc_columns(self) -> None:
         n = self.batch
@@ -207,13 +209,17 @@ class Workload:
         starts = np.repeat(have - np.cumsum(need - have) + (need - have), need - have)
         self.blocks[rows, starts + np.arange(count)] = taken
         self.nblocks[slots] = need
+        self._table = None  # tables changed
 
     # -- emitting ----------------------------------------------------------------------------
     def _request(self, order: IntArray, nsched: IntArray, drafts: Ragged,
                  finished: list[str]) -> ExecuteModelRequest:
         slots = order.tolist()
-        nblocks = self.nblocks[order]
-        table = self.blocks[order][np.arange(self.max_blocks) < nblocks[:, None]]
+        if self._table is None or not np.array_equal(self._table_order, order):
+            nblocks = self.nblocks[order]
+            values = self.blocks[order][np.arange(self.max_blocks) < nblocks[:, None]]
+            # like an engine keeping its block tables: the same object while unchanged
+            self._table, self._table_order = Ragged(nblocks, values), order
         tokens = None
         if self.scenario.engine_tokens:
             rows, lens = self.tokens, self.out_len[order].tolist()
@@ -223,7 +229,7 @@ class Workload:
             specs=[self.specs[s] for s in slots],  # type: ignore[misc]
             num_scheduled_tokens=nsched,
             num_computed_tokens=self.computed[order],
-            block_tables=(Ragged(nblocks, table),),
+            block_tables=(self._table,),
             spec_token_ids=drafts,
             encoder_inputs=Ragged.empty(order.size),
             output_token_ids=tokens,

@@ -52,6 +52,25 @@ def _as_buffer(frame: Any) -> Any:
     return frame.buffer if hasattr(frame, "buffer") else frame
 
 
+def _no_frames(code: int, data: memoryview) -> Any:
+    raise MalformedMessage("message references a tensor frame it does not have", code=code)
+
+
+_NO_FRAMES_HOOK = _no_frames
+
+
+def _decode_body(body: Any, hook: Any) -> AnyMessage:
+    _local.ext_hook = hook
+    try:
+        return _decoder().decode(body)
+    except ProtocolError:
+        raise
+    except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as exc:
+        raise MalformedMessage("frames do not decode to a message", cause=str(exc)[:200]) from exc
+    finally:
+        _local.ext_hook = None  # never keep a message's frames alive past its decode
+
+
 def _ext_hook(code: int, data: memoryview) -> Any:
     """Resolve a tensor Ext against the frames of the decode in progress (thread-local)."""
     return _local.ext_hook(code, data)
@@ -70,17 +89,10 @@ def decode(frames: Sequence[Any], *, copy: bool = False,
     """Decode frames to a message.  Tensors alias the frames unless ``copy``."""
     if not frames or len(frames) > max_frames:
         raise MalformedMessage("bad frame count", frames=len(frames))
+    if len(frames) == 1:  # the common case: no tensors, no hook state to set up
+        return _decode_body(_as_buffer(frames[0]), _NO_FRAMES_HOOK)
     rest = _TensorFrames([_as_buffer(f) for f in frames[1:]])
-    _local.ext_hook = make_ext_hook(rest, copy=copy)
-    decoder = _decoder()
-    try:
-        msg = decoder.decode(_as_buffer(frames[0]))
-    except ProtocolError:
-        raise
-    except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as exc:
-        raise MalformedMessage("frames do not decode to a message", cause=str(exc)[:200]) from exc
-    finally:
-        _local.ext_hook = None  # never keep a message's frames alive past its decode
+    msg = _decode_body(_as_buffer(frames[0]), make_ext_hook(rest, copy=copy))
     if sorted(rest.referenced) != list(range(len(rest))):
         raise MalformedMessage("every tensor frame must be referenced exactly once",
                                frames=len(rest), references=len(rest.referenced))

@@ -14,7 +14,7 @@ exceptions, scheduled-token prediction and exceptions, step-only fields.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import numpy as np
@@ -426,6 +426,7 @@ class _Planner:
         pred[known] = cols.last_nsched[sched[known]]
         pos, vals = self.positions(self.body.scheduled_tokens, sched, signed=False)
         pred[pos] = vals
+        pred.flags.writeable = False  # installed as the state's nsched, shared by rebuild
         if sched is not state.schedule or not np.array_equal(pred, state.nsched):
             old_t = dg.schedule_term(state.schedule, state.nsched)
             new_t = dg.schedule_term(sched, pred)
@@ -461,18 +462,24 @@ class _Planner:
         values = _ints(rows.values)
         if counts.size != sched.size or int(counts.sum()) != values.size:
             raise self.fail("schedule-aligned rows shape mismatch")
-        return Ragged(counts, values)
+        return _read_only(Ragged(counts, values))
 
 
-_STEADY_BODY = DeltaBody()
+STEADY_BODY = DeltaBody()  # the empty delta: a steady decode step
+
+
+def _read_only(r: Ragged) -> Ragged:
+    """Freeze a Ragged's arrays: rebuilt requests share them instead of copying."""
+    r.lengths.flags.writeable = r.values.flags.writeable = False
+    return r
 
 
 def _empty_rows(state: ReplicaState, n: int) -> Ragged:
-    """A shared all-empty Ragged of ``n`` rows (never mutated: rebuild copies it out)."""
+    """A shared, read-only all-empty Ragged of ``n`` rows (handed out by rebuild as is)."""
     key = ("empty_rows", n)
     cached = state._rebuild_cache.get(key)  # type: ignore[call-overload]
     if cached is None:
-        cached = Ragged.empty(n)
+        cached = _read_only(Ragged.empty(n))
         state._rebuild_cache[key] = cached  # type: ignore[index]
     return cast(Ragged, cached)
 
@@ -487,21 +494,14 @@ def advance_delta(state: ReplicaState) -> int:
     return key[2]  # type: ignore[index,no-any-return]
 
 
-def _steady(state: ReplicaState) -> Plan:
-    """The plan of an empty delta: same schedule, every request advanced (O(1) digest)."""
-    sched = state.schedule
-    values = state.cols.computed[sched] + state.nsched
-    step = state._rebuild_cache.get("steady_step")
-    if step is None or step.spec_tokens.lengths.size != sched.size:  # type: ignore[attr-defined]
-        empty = _empty_rows(state, sched.size)
+def steady_step(state: ReplicaState) -> StepInfo:
+    """The (shared, cached) step-only fields of an empty delta: all empty."""
+    step: Any = state._rebuild_cache.get("steady_step")
+    if step is None or step.spec_tokens.lengths.size != state.schedule.size:
+        empty = _empty_rows(state, state.schedule.size)
         step = StepInfo(spec_tokens=empty, encoder_inputs=empty)
         state._rebuild_cache["steady_step"] = step
-    plan = Plan(_EMPTY, [], sched, state.nsched, {}, None, [{}] * state.kv_groups, [], sched,
-                values, step, (state.digest + advance_delta(state)) & dg.MASK)  # type: ignore[arg-type]
-    plan.block_sums = [{}] * state.kv_groups  # type: ignore[attr-defined]
-    plan.appended = {}  # type: ignore[attr-defined]
-    plan.truncated_sums = {}  # type: ignore[attr-defined]
-    return plan
+    return cast(StepInfo, step)
 
 
 def prepare(state: ReplicaState, body: DeltaBody) -> Plan:
@@ -509,8 +509,6 @@ def prepare(state: ReplicaState, body: DeltaBody) -> Plan:
 
     Raises InvalidDelta (or MalformedMessage for a bad packed array).
     """
-    if body == _STEADY_BODY:
-        return _steady(state)
     p = _Planner(state, body)
     finished = p.finishes()
     added = p.adds()

@@ -1,9 +1,10 @@
 """Rebuild the full ``ExecuteModelRequest`` of the last applied step from a replica state.
 
-Cost is O(scheduled requests) with vectorised copies; whole token histories are
-never copied (engine-token rows are read-only views that never change).  Lists
-of ids and specs and the flat block tables are cached while the schedule and the
-tables are unchanged, and copied out, so every call returns fresh containers.
+Cost is O(scheduled requests); nothing proportional to history is copied.
+Mutable containers (id and spec lists, computed counts) are fresh on every call.
+Arrays that only ever get *replaced* in the state -- block tables, scheduled
+counts, step-only rows, token histories -- are shared read-only (writing raises),
+so a consumer can neither corrupt the replica nor see a handed-out array change.
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ def _ids_and_specs(state: ReplicaState) -> tuple[list[str], list[RequestSpec]]:
 
 
 def _block_table(state: ReplicaState, g: int) -> Ragged:
-    lengths, values = cached_block_table(state, g)
-    return Ragged(lengths.copy(), values.copy())
+    """The cached tables themselves: read-only, and never changed once handed out (the
+    cache is replaced, not edited), so sharing them costs no copy and aliases nothing
+    a consumer can mutate."""
+    return Ragged(*cached_block_table(state, g))
 
 
 def cached_block_table(state: ReplicaState, g: int) -> tuple[IntArray, IntArray]:
     """(lengths, flat values) of the current schedule's tables in group ``g``.
 
-    Shared, cached arrays: callers MUST NOT mutate them (rebuild copies them out).
+    Shared, cached, read-only arrays; a change installs new arrays.
     """
     key = f"blocks{g}"
     cached: Any = state._rebuild_cache.get(key)
@@ -46,6 +49,7 @@ def cached_block_table(state: ReplicaState, g: int) -> tuple[IntArray, IntArray]
         rows = [state.blocks[g][h] for h in state.schedule.tolist()]
         lengths = np.fromiter((r.size for r in rows), dtype=np.int64, count=len(rows))
         values = (np.concatenate(rows) if rows else _EMPTY).astype(np.int32)  # ids < 2**31
+        lengths.flags.writeable = values.flags.writeable = False
         cached = (state.schedule, lengths, values)
         state._rebuild_cache[key] = cached
     _, lengths, values = cached
@@ -66,10 +70,6 @@ def _names(state: ReplicaState, handles: IntArray) -> frozenset[str]:
     return frozenset(state.handle_of(h).req_id for h in handles.tolist())
 
 
-def _copy(r: Ragged) -> Ragged:
-    return Ragged(r.lengths.copy(), r.values.copy())
-
-
 def rebuild_request(state: ReplicaState) -> ExecuteModelRequest:
     """The last applied step's request; see the module docstring for the aliasing rule."""
     step, sched = state.step, state.schedule
@@ -77,11 +77,11 @@ def rebuild_request(state: ReplicaState) -> ExecuteModelRequest:
     return ExecuteModelRequest(
         req_ids=ids,
         specs=specs,
-        num_scheduled_tokens=state.nsched.copy(),
+        num_scheduled_tokens=state.nsched,  # read-only, replaced (never edited) on change
         num_computed_tokens=state.cols.computed[sched],
         block_tables=tuple(_block_table(state, g) for g in range(state.kv_groups)),
-        spec_token_ids=_copy(step.spec_tokens),
-        encoder_inputs=_copy(step.encoder_inputs),
+        spec_token_ids=step.spec_tokens,  # read-only arrays, decoded fresh for this step
+        encoder_inputs=step.encoder_inputs,
         output_token_ids=_tokens(state),
         finished_req_ids=step.finished_ids,
         preempted_req_ids=_names(state, step.preempted),

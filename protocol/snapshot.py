@@ -64,6 +64,7 @@ def load_snapshot(snap: Snapshot) -> ReplicaState:
         raise InvalidDelta("snapshot schedule and token counts differ in length")
     state.cols.in_sched[sched] = True
     state.cols.last_nsched[sched] = nsched
+    nsched.flags.writeable = False
     state.schedule, state.nsched = sched, nsched
     state.digest = state.recompute_digest()
     if state.digest != snap.digest:

@@ -29,7 +29,15 @@ from protocol import digest as dg
 from protocol.columns import HandleColumns, TokenBuffer
 from protocol.errors import InvalidDelta, LocalProtocolError
 from protocol.messages import TOKEN_MODE_ENGINE, TOKEN_MODE_WORKER, DeltaBody
-from protocol.plan import Plan, StepInfo, encode_spec_for_hash, prepare
+from protocol.plan import (
+    STEADY_BODY,
+    Plan,
+    StepInfo,
+    advance_delta,
+    encode_spec_for_hash,
+    prepare,
+    steady_step,
+)
 from protocol.request import ExecuteModelRequest, IntArray, RequestSpec
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -57,17 +65,32 @@ class ReplicaState:
         self._rebuild_cache: dict[object, object] = {}
 
     # -- applying deltas ------------------------------------------------------------
-    def apply(self, body: DeltaBody, expected_digest: int | None = None) -> Plan:
+    def apply(self, body: DeltaBody, expected_digest: int | None = None) -> Plan | None:
         """Apply a delta body; with ``expected_digest``, refuse a mismatch unchanged.
 
+        Returns the applied plan, or None for the empty body (see :meth:`advance`).
         Raises InvalidDelta (state unchanged) for an inapplicable delta or a digest
         mismatch.
         """
+        if body == STEADY_BODY:
+            self.advance(expected_digest)
+            return None
         plan = prepare(self, body)
         if expected_digest is not None and plan.digest != expected_digest:
             raise InvalidDelta("state digest mismatch", expected=expected_digest, got=plan.digest)
         self.commit(plan)
         return plan
+
+    def advance(self, expected_digest: int | None = None) -> None:
+        """Apply the empty delta (the steady decode step): the schedule and its counts
+        repeat and every scheduled request's computed count advances by its scheduled
+        count.  O(batch) numpy, O(1) digest (the advance term is cached per schedule)."""
+        digest = (self.digest + advance_delta(self)) & dg.MASK
+        if expected_digest is not None and digest != expected_digest:
+            raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
+        self.cols.computed[self.schedule] += self.nsched
+        self.step = steady_step(self)
+        self.digest = digest
 
     def commit(self, plan: Plan) -> None:
         """Mutate the state as ``plan`` says (phase two; cannot fail)."""
@@ -175,6 +198,7 @@ class ReplicaState:
         flat = np.insert(flat, np.repeat(ends, counts), values)
         lengths = lengths.copy()
         lengths[pos] += counts
+        lengths.flags.writeable = flat.flags.writeable = False
         self._rebuild_cache[key] = (self.schedule, lengths, flat)
 
     def _schedule_positions(self) -> IntArray:

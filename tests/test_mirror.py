@@ -222,9 +222,13 @@ def test_rebuilt_containers_are_fresh() -> None:
     request = batch(rows)
     pair.step(rows)
     first = pair.replica.data.rebuild()  # type: ignore[union-attr]
-    first.block_tables[0].values[:] = -1
+    with pytest.raises(ValueError):  # block tables are shared read-only, never edited
+        first.block_tables[0].values[:] = -1
+    with pytest.raises(ValueError):
+        first.block_tables[0].lengths[:] = -1
     first.num_computed_tokens[:] = -1
-    first.num_scheduled_tokens[:] = -1
+    with pytest.raises(ValueError):
+        first.num_scheduled_tokens[:] = -1
     first.req_ids.append("intruder")
     assert requests_equal(pair.replica.data.rebuild(), request)  # type: ignore[union-attr]
 

@@ -151,6 +151,8 @@ class WorkerReplica:
     # -- input ---------------------------------------------------------------------
     def classify(self, msg: AnyMessage) -> Input:
         """Which table input ``msg`` is for this replica, right now."""
+        if type(msg) is Delta and msg.epoch == self.epoch and msg.seq == self.seq + 1:
+            return Input.DELTA_IN_ORDER  # the common case, decided first
         if isinstance(msg, Hello):
             return Input.HELLO
         if not isinstance(msg, (Goodbye, Snapshot, Heartbeat, Delta)):  # worker -> engine only

@@ -53,6 +53,7 @@ class PreemptionStorm(Workload):
             self.order.remove(slot)
             self.free_blocks.extend(self.blocks[slot, : self.nblocks[slot]].tolist())
             self.nblocks[slot] = 0
+            self._table = None
             spec = self.specs[slot]
             assert spec is not None and spec.prompt_token_ids is not None
             self.prefill_target[slot] = spec.prompt_token_ids.size + self.out_len[slot]
