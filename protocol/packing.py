@@ -23,28 +23,32 @@ _INT64_MAX = (1 << 63) - 1
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
-def _leb128(value: int) -> bytes:
+def leb128(value: int) -> bytes:
+    """Unsigned LEB128 (little-endian base-128 varint) of a non-negative int."""
     out = bytearray()
-    while True:
-        byte = value & 0x7F
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
         value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
+    out.append(value)
+    return bytes(out)
 
 
-def _read_leb128(buf: bytes, pos: int) -> tuple[int, int]:
+def read_leb128(buf: bytes | memoryview, pos: int, what: str = "packed array") -> tuple[int, int]:
+    """Read one canonical varint < 2**63 at ``pos``; return (value, next position).
+
+    Raises MalformedMessage for a truncated, overlong or non-canonical varint.
+    """
     value = shift = 0
     while True:
-        if pos >= len(buf) or shift > 63:
-            raise MalformedMessage("truncated or overlong varint in packed array")
+        if pos >= len(buf) or shift > 56:
+            raise MalformedMessage(f"truncated or overlong varint in {what}")
         byte = buf[pos]
         pos += 1
         value |= (byte & 0x7F) << shift
         shift += 7
         if not byte & 0x80:
+            if byte == 0 and shift > 7:
+                raise MalformedMessage(f"non-canonical varint in {what}")
             return value, pos
 
 
@@ -55,7 +59,7 @@ def pack_uints(values: npt.ArrayLike) -> bytes:
         raise ValueError("pack_uints takes non-negative values; use pack_sints")
     arr = arr.astype(np.uint64, copy=False).ravel()
     width = int(arr.max()).bit_length() if arr.size else 0
-    head = bytes([width]) + _leb128(arr.size)
+    head = bytes([width]) + leb128(arr.size)
     if width == 0:
         return head
     if width in (8, 16, 32, 64):
@@ -82,7 +86,7 @@ def _unpack_raw(buf: bytes, limit: int) -> npt.NDArray[np.uint64] | npt.NDArray[
     if not buf:
         raise MalformedMessage("empty packed array")
     width = buf[0]
-    count, pos = _read_leb128(buf, 1)
+    count, pos = read_leb128(buf, 1)
     if width > _MAX_WIDTH or count > limit:
         raise MalformedMessage("packed array out of bounds", width=width, count=count)
     payload = memoryview(buf)[pos:]

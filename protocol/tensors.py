@@ -38,6 +38,7 @@ import msgspec
 import numpy as np
 
 from protocol.errors import MalformedMessage
+from protocol.packing import leb128, read_leb128
 
 EXT_TENSOR = 1
 EXT_NDARRAY = 2
@@ -71,31 +72,6 @@ _BF16 = _CODE_BY_NAME["bfloat16"]
 
 if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("protocol.tensors supports little-endian hosts only")
-
-
-def _leb128(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _read_leb128(buf: memoryview, pos: int) -> tuple[int, int]:
-    """Read one canonical varint < 2**63 at ``pos``; return (value, next pos)."""
-    value = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 56:
-            raise MalformedMessage("truncated or overlong varint in tensor header")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            if byte == 0 and shift > 7:
-                raise MalformedMessage("non-canonical varint in tensor header")
-            return value, pos
 
 
 def _torch() -> Any:
@@ -141,8 +117,8 @@ def _header(code: int, shape: Sequence[int], index: int) -> bytes:
     if len(shape) > _MAX_NDIM:
         raise TypeError(f"tensors with more than {_MAX_NDIM} dimensions are unsupported")
     parts = [bytes((code, len(shape)))]
-    parts.extend(_leb128(int(d)) for d in shape)
-    parts.append(_leb128(index))
+    parts.extend(leb128(int(d)) for d in shape)
+    parts.append(leb128(index))
     return b"".join(parts)
 
 
@@ -188,9 +164,9 @@ def _parse_header(data: memoryview) -> tuple[int, tuple[int, ...], int]:
         raise MalformedMessage("too many tensor dimensions", ndim=ndim)
     pos, shape = 2, []
     for _ in range(ndim):
-        dim, pos = _read_leb128(data, pos)
+        dim, pos = read_leb128(data, pos, "tensor header")
         shape.append(dim)
-    index, pos = _read_leb128(data, pos)
+    index, pos = read_leb128(data, pos, "tensor header")
     if pos != len(data):
         raise MalformedMessage("trailing bytes in tensor header", extra=len(data) - pos)
     return code, tuple(shape), index
