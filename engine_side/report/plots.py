@@ -50,21 +50,27 @@ def bytes_per_step(replays: list[Replay], path: Path, cumulative: bool = False) 
 
 
 def breakdown(replays: list[Replay], path: Path) -> Path:
-    """Stacked bars: mean deltacast bytes per step by field category, per workload."""
-    fig, ax = plt.subplots(figsize=(10, 4.8))
+    """100%-stacked bars: share of deltacast's bytes per field category, per workload,
+    with the mean message size written above each bar (workloads differ by 100×)."""
+    fig, ax = plt.subplots(figsize=(10, 5))
     names = [r.name for r in replays]
+    means = {cat: np.array([np.mean([s.breakdown[cat] for s in r.steps["deltacast"]])  # type: ignore[index]
+                            for r in replays]) for cat in CATEGORIES}
+    totals = sum(means.values())
     bottom = np.zeros(len(replays))
     cmap = plt.get_cmap("tab10")
     for i, cat in enumerate(CATEGORIES):
-        means = np.array([np.mean([s.breakdown[cat] for s in r.steps["deltacast"]])  # type: ignore[index]
-                          for r in replays])
-        if means.any():
-            ax.bar(names, means, bottom=bottom, label=cat, color=cmap(i % 10))
-            bottom += means
-    ax.set_ylabel("mean deltacast bytes per step")
-    ax.set_xlabel("workload")
+        share = 100 * means[cat] / np.maximum(totals, 1)
+        if share.any():
+            ax.bar(names, share, bottom=bottom, label=cat, color=cmap(i % 10))
+            bottom += share
+    for x, total in enumerate(totals):
+        ax.annotate(f"{total:,.0f} B", (x, 101), ha="center", fontsize=8)
+    ax.set_ylim(0, 110)
+    ax.set_ylabel("share of deltacast bytes per step (%)")
+    ax.set_xlabel("workload (mean message size above each bar)")
     ax.set_title("Where deltacast's bytes go (per-field accounting)")
-    ax.legend(fontsize=8, ncols=2)
+    ax.legend(fontsize=8, ncols=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.tick_params(axis="x", rotation=20)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
