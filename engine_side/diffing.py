@@ -20,7 +20,15 @@ from protocol.messages import TOKEN_MODE_ENGINE, DeltaBody, NewRequest, Rows
 from protocol.packing import pack_sints, pack_uints
 from protocol.plan import STEADY_BODY
 from protocol.rebuild import cached_block_table
-from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec, same_ints
+from protocol.request import (
+    ExecuteModelRequest,
+    IntArray,
+    Ragged,
+    RequestSpec,
+    has_duplicates,
+    member_mask,
+    same_ints,
+)
 
 if TYPE_CHECKING:
     from engine_side.mirror import EngineMirror
@@ -126,7 +134,7 @@ class DiffContext:
         adds: list[NewRequest] = []
         for i, (req_id, spec) in enumerate(zip(r.req_ids, r.specs, strict=True)):
             handles[i] = self._handle_for(i, req_id, spec, adds)
-        if np.unique(handles).size != handles.size:
+        if has_duplicates(handles):
             raise LocalProtocolError("a request id is scheduled twice")
         self.handles = handles
         if adds:
@@ -190,7 +198,7 @@ class DiffContext:
             return
         keep = np.isin(prev, new)
         if self.reset:
-            keep &= ~np.isin(prev, np.fromiter(self.reset, dtype=np.int64))
+            keep &= ~member_mask(prev, self.reset)
         kept = prev[keep]
         if kept.size <= new.size and np.array_equal(kept, new[: kept.size]):
             drop = np.flatnonzero(~keep)
@@ -246,6 +254,8 @@ class DiffContext:
         state = self.state
         if not self.reset and self.handles is state.schedule:
             return Ragged(*cached_block_table(state, g))
+        if not self.reset:
+            return Ragged(*state.blocks[g].gather(self.handles))
         rows = [_EMPTY if h in self.reset else state.blocks[g][h] for h in self.handles.tolist()]
         lengths = np.fromiter((r.size for r in rows), dtype=np.int64, count=len(rows))
         return Ragged(lengths, np.concatenate(rows) if rows else _EMPTY)
@@ -299,7 +309,7 @@ class DiffContext:
         hs = self.handles
         known = hs < self.state.cols.capacity
         if self.reset:
-            known &= ~np.isin(hs, np.fromiter(self.reset, dtype=np.int64))
+            known &= ~member_mask(hs, self.reset)
         return known
 
     def _computed(self) -> None:

@@ -23,7 +23,6 @@ class HandleColumns:
         self.spec_term = np.zeros(capacity, dtype=np.uint64)
         self.token_sum = np.zeros(capacity, dtype=np.uint64)
         self.block_sum = np.zeros((kv_groups, capacity), dtype=np.uint64)
-        self.block_len = np.zeros((kv_groups, capacity), dtype=np.int64)
         self.last_nsched = np.zeros(capacity, dtype=np.int64)
         self.in_sched = np.zeros(capacity, dtype=bool)
 
@@ -42,11 +41,9 @@ class HandleColumns:
             grown = np.zeros(new_cap, dtype=old.dtype)
             grown[:cap] = old
             setattr(self, name, grown)
-        for name in ("block_sum", "block_len"):
-            old2 = getattr(self, name)
-            grown2 = np.zeros((self.kv_groups, new_cap), dtype=old2.dtype)
-            grown2[:, :cap] = old2
-            setattr(self, name, grown2)
+        blocks = np.zeros((self.kv_groups, new_cap), dtype=np.uint64)
+        blocks[:, :cap] = self.block_sum
+        self.block_sum = blocks
 
 
 class TokenBuffer:
@@ -90,3 +87,62 @@ class TokenBuffer:
         fresh = np.zeros(max(16, self._buf.size), dtype=np.int64)
         fresh[:length] = self._buf[:length]
         self._buf, self._len = fresh, length
+
+
+class BlockTable:
+    """One KV group's block tables: a 2D int32 array ``[handle, position]`` plus lengths.
+
+    Appends and replacements are single vectorised scatters.  ``table[h]`` is a
+    read-only view of handle ``h``'s row, valid until the next change to that row.
+    """
+
+    def __init__(self, capacity: int = 64, width: int = 16) -> None:
+        self.table = np.zeros((capacity, width), dtype=np.int32)  # block ids < 2**31
+        self.lengths = np.zeros(capacity, dtype=np.int64)
+
+    def __getitem__(self, handle: int) -> IntArray:
+        row = self.table[handle, : self.lengths[handle]] if handle < self.lengths.size else _NONE
+        row.flags.writeable = False
+        return row
+
+    def ensure(self, handle: int, width: int) -> None:
+        """Grow (by doubling) so that ``handle`` and ``width`` positions fit."""
+        cap, have = self.table.shape
+        if handle < cap and width <= have:
+            return
+        new_cap, new_w = max(cap, handle + 1), have
+        if handle >= cap:
+            new_cap = max(cap * 2, handle + 1)
+        if width > have:
+            new_w = max(have * 2, width)
+        grown = np.zeros((new_cap, new_w), dtype=np.int32)
+        grown[:cap, :have] = self.table
+        lengths = np.zeros(new_cap, dtype=np.int64)
+        lengths[:cap] = self.lengths
+        self.table, self.lengths = grown, lengths
+
+    def write(self, handles: IntArray, starts: IntArray, counts: IntArray,
+              values: IntArray) -> None:
+        """Row i gets ``values`` (flat, row-major) at positions ``starts[i]..``; its
+        length becomes ``starts[i] + counts[i]``."""
+        if not handles.size:
+            return
+        ends = starts + counts
+        self.ensure(int(handles.max()), int(ends.max()))
+        row = np.repeat(np.arange(handles.size), counts)
+        offsets = np.cumsum(counts) - counts
+        self.table[handles[row], starts[row] + np.arange(values.size) - offsets[row]] = values
+        self.lengths[handles] = ends
+
+    def gather(self, handles: IntArray) -> tuple[IntArray, IntArray]:
+        """(lengths, flat values) of ``handles``' rows, in order (fresh arrays)."""
+        inside = np.minimum(handles, self.lengths.size - 1)
+        lengths = np.where(handles < self.lengths.size, self.lengths[inside], 0)
+        if not lengths.size or not lengths.max():
+            return lengths, np.zeros(0, dtype=np.int32)
+        width = int(lengths.max())
+        rows = self.table[inside, :width]
+        return lengths, rows[np.arange(width) < lengths[:, None]]
+
+
+_NONE = np.zeros(0, dtype=np.int32)

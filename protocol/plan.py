@@ -24,7 +24,7 @@ from protocol import digest as dg
 from protocol.errors import InvalidDelta
 from protocol.messages import TOKEN_MODE_ENGINE, DeltaBody, NewRequest, Rows
 from protocol.packing import unpack_sints, unpack_uints
-from protocol.request import IntArray, Ragged, RequestSpec
+from protocol.request import IntArray, Ragged, RequestSpec, has_duplicates, member_mask
 
 if TYPE_CHECKING:
     from protocol.state import ReplicaState
@@ -71,6 +71,36 @@ class TokenRows:
 
 
 @dataclass
+class BlockEdit:
+    """One KV group's block changes: whole-row replacements, then appends at ``starts``;
+    ``sum_handles``/``sums`` are the digest sums the touched rows end with."""
+
+    rep_handles: IntArray
+    rep_counts: IntArray
+    rep_values: IntArray
+    app_handles: IntArray
+    app_starts: IntArray
+    app_counts: IntArray
+    app_values: IntArray
+    sum_handles: IntArray
+    sums: npt.NDArray[np.uint64]
+
+
+def _row_sums(g: int, hs: IntArray, starts: IntArray, counts: IntArray,
+              values: IntArray) -> npt.NDArray[np.uint64]:
+    """Per-row sums of the block digest terms of ``values`` placed at ``starts``."""
+    if not hs.size:
+        return np.zeros(0, dtype=np.uint64)
+    offsets = np.zeros(hs.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    row = np.repeat(np.arange(hs.size), counts)
+    pos = starts[row] + (np.arange(values.size) - offsets[row])
+    cum = np.zeros(values.size + 1, dtype=np.uint64)
+    np.cumsum(dg.block_terms_rows(hs[row], g, pos, values), out=cum[1:])
+    return cum[offsets[1:]] - cum[offsets[:-1]]
+
+
+@dataclass
 class Plan:
     """Everything a delta changes, decoded and checked; ``digest`` is the result."""
 
@@ -80,8 +110,7 @@ class Plan:
     nsched: IntArray
     truncate: dict[int, int]
     token_rows: TokenRows | None
-    block_replace: list[dict[int, IntArray]]
-    block_append: list[list[tuple[int, IntArray]]]
+    blocks: list[BlockEdit]
     computed_handles: IntArray
     computed_values: IntArray
     step: StepInfo
@@ -143,7 +172,7 @@ class _Planner:
 
     def finishes(self) -> IntArray:
         finished = _ints(self.body.finished)
-        if np.unique(finished).size != finished.size:
+        if has_duplicates(finished):
             raise self.fail("finished handles repeat")
         self.check_live(finished, "finished")
         for h in finished.tolist():
@@ -226,7 +255,7 @@ class _Planner:
             sched = unpack_uints(body.schedule_full)
         else:
             drop = _ints(body.schedule_drop)
-            if drop.size and (drop.max() >= prev.size or np.unique(drop).size != drop.size):
+            if drop.size and (drop.max() >= prev.size or has_duplicates(drop)):
                 raise self.fail("schedule drop position out of range")
             keep = np.ones(prev.size, dtype=bool)
             keep[drop] = False
@@ -236,7 +265,7 @@ class _Planner:
                 sched = prev  # steady state: the same array, no allocation
         if sched is prev and not self.reset:
             return sched  # unchanged and already validated when it was installed
-        if np.unique(sched).size != sched.size:
+        if has_duplicates(sched):
             raise self.fail("schedule repeats a handle")
         self.check_live(sched, "schedule")
         return sched
@@ -261,7 +290,7 @@ class _Planner:
         vals = unpack_sints(rows.values) if signed else _ints(rows.values)
         if pos.size != vals.size or (pos.size and pos.max() >= sched.size):
             raise self.fail("exception positions out of range")
-        if np.unique(pos).size != pos.size:
+        if has_duplicates(pos):
             raise self.fail("exception positions repeat")
         return pos, vals
 
@@ -307,7 +336,7 @@ class _Planner:
             return None
         hs, counts, values = self.rows(self.body.tokens, sched)
         self.check_live(hs, "tokens")
-        if hs is not sched and np.unique(hs).size != hs.size:
+        if hs is not sched and has_duplicates(hs):
             raise self.fail("token rows repeat a handle")
         starts = np.fromiter((length(h) for h in hs.tolist()), dtype=np.int64,  # type: ignore
                              count=hs.size)
@@ -322,69 +351,67 @@ class _Planner:
         return TokenRows(hs, counts, values, offsets, sums)
 
     # -- blocks -----------------------------------------------------------------
-    def blocks(self, sched: IntArray) -> tuple[list[dict[int, IntArray]], list[dict[int, int]]]:
-        """Final block tables (and their digest sums) of every handle a delta touches."""
+    def blocks(self, sched: IntArray) -> list[BlockEdit]:
+        """Per KV group: replacements, then appends, with the digest sums they leave."""
         groups = self.state.kv_groups
         for name, rows in (("block_replace", self.body.block_replace),
                            ("block_append", self.body.block_append)):
             if rows and len(rows) != groups:
                 raise self.fail(f"{name} must have one entry per KV group", groups=groups)
-        final: list[dict[int, IntArray]] = [{} for _ in range(groups)]
-        sums: list[dict[int, int]] = [{} for _ in range(groups)]
+        edits = []
         for g in range(groups):
-            if self.body.block_replace:
-                self._block_rows(g, self.body.block_replace[g], sched, final[g], sums[g], True)
-            if self.body.block_append:
-                self._block_rows(g, self.body.block_append[g], sched, final[g], sums[g], False)
-        return final, sums
+            rep = self._block_rows(self.body.block_replace[g] if self.body.block_replace
+                                   else None, sched, g)
+            app = self._block_rows(self.body.block_append[g] if self.body.block_append
+                                   else None, sched, g)
+            edits.append(self._block_edit(g, rep, app))
+        return edits
 
-    def _block_rows(self, g: int, rows: Rows, sched: IntArray, final: dict[int, IntArray],
-                    sums: dict[int, int], replace: bool) -> None:
-        """Vectorised: digest terms of all rows at once; a Python step per row only to
-        materialise its final table (tables are immutable arrays, replaced whole)."""
+    def _block_rows(self, rows: Rows | None, sched: IntArray,
+                    g: int) -> tuple[IntArray, IntArray, IntArray]:
+        if rows is None:
+            return _EMPTY, _EMPTY, _EMPTY
         hs, counts, values = self.rows(rows, sched)
         self.check_live(hs, "blocks")
-        if hs.size > 1 and np.unique(hs).size != hs.size:
+        if has_duplicates(hs):
             raise self.fail("block rows repeat a handle", group=g)
-        if not hs.size:
-            return
-        old_tables, base, lens = self._current_tables(g, hs, final, sums)
-        offsets = np.zeros(hs.size + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        row_of = np.repeat(np.arange(hs.size), counts)
-        starts = np.zeros(hs.size, dtype=np.int64) if replace else lens
-        pos = starts[row_of] + (np.arange(values.size) - offsets[row_of])
-        terms = dg.block_terms_rows(hs[row_of], g, pos, values)
-        cum = np.zeros(values.size + 1, dtype=np.uint64)
-        np.cumsum(terms, out=cum[1:])
-        added = cum[offsets[1:]] - cum[offsets[:-1]]
-        new_sums = added if replace else base + added
-        self.digest = (self.digest + dg.total(new_sums) - dg.total(base)) & dg.MASK
-        bounds, sums_list = offsets.tolist(), new_sums.tolist()
-        for i, h in enumerate(hs.tolist()):
-            new = values[bounds[i]:bounds[i + 1]]
-            final[h] = new if replace else np.concatenate((old_tables[i], new))
-            sums[h] = sums_list[i]
-        if not replace:
-            self.appended[g] = (hs, counts, values)
+        return hs, counts, values
 
-    def _current_tables(self, g: int, hs: IntArray, final: dict[int, IntArray],
-                        sums: dict[int, int]) -> tuple[list[IntArray], IntArray, IntArray]:
-        """(tables, digest sums, lengths) of rows as they stand earlier in this delta."""
-        state, cols = self.state, self.state.cols
-        inside = hs < cols.capacity
-        base = np.zeros(hs.size, dtype=np.uint64)
+    def _current(self, g: int, hs: IntArray) -> tuple[IntArray, npt.NDArray[np.uint64]]:
+        """(lengths, digest sums) of rows as the state holds them; reset rows are empty."""
+        table, cols = self.state.blocks[g], self.state.cols
         lens = np.zeros(hs.size, dtype=np.int64)
-        base[inside] = cols.block_sum[g, hs[inside]]
-        lens[inside] = cols.block_len[g, hs[inside]]
-        tables = [state.blocks[g][h] if h < len(state.blocks[g]) else _EMPTY for h in hs.tolist()]
-        if self.reset or final:
-            for i, h in enumerate(hs.tolist()):
-                if h in final:
-                    tables[i], base[i], lens[i] = final[h], sums[h], final[h].size
-                elif h in self.reset:
-                    tables[i], base[i], lens[i] = _EMPTY, 0, 0
-        return tables, base, lens
+        sums = np.zeros(hs.size, dtype=np.uint64)
+        inside = hs < min(table.lengths.size, cols.capacity)
+        lens[inside] = table.lengths[hs[inside]]
+        sums[inside] = cols.block_sum[g, hs[inside]]
+        if self.reset:
+            fresh = member_mask(hs, self.reset)
+            lens[fresh], sums[fresh] = 0, 0
+        return lens, sums
+
+    def _block_edit(self, g: int, rep: tuple[IntArray, IntArray, IntArray],
+                    app: tuple[IntArray, IntArray, IntArray]) -> BlockEdit:
+        rep_hs, rep_counts, rep_values = rep
+        app_hs, app_counts, app_values = app
+        _, rep_old = self._current(g, rep_hs)
+        rep_new = _row_sums(g, rep_hs, np.zeros(rep_hs.size, dtype=np.int64), rep_counts,
+                            rep_values)
+        starts, app_base = self._current(g, app_hs)
+        if rep_hs.size and app_hs.size:  # appends after a replacement in the same delta
+            where = {h: i for i, h in enumerate(rep_hs.tolist())}
+            for i, h in enumerate(app_hs.tolist()):
+                if h in where:
+                    starts[i], app_base[i] = rep_counts[where[h]], rep_new[where[h]]
+        app_new = app_base + _row_sums(g, app_hs, starts, app_counts, app_values)
+        self.digest = (self.digest + dg.total(rep_new) - dg.total(rep_old)
+                       + dg.total(app_new) - dg.total(app_base)) & dg.MASK
+        if app_hs.size:
+            self.appended[g] = (app_hs, app_counts, app_values)
+        keep = ~member_mask(rep_hs, app_hs) if rep_hs.size else np.ones(0, dtype=bool)
+        return BlockEdit(rep_hs, rep_counts, rep_values, app_hs, starts, app_counts, app_values,
+                         np.concatenate([rep_hs[keep], app_hs]),
+                         np.concatenate([rep_new[keep], app_new]))
 
     # -- computed and scheduled token counts -------------------------------------
     def _unchanged_schedule(self, sched: IntArray) -> bool:
@@ -514,13 +541,12 @@ def prepare(state: ReplicaState, body: DeltaBody) -> Plan:
     added = p.adds()
     sched = p.schedule()
     truncate, token_rows = p.tokens(sched, added)
-    final, sums = p.blocks(sched)
+    blocks = p.blocks(sched)
     comp_h, comp_v = p.computed(sched, added)
     nsched = p.nsched(sched)
     step = p.step(sched, finished)
-    plan = Plan(finished, added, sched, nsched, truncate, token_rows, final, [], comp_h, comp_v,
+    plan = Plan(finished, added, sched, nsched, truncate, token_rows, blocks, comp_h, comp_v,
                 step, p.digest)
-    plan.block_sums = sums  # type: ignore[attr-defined]
     plan.appended = p.appended if not p.reset and not body.block_replace else {}  # type: ignore[attr-defined]
     plan.truncated_sums = p.truncated_sums  # type: ignore[attr-defined]
     return plan

@@ -46,9 +46,7 @@ def cached_block_table(state: ReplicaState, g: int) -> tuple[IntArray, IntArray]
     key = f"blocks{g}"
     cached: Any = state._rebuild_cache.get(key)
     if cached is None or cached[0] is not state.schedule:
-        rows = [state.blocks[g][h] for h in state.schedule.tolist()]
-        lengths = np.fromiter((r.size for r in rows), dtype=np.int64, count=len(rows))
-        values = (np.concatenate(rows) if rows else _EMPTY).astype(np.int32)  # ids < 2**31
+        lengths, values = state.blocks[g].gather(state.schedule)
         lengths.flags.writeable = values.flags.writeable = False
         cached = (state.schedule, lengths, values)
         state._rebuild_cache[key] = cached

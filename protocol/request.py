@@ -105,6 +105,31 @@ class ExecuteModelRequest(msgspec.Struct):
         return int(self.num_scheduled_tokens.sum())
 
 
+def has_duplicates(values: IntArray) -> bool:
+    """Whether an integer array repeats a value (a set for small arrays: np.unique and
+    np.isin cost microseconds even on a handful of elements)."""
+    if values.size < 2:
+        return False
+    if values.size <= 256:
+        return len(set(values.tolist())) != values.size
+    return bool(np.unique(values).size != values.size)
+
+
+def member_mask(values: IntArray, members: set[int] | IntArray) -> npt.NDArray[np.bool_]:
+    """``values[i] in members`` for every i (a replacement for np.isin on small sets)."""
+    if isinstance(members, set):
+        if not members:
+            return np.zeros(values.size, dtype=bool)
+        pool = members
+    else:
+        if not members.size:
+            return np.zeros(values.size, dtype=bool)
+        if members.size > 256 and values.size > 256:
+            return np.isin(values, members)
+        pool = set(members.tolist())
+    return np.fromiter((v in pool for v in values.tolist()), dtype=bool, count=values.size)
+
+
 def same_ints(a: IntArray, b: IntArray) -> bool:
     """Fast exact equality of two integer arrays (memcmp when dtypes and shapes match).
 

@@ -90,10 +90,6 @@ def _load_blocks(state: ReplicaState, body: SnapshotBody, planner: _Planner) -> 
     for g, rows in enumerate(body.blocks):
         hs, counts, values = planner.rows(rows, state.schedule)
         planner.check_live(hs, "snapshot blocks")
-        offsets = np.concatenate([[0], np.cumsum(counts)])
-        for i, h in enumerate(hs.tolist()):
-            table = values[offsets[i]:offsets[i + 1]].copy()
-            table.flags.writeable = False
-            state.blocks[g][h] = table
-            state.cols.block_sum[g, h] = dg.total(dg.block_terms(h, g, 0, table))
-            state.cols.block_len[g, h] = table.size
+        state.blocks[g].write(hs, np.zeros(hs.size, dtype=np.int64), counts, values)
+        for h in hs.tolist():
+            state.cols.block_sum[g, h] = dg.total(dg.block_terms(h, g, 0, state.blocks[g][h]))

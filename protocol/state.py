@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from protocol import digest as dg
-from protocol.columns import HandleColumns, TokenBuffer
+from protocol.columns import BlockTable, HandleColumns, TokenBuffer
 from protocol.errors import InvalidDelta, LocalProtocolError
 from protocol.messages import TOKEN_MODE_ENGINE, TOKEN_MODE_WORKER, DeltaBody
 from protocol.plan import (
@@ -56,7 +56,7 @@ class ReplicaState:
         self.kv_groups = kv_groups
         self.cols = HandleColumns(kv_groups)
         self.specs: list[RequestSpec | None] = []
-        self.blocks: list[list[IntArray]] = [[] for _ in range(kv_groups)]
+        self.blocks: list[BlockTable] = [BlockTable() for _ in range(kv_groups)]
         self.tokens: list[TokenBuffer | None] = []
         self.schedule: IntArray = _EMPTY
         self.nsched: IntArray = _EMPTY
@@ -117,9 +117,8 @@ class ReplicaState:
         self.cols.in_sched[h] = False
         self.specs[h] = None
         for g in range(self.kv_groups):
-            self.blocks[g][h] = _EMPTY
+            self.blocks[g].lengths[h] = 0
             self.cols.block_sum[g, h] = 0
-            self.cols.block_len[g, h] = 0
         if self.token_mode == TOKEN_MODE_ENGINE:
             self.tokens[h] = None
             self.cols.token_sum[h] = 0
@@ -129,11 +128,11 @@ class ReplicaState:
                  tokens: IntArray | None) -> None:
         cols = self.cols
         cols.ensure(h)
+        for table in self.blocks:
+            table.ensure(h, 0)
         while len(self.specs) <= h:
             self.specs.append(None)
             self.tokens.append(None)
-            for g in range(self.kv_groups):
-                self.blocks[g].append(_EMPTY)
         if cols.live[h]:
             self._forget(h)
         cols.live[h] = True
@@ -162,18 +161,15 @@ class ReplicaState:
                 bufs[h].append(rows.values[bounds[i]:bounds[i + 1]])  # type: ignore[union-attr]
 
     def _commit_blocks(self, plan: Plan) -> None:
-        sums = plan.block_sums  # type: ignore[attr-defined]
         appended = plan.appended  # type: ignore[attr-defined]
-        for g, final in enumerate(plan.block_replace):
-            if not final:
+        for g, edit in enumerate(plan.blocks):
+            if not edit.sum_handles.size:
                 continue
-            for h, table in final.items():
-                table.flags.writeable = False
-                self.blocks[g][h] = table
-            hs = np.fromiter(final.keys(), dtype=np.int64, count=len(final))
-            self.cols.block_sum[g, hs] = np.fromiter(sums[g].values(), dtype=np.uint64,
-                                                     count=len(final))
-            self.cols.block_len[g, hs] = [t.size for t in final.values()]
+            table = self.blocks[g]
+            table.write(edit.rep_handles, np.zeros(edit.rep_handles.size, dtype=np.int64),
+                        edit.rep_counts, edit.rep_values)
+            table.write(edit.app_handles, edit.app_starts, edit.app_counts, edit.app_values)
+            self.cols.block_sum[g, edit.sum_handles] = edit.sums
             if g in appended and plan.schedule is self.schedule:
                 self._patch_block_cache(g, *appended[g])
             else:
