@@ -1,0 +1,177 @@
+"""Endpoint policy, private ipc directories, CURVE keys and the ZAP allow list.
+
+Rules (SPEC.md, security section):
+
+* The default endpoint is ``ipc://`` inside a private directory: mode 0700, one
+  per run, holding a lock file so a second engine cannot take the socket paths
+  over (a zmq ipc bind silently unlinks an existing socket file).
+* Any ``tcp://`` endpoint, loopback included, needs CURVE *and* an allow list of
+  worker public keys enforced by a ZAP authenticator (CURVE alone accepts any
+  client key).  ``insecure=True`` skips this, with a warning.  Anything else is
+  refused with :class:`InsecureEndpoint`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import stat
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+log = logging.getLogger("deltacast.security")
+
+IPC_PATH_MAX = 107  # sun_path is 108 bytes including the NUL
+SOCKET_NAMES = ("pub", "ctl")  # PUB and ROUTER socket files in an ipc directory
+
+
+class EndpointError(Exception):
+    """An endpoint cannot be used as asked; the message says what to do instead."""
+
+
+class InsecureEndpoint(EndpointError):
+    """A tcp endpoint without CURVE keys and without the explicit insecure flag."""
+
+
+class EndpointInUse(EndpointError):
+    """Another engine holds the lock of this ipc directory."""
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """The engine's key pair and the public keys of the workers allowed in (z85 bytes)."""
+
+    public: bytes
+    secret: bytes
+    allowed: frozenset[bytes] = field(default_factory=frozenset)
+
+
+def generate_keypair(directory: Path, name: str) -> tuple[Path, Path]:
+    """Write ``name.key`` (public) and ``name.key_secret`` into ``directory`` (0700)."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    return Path(public), Path(secret)
+
+
+def load_public(path: Path) -> bytes:
+    public, _ = zmq.auth.load_certificate(str(path))
+    return public
+
+
+def load_keypair(path: Path) -> tuple[bytes, bytes]:
+    """(public, secret) from a ``.key_secret`` file; refuses a file without a secret."""
+    public, secret = zmq.auth.load_certificate(str(path))
+    if secret is None:
+        raise EndpointError(f"{path} holds no secret key (pass the .key_secret file)")
+    return public, secret
+
+
+def check_tcp_policy(endpoint: str, keys: CurveKeys | None, insecure: bool) -> None:
+    """Refuse a tcp endpoint without CURVE keys unless ``insecure`` (which warns)."""
+    if not endpoint.startswith("tcp://"):
+        return
+    if keys is not None:
+        if not keys.allowed:
+            raise InsecureEndpoint(f"refusing {endpoint}: CURVE needs at least one allowed "
+                                   "worker public key (the ZAP allow list is empty)")
+        return
+    if not insecure:
+        raise InsecureEndpoint(
+            f"refusing to bind {endpoint} without CURVE: anyone who can reach the port could "
+            "read the schedule and inject replies. Pass CURVE keys (--curve) or, for a trusted "
+            "network only, --insecure.")
+    log.warning("binding %s WITHOUT authentication or encryption (--insecure)", endpoint)
+
+
+def start_authenticator(ctx: zmq.Context[zmq.Socket[bytes]],
+                        allowed: frozenset[bytes]) -> ThreadAuthenticator:
+    """A ZAP handler on ``ctx`` that admits exactly the ``allowed`` CURVE public keys."""
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("deltacast.zap"))
+    auth.start()
+    auth.configure_curve_callback("*", credentials_provider=_AllowList(allowed))
+    return auth
+
+
+class _AllowList:
+    """ZAP credentials provider: a fixed set of z85 public keys."""
+
+    def __init__(self, allowed: frozenset[bytes]) -> None:
+        self.allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = key in self.allowed  # pyzmq passes the z85-encoded key
+        if not ok:
+            log.warning("rejected a CURVE client with an unknown public key")
+        return ok
+
+
+class PrivateDir:
+    """A 0700 directory for ipc sockets, locked by one engine for its lifetime.
+
+    Args:
+        path: an explicit directory (created if missing, or reused when unlocked
+            and private); None makes a fresh one under $XDG_RUNTIME_DIR or /tmp.
+
+    Raises EndpointInUse if another engine holds the lock, EndpointError if the
+    directory is not private or the socket paths would exceed 107 bytes.
+    """
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.created = path is None or not path.exists()
+        if path is None:
+            base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+            path = Path(tempfile.mkdtemp(prefix="dc-", dir=base))
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.path = path
+        self._check_private()
+        self._check_lengths()
+        self._lock_fd = self._lock()
+        for name in SOCKET_NAMES:  # stale sockets of a dead engine (we hold the lock)
+            (path / name).unlink(missing_ok=True)
+
+    def _check_private(self) -> None:
+        st = self.path.stat()
+        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise EndpointError(f"{self.path} must be owned by this user with mode 0700 "
+                                f"(it is {oct(stat.S_IMODE(st.st_mode))})")
+
+    def _check_lengths(self) -> None:
+        longest = max(len(str(self.path / n).encode()) for n in SOCKET_NAMES)
+        if longest > IPC_PATH_MAX:
+            raise EndpointError(f"ipc socket paths under {self.path} are {longest} bytes; "
+                                f"the limit is {IPC_PATH_MAX}: choose a shorter directory")
+
+    def _lock(self) -> int:
+        fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise EndpointInUse(f"another engine is serving {self.path} (its lock is held); "
+                                "stop it or choose another --endpoint") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return fd
+
+    @property
+    def endpoint(self) -> str:
+        return f"ipc://{self.path}"
+
+    def close(self) -> None:
+        """Remove the sockets, the lock and (if we made it) the directory."""
+        if self._lock_fd < 0:
+            return
+        for name in SOCKET_NAMES:
+            (self.path / name).unlink(missing_ok=True)
+        (self.path / "lock").unlink(missing_ok=True)
+        os.close(self._lock_fd)
+        self._lock_fd = -1
+        if self.created:
+            shutil.rmtree(self.path, ignore_errors=True)

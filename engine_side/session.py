@@ -1,0 +1,268 @@
+"""EngineSession: one engine incarnation's step loop over an EngineTransport.
+
+Owns the mirror, the transport and the liveness view, all on one thread: the
+loop services the ROUTER (snapshots, check-ins, step results) while it waits
+for a step, and publishes heartbeats when idle, so snapshot requests are
+answered promptly by the thread that owns the mirror.
+
+Stepping is lock-step (engine-token mode): ``run_step(request)`` publishes the
+step's delta and waits until every rank *in the wait set* has returned its
+sampled tokens.  The wait set of step S holds the live ranks that joined before
+S: a rank served a snapshot at seq S' (which it recomputes rather than
+executes) is waited for from S' + 1; a rank that answers step S is waited for
+from S on; a dead, stuck or departed rank is dropped at once.  Tokens come from
+the lowest rank that answered; every other answer -- including late ones, up
+to ``history`` steps back -- is compared with them, and a mismatch names the
+diverging rank.
+
+If nobody can answer step S (every rank that could died, and the ranks alive
+joined after S), the session re-issues the same request as a new step: its KV
+writes are idempotent, so a freshly rejoined rank can answer it.  If no rank is
+alive at all for ``orphan_timeout`` seconds, :class:`WorkersLost` is raised:
+never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from engine_side.liveness import (
+    LivenessEvent,
+    LivenessView,
+    WorkerDead,
+    WorkerJoined,
+    WorkerStuck,
+)
+from engine_side.mirror import EngineMirror
+from protocol.messages import CheckIn, Goodbye, Heartbeat, Hello, SnapshotRequest
+from protocol.replies import AnyReply, StepResult
+from protocol.request import ExecuteModelRequest
+
+if TYPE_CHECKING:  # the session never touches zmq itself
+    from engine_side.transport import EngineTransport
+
+log = logging.getLogger("deltacast.engine")
+
+Tick = Callable[[float], list[LivenessEvent]]
+
+
+class WorkersLost(RuntimeError):
+    """No worker has been alive to answer a step for ``orphan_timeout`` seconds."""
+
+
+class WorkerDied(RuntimeError):
+    """A worker died and the session runs with ``strict=True`` (no supervisor)."""
+
+    def __init__(self, event: WorkerDead) -> None:
+        super().__init__(f"worker rank {event.rank} (pid {event.pid}) is dead: {event.reason}")
+        self.event = event
+
+
+@dataclass(frozen=True)
+class Diverged:
+    """``rank`` sampled different tokens than the token source for step ``seq``."""
+
+    rank: int
+    seq: int
+    source_rank: int
+
+
+class EngineSession:
+    """Lock-step engine loop (see the module docstring).
+
+    Args:
+        transport: bound sockets; the session closes them.
+        mirror: the engine's EngineMirror (engine-token mode for the demo).
+        liveness: per-worker view; its events go to ``on_event`` after the
+            session has updated its wait set.
+        on_event: called with every LivenessEvent and Diverged.
+        ticks: called each service round with ``now``; may return liveness events
+            (the demo's supervisor reports exited processes this way).
+        strict: raise :class:`WorkerDied` (after ``on_event``) as soon as a worker
+            is found dead, instead of carrying on without it.
+    """
+
+    def __init__(self, transport: EngineTransport, mirror: EngineMirror,
+                 liveness: LivenessView | None = None, *, heartbeat_interval: float = 0.05,
+                 orphan_timeout: float = 30.0,
+                 on_event: Callable[[object], None] | None = None,
+                 ticks: list[Tick] | None = None, history: int = 4096, strict: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.transport, self.mirror = transport, mirror
+        self.liveness = liveness or LivenessView()
+        self.heartbeat_interval, self.orphan_timeout = heartbeat_interval, orphan_timeout
+        self.on_event = on_event or (lambda event: None)
+        self.ticks = ticks or []
+        self.history, self.clock, self.strict = history, clock, strict
+        self.joined_at: dict[int, int] = {}
+        self.answers: dict[int, StepResult] = {}  # pending step's answers by rank
+        self.expected: OrderedDict[int, tuple[bytes, bytes, int]] = OrderedDict()
+        self.snapshots_by_identity: Counter[bytes] = Counter()
+        self.stats: Counter[str] = Counter()
+        self.divergent: list[Diverged] = []
+        self.goodbyes: set[int] = set()
+        self.rank_of: dict[bytes, int] = {}  # DEALER identity -> rank
+        self._last_publish = -1.0
+        self._pending = -1
+
+    # -- stepping -------------------------------------------------------------------------
+    def run_step(self, request: ExecuteModelRequest) -> StepResult:
+        """Publish ``request`` and return the token source's answer (re-issuing if needed)."""
+        while True:
+            seq = self.publish_step(request)
+            answer = self.wait_step(seq)
+            if answer is not None:
+                return answer
+            self.stats["reissued"] += 1
+            request = msgspec.structs.replace(
+                request, finished_req_ids=frozenset(), preempted_req_ids=frozenset(),
+                resumed_req_ids=frozenset())
+
+    def publish_step(self, request: ExecuteModelRequest) -> int:
+        delta = self.mirror.diff(request)
+        self.stats["bytes"] += self.transport.publish(delta)
+        self.stats["steps"] += 1
+        self._last_publish = now = self.clock()
+        self.liveness.engine_at(delta.seq, now)
+        self._pending, self.answers = delta.seq, {}
+        return delta.seq
+
+    def wait_step(self, seq: int) -> StepResult | None:
+        """Service until step ``seq`` is answered by its wait set; None = re-issue it."""
+        orphaned_since: float | None = None
+        while True:
+            waiting = self.wait_set(seq)
+            if self.answers and waiting <= set(self.answers):
+                return self._complete(seq)
+            now = self.clock()
+            if not waiting and not self.answers:
+                if any(r in self.joined_at for r in self.liveness.alive_ranks()):
+                    return None  # only later joiners are alive: re-issue the step
+                orphaned_since = orphaned_since if orphaned_since is not None else now
+                if now - orphaned_since > self.orphan_timeout:
+                    raise WorkersLost(f"no live worker could answer step {seq} for "
+                                      f"{self.orphan_timeout:.1f} s (ranks seen: "
+                                      f"{sorted(self.liveness.workers)})")
+            else:
+                orphaned_since = None
+            self.service(0.02)
+
+    def wait_set(self, seq: int) -> set[int]:
+        alive = self.liveness.alive_ranks()
+        return {r for r, first in self.joined_at.items() if first <= seq and r in alive}
+
+    def _complete(self, seq: int) -> StepResult:
+        source = self.answers[min(self.answers)]
+        self.expected[seq] = (source.rows, source.tokens, source.rank)
+        while len(self.expected) > self.history:
+            self.expected.popitem(last=False)
+        for result in self.answers.values():
+            self._compare(result)
+        self._pending = -1
+        return source
+
+    def _compare(self, result: StepResult) -> None:
+        want = self.expected.get(result.seq)
+        if want is None:
+            self.stats["uncompared"] += 1
+            return
+        self.stats["compared"] += 1
+        self.stats["rejoined_compared"] += result.rejoined
+        if (result.rows, result.tokens) != want[:2]:
+            self.stats["mismatched"] += 1
+            event = Diverged(result.rank, result.seq, want[2])
+            self.divergent.append(event)
+            log.error("rank %d diverged at step %d (token source: rank %d)",
+                      event.rank, event.seq, event.source_rank)
+            self.on_event(event)
+
+    # -- servicing ---------------------------------------------------------------------------
+    def service(self, timeout: float) -> None:
+        """One round: heartbeat if due, worker messages, timers."""
+        now = self.clock()
+        if now - self._last_publish >= self.heartbeat_interval:
+            epoch, seq, digest = self.mirror.heartbeat_fields()
+            self.transport.publish(Heartbeat(epoch=epoch, seq=seq, digest=digest))
+            self._last_publish = now
+            self.stats["heartbeats"] += 1
+        for identity, msg in self.transport.recv(int(timeout * 1000)):
+            self._dispatch(identity, msg)
+        now = self.clock()
+        events = [e for tick in self.ticks for e in tick(now)] + self.liveness.poll(now)
+        for event in events:
+            self._liveness_event(event)
+
+    def _dispatch(self, identity: bytes, msg: AnyReply) -> None:
+        now = self.clock()
+        if isinstance(msg, CheckIn):
+            self.stats["checkins"] += 1
+            for event in self.liveness.check_in(msg.rank, msg.pid, msg.seq, msg.state, now):
+                self._liveness_event(event)
+        elif isinstance(msg, SnapshotRequest):
+            self.rank_of[identity] = msg.rank
+            self._serve_snapshot(identity, msg.rank)
+        elif isinstance(msg, StepResult):
+            self.rank_of[identity] = msg.rank
+            self._step_result(msg)
+        elif isinstance(msg, Goodbye) and identity in self.rank_of:
+            rank = self.rank_of[identity]
+            self.goodbyes.add(rank)
+            self.joined_at.pop(rank, None)
+            self.liveness.left(rank)
+
+    def _serve_snapshot(self, identity: bytes, rank: int) -> None:
+        """Hello (version and features, checked by the worker), then the snapshot."""
+        epoch, seq, _ = self.mirror.heartbeat_fields()
+        self.transport.send_to(identity, Hello(epoch=epoch, seq=seq, role="engine"))
+        self.stats["bytes_snapshots"] += self.transport.send_to(identity, self.mirror.snapshot())
+        self.stats["snapshots"] += 1
+        if self.snapshots_by_identity[identity]:
+            self.stats["resyncs"] += 1
+            self.stats[f"resyncs_rank{rank}"] += 1
+        self.snapshots_by_identity[identity] += 1
+        self.joined_at[rank] = self.mirror.seq + 1
+
+    def _step_result(self, msg: StepResult) -> None:
+        if msg.epoch != self.mirror.epoch:
+            return
+        if msg.seq == self._pending:
+            self.answers[msg.rank] = msg
+            if self.joined_at.get(msg.rank, msg.seq + 1) > msg.seq:
+                self.joined_at[msg.rank] = msg.seq
+        else:
+            self._compare(msg)
+
+    def _liveness_event(self, event: LivenessEvent) -> None:
+        if isinstance(event, (WorkerDead, WorkerStuck, WorkerJoined)):
+            self.joined_at.pop(event.rank, None)
+        self.on_event(event)
+        if self.strict and isinstance(event, WorkerDead):
+            raise WorkerDied(event)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def wait_for_workers(self, count: int, timeout: float) -> None:
+        """Service until ``count`` ranks have been served a snapshot (WorkersLost after timeout)."""
+        deadline = self.clock() + timeout
+        while len(self.joined_at) < count:
+            if self.clock() > deadline:
+                raise WorkersLost(f"only {len(self.joined_at)} of {count} workers joined "
+                                  f"within {timeout:.0f} s")
+            self.service(0.02)
+
+    def close(self, reason: str = "shutdown", expect: set[int] | None = None,
+              timeout: float = 2.0) -> None:
+        """Say Goodbye, wait (bounded) for ``expect`` ranks' Goodbyes, close the sockets."""
+        epoch, seq, _ = self.mirror.heartbeat_fields()
+        self.transport.publish(Goodbye(epoch=epoch, seq=seq, reason=reason))
+        deadline = self.clock() + timeout
+        while expect and not expect <= self.goodbyes and self.clock() < deadline:
+            for identity, msg in self.transport.recv(20):
+                self._dispatch(identity, msg)
+        self.transport.close()

@@ -1,0 +1,233 @@
+"""Worker sockets: SUB for the engine's stream, DEALERs for requests and check-ins.
+
+The only worker code that touches zmq.  It holds no protocol decisions: frames
+are decoded and handed to the caller, which feeds the pure WorkerReplica.
+
+* ``SUB`` connects to the engine's PUB and subscribes to everything.  The first
+  message that arrives proves the subscription is live (:attr:`heard`); only
+  then should a snapshot be requested (Clone ordering: subscribe, then ask).
+* ``DEALER`` (main thread) carries snapshot requests, step results and Goodbye
+  to the engine's ROUTER, and receives snapshots.
+* :class:`CheckInThread` owns a second DEALER: check-ins keep flowing while the
+  main thread computes.  No socket is ever used from two threads.
+
+Bad input never changes state: frames that fail to decode, or whose total size
+exceeds ``max_message_bytes``, are counted and logged once.  zmq enforces
+``MAXMSGSIZE`` per frame by dropping the connection; a socket monitor reports
+each drop (it reconnects by itself; the replica sees the gap and resyncs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
+
+from protocol import codec
+from protocol.errors import MalformedMessage
+from protocol.messages import AnyMessage, CheckIn
+from protocol.replies import AnyReply, encode_reply
+
+log = logging.getLogger("deltacast.worker.transport")
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+_BATCH = 256  # messages drained per socket per recv() call
+_MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
+
+def channel_endpoints(endpoint: str) -> tuple[str, str]:
+    """(PUB, ROUTER) endpoints of an engine: ``ipc://DIR`` → DIR/pub, DIR/ctl;
+    ``tcp://HOST:PORT`` → PORT and PORT + 1."""
+    if endpoint.startswith("ipc://"):
+        base = endpoint.rstrip("/")
+        return f"{base}/pub", f"{base}/ctl"
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        if not port.isdigit():
+            raise ValueError(f"{endpoint}: a tcp endpoint needs an explicit port")
+        return endpoint, f"{host}:{int(port) + 1}"
+    raise ValueError(f"{endpoint}: use ipc://DIR or tcp://HOST:PORT")
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """CURVE keys of a worker (z85): the engine's public key and our own pair."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @staticmethod
+    def from_files(server_key: Path, secret_key: Path) -> ClientKeys:
+        """Keys from zmq certificate files: the engine's public one and our secret one."""
+        server, _ = zmq.auth.load_certificate(str(server_key))
+        public, secret = zmq.auth.load_certificate(str(secret_key))
+        if secret is None:
+            raise ValueError(f"{secret_key} holds no secret key (pass the .key_secret file)")
+        return ClientKeys(server, public, secret)
+
+    def apply(self, sock: zmq.Socket[Any]) -> None:
+        sock.curve_serverkey = self.server_public
+        sock.curve_publickey = self.public
+        sock.curve_secretkey = self.secret
+
+
+class _Once:
+    """Count an anomaly; log only its first occurrence."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.count = what, 0
+
+    def hit(self, detail: object) -> None:
+        self.count += 1
+        if self.count == 1:
+            log.warning("%s: %s (further ones are only counted)", self.what, detail)
+
+
+class WorkerTransport:
+    """The main thread's sockets (SUB + DEALER), created and used on that thread."""
+
+    def __init__(self, endpoint: str, keys: ClientKeys | None = None, *,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, rcvhwm: int = 1000,
+                 rcvbuf: int = -1, identity: bytes | None = None) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.endpoint, self.keys = endpoint, keys
+        self.max_message_bytes = max_message_bytes
+        pub_ep, self.ctl_endpoint = channel_endpoints(endpoint)
+        self.sub = self._socket(zmq.SUB, rcvhwm=rcvhwm, rcvbuf=rcvbuf)
+        self.sub.maxmsgsize = max_message_bytes
+        self.sub.subscribe(b"")
+        self.dealer = self._socket(zmq.DEALER, identity=identity)
+        self.dealer.maxmsgsize = max_message_bytes
+        self.endpoints = {self.sub: pub_ep, self.dealer: self.ctl_endpoint}
+        self.monitors = {sock.get_monitor_socket(_MONITORED): sock for sock in self.endpoints}
+        for sock, ep in self.endpoints.items():
+            sock.connect(ep)
+        self.poller = zmq.Poller()
+        for sock in (self.sub, self.dealer, *self.monitors):
+            self.poller.register(sock, zmq.POLLIN)
+        self.heard = False
+        self.malformed = _Once("dropped frames that do not decode")
+        self.oversized = _Once("dropped a message over max_message_bytes")
+        self.dropped = _Once("connection to the engine dropped (a frame over the size limit, "
+                             "or the engine went away); zmq reconnects")
+        self.auth_failed = _Once("the engine rejected our CURVE key")
+
+    def _socket(self, kind: int, *, rcvhwm: int = 1000, rcvbuf: int = -1,
+                identity: bytes | None = None) -> zmq.Socket[bytes]:
+        sock = self.ctx.socket(kind)
+        sock.linger = 0
+        sock.rcvhwm = rcvhwm
+        if rcvbuf > 0:
+            sock.rcvbuf = rcvbuf
+        if identity is not None:
+            sock.identity = identity
+        if self.keys is not None:
+            self.keys.apply(sock)
+        return sock
+
+    def recv(self, timeout_ms: int) -> list[AnyMessage]:
+        """Messages that arrived within ``timeout_ms`` (SUB first, then DEALER)."""
+        ready = dict(self.poller.poll(timeout_ms))
+        out: list[AnyMessage] = []
+        for monitor, sock in self.monitors.items():
+            if monitor in ready:
+                self._drain_monitor(monitor, sock)
+        if self.sub in ready:
+            out += self._drain(self.sub)
+            self.heard = self.heard or bool(out)
+        if self.dealer in ready:
+            out += self._drain(self.dealer)
+        return out
+
+    def _drain(self, sock: zmq.Socket[bytes]) -> list[AnyMessage]:
+        out: list[AnyMessage] = []
+        for _ in range(_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            if sum(len(f.buffer) for f in frames) > self.max_message_bytes:
+                self.oversized.hit(f"{len(frames)} frames")
+                continue
+            try:
+                out.append(codec.decode(frames))
+            except MalformedMessage as exc:
+                self.malformed.hit(exc)
+        return out
+
+    def _drain_monitor(self, monitor: zmq.Socket[bytes], sock: zmq.Socket[bytes]) -> None:
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self.dropped.hit("peer disconnected")
+                self._reconnect(sock)
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.auth_failed.hit("ZAP denied")
+
+    def _reconnect(self, sock: zmq.Socket[bytes]) -> None:
+        """zmq does not reconnect after a protocol error (e.g. MAXMSGSIZE): do it here."""
+        endpoint = self.endpoints[sock]
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disconnect(endpoint)
+        sock.connect(endpoint)
+
+    def send(self, msg: AnyReply) -> None:
+        """One reply to the engine (never blocks: dropped if the engine is gone)."""
+        try:
+            self.dealer.send(encode_reply(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("engine not reachable; %s dropped", type(msg).__name__)
+
+    def stats(self) -> dict[str, int]:
+        return {"malformed": self.malformed.count, "oversized": self.oversized.count,
+                "disconnects": self.dropped.count, "auth_failures": self.auth_failed.count}
+
+    def close(self, goodbye_linger_ms: int = 100) -> None:
+        """Close everything; the DEALER lingers briefly so a final Goodbye gets out."""
+        for monitor, sock in self.monitors.items():
+            sock.disable_monitor()
+            monitor.close(linger=0)
+        self.sub.close(linger=0)
+        self.dealer.close(linger=goodbye_linger_ms)
+        self.ctx.term()
+
+
+class CheckInThread(threading.Thread):
+    """Sends ``status()`` as a CheckIn every ``interval`` seconds on its own DEALER."""
+
+    def __init__(self, endpoint: str, status: Callable[[], CheckIn], interval: float = 0.05,
+                 keys: ClientKeys | None = None) -> None:
+        super().__init__(name="deltacast-checkin", daemon=True)
+        self.ctl_endpoint = channel_endpoints(endpoint)[1]
+        self.status, self.interval, self.keys = status, interval, keys
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.sndhwm = 4  # stale check-ins are worthless: drop rather than queue
+        if self.keys is not None:
+            self.keys.apply(sock)
+        sock.connect(self.ctl_endpoint)
+        try:
+            while not self._stop_event.is_set():
+                with contextlib.suppress(zmq.Again):  # engine away: this check-in is moot
+                    sock.send(encode_reply(self.status()), zmq.NOBLOCK)
+                self._stop_event.wait(self.interval)
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=2.0)
