@@ -1,0 +1,13 @@
+"""vLLM adapter, engine side (importable only when vLLM is installed; built for vLLM 0.32.x).
+
+``SchedulerOutputEncoder`` turns each SchedulerOutput into Delta frames (and
+decodes the workers' ModelRunnerOutput replies); its worker-side peer is
+``worker_side.vllm.SchedulerOutputDecoder``.
+"""
+
+from engine_side.vllm.convert import BadSeal, TokenLedger
+from engine_side.vllm.encoder import SchedulerOutputEncoder
+from engine_side.vllm.schema import SUPPORTED_VLLM, SchemaMismatch, check_schema
+
+__all__ = ["SUPPORTED_VLLM", "BadSeal", "SchedulerOutputEncoder", "SchemaMismatch",
+           "TokenLedger", "check_schema"]

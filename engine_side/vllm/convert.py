@@ -1,0 +1,365 @@
+"""vLLM objects ⇄ deltacast's typed ones, plus what both adapter ends must share.
+
+Shared by the engine-side encoder and the worker-side decoder: parameter
+conversion (``SamplingParams`` ⇄ ``SamplingSpec`` ...), token references,
+the per-step memory whose predictions both ends compute identically, and the
+HMAC seal for opaque connector objects (the only pickle in the adapter: the MAC
+is checked with ``hmac.compare_digest`` before anything is unpickled).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import pickle
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from engine_side.vllm.schema import NewFix, TokenRef
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
+from protocol.params import (
+    LoRASpec,
+    MMFeatureRef,
+    PoolingSpec,
+    RepetitionDetectionSpec,
+    SamplingSpec,
+    StructuredOutputsSpec,
+)
+from protocol.request import IntArray, RequestSpec
+
+_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+                 "top_p", "min_p")
+_SPEC_FIELDS = SamplingSpec.__struct_fields__
+_MAC_BYTES = 32
+
+
+class BadSeal(RemoteProtocolError):
+    """A sealed (HMAC-authenticated) payload whose MAC does not verify; nothing was unpickled."""
+
+
+def _bare(cls: Any, **values: Any) -> Any:
+    """An instance of a vLLM class with exactly ``values`` (no ``__post_init__`` re-run)."""
+    try:
+        obj = cls.__new__(cls)
+    except TypeError:  # a plain msgspec Struct: construct, then overwrite every field
+        obj = cls(**values)
+    setter = msgspec.structs.force_setattr if isinstance(obj, msgspec.Struct) \
+        else object.__setattr__
+    for name, value in values.items():
+        setter(obj, name, value)
+    return obj
+
+
+# ---------------------------------------------------------------- SamplingParams
+def _structured_to_spec(so: Any) -> StructuredOutputsSpec | None:
+    if so is None:
+        return None
+    return StructuredOutputsSpec(
+        json=so.json, regex=so.regex, choice=so.choice, grammar=so.grammar,
+        json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace,
+        disable_additional_properties=so.disable_additional_properties,
+        whitespace_pattern=so.whitespace_pattern, structural_tag=so.structural_tag,
+        backend=so._backend, backend_was_auto=so._backend_was_auto)
+
+
+def _structured_from_spec(spec: StructuredOutputsSpec | None) -> Any:
+    if spec is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    values = {f: getattr(spec, f) for f in StructuredOutputsSpec.__struct_fields__}
+    values["_backend"] = values.pop("backend")
+    values["_backend_was_auto"] = values.pop("backend_was_auto")
+    return _bare(StructuredOutputsParams, **values)
+
+
+def sampling_to_spec(sp: Any) -> tuple[SamplingSpec, tuple[str, ...], str]:
+    """(spec, float fields holding ints, dtype of an ndarray prompt_logprob_token_ids)."""
+    values: dict[str, Any] = {}
+    for name in _SPEC_FIELDS:
+        values[name] = getattr(sp, name if hasattr(type(sp), name) else "_" + name)
+    int_floats = tuple(f for f in _FLOAT_FIELDS if type(values[f]) is int)
+    for f in int_floats:
+        values[f] = float(values[f])
+    values["output_kind"] = int(values["output_kind"].value)
+    values["all_stop_token_ids"] = sorted(values["all_stop_token_ids"])
+    values["structured_outputs"] = _structured_to_spec(values["structured_outputs"])
+    rd = values["repetition_detection"]
+    if rd is not None:
+        values["repetition_detection"] = RepetitionDetectionSpec(
+            rd.max_pattern_size, rd.min_pattern_size, rd.min_count)
+    dtype = ""
+    plt = values["prompt_logprob_token_ids"]
+    if isinstance(plt, np.ndarray):
+        dtype, values["prompt_logprob_token_ids"] = plt.dtype.str, plt.tolist()
+    return SamplingSpec(**values), int_floats, dtype
+
+
+def spec_to_sampling(spec: SamplingSpec, int_floats: Iterable[str] = (), dtype: str = "") -> Any:
+    """A fresh ``SamplingParams`` equal in every field (private ones included)."""
+    from vllm.sampling_params import RepetitionDetectionParams, RequestOutputKind, SamplingParams
+
+    values: dict[str, Any] = {}
+    for name in SamplingParams.__struct_fields__:
+        v = getattr(spec, name.lstrip("_"))
+        values[name] = list(v) if isinstance(v, list) else v
+    for f in int_floats:
+        values[f] = int(values[f])
+    values["output_kind"] = RequestOutputKind(values["output_kind"])
+    values["_all_stop_token_ids"] = set(values["_all_stop_token_ids"])
+    values["structured_outputs"] = _structured_from_spec(spec.structured_outputs)
+    rd = spec.repetition_detection
+    if rd is not None:
+        values["repetition_detection"] = RepetitionDetectionParams(
+            rd.max_pattern_size, rd.min_pattern_size, rd.min_count)
+    if dtype and values["prompt_logprob_token_ids"] is not None:
+        values["prompt_logprob_token_ids"] = np.array(values["prompt_logprob_token_ids"],
+                                                      dtype=np.dtype(dtype))
+    return _bare(SamplingParams, **values)
+
+
+# ---------------------------------------------------------------- pooling, LoRA, multimodal
+def pooling_to_spec(pp: Any) -> PoolingSpec | None:
+    if pp is None:
+        return None
+    li = pp.late_interaction_params
+    return PoolingSpec(
+        use_activation=pp.use_activation, dimensions=pp.dimensions, step_tag_id=pp.step_tag_id,
+        returned_token_ids=pp.returned_token_ids, task=pp.task,
+        requires_token_ids=pp.requires_token_ids,
+        skip_reading_prefix_cache=pp.skip_reading_prefix_cache,
+        late_interaction_params=None if li is None else msgspec.structs.asdict(li),
+        extra_kwargs=pp.extra_kwargs, output_kind=int(pp.output_kind.value))
+
+
+def spec_to_pooling(spec: PoolingSpec | None) -> Any:
+    if spec is None:
+        return None
+    from vllm.pooling_params import LateInteractionParams, PoolingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    values = {f: getattr(spec, f) for f in PoolingSpec.__struct_fields__}
+    li = values["late_interaction_params"]
+    values["late_interaction_params"] = None if li is None else _bare(LateInteractionParams, **li)
+    values["output_kind"] = RequestOutputKind(values["output_kind"])
+    return _bare(PoolingParams, **values)
+
+
+def lora_to_spec(lr: Any) -> tuple[LoRASpec | None, bool | None]:
+    if lr is None:
+        return None, None
+    spec = LoRASpec(lora_name=lr.lora_name, lora_int_id=lr.lora_int_id, lora_path=lr.lora_path,
+                    base_model_name=lr.base_model_name, load_inplace=lr.load_inplace)
+    return spec, (lr.is_3d_lora_weight or None)
+
+
+def spec_to_lora(spec: LoRASpec | None, is_3d: bool | None) -> Any:
+    if spec is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return _bare(LoRARequest, lora_name=spec.lora_name, lora_int_id=spec.lora_int_id,
+                 lora_path=spec.lora_path, base_model_name=spec.base_model_name,
+                 load_inplace=spec.load_inplace, is_3d_lora_weight=bool(is_3d))
+
+
+def mm_to_refs(features: list[Any]) -> tuple[MMFeatureRef, ...]:
+    """Multimodal features by reference (processed data travels via vLLM's mm cache)."""
+    refs = []
+    for f in features:
+        if f.data is not None:
+            raise LocalProtocolError("multimodal items must travel by the mm cache (data=None)",
+                                     identifier=f.identifier)
+        pos = f.mm_position
+        refs.append(MMFeatureRef(modality=f.modality, identifier=f.identifier, offset=pos.offset,
+                                 length=pos.length, mm_hash=f.mm_hash, is_embed=pos.is_embed))
+    return tuple(refs)
+
+
+def refs_to_mm(refs: tuple[MMFeatureRef, ...]) -> list[Any]:
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return [MultiModalFeatureSpec(data=None, modality=r.modality, identifier=r.identifier,
+                                  mm_position=PlaceholderRange(r.offset, r.length, r.is_embed),
+                                  mm_hash=r.mm_hash) for r in refs]
+
+
+def new_request_spec(nr: Any, index: int) -> tuple[RequestSpec, NewFix | None]:
+    """The RequestSpec of a NewRequestData and, if needed, its exactness fixes."""
+    sampling, int_floats, dtype = (None, (), "") if nr.sampling_params is None else \
+        sampling_to_spec(nr.sampling_params)
+    lora, is_3d = lora_to_spec(nr.lora_request)
+    prompt = None
+    if nr.prompt_token_ids is not None:
+        prompt = np.array(nr.prompt_token_ids, dtype=np.int64)
+        prompt.flags.writeable = False
+    pit = None if nr.prompt_is_token_ids is None else tuple(nr.prompt_is_token_ids)
+    spec = RequestSpec(nr.req_id, prompt, sampling, pooling_to_spec(nr.pooling_params), lora,
+                       mm_to_refs(nr.mm_features), nr.prompt_embeds, pit)
+    fix = NewFix(index, int_floats, dtype, is_3d, nr.replay_start)
+    return spec, (None if fix == NewFix(index) else fix)
+
+
+# ---------------------------------------------------------------- token references
+class TokenLedger:
+    """Tokens the workers are known to hold per live request (sampled, as replied)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+
+    def extend(self, req_id: str, tokens: list[int]) -> None:
+        self.tokens.setdefault(req_id, []).extend(tokens)
+
+    def get(self, req_id: str) -> list[int]:
+        return self.tokens.get(req_id, [])
+
+    def forget(self, req_id: str) -> None:
+        self.tokens.pop(req_id, None)
+
+
+def _common(a: list[int], b: IntArray | list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0]) if diff.size else n
+
+
+def make_ref(tokens: list[int], prompt: IntArray | None, ledger: list[int]) -> TokenRef:
+    """``tokens`` as a prompt prefix, then a ledger prefix, then an explicit tail."""
+    p = 0 if prompt is None else _common(tokens, prompt)
+    full_prompt = prompt is not None and p == len(prompt)
+    held = _common(tokens[p:], ledger) if full_prompt else 0
+    rest = tokens[p + held:]
+    return TokenRef(p, held, pack_sints(rest) if rest else b"")
+
+
+def resolve_ref(ref: TokenRef, prompt: IntArray | None, ledger: list[int]) -> list[int]:
+    if ref.p > (0 if prompt is None else len(prompt)) or ref.l > len(ledger):
+        raise RemoteProtocolError("token reference beyond what this worker holds",
+                                  prompt=ref.p, ledger=ref.l)
+    head = [] if prompt is None else prompt[:ref.p].tolist()
+    tail = unpack_sints(ref.t).tolist() if ref.t else []
+    return head + ledger[:ref.l] + tail
+
+
+# ---------------------------------------------------------------- shared step memory
+class StepMemory:
+    """What both ends remember of previous steps; predictions are computed from it only."""
+
+    def __init__(self, ledger: TokenLedger | None = None) -> None:
+        self.known: set[str] = set()  # scheduled at least once, not finished since
+        self.prompt: dict[str, IntArray | None] = {}
+        self.plen: dict[str, int] = {}
+        self.table_len: list[dict[str, int]] = []  # per KV group (decoder side)
+        self.prev_batch: set[str] = set()
+        self._plen_ids: list[str] | None = None
+        self._plen_col: IntArray = np.zeros(0, dtype=np.int64)
+        self.mrv2 = False  # Model Runner V2 stream (new requests carry prefill_token_ids)
+        self.ledger = ledger
+
+    def finish(self, ids: Iterable[str]) -> None:
+        for rid in ids:
+            self._plen_ids = None
+            self.known.discard(rid)
+            self.prompt.pop(rid, None)
+            self.plen.pop(rid, None)
+            for lens in self.table_len:
+                lens.pop(rid, None)
+            if self.ledger is not None:
+                self.ledger.forget(rid)
+
+    def remember(self, spec: RequestSpec) -> None:
+        """A (re)sent request's prompt, for token references and output predictions."""
+        prompt = spec.prompt_token_ids
+        self._plen_ids = None
+        self.prompt[spec.req_id] = prompt
+        if prompt is not None:
+            self.plen[spec.req_id] = int(prompt.size)
+        else:
+            embeds = spec.prompt_embeds
+            self.plen[spec.req_id] = 0 if embeds is None else int(embeds.shape[0])
+
+    def held(self, rid: str) -> list[int]:
+        return [] if self.ledger is None else self.ledger.get(rid)
+
+    def predicted_outputs(self, ids: list[str], computed: IntArray) -> IntArray:
+        """num_output_tokens of cached requests: tokens past the prompt, last one uncomputed."""
+        if ids != self._plen_ids:  # steady decode repeats the list: reuse the column
+            self._plen_ids = list(ids)
+            self._plen_col = np.fromiter((self.plen[rid] for rid in ids), np.int64, len(ids))
+        return np.maximum(0, computed - self._plen_col + 1)
+
+    def record_sampled(self, rid: str, tokens: list[int]) -> None:
+        if self.ledger is not None and rid in self.known:
+            self.ledger.extend(rid, tokens)
+
+
+def cached_order(positions: list[int], batch: list[str], resumed: set[str]) -> list[int]:
+    """vLLM lists running requests first, then resumed ones (each in batch order)."""
+    if not resumed:
+        return positions
+    return ([i for i in positions if batch[i] not in resumed]
+            + [i for i in positions if batch[i] in resumed])
+
+
+# ---------------------------------------------------------------- sealing
+def seal(objects: dict[str, Any], secret: bytes | None) -> bytes:
+    """HMAC-SHA256-authenticated pickle of opaque connector objects (``b""`` if none)."""
+    if not objects:
+        return b""
+    if not secret:
+        raise LocalProtocolError("connector objects need a shared secret", names=sorted(objects))
+    payload = pickle.dumps(objects, protocol=5)
+    return hmac.new(secret, payload, hashlib.sha256).digest() + payload
+
+
+def unseal(blob: bytes, secret: bytes | None) -> dict[str, Any]:
+    """Verify then unpickle; raises BadSeal (nothing unpickled) on a bad or missing MAC."""
+    if not blob:
+        return {}
+    if not secret or len(blob) < _MAC_BYTES:
+        raise BadSeal("sealed payload without a usable secret or MAC")
+    mac, payload = blob[:_MAC_BYTES], blob[_MAC_BYTES:]
+    if not hmac.compare_digest(mac, hmac.new(secret, payload, hashlib.sha256).digest()):
+        raise BadSeal("sealed payload MAC does not verify")
+    objects: dict[str, Any] = pickle.loads(payload)  # authenticated above
+    return objects
+
+
+# ---------------------------------------------------------------- id references
+class RefTable:
+    """Request ids as small ints: a position in a step's batch, else len(batch) + name index."""
+
+    def __init__(self, batch: list[str], names: list[str]) -> None:
+        self.batch = batch
+        self.names = names
+        self._pos: dict[str, int] | None = None
+
+    def ref(self, rid: str) -> int:
+        if self._pos is None:
+            self._pos = {r: i for i, r in enumerate(self.batch)}
+        i = self._pos.get(rid)
+        if i is None:
+            i = len(self.batch) + len(self.names)
+            self._pos[rid] = i
+            self.names.append(rid)
+        return i
+
+    def pack(self, ids: Iterable[str]) -> bytes:
+        return pack_uints([self.ref(rid) for rid in ids])
+
+    def name(self, ref: int) -> str:
+        n = len(self.batch)
+        if ref < n:
+            return self.batch[ref]
+        if ref - n >= len(self.names):
+            raise RemoteProtocolError("request reference out of range", ref=ref)
+        return self.names[ref - n]
+
+    def resolve(self, packed: bytes) -> list[str]:
+        return [self.name(r) for r in unpack_uints(packed).tolist()]

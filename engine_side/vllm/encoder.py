@@ -1,0 +1,421 @@
+"""Engine side: vLLM ``SchedulerOutput`` → frames, and the worker's replies back.
+
+Theory of operation
+-------------------
+Each step the encoder turns the SchedulerOutput into our full
+:class:`ExecuteModelRequest` (maintaining every live request's spec and whole
+block table from ``NewRequestData.block_ids`` plus ``new_block_ids`` --
+replaced for ``resumed_req_ids``), lets its :class:`EngineMirror` diff it, and
+returns ``codec.encode(delta)``.  Everything the request has no column for
+travels in ``extension["v"]`` (:class:`StepExt`) *as departures from what the
+decoder predicts* from its own memory of previous steps (new vs cached, list
+orders, ``num_output_tokens``, ``None`` vs empty ...), so a steady step adds
+nothing.  Connector metadata travels sealed (HMAC-authenticated pickle).
+
+Draft tokens travel as ``token + 1`` so vLLM's ``-1`` placeholders pack as
+unsigned integers.
+
+Contract: ``encode`` reads the SchedulerOutput synchronously and keeps no
+reference to it (the engine mutates it after dispatch).  Steps must reach the
+decoder in order; the transport adds sequencing and resync.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from engine_side.mirror import EngineMirror
+from engine_side.vllm.convert import (
+    RefTable,
+    StepMemory,
+    TokenLedger,
+    cached_order,
+    make_ref,
+    new_request_spec,
+    seal,
+    unseal,
+)
+from engine_side.vllm.schema import (
+    GrammarMsg,
+    LogprobsWire,
+    ReplyMsg,
+    StepExt,
+    TokenRef,
+    check_schema,
+)
+from protocol import codec
+from protocol.codec import Frame
+from protocol.errors import LocalProtocolError, MalformedMessage, RemoteProtocolError
+from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
+from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
+from protocol.tensors import make_enc_hook, make_ext_hook
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+CONNECTOR_FIELDS = ("kv_connector_metadata", "ec_connector_metadata",
+                    "aux_output_connector_metadata", "ec_manager_metadata")
+HISTORY = 8  # steps whose batch order replies may still reference
+
+
+def _packed(values: list[int]) -> bytes:
+    return pack_uints(values) if values else b""
+
+
+def _dict_keys(d: dict[str, Any], batch: list[str], pos: dict[str, int]) -> bytes | None:
+    """None when ``d``'s keys are the batch ids with non-empty values, in batch order."""
+    if not d:
+        return None
+    predicted = [rid for rid in batch if d.get(rid)]
+    if list(d) == predicted:
+        return None
+    return pack_uints([pos[k] for k in d]) if d else b""
+
+
+class SchedulerOutputEncoder:
+    """Stateful SchedulerOutput → frames (one Delta message per step).
+
+    Args:
+        kv_groups: KV-cache groups; None infers it from the first new request.
+        secret: per-run HMAC key for connector metadata (None: refuse such metadata).
+        ledger: tokens the workers hold (fed by :meth:`decode_reply`); enables
+            references instead of resending history in prefill/all_token_ids.
+        epoch: the mirror's epoch.
+    """
+
+    def __init__(self, kv_groups: int | None = None, secret: bytes | None = None,
+                 ledger: TokenLedger | None = None, epoch: int = 1,
+                 verify: bool = False) -> None:
+        check_schema()
+        self.kv_groups = kv_groups
+        self.secret = secret
+        self.epoch = epoch
+        self.verify = verify
+        self.mirror: EngineMirror | None = None
+        self.mem = StepMemory(ledger)
+        self.specs: dict[str, RequestSpec] = {}
+        self.tables: dict[str, list[IntArray]] = {}
+        self.batches: dict[int, list[str]] = {}
+        self._last_batch: list[str] = []
+        self._pos: dict[str, int] = {}
+        self._last_blocks: tuple[Ragged, ...] | None = None
+        self._aux: list[Any] = []
+        self._grammar_enc = msgspec.msgpack.Encoder(enc_hook=make_enc_hook(self._aux))
+
+    @property
+    def seq(self) -> int:
+        return 0 if self.mirror is None else self.mirror.seq
+
+    # ------------------------------------------------------------ execute_model
+    def encode(self, so: Any) -> list[Frame]:
+        """Frames of one step (one Delta message).
+
+        Raises LocalProtocolError for a stream vLLM cannot produce (a cached request
+        never scheduled, ...); the encoder is then unusable: start a new epoch.
+        """
+        if self.mirror is None:
+            if self.kv_groups is None:
+                first = so.scheduled_new_reqs[0].block_ids if so.scheduled_new_reqs else (0,)
+                self.kv_groups = len(first)
+            self.mirror = EngineMirror(self.epoch, kv_groups=self.kv_groups, verify=self.verify)
+        ext: dict[str, Any] = {"kv_groups": self.kv_groups} if self.mirror.seq == 0 else {}
+        request = self._request(so, ext)
+        delta = self.mirror.diff(request)
+        self.batches[delta.seq] = request.req_ids
+        self.batches.pop(delta.seq - HISTORY, None)
+        return codec.encode(delta)
+
+    def _request(self, so: Any, ext: dict[str, Any]) -> ExecuteModelRequest:
+        mem, cached = self.mem, so.scheduled_cached_reqs
+        self._finish(so.finished_req_ids)
+        batch = list(so.num_scheduled_tokens)
+        pos = self._pos = {rid: i for i, rid in enumerate(batch)}
+        n = len(batch)
+        computed = np.zeros(n, dtype=np.int64)
+        self._new_requests(so.scheduled_new_reqs, batch, pos, computed, ext)
+        self._cached_requests(cached, batch, pos, computed, ext)
+        self._token_lists(so, batch, pos, ext)
+        self._step_fields(so, batch, pos, ext)
+        mem.known.update(batch)
+        mem.prev_batch = set(batch)
+        blocks = self._block_tables(batch, so)
+        wire = StepExt(**ext)
+        return ExecuteModelRequest(
+            req_ids=batch, specs=[self.specs[rid] for rid in batch],
+            num_scheduled_tokens=np.fromiter(so.num_scheduled_tokens.values(), np.int64, n),
+            num_computed_tokens=computed, block_tables=blocks,
+            spec_token_ids=self._rows(so.scheduled_spec_decode_tokens, batch, shift=1),
+            encoder_inputs=self._rows(so.scheduled_encoder_inputs, batch),
+            finished_req_ids=frozenset(so.finished_req_ids),
+            preempted_req_ids=frozenset(so.preempted_req_ids or ()),
+            resumed_req_ids=frozenset(cached.resumed_req_ids),
+            free_encoder_mm_hashes=tuple(so.free_encoder_mm_hashes),
+            blocks_to_zero=None if so.new_block_ids_to_zero is None
+            else np.asarray(so.new_block_ids_to_zero, dtype=np.int64),
+            has_structured_output_requests=so.has_structured_output_requests,
+            pending_structured_output_tokens=so.pending_structured_output_tokens,
+            num_spec_tokens_to_schedule=so.num_spec_tokens_to_schedule,
+            extension={"v": msgspec.msgpack.encode(wire)} if wire != StepExt() else {})
+
+    def _finish(self, finished: set[str]) -> None:
+        self.mem.finish(finished)
+        for rid in finished:
+            self.specs.pop(rid, None)
+            self.tables.pop(rid, None)
+
+    def _block_tables(self, batch: list[str], so: Any) -> tuple[Ragged, ...]:
+        """Whole tables in batch order: last step's, patched with appends when the batch repeats."""
+        cached = so.scheduled_cached_reqs
+        last = self._last_blocks
+        if last is None or so.scheduled_new_reqs or cached.resumed_req_ids \
+                or batch != self._last_batch:
+            last = tuple(self._ragged([self.tables[rid][g] for rid in batch])
+                         for g in range(self.kv_groups or 1))
+        else:
+            grown = [k for k, nb in enumerate(cached.new_block_ids) if nb is not None]
+            if grown:
+                rows = [self._pos[cached.req_ids[k]] for k in grown]
+                last = tuple(_append_rows(t, rows, [cached.new_block_ids[k][g] for k in grown])
+                             for g, t in enumerate(last))
+        self._last_blocks, self._last_batch = last, batch
+        return last
+
+    @staticmethod
+    def _ragged(rows: list[IntArray]) -> Ragged:
+        lengths = np.fromiter((r.size for r in rows), np.int64, len(rows))
+        values = np.concatenate(rows) if rows else _EMPTY
+        return Ragged(lengths, values.astype(np.int64, copy=False))
+
+    @staticmethod
+    def _rows(d: dict[str, list[int]], batch: list[str], shift: int = 0) -> Ragged:
+        if not d:
+            return Ragged.empty(len(batch))
+        rows: list[IntArray] = [np.asarray(d.get(rid, ()), dtype=np.int64) + shift
+                                for rid in batch]
+        return SchedulerOutputEncoder._ragged(rows)
+
+    # ------------------------------------------------------------ requests
+    def _new_requests(self, new_reqs: list[Any], batch: list[str], pos: dict[str, int],
+                      computed: IntArray, ext: dict[str, Any]) -> None:
+        known = self.mem.known
+        new_pos = [pos[nr.req_id] for nr in new_reqs]
+        flips = sorted(set(new_pos) ^ {i for i, rid in enumerate(batch) if rid not in known})
+        if flips:
+            ext["new_flip"] = pack_uints(flips)
+        if new_pos != sorted(new_pos):
+            ext["new_order"] = pack_uints(sorted(range(len(new_pos)), key=new_pos.__getitem__))
+        fixes, prefill = [], []
+        for k, nr in enumerate(new_reqs):
+            spec, fix = new_request_spec(nr, k)
+            old = self.specs.get(nr.req_id)
+            self.specs[nr.req_id] = old if old is not None and _same_spec(old, spec) else spec
+            self.mem.remember(spec)
+            self.tables[nr.req_id] = [np.asarray(b, dtype=np.int64) for b in nr.block_ids]
+            computed[pos[nr.req_id]] = nr.num_computed_tokens
+            fixes += [fix] if fix is not None else []
+            prefill.append(None if nr.prefill_token_ids is None else
+                           make_ref(nr.prefill_token_ids, spec.prompt_token_ids,
+                                    self.mem.held(nr.req_id)))
+            self.mem.mrv2 |= nr.prefill_token_ids is not None
+        if fixes:
+            ext["fixes"] = tuple(fixes)
+        if any(p is not None for p in prefill):
+            ext["prefill"] = tuple(prefill)
+
+    def _cached_requests(self, cached: Any, batch: list[str], pos: dict[str, int],
+                         computed: IntArray, ext: dict[str, Any]) -> None:
+        resumed, ids = cached.resumed_req_ids, cached.req_ids
+        cpos = [pos[rid] for rid in ids]
+        if cpos != cached_order(sorted(cpos), batch, resumed):
+            ext["cached_order"] = pack_uints(cpos)
+        unknown = set(ids) - self.specs.keys()
+        if unknown:
+            raise LocalProtocolError("cached request was never scheduled", req_id=min(unknown))
+        none_flip = self._cached_blocks(ids, cached.new_block_ids, resumed)
+        if none_flip:
+            ext["none_flip"] = pack_uints(none_flip)
+        comp = np.asarray(cached.num_computed_tokens, dtype=np.int64)
+        computed[cpos] = comp
+        diff = np.asarray(cached.num_output_tokens, dtype=np.int64) - \
+            self.mem.predicted_outputs(ids, comp)
+        off = np.flatnonzero(diff)
+        if off.size:
+            ext["out_pos"], ext["out_delta"] = pack_uints(off), pack_sints(diff[off])
+
+    def _cached_blocks(self, ids: list[str], blocks: list[Any], resumed: set[str]) -> list[int]:
+        """Apply new_block_ids (replacing for resumed ids); positions sending () not None."""
+        none_flip = []
+        for k in [k for k, nb in enumerate(blocks) if nb is not None]:
+            rid, new = ids[k], blocks[k]
+            if not any(new):
+                none_flip.append(k)
+            rows: list[IntArray] = [np.asarray(b, dtype=np.int64) for b in new]
+            self.tables[rid] = rows if rid in resumed else \
+                [np.concatenate((t, b)) for t, b in zip(self.tables[rid], rows, strict=True)]
+        for rid in resumed:
+            if blocks[ids.index(rid)] is None:
+                self.tables[rid] = [_EMPTY] * len(self.tables[rid])
+        return none_flip
+
+    def _token_lists(self, so: Any, batch: list[str], pos: dict[str, int],
+                     ext: dict[str, Any]) -> None:
+        cached = so.scheduled_cached_reqs
+        if cached.new_token_ids:
+            lists = cached.new_token_ids
+            flat = [t for row in lists for t in row]
+            ext["new_tokens"] = (pack_uints([len(r) for r in lists]), pack_sints(flat))
+        index = {rid: k for k, rid in enumerate(cached.req_ids)}
+        predicted = [] if self.mem.mrv2 else \
+            [rid for rid in cached.req_ids if rid not in self.mem.prev_batch]
+        keys = list(cached.all_token_ids)
+        if keys != predicted:
+            ext["all_keys"] = _packed([index[k] for k in keys])
+        if keys:
+            ext["all_tokens"] = tuple(self._ref(rid, toks)
+                                      for rid, toks in cached.all_token_ids.items())
+
+    def _ref(self, rid: str, tokens: list[int]) -> TokenRef:
+        return make_ref(tokens, self.mem.prompt.get(rid), self.mem.held(rid))
+
+    def _step_fields(self, so: Any, batch: list[str], pos: dict[str, int],
+                     ext: dict[str, Any]) -> None:
+        for name, d in (("spec_keys", so.scheduled_spec_decode_tokens),
+                        ("enc_keys", so.scheduled_encoder_inputs)):
+            keys = _dict_keys(d, batch, pos)
+            if keys is not None:
+                ext[name] = keys
+        if so.total_num_scheduled_tokens != sum(so.num_scheduled_tokens.values()):
+            ext["total"] = so.total_num_scheduled_tokens
+        if so.preempted_req_ids is None:
+            ext["preempted_none"] = True
+        if so.new_block_ids_to_zero == []:
+            ext["zero_empty"] = True
+        stats = so.scheduled_encoder_input_stats
+        if stats is not None:
+            ext["enc_stats"] = (stats.num_inputs, stats.output_tokens)
+        if so.num_invalid_spec_tokens is not None:
+            ext["invalid_spec"] = dict(so.num_invalid_spec_tokens)
+        if so.has_sync_kv_loads:
+            ext["sync_kv"] = True
+        copies = so.kv_cache_block_copies
+        if copies is not None:
+            ext["block_copies"] = pack_uints([v for c in copies for v in c]) if copies else b""
+        if so.num_common_prefix_blocks != []:
+            ext["prefix_blocks"] = pack_uints(so.num_common_prefix_blocks)
+        if so.kv_connector_block_state is not None:
+            raise LocalProtocolError("kv_connector_block_state is scheduler-local")
+        opaque = {f: getattr(so, f) for f in CONNECTOR_FIELDS if getattr(so, f) is not None}
+        if opaque:
+            ext["sealed"] = seal(opaque, self.secret)
+
+    # ------------------------------------------------------------ sample_tokens
+    def encode_grammar(self, grammar: Any) -> list[Frame]:
+        """GrammarOutput of the step just encoded: ids as batch positions, bitmask zero-copy."""
+        if grammar is None:
+            return [b""]
+        batch = self.batches.get(self.seq, [])
+        refs = RefTable(batch, [])
+        positions = refs.pack(grammar.structured_output_request_ids)
+        msg = GrammarMsg(self.seq, positions, tuple(refs.names), grammar.grammar_bitmask,
+                         grammar.num_acceptable_drafts)
+        self._aux.clear()
+        try:
+            return [self._grammar_enc.encode(msg), *self._aux]
+        finally:
+            self._aux.clear()
+
+    # ------------------------------------------------------------ replies
+    def decode_reply(self, frames: list[Any]) -> Any:
+        """The worker's ModelRunnerOutput (fresh objects); feeds the token ledger."""
+        out = decode_reply(frames, self.batches, self.secret)
+        if out is not None:
+            for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=False):
+                self.mem.record_sampled(rid, toks)
+        return out
+
+
+def _append_rows(table: Ragged, rows: list[int], new: list[list[int]]) -> Ragged:
+    """``table`` with ``new[j]`` appended to row ``rows[j]`` (a fresh Ragged)."""
+    counts = np.fromiter((len(b) for b in new), np.int64, len(new))
+    if not counts.any():
+        return table
+    ends = table.offsets()[np.asarray(rows, dtype=np.int64) + 1]
+    flat = np.fromiter((v for b in new for v in b), np.int64, int(counts.sum()))
+    lengths = table.lengths.copy()
+    np.add.at(lengths, np.asarray(rows, dtype=np.int64), counts)
+    return Ragged(lengths, np.insert(table.values, np.repeat(ends, counts), flat))
+
+
+def _same_spec(a: RequestSpec, b: RequestSpec) -> bool:
+    from protocol.request import _same_value
+
+    return _same_value(a, b)
+
+
+# ---------------------------------------------------------------- replies (engine side)
+def _logprobs(w: LogprobsWire | None, tensors: bool) -> Any:
+    if w is None:
+        return None
+    from vllm.v1.outputs import LogprobsLists, LogprobsTensors
+
+    if tensors:
+        return LogprobsTensors(w.token_ids, w.logprobs, w.ranks, w.cu, w.cu_tensor)
+    return LogprobsLists(w.token_ids, w.logprobs, w.ranks, w.cu)
+
+
+def _kv_output(msg: ReplyMsg, ids: RefTable, opaque: dict[str, Any]) -> Any:
+    w = msg.kv
+    if w is None:
+        return None
+    from vllm.v1.outputs import KVConnectorOutput
+
+    kv = opaque.get("kv", {})
+    return KVConnectorOutput(
+        finished_sending=None if w.sending is None else set(w.sending),
+        finished_recving=None if w.recving is None else set(w.recving),
+        kv_connector_stats=kv.get("stats"), kv_cache_events=kv.get("events"),
+        kv_connector_worker_meta=kv.get("meta"),
+        invalid_block_ids=set(w.invalid_blocks), failed_recving=set(w.failed),
+        expected_finished_count=w.expected)
+
+
+def decode_reply(frames: list[Any], batches: dict[int, list[str]], secret: bytes | None) -> Any:
+    """ModelRunnerOutput (or None) from a worker's reply frames."""
+    from vllm.v1.outputs import ModelRunnerOutput, SamplingMaskLists
+
+    decoder = msgspec.msgpack.Decoder(ReplyMsg, ext_hook=make_ext_hook(frames[1:], copy=True))
+    try:
+        msg = decoder.decode(frames[0])
+    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+        raise MalformedMessage("reply frames do not decode", cause=str(exc)[:200]) from exc
+    if msg.none:
+        return None
+    if msg.seq not in batches:
+        raise RemoteProtocolError("reply refers to an unknown step", seq=msg.seq)
+    ids = RefTable(batches[msg.seq], list(msg.names))
+    req_ids = list(batches[msg.seq]) if not msg.positions else ids.resolve(msg.positions)
+    if msg.index_map is None:
+        index = dict(zip(req_ids, range(len(req_ids)), strict=True))
+    else:
+        flat = unpack_uints(msg.index_map).tolist()
+        index = {ids.name(flat[k]): flat[k + 1] for k in range(0, len(flat), 2)}
+    flat_tokens = unpack_sints(msg.tokens).tolist() if msg.tokens else []
+    if not msg.counts:
+        sampled = [[t] for t in flat_tokens]
+    else:
+        offsets = [0, *accumulate(unpack_uints(msg.counts).tolist())]
+        sampled = [flat_tokens[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+    opaque = unseal(msg.sealed, secret)
+    masks = None if msg.masks is None else SamplingMaskLists(*msg.masks)
+    return ModelRunnerOutput(
+        req_ids=req_ids, req_id_to_index=index, sampled_token_ids=sampled,
+        logprobs=_logprobs(msg.logprobs, tensors=False),
+        prompt_logprobs_dict={ids.name(k): _logprobs(v, True) for k, v in msg.prompt_lp},
+        prompt_token_id_logprobs_dict={ids.name(k): v for k, v in msg.prompt_tid},
+        pooler_output=msg.pooler, kv_connector_output=_kv_output(msg, ids, opaque),
+        ec_connector_output=opaque.get("ec"),
+        num_nans_in_logits=None if msg.nans is None else {ids.name(k): v for k, v in msg.nans},
+        cudagraph_stats=opaque.get("cudagraph"),
+        aux_output_connector_output=opaque.get("aux"), sampling_masks=masks)

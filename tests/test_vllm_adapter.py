@@ -1,0 +1,239 @@
+"""vLLM adapter: exact SchedulerOutput / GrammarOutput / ModelRunnerOutput round-trips.
+
+Every round-trip is checked with THE strict helper ``tests/vllm_equal.py``.
+Skipped cleanly when vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed")
+
+from hypothesis import event, given, settings  # noqa: E402
+from vllm.v1.core.sched.output import GrammarOutput  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, LogprobsLists, ModelRunnerOutput  # noqa: E402
+from vllm_equal import assert_vllm_equal  # noqa: E402
+from vllm_streams import scheduler_streams  # noqa: E402
+
+from engine_side.vllm import BadSeal, SchedulerOutputEncoder, SchemaMismatch, TokenLedger  # noqa: E402
+from engine_side.vllm.schema import check_schema, vllm_classes  # noqa: E402
+from worker_side.vllm import SchedulerOutputDecoder  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+SECRET = b"k" * 32
+
+
+def _wire(frames: list[Any]) -> list[bytes]:
+    return [bytes(f) for f in frames]
+
+
+def _pair(ledger: bool = False, kv_groups: int | None = None,
+          ) -> tuple[SchedulerOutputEncoder, SchedulerOutputDecoder]:
+    return (SchedulerOutputEncoder(kv_groups, secret=SECRET,
+                                   ledger=TokenLedger() if ledger else None, verify=True),
+            SchedulerOutputDecoder(secret=SECRET, ledger=TokenLedger() if ledger else None))
+
+
+@settings(max_examples=40)
+@given(stream=scheduler_streams())
+def test_generated_streams_round_trip_exactly(stream: dict[str, Any]) -> None:
+    enc, dec = _pair(kv_groups=stream["kv_groups"])
+    for so in stream["steps"]:
+        expected = copy.deepcopy(so)
+        frames = _wire(enc.encode(so))
+        so.scheduled_spec_decode_tokens.clear()  # the engine mutates after dispatch
+        got = dec.decode(frames)
+        assert_vllm_equal(expected, got)
+        for shape in _shapes(expected):
+            event(shape)
+        for nr in got.scheduled_new_reqs:  # the runner keeps and extends these lists
+            for ids in nr.block_ids:
+                ids.append(-5)
+
+
+@settings(max_examples=15)
+@given(stream=scheduler_streams(v2=True))
+def test_v2_prefill_references_tokens_workers_hold(stream: dict[str, Any]) -> None:
+    enc, dec = _pair(ledger=True, kv_groups=stream["kv_groups"])
+    for so in stream["steps"]:
+        got = dec.decode(_wire(enc.encode(so)))
+        assert_vllm_equal(so, got)
+        reply = _reply(list(so.num_scheduled_tokens), so)
+        assert_vllm_equal(reply, enc.decode_reply(_wire(dec.encode_reply(reply))))
+
+
+def _shapes(so: Any) -> list[str]:
+    """Stream shapes a step shows (reported as Hypothesis events)."""
+    c = so.scheduled_cached_reqs
+    shapes = {
+        "v1_resumed": bool(c.resumed_req_ids), "all_token_ids": bool(c.all_token_ids),
+        "pp_new_token_ids": bool(c.new_token_ids), "preempted": bool(so.preempted_req_ids),
+        "v2_resumed_as_new": any(len(nr.prefill_token_ids or ()) > len(nr.prompt_token_ids or ())
+                                 for nr in so.scheduled_new_reqs),
+        "draft_placeholders": any(-1 in t for t in so.scheduled_spec_decode_tokens.values()),
+        "finished_and_readded": bool(so.finished_req_ids & set(so.num_scheduled_tokens)),
+        "connector_metadata": so.kv_connector_metadata is not None}
+    return [name for name, seen in shapes.items() if seen]
+
+
+def _reply(ids: list[str], so: Any) -> ModelRunnerOutput:
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                             sampled_token_ids=[[len(r) % 7] for r in ids])
+
+
+def _first(enc: SchedulerOutputEncoder, dec: SchedulerOutputDecoder) -> Any:
+    """One hand-made first step (three new requests) through the pair."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    ids = ["a-1", "b-2", "c-3"]
+    new = [NewRequestData(rid, [1, 2, 3, k], [], SamplingParams(temperature=0), None,
+                          ([k + 1],), 0, None) for k, rid in enumerate(ids)]
+    so = SchedulerOutput(new, CachedRequestData.make_empty(), dict.fromkeys(ids, 4), 12, {}, {},
+                         set(), [], preempted_req_ids=set())
+    assert_vllm_equal(so, dec.decode(_wire(enc.encode(so))))
+    return so
+
+
+def test_grammar_output_round_trips() -> None:
+    enc, dec = _pair()
+    so = _first(enc, dec)
+    ids = list(so.num_scheduled_tokens)[::-1] + ["not-in-batch"]
+    mask = np.arange(len(ids) * 4, dtype=np.int32).reshape(len(ids), 4)
+    grammar = GrammarOutput(ids, mask, [1] * len(ids))
+    assert_vllm_equal(grammar, dec.decode_grammar(_wire(enc.encode_grammar(grammar))))
+    assert dec.decode_grammar(_wire(enc.encode_grammar(None))) is None
+
+
+def test_model_runner_output_round_trips() -> None:
+    enc, dec = _pair()
+    so = _first(enc, dec)
+    ids = list(so.num_scheduled_tokens)
+    lp = LogprobsLists(np.ones((len(ids), 3), np.int32), np.zeros((len(ids), 3), np.float32),
+                       np.arange(len(ids), dtype=np.int32), None)
+    out = ModelRunnerOutput(
+        req_ids=ids[::-1], req_id_to_index={r: i for i, r in enumerate(ids[::-1])},
+        sampled_token_ids=[[3, 4]] * len(ids), logprobs=lp, num_nans_in_logits={ids[0]: 0},
+        kv_connector_output=KVConnectorOutput(finished_sending={"gone"}, expected_finished_count=2))
+    assert_vllm_equal(out, enc.decode_reply(_wire(dec.encode_reply(out))))
+    assert enc.decode_reply(_wire(dec.encode_reply(None))) is None
+
+
+def test_bad_mac_is_refused_before_unpickling() -> None:
+    from vllm_streams import OpaqueMeta
+
+    enc = SchedulerOutputEncoder(secret=SECRET)
+    dec = SchedulerOutputDecoder(secret=b"x" * 32)
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    so = SchedulerOutput.make_empty()
+    so.kv_connector_metadata = OpaqueMeta("kv", [1])
+    with pytest.raises(BadSeal):
+        dec.decode(_wire(enc.encode(so)))
+    assert dec.seq == 0 and dec.state is None  # refused before anything changed
+
+
+def test_schema_pinning_refuses_an_unknown_field() -> None:
+    check_schema()
+    import dataclasses
+
+    classes = vllm_classes()
+    newer = dataclasses.make_dataclass(
+        "SchedulerOutput", [("shiny_new_field", int, dataclasses.field(default=0))],
+        bases=(classes["SchedulerOutput"],))
+    with pytest.raises(SchemaMismatch, match="SchedulerOutput has field 'shiny_new_field'"):
+        check_schema({**classes, "SchedulerOutput": newer})
+    older = type("SamplingParams", (), {"__struct_fields__": ("n", "temperature")})
+    with pytest.raises(SchemaMismatch, match="SamplingParams lacks field"):
+        check_schema({**classes, "SamplingParams": older})
+
+
+def test_record_file_round_trips_and_refuses_other_files(tmp_path: Path) -> None:
+    from engine_side.vllm.record import NotARecording, RecordReader, RecordWriter
+
+    path = tmp_path / "run.dcrec"
+    with RecordWriter(path, meta={"model": "tiny"}) as w:
+        w.write("execute_model", [b"abc", b"\x00\x01"])
+        w.write("reply", [b"z"])
+    r = RecordReader(path)
+    assert r.meta["model"] == "tiny"
+    assert [(k, [bytes(f) for f in fr]) for k, fr in r] == [
+        ("execute_model", [b"abc", b"\x00\x01"]), ("reply", [b"z"])]
+    evil = tmp_path / "evil.pkl"
+    evil.write_bytes(pickle.dumps({"x": 1}))
+    with pytest.raises(NotARecording):
+        RecordReader(evil)
+
+
+# ---------------------------------------------------------------- a real vLLM (CPU)
+SCENARIOS = ("main", "spec")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine_side.bench.vllm_streams import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def real_runs(tiny_model: Path) -> dict[str, tuple[dict[str, Any], Path]]:
+    """Each scenario once, in a subprocess, with live strict checks and a recording."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    runs = {}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    for name in SCENARIOS:
+        out, rec = tiny_model.parent / f"{name}.json", tiny_model.parent / f"{name}.dcrec"
+        proc = subprocess.run(
+            [sys.executable, "-m", "engine_side.bench.vllm_streams", "--model", str(tiny_model),
+             "--scenario", name, "--out", str(out), "--record", str(rec), "--check"],
+            cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True,
+            text=True, timeout=900)
+        assert out.exists(), proc.stderr[-3000:]
+        runs[name] = (json.loads(out.read_text()), rec)
+    return runs
+
+
+@pytest.mark.integration
+def test_real_vllm_streams_round_trip_live(real_runs: dict[str, Any]) -> None:
+    main, spec = real_runs["main"][0], real_runs["spec"][0]
+    assert main["failures"] == [] and spec["failures"] == []
+    seen = main["seen"]
+    for scenario in ("preempted", "resumed", "chunked", "prefix_hit", "grammar", "all_token_ids"):
+        assert seen.get(scenario, 0) > 0, f"main run never showed {scenario}: {seen}"
+    assert spec["seen"]["spec_tokens"] > 0
+    assert [len(o) for o in main["outputs"]][3] == 3  # n=3 parallel sampling
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_recorded_real_stream_replays_exactly(real_runs: dict[str, Any], name: str) -> None:
+    from engine_side.vllm.record import RecordReader
+
+    reader = RecordReader(real_runs[name][1])
+    assert reader.header.vllm_version.startswith("0.32")
+    dec, dec2 = SchedulerOutputDecoder(), SchedulerOutputDecoder()
+    enc = SchedulerOutputEncoder()
+    steps = 0
+    for kind, frames in reader:
+        if kind == "execute_model":
+            so = dec.decode(frames)
+            again = enc.encode(so)
+            assert [bytes(f) for f in again] == [bytes(f) for f in frames]
+            assert_vllm_equal(so, dec2.decode(_wire(again)))
+            steps += 1
+        elif kind == "sample_tokens":
+            assert_vllm_equal(dec.decode_grammar(frames), dec2.decode_grammar(
+                _wire(enc.encode_grammar(dec.decode_grammar(frames)))))
+    assert steps > 10

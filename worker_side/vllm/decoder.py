@@ -1,0 +1,356 @@
+"""Worker side: frames → vLLM ``SchedulerOutput``, and ``ModelRunnerOutput`` → reply frames.
+
+The decoder applies each Delta to its :class:`ReplicaState`, rebuilds the
+step's :class:`ExecuteModelRequest`, and converts it -- with its memory of
+previous steps and the departures in ``extension["v"]`` -- into a
+SchedulerOutput equal to the engine's.  Every call returns fresh objects: the
+runner keeps and extends ``block_ids`` lists, ``CachedRequestData`` caches a
+property, and ``mm_features`` are rewritten in place.
+
+Raises: MalformedMessage for frames that do not decode, InvalidDelta for a step
+out of order or that does not apply, BadSeal for connector metadata whose MAC
+does not verify; in all three cases before anything changed (nothing unpickled).
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate, chain
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from engine_side.vllm.convert import (
+    RefTable,
+    StepMemory,
+    TokenLedger,
+    cached_order,
+    refs_to_mm,
+    resolve_ref,
+    seal,
+    spec_to_lora,
+    spec_to_pooling,
+    spec_to_sampling,
+    unseal,
+)
+from engine_side.vllm.schema import (
+    GrammarMsg,
+    KVOutputWire,
+    LogprobsWire,
+    NewFix,
+    ReplyMsg,
+    StepExt,
+)
+from protocol import codec
+from protocol.codec import Frame
+from protocol.errors import InvalidDelta, MalformedMessage
+from protocol.messages import TOKEN_MODE_WORKER, Delta
+from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
+from protocol.request import ExecuteModelRequest, IntArray, Ragged
+from protocol.state import ReplicaState
+from protocol.tensors import make_enc_hook, make_ext_hook
+
+HISTORY = 8
+_EXT = msgspec.msgpack.Decoder(StepExt)
+
+
+def _ints(packed: bytes) -> list[int]:
+    return unpack_uints(packed).tolist() if packed else []
+
+
+def _keyed(r: Ragged, batch: list[str], keys: bytes | None, shift: int = 0,
+           ) -> dict[str, list[int]]:
+    """A per-request dict from aligned rows: non-empty rows in batch order unless ``keys``."""
+    if keys is None and not r.values.size:
+        return {}
+    off = [0, *accumulate(r.lengths.tolist())]
+    vals = (r.values - shift).tolist() if shift else r.values.tolist()
+    positions = [i for i in range(len(batch)) if off[i + 1] > off[i]] if keys is None \
+        else _ints(keys)
+    return {batch[i]: vals[off[i]:off[i + 1]] for i in positions}
+
+
+class _Tables:
+    """One step's block tables (one Ragged per KV group); rows materialised on demand."""
+
+    def __init__(self, tables: tuple[Ragged, ...]) -> None:
+        self.lengths_np = [t.lengths for t in tables]
+        self.lengths = [t.lengths.tolist() for t in tables]
+        self.offsets = [[0, *accumulate(n)] for n in self.lengths]
+        self.values = [t.values for t in tables]
+
+    def row(self, g: int, i: int, skip: int = 0) -> list[int]:
+        lo, hi = self.offsets[g][i] + skip, self.offsets[g][i + 1]
+        return self.values[g][lo:hi].tolist() if hi > lo else []
+
+
+class SchedulerOutputDecoder:
+    """Stateful frames → SchedulerOutput (see the module docstring)."""
+
+    def __init__(self, secret: bytes | None = None, ledger: TokenLedger | None = None) -> None:
+        self.secret = secret
+        self.state: ReplicaState | None = None
+        self.seq = 0
+        self.mem = StepMemory(ledger)
+        self.batches: dict[int, list[str]] = {}
+        self._last_batch: list[str] = []
+        self._last_lengths: list[IntArray] = []
+        self._aux: list[Any] = []
+        self._reply_enc = msgspec.msgpack.Encoder(enc_hook=make_enc_hook(self._aux))
+
+    # ------------------------------------------------------------ execute_model
+    def decode(self, frames: list[Any]) -> Any:
+        msg = codec.decode(frames, copy=True)
+        if not isinstance(msg, Delta):
+            raise MalformedMessage("expected a Delta", got=type(msg).__name__)
+        if msg.seq != self.seq + 1:
+            raise InvalidDelta("step out of order", expected=self.seq + 1, got=msg.seq)
+        raw = msg.body.extension.get("v")
+        try:
+            ext = _EXT.decode(raw) if raw else StepExt()
+        except msgspec.DecodeError as exc:
+            raise MalformedMessage("bad vLLM step extension", cause=str(exc)[:200]) from exc
+        opaque = unseal(ext.sealed, self.secret)  # before anything changes
+        if self.state is None:
+            self.state = ReplicaState(TOKEN_MODE_WORKER, ext.kv_groups or 1)
+        self.state.apply(msg.body, expected_digest=msg.digest)
+        request = self.state.rebuild()
+        self.seq = msg.seq
+        self.batches[msg.seq] = request.req_ids
+        self.batches.pop(msg.seq - HISTORY, None)
+        return self._scheduler_output(request, ext, opaque)
+
+    def _scheduler_output(self, r: ExecuteModelRequest, x: StepExt, opaque: dict[str, Any],
+                          ) -> Any:
+        from vllm.v1.core.sched.output import ScheduledEncoderInputStats, SchedulerOutput
+
+        mem, batch = self.mem, r.req_ids
+        mem.finish(r.finished_req_ids)
+        is_new = [rid not in mem.known for rid in batch]
+        for i in _ints(x.new_flip):
+            is_new[i] = not is_new[i]
+        tables = _Tables(r.block_tables)
+        new_reqs = self._new_requests(r, x, [i for i, v in enumerate(is_new) if v], tables)
+        cached = self._cached(r, x, [i for i, v in enumerate(is_new) if not v], tables)
+        zero = None if r.blocks_to_zero is None else r.blocks_to_zero.tolist()
+        nsched = dict(zip(batch, r.num_scheduled_tokens.tolist(), strict=True))
+        so = SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=nsched,
+            total_num_scheduled_tokens=x.total if x.total >= 0 else sum(nsched.values()),
+            scheduled_spec_decode_tokens=_keyed(r.spec_token_ids, batch, x.spec_keys, 1),
+            scheduled_encoder_inputs=_keyed(r.encoder_inputs, batch, x.enc_keys),
+            finished_req_ids=set(r.finished_req_ids),
+            free_encoder_mm_hashes=list(r.free_encoder_mm_hashes),
+            scheduled_encoder_input_stats=None if x.enc_stats is None
+            else ScheduledEncoderInputStats(*x.enc_stats),
+            preempted_req_ids=None if x.preempted_none else set(r.preempted_req_ids),
+            has_structured_output_requests=r.has_structured_output_requests,
+            pending_structured_output_tokens=r.pending_structured_output_tokens,
+            num_invalid_spec_tokens=None if x.invalid_spec is None else dict(x.invalid_spec),
+            has_sync_kv_loads=x.sync_kv,
+            new_block_ids_to_zero=[] if x.zero_empty else zero,
+            kv_cache_block_copies=self._copies(x.block_copies),
+            num_spec_tokens_to_schedule=r.num_spec_tokens_to_schedule,
+            num_common_prefix_blocks=_ints(x.prefix_blocks) if x.prefix_blocks else [])
+        for name, value in opaque.items():
+            setattr(so, name, value)
+        mem.known.update(batch)
+        mem.prev_batch = set(batch)
+        if not mem.table_len:
+            mem.table_len = [{} for _ in tables.lengths]
+        for lens, now in zip(mem.table_len, tables.lengths, strict=True):
+            lens.update(zip(batch, now, strict=True))
+        self._last_batch, self._last_lengths = batch, tables.lengths_np
+        return so
+
+    @staticmethod
+    def _copies(packed: bytes | None) -> Any:
+        if packed is None:
+            return None
+        from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+        flat = _ints(packed)
+        return [KVCacheBlockCopy(flat[k], flat[k + 1]) for k in range(0, len(flat), 2)]
+
+    def _new_requests(self, r: ExecuteModelRequest, x: StepExt, positions: list[int],
+                      tables: _Tables) -> list[Any]:
+        from vllm.v1.core.sched.output import NewRequestData
+
+        if x.new_order:
+            order = _ints(x.new_order)
+            actual = [0] * len(positions)
+            for j, k in enumerate(order):
+                actual[k] = positions[j]
+            positions = actual
+        fixes = {f.i: f for f in x.fixes}
+        computed = r.num_computed_tokens
+        groups = range(len(tables.values))
+        out = []
+        for k, i in enumerate(positions):
+            spec, fix = r.specs[i], fixes.get(k, NewFix(k))
+            prompt = spec.prompt_token_ids
+            self.mem.remember(spec)
+            ref = x.prefill[k] if x.prefill else None
+            self.mem.mrv2 |= ref is not None
+            out.append(NewRequestData(
+                req_id=spec.req_id, prompt_token_ids=None if prompt is None else prompt.tolist(),
+                mm_features=refs_to_mm(spec.mm_features),
+                sampling_params=None if spec.sampling is None
+                else spec_to_sampling(spec.sampling, fix.int_floats, fix.logprob_ids_dtype),
+                pooling_params=spec_to_pooling(spec.pooling),
+                block_ids=tuple(tables.row(g, i) for g in groups),
+                num_computed_tokens=int(computed[i]),
+                lora_request=spec_to_lora(spec.lora, fix.lora_3d),
+                prompt_embeds=spec.prompt_embeds,
+                prompt_is_token_ids=None if spec.prompt_is_token_ids is None
+                else list(spec.prompt_is_token_ids),
+                prefill_token_ids=None if ref is None
+                else resolve_ref(ref, prompt, self.mem.held(spec.req_id)),
+                replay_start=fix.replay_start))
+        return out
+
+    def _cached(self, r: ExecuteModelRequest, x: StepExt, positions: list[int],
+                tables: _Tables) -> Any:
+        from vllm.v1.core.sched.output import CachedRequestData
+
+        batch, resumed = r.req_ids, set(r.resumed_req_ids)
+        positions = _ints(x.cached_order) if x.cached_order else \
+            cached_order(positions, batch, resumed)
+        ids = [batch[i] for i in positions]
+        at = np.array(positions, dtype=np.int64)
+        comp = r.num_computed_tokens[at]
+        outputs = self.mem.predicted_outputs(ids, comp)
+        if x.out_pos:
+            outputs[unpack_uints(x.out_pos)] += unpack_sints(x.out_delta)
+        return CachedRequestData(
+            req_ids=ids, resumed_req_ids=resumed, new_token_ids=self._new_tokens(x),
+            all_token_ids=self._all_tokens(x, ids),
+            new_block_ids=self._new_blocks(ids, positions, at, resumed, tables, x),
+            num_computed_tokens=comp.tolist(), num_output_tokens=outputs.tolist())
+
+    def _new_blocks(self, ids: list[str], positions: list[int], at: IntArray, resumed: set[str],
+                    tables: _Tables, x: StepExt) -> list[tuple[list[int], ...] | None]:
+        """Each cached request's blocks past what it had (all of them when resumed)."""
+        n = len(ids)
+        flips = set(_ints(x.none_flip))
+        if ids == self._last_batch:  # steady decode: last step's lengths, same order
+            prev = [lens.copy() for lens in self._last_lengths]
+        else:
+            prev = [np.fromiter((lens.get(rid, 0) for rid in ids), np.int64, n)
+                    for lens in self.mem.table_len]
+        if resumed:
+            mask = np.fromiter((rid in resumed for rid in ids), bool, n)
+            for p in prev:
+                p[mask] = 0
+        grown = np.zeros(n, dtype=bool)
+        for g, p in enumerate(prev):
+            grown |= tables.lengths_np[g][at] > p
+        out: list[tuple[list[int], ...] | None] = [None] * n
+        for k in sorted(set(np.flatnonzero(grown).tolist()) | flips):
+            rows = tuple(tables.row(g, positions[k], int(p[k])) for g, p in enumerate(prev))
+            out[k] = None if (not any(rows)) != (k in flips) else rows
+        return out
+
+    @staticmethod
+    def _new_tokens(x: StepExt) -> list[list[int]]:
+        if x.new_tokens is None:
+            return []
+        counts = _ints(x.new_tokens[0])
+        flat = unpack_sints(x.new_tokens[1]).tolist()
+        off = np.cumsum([0, *counts]).tolist()
+        return [flat[off[i]:off[i + 1]] for i in range(len(counts))]
+
+    def _all_tokens(self, x: StepExt, ids: list[str]) -> dict[str, list[int]]:
+        mem = self.mem
+        if x.all_keys is not None:
+            keys = [ids[k] for k in _ints(x.all_keys)]
+        else:
+            keys = [] if mem.mrv2 else [rid for rid in ids if rid not in mem.prev_batch]
+        return {rid: resolve_ref(ref, mem.prompt.get(rid), mem.held(rid))
+                for rid, ref in zip(keys, x.all_tokens, strict=True)}
+
+    # ------------------------------------------------------------ sample_tokens
+    def decode_grammar(self, frames: list[Any]) -> Any:
+        """The GrammarOutput sent with the step just decoded (None stays None)."""
+        if len(frames) == 1 and not bytes(frames[0]):
+            return None
+        from vllm.v1.core.sched.output import GrammarOutput
+
+        dec = msgspec.msgpack.Decoder(GrammarMsg, ext_hook=make_ext_hook(frames[1:], copy=True))
+        try:
+            msg = dec.decode(frames[0])
+        except (msgspec.DecodeError, ValueError, TypeError) as exc:
+            raise MalformedMessage("grammar frames do not decode", cause=str(exc)[:200]) from exc
+        if msg.seq not in self.batches:
+            raise InvalidDelta("grammar output for an unknown step", seq=msg.seq)
+        ids = RefTable(self.batches[msg.seq], list(msg.names)).resolve(msg.positions)
+        return GrammarOutput(ids, msg.bitmask, msg.drafts)
+
+    # ------------------------------------------------------------ replies
+    def encode_reply(self, out: Any) -> list[Frame]:
+        """Frames of a ModelRunnerOutput (or None) answering the newest decoded step."""
+        msg = ReplyMsg(seq=self.seq, none=True) if out is None else self._reply(out)
+        if out is not None:
+            for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=False):
+                self.mem.record_sampled(rid, toks)
+        self._aux.clear()
+        try:
+            return [self._reply_enc.encode(msg), *self._aux]
+        finally:
+            self._aux.clear()
+
+    def _reply(self, out: Any) -> ReplyMsg:
+        batch = self.batches.get(self.seq, [])
+        ids = RefTable(batch, [])
+        fields: dict[str, Any] = {}
+        if out.req_ids != batch:
+            fields["positions"] = ids.pack(out.req_ids)
+        index = out.req_id_to_index
+        if list(index) != out.req_ids or list(index.values()) != list(range(len(index))):
+            fields["index_map"] = pack_uints([v for rid, i in out.req_id_to_index.items()
+                                              for v in (ids.ref(rid), i)])
+        sampled = out.sampled_token_ids
+        counts = list(map(len, sampled))
+        if len(sampled) != len(out.req_ids) or counts.count(1) != len(counts):
+            fields["counts"] = pack_uints(counts)
+        flat = list(chain.from_iterable(sampled))
+        if flat:
+            fields["tokens"] = pack_sints(flat)
+        if out.logprobs is not None:
+            fields["logprobs"] = LogprobsWire(*out.logprobs)
+        if out.prompt_logprobs_dict:
+            fields["prompt_lp"] = tuple((ids.ref(k), None if v is None else LogprobsWire(*v))
+                                        for k, v in out.prompt_logprobs_dict.items())
+        if out.prompt_token_id_logprobs_dict:
+            fields["prompt_tid"] = tuple((ids.ref(k), v)
+                                         for k, v in out.prompt_token_id_logprobs_dict.items())
+        if out.num_nans_in_logits is not None:
+            fields["nans"] = tuple((ids.ref(k), v) for k, v in out.num_nans_in_logits.items())
+        if out.sampling_masks is not None:
+            fields["masks"] = tuple(out.sampling_masks)
+        fields.update(self._opaque(out))
+        return ReplyMsg(seq=self.seq, names=tuple(ids.names), pooler=out.pooler_output, **fields)
+
+    def _opaque(self, out: Any) -> dict[str, Any]:
+        opaque: dict[str, Any] = {}
+        fields: dict[str, Any] = {}
+        kv = out.kv_connector_output
+        if kv is not None:
+            fields["kv"] = KVOutputWire(
+                sending=None if kv.finished_sending is None else sorted(kv.finished_sending),
+                recving=None if kv.finished_recving is None else sorted(kv.finished_recving),
+                invalid_blocks=sorted(kv.invalid_block_ids), failed=sorted(kv.failed_recving),
+                expected=kv.expected_finished_count)
+            parts = {"stats": kv.kv_connector_stats, "events": kv.kv_cache_events,
+                     "meta": kv.kv_connector_worker_meta}
+            parts = {k: v for k, v in parts.items() if v is not None}
+            if parts:
+                opaque["kv"] = parts
+        for key, value in (("ec", out.ec_connector_output), ("cudagraph", out.cudagraph_stats),
+                           ("aux", out.aux_output_connector_output)):
+            if value is not None:
+                opaque[key] = value
+        if opaque:
+            fields["sealed"] = seal(opaque, self.secret)
+        return fields
