@@ -56,7 +56,7 @@ def breakdown(replays: list[Replay], path: Path) -> Path:
     names = [r.name for r in replays]
     means = {cat: np.array([np.mean([s.breakdown[cat] for s in r.steps["deltacast"]])  # type: ignore[index]
                             for r in replays]) for cat in CATEGORIES}
-    totals = sum(means.values())
+    totals = np.sum(list(means.values()), axis=0)
     bottom = np.zeros(len(replays))
     cmap = plt.get_cmap("tab10")
     for i, cat in enumerate(CATEGORIES):
