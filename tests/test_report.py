@@ -17,6 +17,7 @@ from engine_side.report.accounting import CATEGORIES, delta_breakdown, pickle_v1
 from engine_side.report.replay import FORMATS, replay
 from engine_side.report.workloads import BUILTIN, load_workload
 from protocol import codec
+from protocol.request import request_differences
 
 
 @pytest.mark.parametrize("name", list(BUILTIN))
@@ -81,3 +82,26 @@ def test_report_refuses_unknown_workloads_and_foreign_files(tmp_path: Path) -> N
     foreign = tmp_path / "stream.pkl"
     foreign.write_bytes(pickle.dumps({"not": "a recording"}))
     assert cli.run(parser.parse_args([str(foreign), "--quick", "--out", str(tmp_path)])) == 2
+
+
+def test_report_replays_a_recording(tmp_path: Path) -> None:
+    """A `deltacast record` file (typed Delta frames) is replayed like a workload."""
+    from protocol.recording import RecordWriter
+
+    source = load_workload("mixed_chat", steps=10, batch=8, seed=2, quick=True)
+    mirror = EngineMirror(token_mode=source.token_mode)
+    path = tmp_path / "run.dcrec"
+    originals = list(itertools.islice(source.requests, 10))
+    with RecordWriter(path, meta={"model": "synthetic"}) as writer:
+        for req in originals:
+            writer.write("execute_model", codec.encode(mirror.diff(req)))
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    out = tmp_path / "out"
+    assert cli.run(parser.parse_args([str(path), "--quick", "--no-sweep", "--out", str(out)])) == 0
+    report = json.loads((out / "report.json").read_text())
+    (workload,) = report["workloads"]
+    assert workload["workload"] == "run" and workload["formats"]["deltacast"]["steps"] == 10
+    replayed = load_workload(str(path), steps=10, batch=None, seed=0)
+    for got, want in zip(replayed.requests, originals, strict=True):
+        assert request_differences(got, want) == []

@@ -7,6 +7,7 @@ report-specific (preemption storms, multimodal items, chat-like length spreads).
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +15,13 @@ from pathlib import Path
 import numpy as np
 
 from engine_side.workloads import SCENARIOS, Scenario, Workload
+from protocol import codec
+from protocol.errors import ProtocolError
+from protocol.messages import TOKEN_MODE_WORKER, Delta
 from protocol.params import MMFeatureRef
+from protocol.recording import NotARecording, RecordReader
 from protocol.request import ExecuteModelRequest, Ragged, RequestSpec
+from protocol.state import ReplicaState
 
 
 class ChatWorkload(Workload):
@@ -153,6 +159,38 @@ def load_workload(name: str, *, steps: int, batch: int | None, seed: int,
         return Source(name, iter(work.step, None), steps, size, work.token_mode)
     path = Path(name)
     if path.exists():
-        raise ValueError(f"{path}: recorded vLLM streams are replayed by "
-                         "`deltacast report` once vLLM support is installed (see README)")
+        return _recording(path, steps)
     raise ValueError(f"unknown workload {name!r}; built-ins: {', '.join(BUILTIN)}")
+
+
+def _recording(path: Path, steps: int) -> Source:
+    """The engine's full requests of a ``deltacast record`` file, rebuilt from its Deltas.
+
+    Raises ValueError for a file that is not a recording (it is never unpickled).
+    """
+    try:
+        reader = RecordReader(path)
+    except NotARecording as exc:
+        raise ValueError(str(exc)) from exc
+    deltas = [frames for kind, frames in reader if kind == "execute_model"]
+    if not deltas:
+        raise ValueError(f"{path}: the recording holds no execute_model steps")
+    state = ReplicaState(TOKEN_MODE_WORKER, reader.header.kv_groups)
+    requests = _rebuilt(state, deltas, path)
+    first = next(requests)
+    batch = len(first.req_ids)
+    return Source(path.stem, itertools.chain([first], requests), min(steps, len(deltas)),
+                  batch, TOKEN_MODE_WORKER, reader.header.kv_groups)
+
+
+def _rebuilt(state: ReplicaState, records: list[list[memoryview]],
+             path: Path) -> Iterator[ExecuteModelRequest]:
+    for i, frames in enumerate(records):
+        msg = codec.decode(frames, copy=True)
+        if not isinstance(msg, Delta):
+            raise ValueError(f"{path}: record {i} is not a Delta")
+        try:
+            state.apply(msg.body, expected_digest=msg.digest)
+        except ProtocolError as exc:
+            raise ValueError(f"{path}: record {i} does not apply: {exc}") from exc
+        yield state.rebuild()
