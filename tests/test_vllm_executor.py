@@ -27,21 +27,29 @@ TOKEN_BUDGET = 256  # max_num_batched_tokens in the script
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine_side.bench.vllm_streams import build_tiny_model
 
-    model = build_tiny_model(tmp_path_factory.mktemp("vllm-exec") / "tiny-llama")
-    out = model.parent / "run.json"
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-exec") / "tiny-llama")
+
+
+def _script(model: Path, name: str, *extra: str) -> dict[str, Any]:
+    out = model.parent / f"{name}.json"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_executor_run.py"),
-                           str(model), str(out)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
+                           str(model), str(out), *extra], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert out.exists(), proc.stderr[-4000:]
     result: dict[str, Any] = json.loads(out.read_text())
     result["returncode"] = proc.returncode
     result["stderr"] = proc.stderr[-4000:]
     return result
+
+
+@pytest.fixture(scope="module")
+def run(model: Path) -> dict[str, Any]:
+    return _script(model, "run")
 
 
 def _alive(pid: int) -> bool:
@@ -97,3 +105,12 @@ def test_dead_rank_fails_the_engine_and_calls_back(run: dict[str, Any]) -> None:
 def test_shutdown_leaves_no_orphans(run: dict[str, Any]) -> None:
     assert run["tp1_alive_after_shutdown"] == [False]
     assert not [pid for pid in run["tp1_pids"] + run["pids"] if _alive(pid)]
+
+
+def test_sigkilled_rank_behind_engine_core_process_kills_the_engine(model: Path) -> None:
+    """vLLM's default layout (engine core in its own process): SIGKILL the non-output
+    rank; the failure callback fails the engine, generate raises instead of hanging."""
+    run = _script(model, "kill", "kill")
+    assert len(run["pids"]) == 2 and run["before"]
+    assert run["generate_after_kill"] == "EngineDeadError"
+    assert not [pid for pid in run["pids"] if _alive(pid)]

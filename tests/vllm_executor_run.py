@@ -1,10 +1,12 @@
 """Subprocess script for tests/test_vllm_executor.py: vLLM's default executor vs DeltaExecutor.
 
-``python tests/vllm_executor_run.py MODEL OUT.json`` runs, in one process with
+``python tests/vllm_executor_run.py MODEL OUT.json [kill]`` runs, in one process with
 the engine core in-process (so the executor object is reachable), four engines
 one after the other -- default and DeltaExecutor at TP=1 and TP=2 -- on the same
 prompts, then exercises the executor's other paths on the last one and finally
-kills a rank.  Everything observed goes to OUT.json for the test to judge.
+kills a rank.  With ``kill`` it instead SIGKILLs a rank of a DeltaExecutor
+behind vLLM's separate engine-core process.  Everything observed goes to
+OUT.json for the test to judge.
 """
 
 from __future__ import annotations
@@ -145,6 +147,41 @@ def main(model: str, path: str) -> None:
                 json.dump(out, f)
 
 
+def _worker_pids() -> list[int]:
+    """DeltaExecutor ranks among this process's descendants, by rank (their titles)."""
+    import psutil
+
+    found = {}
+    for p in psutil.Process().children(recursive=True):
+        title = " ".join(p.cmdline())
+        if "DeltaWorker_" in title:
+            found[int(title.split("DeltaWorker_")[1].split()[0])] = p.pid
+    return [found[r] for r in sorted(found)]
+
+
+def kill_main(model: str, path: str) -> None:
+    """Engine core in its own process (vLLM's default): SIGKILL rank 1, then generate."""
+    import signal
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    llm = _engine(model, 2, delta=True)
+    out: dict[str, Any] = {"pids": _worker_pids()}
+    out["before"] = _run(llm, SEEDED[:1], _params()[1][:1])[0]["outs"][0]["ids"]
+    os.kill(out["pids"][1], signal.SIGKILL)
+    try:
+        llm.generate(SEEDED[:1], use_tqdm=False)
+        out["generate_after_kill"] = "returned"
+    except EngineDeadError:
+        out["generate_after_kill"] = "EngineDeadError"
+    with open(path, "w") as f:
+        json.dump(out, f)
+
+
 if __name__ == "__main__":
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[3:] == ["kill"]:
+        kill_main(sys.argv[1], sys.argv[2])
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        main(sys.argv[1], sys.argv[2])

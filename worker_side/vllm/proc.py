@@ -72,6 +72,9 @@ def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
                 endpoint: str, secret: bytes, is_driver: bool, output_rank: int,
                 lock: Any, death: Connection) -> None:
     """Process entry point (spawned): start the worker, then serve calls until ``Q``."""
+    from vllm.utils.system_utils import set_process_title
+
+    set_process_title(name=f"DeltaWorker_{rank}")  # "VLLM::DeltaWorker_<rank>" in ps
     signal.signal(signal.SIGTERM, _exit_on_signal)
     _watch_parent(death)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
