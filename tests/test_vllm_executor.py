@@ -72,6 +72,12 @@ def test_generate_matches_default_executor(run: dict[str, Any], tp: int) -> None
     assert [len(r["outs"]) for r in delta][4] == 3  # n=3 parallel sampling
 
 
+def test_async_scheduling_batch_queue_matches_default_executor(run: dict[str, Any]) -> None:
+    """Async scheduling forced on (the CPU platform turns it off): two batches in flight."""
+    assert run["async_batch_queue"] == 2
+    assert run["delta1_async"] == run["default1"]
+
+
 def test_workload_exercised_chunked_prefill_and_prefix_cache(run: dict[str, Any]) -> None:
     delta = run["delta1"]
     assert delta[0]["plen"] > TOKEN_BUDGET  # had to be chunk-prefilled

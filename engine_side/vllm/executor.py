@@ -87,6 +87,7 @@ class DeltaExecutor(Executor):
         self._inbox: list[deque[list[bytes]]] = [deque() for _ in range(self.world_size)]
         self.procs: list[BaseProcess] = []
         self._deaths: list[Connection] = []
+        self._lock: Any = None
         self._dir = PrivateDir()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()  # made here, never forked
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -283,6 +284,7 @@ class DeltaExecutor(Executor):
                 with contextlib.suppress(zmq.ZMQError):  # never connected
                     self._sock.send_multipart([str(rank).encode(), wire.QUIT])
         self._finalizer()
+        self._lock = None  # releases the named semaphore
 
     @staticmethod
     def _cleanup(procs: list[BaseProcess], deaths: list[Connection], sock: zmq.Socket[bytes],
