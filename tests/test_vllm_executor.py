@@ -52,6 +52,38 @@ def run(model: Path) -> dict[str, Any]:
     return _script(model, "run")
 
 
+class _FakeWorker:
+    rpc_rank = 1
+
+    def echo(self, x: int, y: int = 0) -> int:
+        return x + y
+
+
+def _control(call: tuple[Any, ...], secret: bytes) -> list[bytes]:
+    from engine_side.vllm.convert import seal
+
+    return [seal({"call": call}, secret)]
+
+
+def test_control_calls_are_authenticated_before_unpickling() -> None:
+    """Names and cloudpickled callables run only under the run's HMAC key."""
+    import cloudpickle
+
+    from engine_side.vllm import BadSeal
+    from engine_side.vllm.convert import unseal
+    from worker_side.vllm import proc
+
+    key = b"k" * 32
+    server = proc._Server(_FakeWorker(), None, key, is_output=False)  # type: ignore[arg-type]
+    kind, blob = server._handle(proc.CONTROL, _control(("echo", (2,), {"y": 3}), key))
+    assert kind == proc.CONTROL and unseal(blob, key) == {"result": 5}
+    fn = cloudpickle.dumps(lambda w, k: w.rpc_rank * k)
+    assert unseal(server._handle(proc.CONTROL, _control((fn, (7,), {}), key))[1], key) == \
+        {"result": 7}
+    with pytest.raises(BadSeal):
+        server._handle(proc.CONTROL, _control((fn, (7,), {}), b"x" * 32))
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -178,7 +178,8 @@ class DeltaExecutor(Executor):
         if self._sock.poll(POLL_MS, zmq.POLLIN) == 0:
             self._check_alive()
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError("DeltaExecutor call timed out")
+                self.is_failed = True  # a late reply would answer the wrong call
+                raise TimeoutError("DeltaExecutor call timed out; the executor has failed")
             return []
         got = []
         while self._sock.poll(0, zmq.POLLIN):
