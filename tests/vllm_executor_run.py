@@ -105,7 +105,7 @@ def _paths(llm: Any, out: dict[str, Any]) -> None:
         ex.collective_rpc(_fail_on_rank1)
     except RuntimeError as exc:
         out["rank1_error"] = str(exc)
-    out["after_error"] = _outputs(llm)  # still serving
+    out["after_error"] = _run(llm, GREEDY[1:2], _params()[0][1:2])  # still serving
 
 
 def _kill(llm: Any, out: dict[str, Any]) -> None:
