@@ -42,6 +42,10 @@ OPTIONAL_PURE_MODULES = (
 AUTHENTICATED_PICKLE_FILES: dict[str, str] = {
     # control plane: connector metadata, HMAC-SHA256 verified before loads
     "engine_side/vllm/convert.py": "HMAC-authenticated connector metadata",
+    # DeltaExecutor control plane: cloudpickle.dumps of vLLM's callables, sent sealed
+    "engine_side/vllm/executor.py": "pickles callables into the HMAC seal (dumps only)",
+    # its worker: vLLM's run_method unpickles a callable only after unseal() verified the MAC
+    "worker_side/vllm/proc.py": "callable bytes from an HMAC-verified control call",
     # the benchmark's own baseline: unpickles bytes it produced a line earlier, never
     # anything received (it measures what vLLM's path costs)
     "engine_side/bench/baselines.py": "baseline measurement of self-produced bytes",

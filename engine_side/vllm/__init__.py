@@ -10,4 +10,12 @@ from engine_side.vllm.encoder import SchedulerOutputEncoder
 from engine_side.vllm.schema import SUPPORTED_VLLM, SchemaMismatch, check_schema
 
 __all__ = ["SUPPORTED_VLLM", "BadSeal", "SchedulerOutputEncoder", "SchemaMismatch",
-           "TokenLedger", "check_schema"]
+           "TokenLedger", "check_schema", "DeltaExecutor"]
+
+
+def __getattr__(name: str) -> object:
+    if name == "DeltaExecutor":  # lazily: it imports vLLM's executor machinery
+        from engine_side.vllm.executor import DeltaExecutor
+
+        return DeltaExecutor
+    raise AttributeError(name)

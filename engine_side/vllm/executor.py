@@ -1,0 +1,310 @@
+"""``DeltaExecutor``: a vLLM 0.32 ``Executor`` whose ranks get typed Delta frames.
+
+Usage: ``LLM(model=..., distributed_executor_backend=DeltaExecutor, ...)`` or
+``--distributed-executor-backend engine_side.vllm.DeltaExecutor``.
+
+One spawned process per rank (:mod:`worker_side.vllm.proc`, vLLM's worker run
+through ``WorkerWrapperBase``), each a DEALER on this executor's ROUTER over
+ipc:// in a private 0700 directory.  ``execute_model`` / ``sample_tokens`` send
+the encoder's frames (encoded synchronously: the engine mutates the
+SchedulerOutput after dispatch) to every rank; everything else is a control
+call sealed with a per-run HMAC secret (vLLM sends functions: they travel
+cloudpickled inside the seal, never as unauthenticated pickle).  Every rank
+answers every call, so an exception on any rank is raised here; a dead rank
+marks the executor failed, wakes any waiting call and runs the failure
+callback.  Futures resolve in submission order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import secrets
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import cloudpickle
+import zmq
+from vllm.v1.executor.abstract import Executor, FailureCallback
+
+from engine_side.security import PrivateDir
+from engine_side.vllm.convert import seal, unseal
+from engine_side.vllm.encoder import SchedulerOutputEncoder
+from worker_side.vllm import proc as wire
+
+log = logging.getLogger("deltacast.vllm.executor")
+POLL_MS = 100  # how often a waiting call re-checks that every rank is alive
+JOIN_S = 10.0
+
+
+class ExecutorFailed(RuntimeError):
+    """A rank died: its KV shard is gone, so the executor is permanently failed."""
+
+
+class _Reply(Future):  # type: ignore[type-arg]
+    """A call's result; ``result()`` first drains every earlier call (in order)."""
+
+    def __init__(self, executor: DeltaExecutor, convert: Callable[[list[Any]], Any],
+                 deadline: float | None) -> None:
+        super().__init__()
+        self.executor = executor
+        self.convert = convert
+        self.deadline = deadline
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.executor._drain(self)
+        return super().result(timeout)
+
+
+class DeltaExecutor(Executor):
+    """See the module docstring.  Supported: vLLM 0.32.x, single node, TP (PP untested)."""
+
+    supports_pp: bool = False
+
+    # ------------------------------------------------------------ start-up
+    def _init_executor(self) -> None:
+        from vllm.utils.torch_utils import set_torch_threads_for_runtime
+        from vllm.v1.executor.multiproc_executor import set_multiprocessing_worker_envs
+
+        self.is_failed = False
+        self.shutting_down = False
+        self.failure_callback: FailureCallback | None = None
+        self.world_size = self.parallel_config.world_size
+        self.output_rank = self.world_size - self.parallel_config.tensor_parallel_size \
+            * self.parallel_config.prefill_context_parallel_size
+        self.secret = secrets.token_bytes(32)
+        self.encoder = SchedulerOutputEncoder(secret=self.secret)
+        self._pending: deque[_Reply] = deque()
+        self._inbox: list[deque[list[bytes]]] = [deque() for _ in range(self.world_size)]
+        self.procs: list[BaseProcess] = []
+        self._deaths: list[Connection] = []
+        self._lock: Any = None
+        self._dir = PrivateDir()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()  # made here, never forked
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(f"{self._dir.endpoint}/ctl")
+        self._finalizer = weakref.finalize(self, DeltaExecutor._cleanup, self.procs,
+                                           self._deaths, self._sock, self._ctx, self._dir)
+        set_multiprocessing_worker_envs(self.world_size)
+        try:
+            self._start_ranks()
+            self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        set_torch_threads_for_runtime()
+        threading.Thread(target=self._monitor, daemon=True, name="DeltaMonitor").start()
+
+    def _start_ranks(self) -> None:
+        """Start every rank before waiting on any (device init is collective)."""
+        from vllm.utils.network_utils import get_file_store_init_method
+        from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+        ctx = multiprocessing.get_context("spawn")
+        lock = self._lock = ctx.Lock()  # kept: a spawned child opens it by name later
+        init_method = get_file_store_init_method()
+        omp = OMPProcessManager(self.vllm_config)
+        tp = self.parallel_config.tensor_parallel_size
+        for rank in range(self.world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            kwargs = dict(vllm_config=self.vllm_config, local_rank=rank, rank=rank,
+                          init_method=init_method, endpoint=f"{self._dir.endpoint}/ctl",
+                          secret=self.secret, is_driver=rank % tp == 0,
+                          output_rank=self.output_rank, lock=lock, death=reader)
+            p = ctx.Process(target=wire.worker_main, kwargs=kwargs, name=f"DeltaWorker-{rank}",
+                            daemon=True)
+            with omp.configure_omp_envs(rank=rank, local_rank=rank):  # per-rank CPU binding
+                p.start()
+            reader.close()
+            self.procs.append(p)
+            self._deaths.append(writer)
+
+    def _wait_ready(self) -> None:
+        ready: set[int] = set()
+        while len(ready) < self.world_size:
+            for rank, (kind, *rest) in self._receive(None):
+                if kind == wire.FAILED:
+                    raise RuntimeError(f"DeltaExecutor rank {rank} failed to start:\n"
+                                       + rest[0].decode(errors="replace"))
+                if kind != wire.READY:
+                    raise RuntimeError(f"rank {rank} sent {kind!r} before ready")
+                ready.add(rank)
+
+    # ------------------------------------------------------------ failure handling
+    def _monitor(self) -> None:
+        """Wait for any rank to exit; unless shutting down, fail and call back."""
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
+        died = multiprocessing.connection.wait(list(sentinels))
+        if self.shutting_down:
+            return
+        rank = sentinels[died[0]]  # type: ignore[index]
+        self.is_failed = True
+        self.procs[rank].join(1.0)  # reap it, for the exit code
+        log.error("DeltaExecutor rank %d died (exit code %s); the executor has failed",
+                  rank, self.procs[rank].exitcode)
+        for p in self.procs:  # the other shards are useless without it
+            if p.is_alive():
+                p.terminate()
+        callback, self.failure_callback = self.failure_callback, None
+        if callback is not None:
+            callback()
+
+    def register_failure_callback(self, callback: FailureCallback) -> None:
+        if self.is_failed:
+            callback()
+        else:
+            self.failure_callback = callback
+
+    def _check_alive(self) -> None:
+        if self.is_failed or any(not p.is_alive() for p in self.procs):
+            self.is_failed = True
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+            raise ExecutorFailed(f"DeltaExecutor failed: rank(s) {dead} died")
+
+    # ------------------------------------------------------------ transport
+    def _receive(self, deadline: float | None) -> list[tuple[int, list[bytes]]]:
+        """Messages available within POLL_MS, as (rank, frames); raises if a rank died."""
+        if self._sock.poll(POLL_MS, zmq.POLLIN) == 0:
+            self._check_alive()
+            if deadline is not None and time.monotonic() > deadline:
+                self.is_failed = True  # a late reply would answer the wrong call
+                raise TimeoutError("DeltaExecutor call timed out; the executor has failed")
+            return []
+        got = []
+        while self._sock.poll(0, zmq.POLLIN):
+            ident, *frames = self._sock.recv_multipart(copy=True)
+            got.append((int(ident), frames))
+        return got
+
+    def _submit(self, kind: bytes, frames: list[Any], convert: Callable[[list[Any]], Any],
+                timeout: float | None) -> _Reply:
+        if self.is_failed:
+            raise ExecutorFailed("DeltaExecutor has failed")
+        try:
+            for rank in range(self.world_size):
+                self._sock.send_multipart([str(rank).encode(), kind, *frames], copy=False)
+        except zmq.ZMQError:
+            self._check_alive()
+            raise
+        deadline = None if timeout is None else time.monotonic() + timeout
+        reply = _Reply(self, convert, deadline)
+        self._pending.append(reply)
+        return reply
+
+    def _drain(self, until: _Reply) -> None:
+        """Resolve pending calls oldest first, up to and including ``until``."""
+        while not until.done():
+            call = self._pending.popleft()
+            try:
+                call.set_result(call.convert(self._gather(call.deadline)))
+            except Exception as exc:
+                call.set_exception(exc)
+
+    def _gather(self, deadline: float | None) -> list[list[bytes]]:
+        """One reply per rank; raises the first rank's exception after reading all."""
+        while any(not box for box in self._inbox):
+            for rank, frames in self._receive(deadline):
+                self._inbox[rank].append(frames)
+        replies = [box.popleft() for box in self._inbox]
+        errors = [(r, f[1].decode(errors="replace")) for r, f in enumerate(replies)
+                  if f[0] == wire.ERROR]
+        if errors:
+            raise RuntimeError("; ".join(f"rank {r}: {msg}" for r, msg in errors))
+        return replies
+
+    # ------------------------------------------------------------ calls
+    def _output(self, replies: list[list[bytes]]) -> Any:
+        frames = replies[self.output_rank]
+        return self.encoder.decode_reply(frames[1:])
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        frames = self.encoder.encode(scheduler_output)  # synchronously: it is mutated later
+        reply = self._submit(wire.EXECUTE, frames, self._output, self._model_timeout())
+        return reply if non_block else reply.result()
+
+    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
+        frames = self.encoder.encode_grammar(grammar_output)
+        reply = self._submit(wire.SAMPLE, frames, self._output, self._model_timeout())
+        return reply if non_block else reply.result()
+
+    @staticmethod
+    def _model_timeout() -> float:
+        import vllm.envs as envs
+
+        return float(envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
+                       args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                       non_block: bool = False) -> Any:
+        """Every rank's result; a callable travels cloudpickled inside the HMAC seal."""
+        sent = method if isinstance(method, str) else cloudpickle.dumps(method)
+        blob = seal({"call": (sent, args, kwargs or {})}, self.secret)
+        reply = self._submit(wire.CONTROL, [blob], self._results, timeout)
+        return reply if non_block else reply.result()
+
+    def _results(self, replies: list[list[bytes]]) -> list[Any]:
+        return [unseal(f[1], self.secret)["result"] for f in replies]
+
+    def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
+        self.encoder.kv_groups = max(1, len(kv_cache_configs[0].kv_cache_groups))
+        super().initialize_from_config(kv_cache_configs)
+
+    def take_draft_token_ids(self) -> Any:
+        return self.collective_rpc("take_draft_token_ids")[self.output_rank]
+
+    def execute_dummy_batch(self) -> None:
+        self.collective_rpc("execute_dummy_batch", timeout=self._model_timeout())
+
+    def check_health(self) -> None:
+        self._check_alive()
+        self.collective_rpc("check_health", timeout=10)
+
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        return True
+
+    # ------------------------------------------------------------ shutdown
+    def shutdown(self) -> None:
+        """Ask every rank to quit, then join; terminate and kill stragglers."""
+        if getattr(self, "shutting_down", True):
+            return
+        self.shutting_down = True
+        for rank, p in enumerate(self.procs):
+            if p.is_alive():
+                with contextlib.suppress(zmq.ZMQError):  # never connected
+                    self._sock.send_multipart([str(rank).encode(), wire.QUIT])
+        self._finalizer()
+        self._lock = None  # releases the named semaphore
+
+    @staticmethod
+    def _cleanup(procs: list[BaseProcess], deaths: list[Connection], sock: zmq.Socket[bytes],
+                 ctx: zmq.Context[zmq.Socket[bytes]], private: PrivateDir) -> None:
+        end = time.monotonic() + JOIN_S
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(4.0)
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+        for d in deaths:
+            d.close()
+        sock.close(linger=0)
+        ctx.term()
+        private.close()
+
+
+__all__ = ["DeltaExecutor", "ExecutorFailed"]

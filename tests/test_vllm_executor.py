@@ -1,0 +1,152 @@
+"""DeltaExecutor against a real vLLM (CPU build) and a tiny random Llama.
+
+One subprocess (tests/vllm_executor_run.py) runs vLLM's default executor and
+DeltaExecutor at TP=1 and TP=2 on the same prompts (greedy with logprobs and a
+chunk-prefilled prompt, seeded sampling, n>1, a stop string; each batch twice so
+the second round hits the prefix cache), then exercises the executor's other
+paths and kills a rank.  The tests judge what it wrote.  Skipped cleanly when
+vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed")
+
+pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN_BUDGET = 256  # max_num_batched_tokens in the script
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine_side.bench.vllm_streams import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-exec") / "tiny-llama")
+
+
+def _script(model: Path, name: str, *extra: str) -> dict[str, Any]:
+    out = model.parent / f"{name}.json"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_executor_run.py"),
+                           str(model), str(out), *extra], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert out.exists(), proc.stderr[-4000:]
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["returncode"] = proc.returncode
+    result["stderr"] = proc.stderr[-4000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def run(model: Path) -> dict[str, Any]:
+    return _script(model, "run")
+
+
+class _FakeWorker:
+    rpc_rank = 1
+
+    def echo(self, x: int, y: int = 0) -> int:
+        return x + y
+
+
+def _control(call: tuple[Any, ...], secret: bytes) -> list[bytes]:
+    from engine_side.vllm.convert import seal
+
+    return [seal({"call": call}, secret)]
+
+
+def test_control_calls_are_authenticated_before_unpickling() -> None:
+    """Names and cloudpickled callables run only under the run's HMAC key."""
+    import cloudpickle
+
+    from engine_side.vllm import BadSeal
+    from engine_side.vllm.convert import unseal
+    from worker_side.vllm import proc
+
+    key = b"k" * 32
+    server = proc._Server(_FakeWorker(), None, key, is_output=False)  # type: ignore[arg-type]
+    kind, blob = server._handle(proc.CONTROL, _control(("echo", (2,), {"y": 3}), key))
+    assert kind == proc.CONTROL and unseal(blob, key) == {"result": 5}
+    fn = cloudpickle.dumps(lambda w, k: w.rpc_rank * k)
+    assert unseal(server._handle(proc.CONTROL, _control((fn, (7,), {}), key))[1], key) == \
+        {"result": 7}
+    with pytest.raises(BadSeal):
+        server._handle(proc.CONTROL, _control((fn, (7,), {}), b"x" * 32))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "zombie" in status.read_text())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_generate_matches_default_executor(run: dict[str, Any], tp: int) -> None:
+    default, delta = run.get(f"default{tp}"), run.get(f"delta{tp}")
+    assert default is not None and delta is not None, run["stderr"]
+    assert len(delta) == len(default) == 10
+    for k, (a, b) in enumerate(zip(default, delta, strict=True)):
+        assert a == b, f"request {k} differs (token ids, text or logprobs)"
+    assert any(o["lp"] for r in delta for o in r["outs"])  # logprobs were compared
+    assert [len(r["outs"]) for r in delta][4] == 3  # n=3 parallel sampling
+
+
+def test_async_scheduling_batch_queue_matches_default_executor(run: dict[str, Any]) -> None:
+    """Async scheduling forced on (the CPU platform turns it off): two batches in flight."""
+    assert run["async_batch_queue"] == 2
+    assert run["delta1_async"] == run["default1"]
+
+
+def test_workload_exercised_chunked_prefill_and_prefix_cache(run: dict[str, Any]) -> None:
+    delta = run["delta1"]
+    assert delta[0]["plen"] > TOKEN_BUDGET  # had to be chunk-prefilled
+    assert delta[5]["cached"] >= 32  # second round: prefix cache hits (block size 32)
+
+
+def test_collective_rpc_by_name_and_callable(run: dict[str, Any]) -> None:
+    pids = run["pids"]
+    assert len(set(pids)) == 2 and os.getpid() not in pids  # one process per rank
+    assert run["ranks_by_name"] == [None, None]
+    assert run["futures_in_order"] is True
+    assert run["draft"] == "None" and run["async"] is True
+
+
+def test_exception_on_non_output_rank_is_reported(run: dict[str, Any]) -> None:
+    assert run["rank1_error"] == "rank 1: ValueError: boom on rank 1"
+    # still serving: the same tokens and logprobs as the default executor's second
+    # (prefix-cached) round of that prompt
+    assert run["after_error"][0]["outs"] == run["default2"][6]["outs"]
+
+
+def test_dead_rank_fails_the_engine_and_calls_back(run: dict[str, Any]) -> None:
+    assert run["rpc_after_death"] == "ExecutorFailed"
+    assert run["generate_after_death"] == "ExecutorFailed"
+    assert run["callback_calls"] == 1
+    assert run["alive_after_death"] == [False, False]
+
+
+def test_shutdown_leaves_no_orphans(run: dict[str, Any]) -> None:
+    assert run["tp1_alive_after_shutdown"] == [False]
+    assert not [pid for pid in run["tp1_pids"] + run["pids"] if _alive(pid)]
+
+
+def test_sigkilled_rank_behind_engine_core_process_kills_the_engine(model: Path) -> None:
+    """vLLM's default layout (engine core in its own process): SIGKILL the non-output
+    rank; the failure callback fails the engine, generate raises instead of hanging."""
+    run = _script(model, "kill", "kill")
+    assert len(run["pids"]) == 2 and run["before"]
+    assert run["generate_after_kill"] == "EngineDeadError"
+    assert not [pid for pid in run["pids"] if _alive(pid)]

@@ -1,0 +1,156 @@
+"""One DeltaExecutor rank: a spawned process running vLLM's worker through ``WorkerWrapperBase``.
+
+Wire (a DEALER whose identity is the rank, connected to the executor's ROUTER
+over ipc:// in a private directory).  Engine → rank: ``[kind, *frames]``:
+
+* ``X`` execute_model: the encoder's Delta frames (every rank decodes them);
+* ``S`` sample_tokens: the encoder's GrammarOutput frames;
+* ``C`` control: one HMAC-sealed ``(method, args, kwargs)`` (method a name or
+  cloudpickled callable bytes, verified before anything is unpickled);
+* ``Q`` quit.
+
+Rank → engine: ``R`` ready, ``F`` failed to start (text), ``O`` reply frames
+(output rank), ``K`` done (other ranks), ``C`` sealed control result, ``E`` an
+exception (text).  Every rank answers every call, so an exception on ANY rank
+reaches the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import zmq
+
+from engine_side.vllm.convert import seal, unseal
+from worker_side.vllm.decoder import SchedulerOutputDecoder
+
+READY, FAILED, OUTPUT, DONE, CONTROL, ERROR = b"R", b"F", b"O", b"K", b"C", b"E"
+EXECUTE, SAMPLE, QUIT = b"X", b"S", b"Q"
+
+
+def _watch_parent(death: Connection) -> None:
+    """Exit when the executor's end of the pipe closes (its process died): no orphans."""
+    def watch() -> None:
+        with contextlib.suppress(EOFError, OSError):
+            death.recv()
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="DeltaDeathPipe").start()
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _start_worker(vllm_config: Any, local_rank: int, rank: int, init_method: str,
+                  is_driver: bool, lock: Any) -> Any:
+    from vllm.envs import enable_envs_cache
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    wrapper = WorkerWrapperBase(rpc_rank=local_rank, global_rank=rank)
+    all_kwargs: list[dict[str, Any]] = [{} for _ in range(vllm_config.parallel_config.world_size)]
+    all_kwargs[local_rank] = {
+        "vllm_config": vllm_config, "local_rank": local_rank, "rank": rank,
+        "distributed_init_method": init_method, "is_driver_worker": is_driver,
+        "shared_worker_lock": lock}
+    wrapper.init_worker(all_kwargs)
+    wrapper.init_device()  # collective: every rank must already be started
+    wrapper.load_model()
+    current_platform.update_block_size_for_backend(vllm_config)
+    enable_envs_cache()
+    return wrapper
+
+
+def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
+                endpoint: str, secret: bytes, is_driver: bool, output_rank: int,
+                lock: Any, death: Connection) -> None:
+    """Process entry point (spawned): start the worker, then serve calls until ``Q``."""
+    from vllm.utils.system_utils import set_process_title
+
+    set_process_title(name=f"DeltaWorker_{rank}")  # "VLLM::DeltaWorker_<rank>" in ps
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    _watch_parent(death)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, str(rank).encode())
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(endpoint)
+    wrapper = None
+    try:
+        try:
+            wrapper = _start_worker(vllm_config, local_rank, rank, init_method, is_driver, lock)
+        except Exception:
+            sock.send_multipart([FAILED, traceback.format_exc().encode()])
+            return
+        sock.send_multipart([READY])
+        _Server(wrapper, sock, secret, rank == output_rank).serve()
+    finally:
+        if wrapper is not None:
+            _shutdown_worker(wrapper)
+        sock.close()
+        ctx.term()
+
+
+def _shutdown_worker(wrapper: Any) -> None:
+    from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+    try:
+        wrapper.shutdown()
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    except Exception:  # best effort on the way out
+        traceback.print_exc()
+
+
+class _Server:
+    """The rank's call loop; one reply per call, exceptions become ``E`` replies."""
+
+    def __init__(self, wrapper: Any, sock: zmq.Socket[bytes], secret: bytes,
+                 is_output: bool) -> None:
+        self.wrapper = wrapper
+        self.sock = sock
+        self.secret = secret
+        self.is_output = is_output
+        self.decoder = SchedulerOutputDecoder(secret=secret)
+
+    def serve(self) -> None:
+        while True:
+            kind, *frames = self.sock.recv_multipart(copy=True)
+            if kind == QUIT:
+                return
+            try:
+                reply = self._handle(kind, frames)
+            except Exception as exc:
+                traceback.print_exc()
+                reply = [ERROR, f"{type(exc).__name__}: {exc}".encode()]
+            self.sock.send_multipart(reply)
+
+    def _handle(self, kind: bytes, frames: list[bytes]) -> list[bytes]:
+        if kind == EXECUTE:
+            return self._output(self.wrapper.execute_model(self.decoder.decode(frames)))
+        if kind == SAMPLE:
+            grammar = self.decoder.decode_grammar(frames)
+            return self._output(self.wrapper.sample_tokens(grammar))
+        if kind == CONTROL:
+            from vllm.v1.serial_utils import run_method
+
+            method, args, kwargs = unseal(frames[0], self.secret)["call"]
+            result = run_method(self.wrapper, method, args, kwargs)
+            return [CONTROL, seal({"result": result}, self.secret)]
+        raise ValueError(f"unknown call kind {kind!r}")
+
+    def _output(self, out: Any) -> list[bytes]:
+        from vllm.v1.outputs import AsyncModelRunnerOutput
+
+        if isinstance(out, AsyncModelRunnerOutput):
+            out = out.get_output()
+        if not self.is_output:
+            return [DONE]
+        return [OUTPUT, *(bytes(f) for f in self.decoder.encode_reply(out))]
