@@ -25,10 +25,18 @@ import heapq
 
 import numpy as np
 
-from engine_side.diffing import DiffContext
+from engine_side.diffing import DiffContext, _same_specs
 from protocol.errors import LocalProtocolError
 from protocol.messages import TOKEN_MODE_WORKER, Delta, Snapshot
-from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec, requests_equal
+from protocol.plan import STEADY_BODY
+from protocol.request import (
+    ExecuteModelRequest,
+    IntArray,
+    Ragged,
+    RequestSpec,
+    requests_equal,
+    same_ints,
+)
 from protocol.snapshot import build_snapshot
 from protocol.state import ReplicaState
 
@@ -81,6 +89,7 @@ class EngineMirror:
         self._last_tables: tuple[Ragged, ...] = ()
         #: handle -> the engine's own spec object (identity makes unchanged specs free)
         self.engine_specs: dict[int, RequestSpec] = {}
+        self._steady_ok = token_mode == TOKEN_MODE_WORKER  # engine tokens: never empty
 
     def diff(self, request: ExecuteModelRequest) -> Delta:
         """The delta from the workers' state to ``request``; advances the mirror.
@@ -88,6 +97,11 @@ class EngineMirror:
         Raises LocalProtocolError for an inconsistent request (the mirror is then
         unchanged).
         """
+        if self._steady_ok and self._is_steady(request):
+            return self._advance(request)
+        return self._diff(request)
+
+    def _diff(self, request: ExecuteModelRequest) -> Delta:
         ctx = DiffContext(self, request)
         try:
             body = ctx.build()
@@ -104,6 +118,41 @@ class EngineMirror:
         if self.verify and not requests_equal(self.state.rebuild(), request):
             raise LocalProtocolError("mirror rebuild differs from the request", seq=self.seq)
         return Delta(epoch=self.epoch, seq=self.seq, digest=self.state.digest, body=body)
+
+    def _is_steady(self, r: ExecuteModelRequest) -> bool:
+        """The common decode step, checked touching as little as possible: the same
+        batch (list identity compares), the very block tables of the last step, no
+        step-only field, the same scheduled counts.  The computed counts are compared
+        by :meth:`_advance`.  False is no verdict: :class:`DiffContext` then decides."""
+        if (r.finished_req_ids or r.preempted_req_ids or r.resumed_req_ids
+                or r.free_encoder_mm_hashes or r.blocks_to_zero is not None or r.extension
+                or r.has_structured_output_requests or r.pending_structured_output_tokens
+                or r.num_spec_tokens_to_schedule or r.output_token_ids is not None):
+            return False
+        state, last = self.state, self._last_tables
+        tables = r.block_tables
+        if (self._last_handles is not state.schedule or len(tables) != len(last)
+                or any(t is not u for t, u in zip(tables, last))):
+            return False
+        n = len(r.req_ids)
+        spec, enc = r.spec_token_ids, r.encoder_inputs
+        if (spec.values.size or enc.values.size or spec.lengths.size != n
+                or enc.lengths.size != n or r.req_ids != self._last_ids
+                or not _same_specs(r.specs, self._last_specs)):
+            return False
+        return same_ints(r.num_scheduled_tokens, state.nsched)
+
+    def _advance(self, request: ExecuteModelRequest) -> Delta:
+        """The steady step: the empty delta, applied through ``state.advance``."""
+        state = self.state
+        computed = state.steady_computed()
+        if not same_ints(request.num_computed_tokens, computed):
+            return self._diff(request)
+        state.advance(None, computed)
+        self.seq += 1
+        if self.verify and not requests_equal(state.rebuild(), request):
+            raise LocalProtocolError("mirror rebuild differs from the request", seq=self.seq)
+        return Delta(self.epoch, self.seq, state.digest, STEADY_BODY)
 
     def _after_apply(self, ctx: DiffContext, finished: IntArray) -> None:
         for h in finished.tolist():

@@ -81,16 +81,41 @@ class ReplicaState:
         self.commit(plan)
         return plan
 
-    def advance(self, expected_digest: int | None = None) -> None:
+    def advance(self, expected_digest: int | None = None,
+                computed: IntArray | None = None) -> None:
         """Apply the empty delta (the steady decode step): the schedule and its counts
         repeat and every scheduled request's computed count advances by its scheduled
-        count.  O(batch) numpy, O(1) digest (the advance term is cached per schedule)."""
-        digest = (self.digest + advance_delta(self)) & dg.MASK
+        count.  ``computed``: :meth:`steady_computed`'s result when the caller already
+        holds it (the mirror, which compares it with the request first).  O(batch)
+        numpy, O(1) digest (the advance term and step fields are cached per schedule)."""
+        cache, sched = self._rebuild_cache, self.schedule
+        steady: Any = cache.get("steady")
+        if steady is None or steady[0] is not sched or steady[1] is not self.nsched:
+            steady = (sched, self.nsched, advance_delta(self), steady_step(self))
+            cache["steady"] = steady
+        digest = (self.digest + steady[2]) & dg.MASK
         if expected_digest is not None and digest != expected_digest:
             raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
-        self.cols.computed[self.schedule] += self.nsched
-        self.step = steady_step(self)
+        if computed is None:
+            computed = self.steady_computed()
+        self.cols.computed[sched] = computed
+        cache["computed"] = (sched, computed)  # private: rebuild hands out copies
+        self.step = steady[3]
         self.digest = digest
+
+    def steady_computed(self) -> IntArray:
+        """The schedule's computed counts after an empty delta (a fresh array)."""
+        cached: Any = self._rebuild_cache.get("computed")
+        if cached is not None and cached[0] is self.schedule:
+            return cached[1] + self.nsched  # type: ignore[no-any-return]
+        return self.cols.computed[self.schedule] + self.nsched  # type: ignore[no-any-return]
+
+    def scheduled_computed(self) -> IntArray:
+        """``cols.computed[schedule]`` as a fresh array (from the cached column if any)."""
+        cached: Any = self._rebuild_cache.get("computed")
+        if cached is not None and cached[0] is self.schedule:
+            return cached[1].copy()  # type: ignore[no-any-return]
+        return self.cols.computed[self.schedule]
 
     def commit(self, plan: Plan) -> None:
         """Mutate the state as ``plan`` says (phase two; cannot fail)."""
@@ -102,6 +127,8 @@ class ReplicaState:
         self._commit_blocks(plan)
         cols = self.cols
         cols.computed[plan.computed_handles] = plan.computed_values
+        self._rebuild_cache.pop("computed", None)
+        self._rebuild_cache.pop("template", None)
         if plan.schedule is not self.schedule or plan.nsched is not self.nsched:
             if plan.schedule is not self.schedule:
                 self._rebuild_cache.pop("schedule", None)
