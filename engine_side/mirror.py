@@ -22,6 +22,7 @@ same-step reuse either way).
 from __future__ import annotations
 
 import heapq
+from operator import is_not
 
 import numpy as np
 
@@ -35,12 +36,20 @@ from protocol.request import (
     Ragged,
     RequestSpec,
     requests_equal,
-    same_ints,
 )
 from protocol.snapshot import build_snapshot
 from protocol.state import ReplicaState
 
 PREFIX_MIN_TOKENS = 16  # shortest shared prompt prefix worth a reference
+
+
+_INT64 = np.dtype(np.int64)
+
+
+def _is_int64(values: IntArray, expected: bytes) -> bool:
+    """``values`` is a 1-D int64 array holding exactly ``expected`` (False: no verdict)."""
+    return (type(values) is np.ndarray and values.dtype is _INT64 and values.ndim == 1
+            and values.tobytes() == expected)
 
 
 class HandleAllocator:
@@ -90,6 +99,7 @@ class EngineMirror:
         #: handle -> the engine's own spec object (identity makes unchanged specs free)
         self.engine_specs: dict[int, RequestSpec] = {}
         self._steady_ok = token_mode == TOKEN_MODE_WORKER  # engine tokens: never empty
+        self._nsched: tuple[IntArray, bytes] = (self.state.nsched, b"")  # and its bytes
 
     def diff(self, request: ExecuteModelRequest) -> Delta:
         """The delta from the workers' state to ``request``; advances the mirror.
@@ -132,7 +142,7 @@ class EngineMirror:
         state, last = self.state, self._last_tables
         tables = r.block_tables
         if (self._last_handles is not state.schedule or len(tables) != len(last)
-                or any(t is not u for t, u in zip(tables, last))):
+                or any(map(is_not, tables, last))):
             return False
         n = len(r.req_ids)
         spec, enc = r.spec_token_ids, r.encoder_inputs
@@ -140,13 +150,16 @@ class EngineMirror:
                 or enc.lengths.size != n or r.req_ids != self._last_ids
                 or not _same_specs(r.specs, self._last_specs)):
             return False
-        return same_ints(r.num_scheduled_tokens, state.nsched)
+        nsched = self._nsched
+        if nsched[0] is not state.nsched:
+            nsched = self._nsched = (state.nsched, state.nsched.tobytes())
+        return _is_int64(r.num_scheduled_tokens, nsched[1])
 
     def _advance(self, request: ExecuteModelRequest) -> Delta:
         """The steady step: the empty delta, applied through ``state.advance``."""
         state = self.state
         computed = state.steady_computed()
-        if not same_ints(request.num_computed_tokens, computed):
+        if not _is_int64(request.num_computed_tokens, computed.tobytes()):
             return self._diff(request)
         state.advance(None, computed)
         self.seq += 1

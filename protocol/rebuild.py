@@ -75,28 +75,29 @@ def rebuild_request(state: ReplicaState) -> ExecuteModelRequest:
     repeated or steady step only makes the fresh containers.
     """
     cached: Any = state._rebuild_cache.get("template")
+    computed = state.scheduled_computed()
     if cached is None or cached[0] is not state.step or cached[1] is not state.schedule:
         if state.token_mode == TOKEN_MODE_ENGINE:  # token views: no template
-            return _rebuild_full(state)
-        cached = (state.step, state.schedule, _rebuild_full(state))
+            return _rebuild_full(state, computed)
+        cached = (state.step, state.schedule, _rebuild_full(state, computed))
         state._rebuild_cache["template"] = cached
     template: ExecuteModelRequest = cached[2]
     step = state.step
     return replace(template, req_ids=list(template.req_ids), specs=list(template.specs),
-                   num_computed_tokens=state.scheduled_computed(),
+                   num_computed_tokens=computed,
                    blocks_to_zero=None if step.blocks_to_zero is None
                    else step.blocks_to_zero.copy(),
                    extension=dict(step.extension) if step.extension else {})
 
 
-def _rebuild_full(state: ReplicaState) -> ExecuteModelRequest:
-    step, sched = state.step, state.schedule
+def _rebuild_full(state: ReplicaState, computed: IntArray) -> ExecuteModelRequest:
+    step = state.step
     ids, specs = _ids_and_specs(state)
     return ExecuteModelRequest(
         req_ids=ids,
         specs=specs,
         num_scheduled_tokens=state.nsched,  # read-only, replaced (never edited) on change
-        num_computed_tokens=state.cols.computed[sched],
+        num_computed_tokens=computed,
         block_tables=tuple(_block_table(state, g) for g in range(state.kv_groups)),
         spec_token_ids=step.spec_tokens,  # read-only arrays, decoded fresh for this step
         encoder_inputs=step.encoder_inputs,

@@ -38,6 +38,7 @@ from protocol.plan import (
     prepare,
     steady_step,
 )
+from protocol.rebuild import rebuild_request
 from protocol.request import ExecuteModelRequest, IntArray, RequestSpec
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -54,7 +55,10 @@ class ReplicaState:
             raise LocalProtocolError("kv_groups must be >= 1", kv_groups=kv_groups)
         self.token_mode = token_mode
         self.kv_groups = kv_groups
-        self.cols = HandleColumns(kv_groups)
+        self._cols = HandleColumns(kv_groups)
+        #: computed counts of the schedule after steady advances, not yet written to
+        #: ``_cols`` (the steady step skips that scatter; see :attr:`cols`)
+        self._pending: IntArray | None = None
         self.specs: list[RequestSpec | None] = []
         self.blocks: list[BlockTable] = [BlockTable() for _ in range(kv_groups)]
         self.tokens: list[TokenBuffer | None] = []
@@ -88,37 +92,50 @@ class ReplicaState:
         count.  ``computed``: :meth:`steady_computed`'s result when the caller already
         holds it (the mirror, which compares it with the request first).  O(batch)
         numpy, O(1) digest (the advance term and step fields are cached per schedule)."""
-        cache, sched = self._rebuild_cache, self.schedule
-        steady: Any = cache.get("steady")
-        if steady is None or steady[0] is not sched or steady[1] is not self.nsched:
-            steady = (sched, self.nsched, advance_delta(self), steady_step(self))
-            cache["steady"] = steady
+        sched, nsched = self.schedule, self.nsched
+        steady: Any = self._rebuild_cache.get("steady")
+        if steady is None or steady[0] is not sched or steady[1] is not nsched:
+            steady = (sched, nsched, advance_delta(self), steady_step(self))
+            self._rebuild_cache["steady"] = steady
         digest = (self.digest + steady[2]) & dg.MASK
         if expected_digest is not None and digest != expected_digest:
             raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
         if computed is None:
-            computed = self.steady_computed()
-        self.cols.computed[sched] = computed
-        cache["computed"] = (sched, computed)  # private: rebuild hands out copies
+            pending = self._pending
+            computed = (pending if pending is not None else self._cols.computed[sched]) + nsched
+        self._pending = computed  # written back to the columns when they are next read
         self.step = steady[3]
         self.digest = digest
 
     def steady_computed(self) -> IntArray:
         """The schedule's computed counts after an empty delta (a fresh array)."""
-        cached: Any = self._rebuild_cache.get("computed")
-        if cached is not None and cached[0] is self.schedule:
-            return cached[1] + self.nsched  # type: ignore[no-any-return]
-        return self.cols.computed[self.schedule] + self.nsched  # type: ignore[no-any-return]
+        pending = self._pending
+        if pending is not None:
+            return pending + self.nsched  # type: ignore[no-any-return]
+        return self._cols.computed[self.schedule] + self.nsched  # type: ignore[no-any-return]
 
     def scheduled_computed(self) -> IntArray:
-        """``cols.computed[schedule]`` as a fresh array (from the cached column if any)."""
-        cached: Any = self._rebuild_cache.get("computed")
-        if cached is not None and cached[0] is self.schedule:
-            return cached[1].copy()  # type: ignore[no-any-return]
-        return self.cols.computed[self.schedule]
+        """The schedule's computed counts, as a fresh array."""
+        pending = self._pending
+        if pending is not None:
+            return pending.copy()
+        return self._cols.computed[self.schedule]
+
+    @property
+    def cols(self) -> HandleColumns:
+        """The per-handle columns (steady advances still pending are written first)."""
+        if self._pending is not None:
+            self._flush()
+        return self._cols
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._cols.computed[self.schedule] = pending
 
     def commit(self, plan: Plan) -> None:
         """Mutate the state as ``plan`` says (phase two; cannot fail)."""
+        self._flush()
         for h in plan.finished.tolist():
             self._forget(h)
         for a in plan.added:
@@ -127,7 +144,6 @@ class ReplicaState:
         self._commit_blocks(plan)
         cols = self.cols
         cols.computed[plan.computed_handles] = plan.computed_values
-        self._rebuild_cache.pop("computed", None)
         self._rebuild_cache.pop("template", None)
         if plan.schedule is not self.schedule or plan.nsched is not self.nsched:
             if plan.schedule is not self.schedule:
@@ -263,6 +279,4 @@ class ReplicaState:
 
     def rebuild(self) -> ExecuteModelRequest:
         """The full request of the last applied step, made of fresh containers."""
-        from protocol.rebuild import rebuild_request
-
         return rebuild_request(self)
