@@ -139,15 +139,18 @@ class EngineMirror:
                 or r.has_structured_output_requests or r.pending_structured_output_tokens
                 or r.num_spec_tokens_to_schedule or r.output_token_ids is not None):
             return False
-        state, last = self.state, self._last_tables
-        tables = r.block_tables
-        if (self._last_handles is not state.schedule or len(tables) != len(last)
-                or any(map(is_not, tables, last))):
+        state, tables, last = self.state, r.block_tables, self._last_tables
+        if self._last_handles is not state.schedule:
             return False
-        n = len(r.req_ids)
+        if len(tables) == 1 == len(last):  # one KV group: a single identity test
+            if tables[0] is not last[0]:
+                return False
+        elif len(tables) != len(last) or any(map(is_not, tables, last)):
+            return False
+        n = len(r.req_ids)  # len(): the cheapest probe of a (1-D) array's size
         spec, enc = r.spec_token_ids, r.encoder_inputs
-        if (spec.values.size or enc.values.size or spec.lengths.size != n
-                or enc.lengths.size != n or r.req_ids != self._last_ids
+        if (len(spec.values) or len(enc.values) or len(spec.lengths) != n
+                or len(enc.lengths) != n or r.req_ids != self._last_ids
                 or not _same_specs(r.specs, self._last_specs)):
             return False
         nsched = self._nsched
@@ -158,10 +161,9 @@ class EngineMirror:
     def _advance(self, request: ExecuteModelRequest) -> Delta:
         """The steady step: the empty delta, applied through ``state.advance``."""
         state = self.state
-        computed = state.steady_computed()
-        if not _is_int64(request.num_computed_tokens, computed.tobytes()):
+        if not _is_int64(request.num_computed_tokens, state.lookahead().prediction()):
             return self._diff(request)
-        state.advance(None, computed)
+        state.advance()
         self.seq += 1
         if self.verify and not requests_equal(state.rebuild(), request):
             raise LocalProtocolError("mirror rebuild differs from the request", seq=self.seq)

@@ -28,6 +28,7 @@ import numpy as np
 from protocol import digest as dg
 from protocol.columns import BlockTable, HandleColumns, TokenBuffer
 from protocol.errors import InvalidDelta, LocalProtocolError
+from protocol.lookahead import Lookahead
 from protocol.messages import TOKEN_MODE_ENGINE, TOKEN_MODE_WORKER, DeltaBody
 from protocol.plan import (
     STEADY_BODY,
@@ -59,6 +60,8 @@ class ReplicaState:
         #: computed counts of the schedule after steady advances, not yet written to
         #: ``_cols`` (the steady step skips that scatter; see :attr:`cols`)
         self._pending: IntArray | None = None
+        self._ahead: Lookahead | None = None
+        self._fresh: IntArray | None = None  # the current step's rebuilt column, unused yet
         self.specs: list[RequestSpec | None] = []
         self.blocks: list[BlockTable] = [BlockTable() for _ in range(kv_groups)]
         self.tokens: list[TokenBuffer | None] = []
@@ -85,13 +88,11 @@ class ReplicaState:
         self.commit(plan)
         return plan
 
-    def advance(self, expected_digest: int | None = None,
-                computed: IntArray | None = None) -> None:
+    def advance(self, expected_digest: int | None = None) -> None:
         """Apply the empty delta (the steady decode step): the schedule and its counts
         repeat and every scheduled request's computed count advances by its scheduled
-        count.  ``computed``: :meth:`steady_computed`'s result when the caller already
-        holds it (the mirror, which compares it with the request first).  O(batch)
-        numpy, O(1) digest (the advance term and step fields are cached per schedule)."""
+        count.  O(1) digest (the advance term and step fields are cached per schedule);
+        the counts come from a :class:`Lookahead` table (one numpy call per few steps)."""
         sched, nsched = self.schedule, self.nsched
         steady: Any = self._rebuild_cache.get("steady")
         if steady is None or steady[0] is not sched or steady[1] is not nsched:
@@ -100,26 +101,38 @@ class ReplicaState:
         digest = (self.digest + steady[2]) & dg.MASK
         if expected_digest is not None and digest != expected_digest:
             raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
-        if computed is None:
-            pending = self._pending
-            computed = (pending if pending is not None else self._cols.computed[sched]) + nsched
-        self._pending = computed  # written back to the columns when they are next read
+        ahead = self.lookahead()
+        i = ahead.next
+        ahead.next = i + 1
+        self._pending = ahead.private[i]  # written back to the columns when next read
+        self._fresh = ahead.public[i]  # the rebuilt request's column (handed out once)
         self.step = steady[3]
         self.digest = digest
 
-    def steady_computed(self) -> IntArray:
-        """The schedule's computed counts after an empty delta (a fresh array)."""
-        pending = self._pending
-        if pending is not None:
-            return pending + self.nsched  # type: ignore[no-any-return]
-        return self._cols.computed[self.schedule] + self.nsched  # type: ignore[no-any-return]
+    def lookahead(self) -> Lookahead:
+        """The steady look-ahead table of the current schedule (built when needed)."""
+        ahead = self._ahead
+        if ahead is None or not ahead.fits(self.schedule, self.nsched):
+            pending = self._pending
+            base = pending if pending is not None else self._cols.computed[self.schedule]
+            ahead = self._ahead = Lookahead(base, self.schedule, self.nsched)
+        return ahead
 
     def scheduled_computed(self) -> IntArray:
         """The schedule's computed counts, as a fresh array."""
+        fresh = self._fresh
+        if fresh is not None:
+            self._fresh = None
+            return fresh
         pending = self._pending
         if pending is not None:
             return pending.copy()
         return self._cols.computed[self.schedule]
+
+    def _drop_ahead(self) -> None:
+        """The counts are about to change otherwise than by a steady advance."""
+        self._flush()
+        self._ahead = self._fresh = None
 
     @property
     def cols(self) -> HandleColumns:
@@ -135,7 +148,7 @@ class ReplicaState:
 
     def commit(self, plan: Plan) -> None:
         """Mutate the state as ``plan`` says (phase two; cannot fail)."""
-        self._flush()
+        self._drop_ahead()
         for h in plan.finished.tolist():
             self._forget(h)
         for a in plan.added:
@@ -156,6 +169,7 @@ class ReplicaState:
         self.digest = plan.digest
 
     def _forget(self, h: int) -> None:
+        self._drop_ahead()
         self.cols.live[h] = False
         self.cols.in_sched[h] = False
         self.specs[h] = None
@@ -169,6 +183,7 @@ class ReplicaState:
 
     def _install(self, h: int, spec: RequestSpec, spec_hash: int, computed: int,
                  tokens: IntArray | None) -> None:
+        self._drop_ahead()
         cols = self.cols
         cols.ensure(h)
         for table in self.blocks:
