@@ -27,9 +27,11 @@ class Lookahead:
         steps = max(1, min(MAX_STEPS, MAX_VALUES // max(1, schedule.size)))
         table = base + np.multiply.outer(np.arange(1, steps + 1, dtype=np.int64), nsched)
         self.schedule, self.nsched = schedule, nsched
-        self.public = table.copy()  # rows handed out (once each) by rebuilt requests
+        # row views made here, not per step: rows handed out (once each) by rebuilt
+        # requests, and read-only rows the state keeps
+        self.public: list[IntArray] = list(table.copy())
         table.flags.writeable = False
-        self.private = table  # rows the state keeps
+        self.private: list[IntArray] = list(table)
         self.data = table.tobytes()
         self.row_bytes = schedule.size * 8
         self.next = 0  # the row of the next advance
