@@ -38,6 +38,7 @@ from protocol.messages import (
     Hello,
     Snapshot,
 )
+from protocol.rebuild import rebuild_request
 from protocol.request import ExecuteModelRequest
 from protocol.snapshot import load_snapshot
 from protocol.state import ReplicaState
@@ -316,7 +317,7 @@ class WorkerReplica:
         """
         if not self._ready or self.state is not State.SYNCED or self.data is None:
             raise LocalProtocolError("no applied step to rebuild", state=self.state.value)
-        return self.data.rebuild()
+        return rebuild_request(self.data)  # = self.data.rebuild(), one call less per step
 
 
 def check_hello(hello: Hello) -> int:
