@@ -22,17 +22,34 @@ same-step reuse either way).
 from __future__ import annotations
 
 import heapq
+from operator import is_not
 
 import numpy as np
 
-from engine_side.diffing import DiffContext
+from engine_side.diffing import DiffContext, _same_specs
 from protocol.errors import LocalProtocolError
 from protocol.messages import TOKEN_MODE_WORKER, Delta, Snapshot
-from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec, requests_equal
+from protocol.plan import STEADY_BODY
+from protocol.request import (
+    ExecuteModelRequest,
+    IntArray,
+    Ragged,
+    RequestSpec,
+    requests_equal,
+)
 from protocol.snapshot import build_snapshot
 from protocol.state import ReplicaState
 
 PREFIX_MIN_TOKENS = 16  # shortest shared prompt prefix worth a reference
+
+
+_INT64 = np.dtype(np.int64)
+
+
+def _is_int64(values: IntArray, expected: bytes) -> bool:
+    """``values`` is a 1-D int64 array holding exactly ``expected`` (False: no verdict)."""
+    return (type(values) is np.ndarray and values.dtype is _INT64 and values.ndim == 1
+            and values.tobytes() == expected)
 
 
 class HandleAllocator:
@@ -81,6 +98,8 @@ class EngineMirror:
         self._last_tables: tuple[Ragged, ...] = ()
         #: handle -> the engine's own spec object (identity makes unchanged specs free)
         self.engine_specs: dict[int, RequestSpec] = {}
+        self._steady_ok = token_mode == TOKEN_MODE_WORKER  # engine tokens: never empty
+        self._nsched: tuple[IntArray, bytes] = (self.state.nsched, b"")  # and its bytes
 
     def diff(self, request: ExecuteModelRequest) -> Delta:
         """The delta from the workers' state to ``request``; advances the mirror.
@@ -88,6 +107,11 @@ class EngineMirror:
         Raises LocalProtocolError for an inconsistent request (the mirror is then
         unchanged).
         """
+        if self._steady_ok and self._is_steady(request):
+            return self._advance(request)
+        return self._diff(request)
+
+    def _diff(self, request: ExecuteModelRequest) -> Delta:
         ctx = DiffContext(self, request)
         try:
             body = ctx.build()
@@ -104,6 +128,46 @@ class EngineMirror:
         if self.verify and not requests_equal(self.state.rebuild(), request):
             raise LocalProtocolError("mirror rebuild differs from the request", seq=self.seq)
         return Delta(epoch=self.epoch, seq=self.seq, digest=self.state.digest, body=body)
+
+    def _is_steady(self, r: ExecuteModelRequest) -> bool:
+        """The common decode step, checked touching as little as possible: the same
+        batch (list identity compares), the very block tables of the last step, no
+        step-only field, the same scheduled counts.  The computed counts are compared
+        by :meth:`_advance`.  False is no verdict: :class:`DiffContext` then decides."""
+        if (r.finished_req_ids or r.preempted_req_ids or r.resumed_req_ids
+                or r.free_encoder_mm_hashes or r.blocks_to_zero is not None or r.extension
+                or r.has_structured_output_requests or r.pending_structured_output_tokens
+                or r.num_spec_tokens_to_schedule or r.output_token_ids is not None):
+            return False
+        state, tables, last = self.state, r.block_tables, self._last_tables
+        if self._last_handles is not state.schedule:
+            return False
+        if len(tables) == 1 == len(last):  # one KV group: a single identity test
+            if tables[0] is not last[0]:
+                return False
+        elif len(tables) != len(last) or any(map(is_not, tables, last)):
+            return False
+        n = len(r.req_ids)  # len(): the cheapest probe of a (1-D) array's size
+        spec, enc = r.spec_token_ids, r.encoder_inputs
+        if (len(spec.values) or len(enc.values) or len(spec.lengths) != n
+                or len(enc.lengths) != n or r.req_ids != self._last_ids
+                or not _same_specs(r.specs, self._last_specs)):
+            return False
+        nsched = self._nsched
+        if nsched[0] is not state.nsched:
+            nsched = self._nsched = (state.nsched, state.nsched.tobytes())
+        return _is_int64(r.num_scheduled_tokens, nsched[1])
+
+    def _advance(self, request: ExecuteModelRequest) -> Delta:
+        """The steady step: the empty delta, applied through ``state.advance``."""
+        state = self.state
+        if not _is_int64(request.num_computed_tokens, state.lookahead().prediction()):
+            return self._diff(request)
+        state.advance()
+        self.seq += 1
+        if self.verify and not requests_equal(state.rebuild(), request):
+            raise LocalProtocolError("mirror rebuild differs from the request", seq=self.seq)
+        return Delta(self.epoch, self.seq, state.digest, STEADY_BODY)
 
     def _after_apply(self, ctx: DiffContext, finished: IntArray) -> None:
         for h in finished.tolist():

@@ -7,7 +7,9 @@ accepts ``bytes``, ``memoryview`` or ``zmq.Frame`` objects and raises
 :class:`MalformedMessage` -- and nothing else -- for any bad input.
 
 Encoders and decoders are built once per thread (the tensor hook keeps per-call
-scratch, so one encoder must not be shared across threads).
+scratch, so one encoder must not be shared across threads).  Messages that cannot
+hold a tensor (the steady step's empty Delta) and single-frame decodes use shared
+hook-free codecs instead: no per-thread state to look up (the steady path's cost).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 import msgspec
 
 from protocol.errors import MalformedMessage, ProtocolError
-from protocol.messages import AnyMessage, Message
+from protocol.messages import AnyMessage, Delta, Message
+from protocol.plan import STEADY_BODY
 from protocol.tensors import make_enc_hook, make_ext_hook
 
 Frame = bytes | memoryview
@@ -39,6 +42,8 @@ def _encoder() -> tuple[msgspec.msgpack.Encoder, list[Any]]:
 
 def encode(msg: Message) -> list[Frame]:
     """Encode ``msg`` to frames; tensor frames alias the sender's memory (SPEC §11)."""
+    if type(msg) is Delta and msg.body is STEADY_BODY:  # header ints only: no tensor
+        return [_PLAIN_ENCODER.encode(msg)]
     encoder, aux = _encoder()
     aux.clear()
     try:
@@ -56,7 +61,14 @@ def _no_frames(code: int, data: memoryview) -> Any:
     raise MalformedMessage("message references a tensor frame it does not have", code=code)
 
 
-_NO_FRAMES_HOOK = _no_frames
+_PLAIN_ENCODER = msgspec.msgpack.Encoder()  # stateless: shared by all threads
+#: single-frame messages: a tensor reference is an error, so no per-thread frame state
+_SINGLE_FRAME_DECODER = msgspec.msgpack.Decoder(AnyMessage, ext_hook=_no_frames)
+_DECODE_ERRORS = (msgspec.DecodeError, ValueError, TypeError, OverflowError)
+
+
+def _malformed(exc: Exception) -> MalformedMessage:
+    return MalformedMessage("frames do not decode to a message", cause=str(exc)[:200])
 
 
 def _decode_body(body: Any, hook: Any) -> AnyMessage:
@@ -65,8 +77,8 @@ def _decode_body(body: Any, hook: Any) -> AnyMessage:
         return _decoder().decode(body)
     except ProtocolError:
         raise
-    except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as exc:
-        raise MalformedMessage("frames do not decode to a message", cause=str(exc)[:200]) from exc
+    except _DECODE_ERRORS as exc:
+        raise _malformed(exc) from exc
     finally:
         _local.ext_hook = None  # never keep a message's frames alive past its decode
 
@@ -90,7 +102,13 @@ def decode(frames: Sequence[Any], *, copy: bool = False,
     if not frames or len(frames) > max_frames:
         raise MalformedMessage("bad frame count", frames=len(frames))
     if len(frames) == 1:  # the common case: no tensors, no hook state to set up
-        return _decode_body(_as_buffer(frames[0]), _NO_FRAMES_HOOK)
+        body = frames[0]
+        try:
+            return _SINGLE_FRAME_DECODER.decode(body if type(body) is bytes else _as_buffer(body))
+        except ProtocolError:
+            raise
+        except _DECODE_ERRORS as exc:
+            raise _malformed(exc) from exc
     rest = _TensorFrames([_as_buffer(f) for f in frames[1:]])
     msg = _decode_body(_as_buffer(frames[0]), make_ext_hook(rest, copy=copy))
     if sorted(rest.referenced) != list(range(len(rest))):

@@ -12,7 +12,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from msgspec.structs import replace
 
+from protocol.messages import TOKEN_MODE_ENGINE
 from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -55,8 +57,6 @@ def cached_block_table(state: ReplicaState, g: int) -> tuple[IntArray, IntArray]
 
 
 def _tokens(state: ReplicaState) -> list[IntArray] | None:
-    from protocol.messages import TOKEN_MODE_ENGINE
-
     if state.token_mode != TOKEN_MODE_ENGINE:
         return None
     return [state.tokens[h].view() for h in state.schedule.tolist()]  # type: ignore[union-attr]
@@ -69,14 +69,35 @@ def _names(state: ReplicaState, handles: IntArray) -> frozenset[str]:
 
 
 def rebuild_request(state: ReplicaState) -> ExecuteModelRequest:
-    """The last applied step's request; see the module docstring for the aliasing rule."""
-    step, sched = state.step, state.schedule
+    """The last applied step's request; see the module docstring for the aliasing rule.
+
+    The immutable part is cached per step (a template, dropped by every commit), so a
+    repeated or steady step only makes the fresh containers.
+    """
+    cached: Any = state._rebuild_cache.get("template")
+    computed = state.scheduled_computed()
+    if cached is None or cached[0] is not state.step or cached[1] is not state.schedule:
+        if state.token_mode == TOKEN_MODE_ENGINE:  # token views: no template
+            return _rebuild_full(state, computed)
+        cached = (state.step, state.schedule, _rebuild_full(state, computed))
+        state._rebuild_cache["template"] = cached
+    template: ExecuteModelRequest = cached[2]
+    step = state.step
+    return replace(template, req_ids=list(template.req_ids), specs=list(template.specs),
+                   num_computed_tokens=computed,
+                   blocks_to_zero=None if step.blocks_to_zero is None
+                   else step.blocks_to_zero.copy(),
+                   extension=dict(step.extension) if step.extension else {})
+
+
+def _rebuild_full(state: ReplicaState, computed: IntArray) -> ExecuteModelRequest:
+    step = state.step
     ids, specs = _ids_and_specs(state)
     return ExecuteModelRequest(
         req_ids=ids,
         specs=specs,
         num_scheduled_tokens=state.nsched,  # read-only, replaced (never edited) on change
-        num_computed_tokens=state.cols.computed[sched],
+        num_computed_tokens=computed,
         block_tables=tuple(_block_table(state, g) for g in range(state.kv_groups)),
         spec_token_ids=step.spec_tokens,  # read-only arrays, decoded fresh for this step
         encoder_inputs=step.encoder_inputs,

@@ -28,6 +28,7 @@ import numpy as np
 from protocol import digest as dg
 from protocol.columns import BlockTable, HandleColumns, TokenBuffer
 from protocol.errors import InvalidDelta, LocalProtocolError
+from protocol.lookahead import Lookahead
 from protocol.messages import TOKEN_MODE_ENGINE, TOKEN_MODE_WORKER, DeltaBody
 from protocol.plan import (
     STEADY_BODY,
@@ -38,6 +39,7 @@ from protocol.plan import (
     prepare,
     steady_step,
 )
+from protocol.rebuild import rebuild_request
 from protocol.request import ExecuteModelRequest, IntArray, RequestSpec
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -54,7 +56,12 @@ class ReplicaState:
             raise LocalProtocolError("kv_groups must be >= 1", kv_groups=kv_groups)
         self.token_mode = token_mode
         self.kv_groups = kv_groups
-        self.cols = HandleColumns(kv_groups)
+        self._cols = HandleColumns(kv_groups)
+        #: computed counts of the schedule after steady advances, not yet written to
+        #: ``_cols`` (the steady step skips that scatter; see :attr:`cols`)
+        self._pending: IntArray | None = None
+        self._ahead: Lookahead | None = None
+        self._fresh: IntArray | None = None  # the current step's rebuilt column, unused yet
         self.specs: list[RequestSpec | None] = []
         self.blocks: list[BlockTable] = [BlockTable() for _ in range(kv_groups)]
         self.tokens: list[TokenBuffer | None] = []
@@ -84,16 +91,64 @@ class ReplicaState:
     def advance(self, expected_digest: int | None = None) -> None:
         """Apply the empty delta (the steady decode step): the schedule and its counts
         repeat and every scheduled request's computed count advances by its scheduled
-        count.  O(batch) numpy, O(1) digest (the advance term is cached per schedule)."""
-        digest = (self.digest + advance_delta(self)) & dg.MASK
+        count.  O(1) digest (the advance term and step fields are cached per schedule);
+        the counts come from a :class:`Lookahead` table (one numpy call per few steps)."""
+        sched, nsched = self.schedule, self.nsched
+        steady: Any = self._rebuild_cache.get("steady")
+        if steady is None or steady[0] is not sched or steady[1] is not nsched:
+            steady = (sched, nsched, advance_delta(self), steady_step(self))
+            self._rebuild_cache["steady"] = steady
+        digest = (self.digest + steady[2]) & dg.MASK
         if expected_digest is not None and digest != expected_digest:
             raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
-        self.cols.computed[self.schedule] += self.nsched
-        self.step = steady_step(self)
+        ahead = self.lookahead()
+        i = ahead.next
+        ahead.next = i + 1
+        self._pending = ahead.private[i]  # written back to the columns when next read
+        self._fresh = ahead.public[i]  # the rebuilt request's column (handed out once)
+        self.step = steady[3]
         self.digest = digest
+
+    def lookahead(self) -> Lookahead:
+        """The steady look-ahead table of the current schedule (built when needed)."""
+        ahead = self._ahead
+        if ahead is None or not ahead.fits(self.schedule, self.nsched):
+            pending = self._pending
+            base = pending if pending is not None else self._cols.computed[self.schedule]
+            ahead = self._ahead = Lookahead(base, self.schedule, self.nsched)
+        return ahead
+
+    def scheduled_computed(self) -> IntArray:
+        """The schedule's computed counts, as a fresh array."""
+        fresh = self._fresh
+        if fresh is not None:
+            self._fresh = None
+            return fresh
+        pending = self._pending
+        if pending is not None:
+            return pending.copy()
+        return self._cols.computed[self.schedule]
+
+    def _drop_ahead(self) -> None:
+        """The counts are about to change otherwise than by a steady advance."""
+        self._flush()
+        self._ahead = self._fresh = None
+
+    @property
+    def cols(self) -> HandleColumns:
+        """The per-handle columns (steady advances still pending are written first)."""
+        if self._pending is not None:
+            self._flush()
+        return self._cols
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._cols.computed[self.schedule] = pending
 
     def commit(self, plan: Plan) -> None:
         """Mutate the state as ``plan`` says (phase two; cannot fail)."""
+        self._drop_ahead()
         for h in plan.finished.tolist():
             self._forget(h)
         for a in plan.added:
@@ -102,6 +157,7 @@ class ReplicaState:
         self._commit_blocks(plan)
         cols = self.cols
         cols.computed[plan.computed_handles] = plan.computed_values
+        self._rebuild_cache.pop("template", None)
         if plan.schedule is not self.schedule or plan.nsched is not self.nsched:
             if plan.schedule is not self.schedule:
                 self._rebuild_cache.pop("schedule", None)
@@ -113,6 +169,7 @@ class ReplicaState:
         self.digest = plan.digest
 
     def _forget(self, h: int) -> None:
+        self._drop_ahead()
         self.cols.live[h] = False
         self.cols.in_sched[h] = False
         self.specs[h] = None
@@ -126,6 +183,7 @@ class ReplicaState:
 
     def _install(self, h: int, spec: RequestSpec, spec_hash: int, computed: int,
                  tokens: IntArray | None) -> None:
+        self._drop_ahead()
         cols = self.cols
         cols.ensure(h)
         for table in self.blocks:
@@ -236,6 +294,4 @@ class ReplicaState:
 
     def rebuild(self) -> ExecuteModelRequest:
         """The full request of the last applied step, made of fresh containers."""
-        from protocol.rebuild import rebuild_request
-
         return rebuild_request(self)

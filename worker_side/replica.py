@@ -38,6 +38,7 @@ from protocol.messages import (
     Hello,
     Snapshot,
 )
+from protocol.rebuild import rebuild_request
 from protocol.request import ExecuteModelRequest
 from protocol.snapshot import load_snapshot
 from protocol.state import ReplicaState
@@ -45,6 +46,7 @@ from worker_side import events as ev
 
 
 class State(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-speed TRANSITIONS lookups
     #: Joined (or restarted) and holding no state yet; deltas are buffered.
     AWAITING_SNAPSHOT = "awaiting_snapshot"
     #: State equals the engine's at ``seq``; in-order deltas apply.
@@ -56,6 +58,7 @@ class State(enum.Enum):
 
 
 class Input(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-speed TRANSITIONS lookups
     DELTA_IN_ORDER = "delta_in_order"
     DELTA_STALE = "delta_stale"
     DELTA_GAP = "delta_gap"
@@ -69,6 +72,7 @@ class Input(enum.Enum):
 
 
 class Action(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-speed TRANSITIONS lookups
     APPLY = "apply"
     DISCARD = "discard"
     BUFFER = "buffer"
@@ -181,12 +185,17 @@ class WorkerReplica:
         """
         self._last_heard, self._silent_reported = now, False
         self._ready = False
-        kind = self.classify(msg)
+        if type(msg) is Delta and msg.epoch == self.epoch and msg.seq == self.seq + 1:
+            kind = Input.DELTA_IN_ORDER  # the common case: classify's first test, inlined
+        else:
+            kind = self.classify(msg)
         entry = TRANSITIONS.get((self.state, kind))
         if entry is None:
             raise RemoteProtocolError("message not allowed in this state",
                                       state=self.state.value, input=kind.value, seq=msg.seq)
         action, target = entry
+        if action is Action.APPLY:
+            return self._apply(msg, now)  # type: ignore[arg-type]
         events = self._act(action, msg, now)
         if action not in (Action.DESYNC, Action.LOAD, Action.APPLY):
             self.state = target
@@ -308,7 +317,7 @@ class WorkerReplica:
         """
         if not self._ready or self.state is not State.SYNCED or self.data is None:
             raise LocalProtocolError("no applied step to rebuild", state=self.state.value)
-        return self.data.rebuild()
+        return rebuild_request(self.data)  # = self.data.rebuild(), one call less per step
 
 
 def check_hello(hello: Hello) -> int:
