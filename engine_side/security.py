@@ -16,7 +16,9 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import random
 import shutil
+import socket
 import stat
 import tempfile
 from dataclasses import dataclass, field
@@ -71,6 +73,20 @@ def load_keypair(path: Path) -> tuple[bytes, bytes]:
     if secret is None:
         raise EndpointError(f"{path} holds no secret key (pass the .key_secret file)")
     return public, secret
+
+
+def free_tcp_endpoint(host: str = "127.0.0.1", tries: int = 100) -> str:
+    """A ``tcp://HOST:PORT`` whose PORT and PORT+1 (PUB and ROUTER) are free right now."""
+    for _ in range(tries):
+        port = random.randrange(20000, 60000, 2)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind((host, port))
+                b.bind((host, port + 1))
+        except OSError:
+            continue
+        return f"tcp://{host}:{port}"
+    raise RuntimeError(f"no free tcp port pair on {host}")
 
 
 def check_tcp_policy(endpoint: str, keys: CurveKeys | None, insecure: bool) -> None:

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from engine_side.security import free_tcp_endpoint
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -26,22 +28,6 @@ def demo(*args: str, timeout: float = 240) -> tuple[int, dict[str, Any], str]:
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     return proc.returncode, (json.loads(lines[-1]) if lines else {}), proc.stderr
-
-
-def _endpoint() -> str:
-    import random
-    import socket
-
-    for _ in range(50):
-        port = random.randrange(20000, 60000, 2)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-        except OSError:
-            continue
-        return f"tcp://127.0.0.1:{port}"
-    raise RuntimeError("no free port pair")
 
 
 def _leftover_workers(marker: str) -> list[int]:
@@ -80,7 +66,8 @@ def test_killed_worker_is_reported_restarted_and_agrees_from_its_first_step() ->
 
 @pytest.mark.integration
 def test_demo_over_tcp_with_curve() -> None:
-    code, summary, err = demo("--workers", "2", "--requests", "6", "--endpoint", _endpoint(),
+    endpoint = free_tcp_endpoint()
+    code, summary, err = demo("--workers", "2", "--requests", "6", "--endpoint", endpoint,
                               "--curve")
     assert code == 0, err[-3000:]
     assert summary["requests_done"] == 6 and summary["compared"] > 0

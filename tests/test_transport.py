@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -34,6 +33,7 @@ from engine_side.security import (
     EndpointInUse,
     InsecureEndpoint,
     PrivateDir,
+    free_tcp_endpoint,
     generate_keypair,
     load_keypair,
 )
@@ -213,19 +213,6 @@ def test_default_endpoint_is_a_fresh_private_ipc_dir() -> None:
 
 
 # -- real sockets --------------------------------------------------------------------------
-def _free_tcp_endpoint() -> str:
-    import socket
-
-    for _ in range(50):
-        port = random.randrange(20000, 60000, 2)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-        except OSError:
-            continue
-        return f"tcp://127.0.0.1:{port}"
-    raise RuntimeError("no free port pair")
 
 
 @pytest.mark.integration
@@ -235,7 +222,7 @@ def test_worker_with_unknown_curve_key_receives_nothing(tmp_path: Path) -> None:
     server = load_keypair(generate_keypair(tmp_path, "engine")[1])
     good = load_keypair(generate_keypair(tmp_path, "good")[1])
     bad = load_keypair(generate_keypair(tmp_path, "bad")[1])
-    endpoint = _free_tcp_endpoint()
+    endpoint = free_tcp_endpoint()
     engine = EngineTransport(endpoint, keys=CurveKeys(*server, frozenset({good[0]})))
     workers = [WorkerTransport(endpoint, ClientKeys(server[0], *k)) for k in (good, bad)]
     received = [0, 0]

@@ -24,8 +24,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +38,7 @@ import numpy as np
 from engine_side.bench.rows import Row, dumps, make_row
 from engine_side.liveness import LivenessView
 from engine_side.mirror import EngineMirror
+from engine_side.security import free_tcp_endpoint
 from engine_side.session import EngineSession, WorkersLost
 from engine_side.workloads import Workload
 
@@ -63,19 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soak-stall-every", type=int, default=7000)
 
 
-def _free_tcp_endpoint() -> str:
-    for _ in range(100):
-        port = random.randrange(20000, 60000, 2)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-        except OSError:
-            continue
-        return f"tcp://127.0.0.1:{port}"
-    raise RuntimeError("no free tcp port pair on 127.0.0.1")
-
-
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _TICKS
@@ -96,7 +82,7 @@ def _engine(transport: str, workers: int, token_mode: int, spin_ms: float = 0.0)
             keys = CurveKeys(*load_keypair(server_secret),
                              frozenset({load_keypair(worker_secret)[0]}))
             extra = ["--server-key", str(server_pub), "--secret-key", str(worker_secret)]
-            endpoint = _free_tcp_endpoint()
+            endpoint = free_tcp_endpoint()
         session = EngineSession(EngineTransport(endpoint, keys=keys),
                                 EngineMirror(token_mode=token_mode), LivenessView(dead_after=5.0))
         cmd = [sys.executable, "-m", "worker_side.main", "--ack-only", "--connect",
