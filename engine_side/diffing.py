@@ -18,7 +18,6 @@ import numpy.typing as npt
 from protocol.errors import LocalProtocolError
 from protocol.messages import TOKEN_MODE_ENGINE, DeltaBody, NewRequest, Rows
 from protocol.packing import pack_sints, pack_uints
-from protocol.plan import STEADY_BODY
 from protocol.rebuild import cached_block_table
 from protocol.request import (
     ExecuteModelRequest,
@@ -70,9 +69,8 @@ class DiffContext:
             raise LocalProtocolError("output_token_ids do not align with req_ids", rows=n)
 
     def build(self) -> DeltaBody:
-        if self._is_steady():
-            self.handles = self.state.schedule
-            return STEADY_BODY
+        """The delta body; a step with nothing but the predicted advance comes out as the
+        empty body (the mirror's fast path usually decides that case before this runs)."""
         self._finishes()
         self._schedule_handles()
         self._schedule()
@@ -83,30 +81,6 @@ class DiffContext:
         self._scheduled_tokens()
         self._step_fields()
         return DeltaBody(**self.fields)  # type: ignore[arg-type]
-
-    def _is_steady(self) -> bool:
-        """The common decode step: nothing but the predicted advance (checked in ~10 ops)."""
-        r, state, m = self.request, self.state, self.mirror
-        if (r.finished_req_ids or r.preempted_req_ids or r.resumed_req_ids
-                or r.free_encoder_mm_hashes or r.blocks_to_zero is not None or r.extension
-                or r.has_structured_output_requests or r.pending_structured_output_tokens
-                or r.num_spec_tokens_to_schedule or r.output_token_ids is not None
-                or r.spec_token_ids.values.size or r.encoder_inputs.values.size):
-            # (a consistent Ragged with no values has all-zero lengths)
-            return False
-        if m._last_handles is not state.schedule or r.req_ids != m._last_ids:
-            return False
-        if not _same_specs(r.specs, m._last_specs):
-            return False
-        if not same_ints(r.num_scheduled_tokens, state.nsched):
-            return False
-        predicted = state.cols.computed[state.schedule] + state.nsched
-        if not same_ints(r.num_computed_tokens, predicted):
-            return False
-        last = m._last_tables
-        return all((g < len(last) and r.block_tables[g] is last[g])
-                   or _same_table(Ragged(*cached_block_table(state, g)), r.block_tables[g])
-                   for g in range(state.kv_groups))
 
     # -- requests ---------------------------------------------------------------------
     def _finishes(self) -> None:
@@ -266,7 +240,7 @@ class DiffContext:
         if g < len(last) and new is last[g] and self.handles is self.state.schedule:
             return  # the very table of the last step, for the same batch: unchanged
         old = self._old_tables(g)
-        if np.array_equal(old.lengths, new.lengths) and np.array_equal(old.values, new.values):
+        if _same_table(old, new):
             return
         replace, append = _table_edits(old, new)
         hs = self.handles
