@@ -24,6 +24,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from nested import assert_same
 
 from engine_side.mirror import EngineMirror
 from engine_side.mm_items import COPY_SEPARATOR, MultimodalEngine
@@ -33,7 +34,7 @@ from protocol.messages import Delta
 from protocol.params import MMFeatureRef, SamplingSpec
 from protocol.request import ExecuteModelRequest, Ragged, RequestSpec, requests_equal
 from protocol.store_handles import UnknownItem
-from protocol.tensors import tensor_bytes, tensors_equal
+from protocol.tensors import tensor_bytes
 from worker_side import events as ev
 from worker_side.mm_items import MultimodalWorker, StoreRef, as_store_ref
 from worker_side.replica import WorkerReplica
@@ -79,22 +80,6 @@ def tensors_of(obj: Any) -> Iterator[Any]:
             yield from tensors_of(v)
     elif isinstance(obj, np.ndarray | torch.Tensor):
         yield obj
-
-
-def assert_same(a: Any, b: Any) -> None:
-    """Structural equality; tensors bitwise, same library, dtype and shape."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b)
-        for k in a:
-            assert_same(a[k], b[k])
-    elif isinstance(a, list):
-        assert isinstance(b, list) and len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same(x, y)
-    elif isinstance(a, np.ndarray | torch.Tensor):
-        assert type(b) is type(a) and tensors_equal(a, b), (a, b)
-    else:
-        assert a == b
 
 
 def feature(seed: int, offset: int = 0, numpy_only: bool = False) -> MMFeatureRef:

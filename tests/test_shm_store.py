@@ -20,6 +20,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from nested import assert_same
 
 from engine_side.shm_store import ShmStore
 from protocol.errors import LocalProtocolError, RemoteProtocolError
@@ -35,26 +36,9 @@ from protocol.store_handles import (
     encode_refs,
     make_handle,
 )
-from protocol.tensors import tensors_equal
 from worker_side.shm_reader import ShmReader
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def assert_same(a: Any, b: Any) -> None:
-    """Structural equality; tensors compare bitwise and keep their library."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys()
-        for k in a:
-            assert_same(a[k], b[k])
-    elif isinstance(a, list):
-        assert isinstance(b, list) and len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same(x, y)
-    elif isinstance(a, np.ndarray | torch.Tensor):
-        assert type(b) is type(a) and tensors_equal(a, b), (a, b)
-    else:
-        assert a == b
 
 
 def mm_hash(text: str) -> str:

@@ -15,6 +15,7 @@ import torch
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from nested import assert_same
 
 from protocol.errors import MalformedMessage
 from protocol.tensors import (
@@ -42,23 +43,6 @@ def decode(body: bytes, frames: list[Any], copy: bool = False) -> Any:
 def roundtrip(msg: Msg, copy: bool = False) -> Any:
     body, aux = encode(msg)
     return decode(body, aux, copy=copy)
-
-
-def assert_same(a: Any, b: Any) -> None:
-    """Structural equality where tensors compare bitwise and keep their library."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys()
-        for k in a:
-            assert_same(a[k], b[k])
-    elif isinstance(a, list):
-        assert isinstance(b, list) and len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same(x, y)
-    elif isinstance(a, np.ndarray | torch.Tensor):
-        assert type(b) is (np.ndarray if isinstance(a, np.ndarray) else torch.Tensor)
-        assert tensors_equal(a, b), (a, b)
-    else:
-        assert a == b
 
 
 def _nan_payload() -> np.ndarray:
