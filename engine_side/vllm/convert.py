@@ -18,12 +18,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from engine_side.vllm.mm import features_to_refs
 from engine_side.vllm.schema import NewFix, TokenRef
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
 from protocol.params import (
     LoRASpec,
-    MMFeatureRef,
     PoolingSpec,
     RepetitionDetectionSpec,
     SamplingSpec,
@@ -122,7 +122,7 @@ def spec_to_sampling(spec: SamplingSpec, int_floats: Iterable[str] = (), dtype: 
     return _bare(SamplingParams, **values)
 
 
-# ---------------------------------------------------------------- pooling, LoRA, multimodal
+# ---------------------------------------------------------------- pooling, LoRA
 def pooling_to_spec(pp: Any) -> PoolingSpec | None:
     if pp is None:
         return None
@@ -167,27 +167,6 @@ def spec_to_lora(spec: LoRASpec | None, is_3d: bool | None) -> Any:
                  load_inplace=spec.load_inplace, is_3d_lora_weight=bool(is_3d))
 
 
-def mm_to_refs(features: list[Any]) -> tuple[MMFeatureRef, ...]:
-    """Multimodal features by reference (processed data travels via vLLM's mm cache)."""
-    refs = []
-    for f in features:
-        if f.data is not None:
-            raise LocalProtocolError("multimodal items must travel by the mm cache (data=None)",
-                                     identifier=f.identifier)
-        pos = f.mm_position
-        refs.append(MMFeatureRef(modality=f.modality, identifier=f.identifier, offset=pos.offset,
-                                 length=pos.length, mm_hash=f.mm_hash, is_embed=pos.is_embed))
-    return tuple(refs)
-
-
-def refs_to_mm(refs: tuple[MMFeatureRef, ...]) -> list[Any]:
-    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-
-    return [MultiModalFeatureSpec(data=None, modality=r.modality, identifier=r.identifier,
-                                  mm_position=PlaceholderRange(r.offset, r.length, r.is_embed),
-                                  mm_hash=r.mm_hash) for r in refs]
-
-
 def new_request_spec(nr: Any, index: int) -> tuple[RequestSpec, NewFix | None]:
     """The RequestSpec of a NewRequestData and, if needed, its exactness fixes."""
     sampling, int_floats, dtype = (None, (), "") if nr.sampling_params is None else \
@@ -199,7 +178,7 @@ def new_request_spec(nr: Any, index: int) -> tuple[RequestSpec, NewFix | None]:
         prompt.flags.writeable = False
     pit = None if nr.prompt_is_token_ids is None else tuple(nr.prompt_is_token_ids)
     spec = RequestSpec(nr.req_id, prompt, sampling, pooling_to_spec(nr.pooling_params), lora,
-                       mm_to_refs(nr.mm_features), nr.prompt_embeds, pit)
+                       features_to_refs(nr.mm_features), nr.prompt_embeds, pit)
     fix = NewFix(index, int_floats, dtype, is_3d, nr.replay_start)
     return spec, (None if fix == NewFix(index) else fix)
 

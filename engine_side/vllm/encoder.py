@@ -29,6 +29,7 @@ import msgspec
 import numpy as np
 
 from engine_side.mirror import EngineMirror
+from engine_side.shm_store import ShmStore
 from engine_side.vllm.convert import (
     RefTable,
     StepMemory,
@@ -39,6 +40,7 @@ from engine_side.vllm.convert import (
     seal,
     unseal,
 )
+from engine_side.vllm.mm import StoreChannel
 from engine_side.vllm.schema import (
     GrammarMsg,
     LogprobsWire,
@@ -83,17 +85,21 @@ class SchedulerOutputEncoder:
         ledger: tokens the workers hold (fed by :meth:`decode_reply`); enables
             references instead of resending history in prefill/all_token_ids.
         epoch: the mirror's epoch.
+        store: the host's shared-memory store when every worker of this channel is
+            attached to it: multimodal items and prompt embeds are then written
+            once and sent by reference (``engine_side.vllm.mm``); None: inline frames.
     """
 
     def __init__(self, kv_groups: int | None = None, secret: bytes | None = None,
                  ledger: TokenLedger | None = None, epoch: int = 1,
-                 verify: bool = False) -> None:
+                 verify: bool = False, store: ShmStore | None = None) -> None:
         check_schema()
         self.kv_groups = kv_groups
         self.secret = secret
         self.epoch = epoch
         self.verify = verify
         self.mirror: EngineMirror | None = None
+        self.items = None if store is None else StoreChannel(store)
         self.mem = StepMemory(ledger)
         self.specs: dict[str, RequestSpec] = {}
         self.tables: dict[str, list[IntArray]] = {}
@@ -122,7 +128,8 @@ class SchedulerOutputEncoder:
             self.mirror = EngineMirror(self.epoch, kv_groups=self.kv_groups, verify=self.verify)
         ext: dict[str, Any] = {"kv_groups": self.kv_groups} if self.mirror.seq == 0 else {}
         request = self._request(so, ext)
-        delta = self.mirror.diff(request)
+        delta = self.mirror.diff(request) if self.items is None else \
+            self.items.diff(self.mirror, request)
         self.batches[delta.seq] = request.req_ids
         self.batches.pop(delta.seq - HISTORY, None)
         return codec.encode(delta)

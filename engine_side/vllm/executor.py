@@ -13,6 +13,11 @@ cloudpickled inside the seal, never as unauthenticated pickle).  Every rank
 answers every call, so an exception on any rank is raised here; a dead rank
 marks the executor failed, wakes any waiting call and runs the failure
 callback.  Futures resolve in submission order.
+
+Multimodal items and prompt embeds travel as zero-copy frames; with
+``additional_config={"deltacast_mm_store_mb": N}`` they go once into an N MB
+shared-memory store instead (``engine_side.vllm.mm``), and every rank attaches
+to it (its AttachInfo sent sealed, ``A``) before the first step.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import zmq
 from vllm.v1.executor.abstract import Executor, FailureCallback
 
 from engine_side.security import PrivateDir
+from engine_side.shm_store import ShmStore
 from engine_side.vllm.convert import seal, unseal
 from engine_side.vllm.encoder import SchedulerOutputEncoder
 from worker_side.vllm import proc as wire
@@ -82,7 +88,9 @@ class DeltaExecutor(Executor):
         self.output_rank = self.world_size - self.parallel_config.tensor_parallel_size \
             * self.parallel_config.prefill_context_parallel_size
         self.secret = secrets.token_bytes(32)
-        self.encoder = SchedulerOutputEncoder(secret=self.secret)
+        store_mb = (self.vllm_config.additional_config or {}).get("deltacast_mm_store_mb", 0)
+        self.store = ShmStore(int(store_mb) << 20) if store_mb else None
+        self.encoder = SchedulerOutputEncoder(secret=self.secret, store=self.store)
         self._pending: deque[_Reply] = deque()
         self._inbox: list[deque[list[bytes]]] = [deque() for _ in range(self.world_size)]
         self.procs: list[BaseProcess] = []
@@ -100,6 +108,7 @@ class DeltaExecutor(Executor):
         try:
             self._start_ranks()
             self._wait_ready()
+            self._attach_store()
         except BaseException:
             self.shutdown()
             raise
@@ -140,6 +149,17 @@ class DeltaExecutor(Executor):
                 if kind != wire.READY:
                     raise RuntimeError(f"rank {rank} sent {kind!r} before ready")
                 ready.add(rank)
+
+    def _attach_store(self) -> None:
+        """Every rank attaches a reader to the store (one sealed map rank -> AttachInfo)."""
+        if self.store is None:
+            return
+        infos = {}
+        for rank, p in enumerate(self.procs):
+            assert p.pid is not None  # started
+            infos[rank] = self.store.add_reader(p.pid)
+        self._submit(wire.ATTACH, [seal({"attach": infos}, self.secret)], lambda r: None,
+                     timeout=60).result()
 
     # ------------------------------------------------------------ failure handling
     def _monitor(self) -> None:
@@ -285,6 +305,8 @@ class DeltaExecutor(Executor):
                 with contextlib.suppress(zmq.ZMQError):  # never connected
                     self._sock.send_multipart([str(rank).encode(), wire.QUIT])
         self._finalizer()
+        if self.store is not None:
+            self.store.close()
         self._lock = None  # releases the named semaphore
 
     @staticmethod

@@ -25,7 +25,6 @@ from engine_side.vllm.convert import (
     StepMemory,
     TokenLedger,
     cached_order,
-    refs_to_mm,
     resolve_ref,
     seal,
     spec_to_lora,
@@ -49,6 +48,8 @@ from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
 from protocol.request import ExecuteModelRequest, IntArray, Ragged
 from protocol.state import ReplicaState
 from protocol.tensors import make_enc_hook, make_ext_hook
+from worker_side.shm_reader import ShmReader
+from worker_side.vllm.mm import StoreResolver, features_from_refs, fresh
 
 HISTORY = 8
 _EXT = msgspec.msgpack.Decoder(StepExt)
@@ -85,10 +86,18 @@ class _Tables:
 
 
 class SchedulerOutputDecoder:
-    """Stateful frames → SchedulerOutput (see the module docstring)."""
+    """Stateful frames → SchedulerOutput (see the module docstring).
 
-    def __init__(self, secret: bytes | None = None, ledger: TokenLedger | None = None) -> None:
+    ``reader``: this worker's store reader when the engine's encoder has a store
+    (a local channel); ``copy``: give multimodal tensors and prompt embeds their
+    own writable memory (buffer rule: ``worker_side.vllm.mm``).
+    """
+
+    def __init__(self, secret: bytes | None = None, ledger: TokenLedger | None = None,
+                 reader: ShmReader | None = None, copy: bool = False) -> None:
         self.secret = secret
+        self.items = None if reader is None else StoreResolver(reader)
+        self.copy = copy
         self.state: ReplicaState | None = None
         self.seq = 0
         self.mem = StepMemory(ledger)
@@ -115,6 +124,8 @@ class SchedulerOutputDecoder:
             self.state = ReplicaState(TOKEN_MODE_WORKER, ext.kv_groups or 1)
         self.state.apply(msg.body, expected_digest=msg.digest)
         request = self.state.rebuild()
+        if self.items is not None:
+            request = self.items.resolve(request)
         self.seq = msg.seq
         self.batches[msg.seq] = request.req_ids
         self.batches.pop(msg.seq - HISTORY, None)
@@ -195,14 +206,14 @@ class SchedulerOutputDecoder:
             self.mem.mrv2 |= ref is not None
             out.append(NewRequestData(
                 req_id=spec.req_id, prompt_token_ids=None if prompt is None else prompt.tolist(),
-                mm_features=refs_to_mm(spec.mm_features),
+                mm_features=features_from_refs(spec.mm_features, self.copy),
                 sampling_params=None if spec.sampling is None
                 else spec_to_sampling(spec.sampling, fix.int_floats, fix.logprob_ids_dtype),
                 pooling_params=spec_to_pooling(spec.pooling),
                 block_ids=tuple(tables.row(g, i) for g in groups),
                 num_computed_tokens=int(computed[i]),
                 lora_request=spec_to_lora(spec.lora, fix.lora_3d),
-                prompt_embeds=spec.prompt_embeds,
+                prompt_embeds=fresh(spec.prompt_embeds, self.copy),
                 prompt_is_token_ids=None if spec.prompt_is_token_ids is None
                 else list(spec.prompt_is_token_ids),
                 prefill_token_ids=None if ref is None

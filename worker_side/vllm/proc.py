@@ -7,6 +7,8 @@ over ipc:// in a private directory).  Engine → rank: ``[kind, *frames]``:
 * ``S`` sample_tokens: the encoder's GrammarOutput frames;
 * ``C`` control: one HMAC-sealed ``(method, args, kwargs)`` (method a name or
   cloudpickled callable bytes, verified before anything is unpickled);
+* ``A`` attach: a sealed map rank -> store ``AttachInfo``; the rank's decoder
+  then resolves multimodal items from the engine's shared-memory store;
 * ``Q`` quit.
 
 Rank → engine: ``R`` ready, ``F`` failed to start (text), ``O`` reply frames
@@ -31,7 +33,7 @@ from engine_side.vllm.convert import seal, unseal
 from worker_side.vllm.decoder import SchedulerOutputDecoder
 
 READY, FAILED, OUTPUT, DONE, CONTROL, ERROR = b"R", b"F", b"O", b"K", b"C", b"E"
-EXECUTE, SAMPLE, QUIT = b"X", b"S", b"Q"
+EXECUTE, SAMPLE, QUIT, ATTACH = b"X", b"S", b"Q", b"A"
 
 
 def _watch_parent(death: Connection) -> None:
@@ -90,7 +92,7 @@ def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
             sock.send_multipart([FAILED, traceback.format_exc().encode()])
             return
         sock.send_multipart([READY])
-        _Server(wrapper, sock, secret, rank == output_rank).serve()
+        _Server(wrapper, sock, secret, rank == output_rank, rank).serve()
     finally:
         if wrapper is not None:
             _shutdown_worker(wrapper)
@@ -113,8 +115,9 @@ class _Server:
     """The rank's call loop; one reply per call, exceptions become ``E`` replies."""
 
     def __init__(self, wrapper: Any, sock: zmq.Socket[bytes], secret: bytes,
-                 is_output: bool) -> None:
+                 is_output: bool, rank: int = 0) -> None:
         self.wrapper = wrapper
+        self.rank = rank
         self.sock = sock
         self.secret = secret
         self.is_output = is_output
@@ -144,6 +147,13 @@ class _Server:
             method, args, kwargs = unseal(frames[0], self.secret)["call"]
             result = run_method(self.wrapper, method, args, kwargs)
             return [CONTROL, seal({"result": result}, self.secret)]
+        if kind == ATTACH:
+            from worker_side.shm_reader import ShmReader
+
+            info = unseal(frames[0], self.secret)["attach"][self.rank]
+            self.decoder = SchedulerOutputDecoder(secret=self.secret,
+                                                  reader=ShmReader.attach(info))
+            return [DONE]
         raise ValueError(f"unknown call kind {kind!r}")
 
     def _output(self, out: Any) -> list[bytes]:

@@ -1,0 +1,163 @@
+"""vLLM multimodal items and prompt embeddings on the deltacast path (worker side).
+
+Rebuilds ``MultiModalFeatureSpec`` objects from the wire form described in
+``engine_side.vllm.mm`` and, on a local channel (:class:`StoreResolver`),
+resolves store references first.
+
+Buffer rule (what a decoded ``NewRequestData`` shares, and with whom):
+
+* Containers are fresh on every decode: the feature specs, their
+  ``PlaceholderRange``, each ``MultiModalKwargsItem`` and ``MultiModalFieldElem``,
+  and every list / tuple of the nested data.  vLLM rewrites them in place
+  (``WorkerWrapperBase._apply_mm_cache`` assigns ``feature.data``; the runner
+  keeps the lists), and that never reaches our state.
+* Tensors (item data, ``is_embed``, ``prompt_embeds``) are fresh tensor objects
+  that by default alias our memory without a copy: on a local channel the
+  store's read-only shared mapping (valid while the item's count is positive,
+  i.e. while a live request or encoder-cache entry needs it: the runner's whole
+  use of it), on a remote channel the private buffers the decoder copied the
+  frames into (shared by every re-send of the request).  They are READ-ONLY:
+  vLLM 0.32's worker only reads them (``group_and_batch_mm_items`` stacks or
+  concatenates into new tensors or takes views; ``prompt_embeds`` are copied into
+  the runner's input buffer).  A model that writes into its multimodal inputs
+  would fault on a store view (SIGSEGV): run such a model with ``copy=True``,
+  which gives every decoded tensor its own writable memory (one copy per worker).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from engine_side.vllm.mm import EMBEDS_MODALITY, ITEM_TAG, SLICE, TUPLE
+from protocol.errors import MalformedMessage
+from protocol.params import MMFeatureRef
+from protocol.request import ExecuteModelRequest, RequestSpec
+from worker_side.mm_items import MultimodalWorker, same_objects
+from worker_side.shm_reader import ShmReader
+
+
+def fresh(x: Any, copy: bool = False) -> Any:
+    """A new tensor/array object over the same memory (or its own copy if ``copy``)."""
+    if isinstance(x, np.ndarray):
+        return x.copy() if copy else x.view()
+    if type(x).__module__.startswith("torch"):
+        return x.clone() if copy else x.detach()
+    return x
+
+
+def _nested(x: Any, copy: bool) -> Any:
+    t = type(x)
+    if t is list:
+        return [_nested(v, copy) for v in x]
+    if t is dict:
+        if list(x) != [TUPLE] or type(x[TUPLE]) is not list:
+            raise MalformedMessage("bad nested value in a multimodal item")
+        return tuple(_nested(v, copy) for v in x[TUPLE])
+    if x is None or t in (int, float, bool):
+        return x
+    if isinstance(x, np.ndarray) or type(x).__module__.startswith("torch"):
+        return fresh(x, copy)
+    raise MalformedMessage("unexpected value in a multimodal item", type=t.__name__)
+
+
+def _slices(x: Any) -> Any:
+    if type(x) is list:
+        return [_slices(v) for v in x]
+    if type(x) is dict and list(x) == [TUPLE] and type(x[TUPLE]) is list:
+        return tuple(_slices(v) for v in x[TUPLE])
+    if type(x) is dict and list(x) == [SLICE] and type(x[SLICE]) is list and len(x[SLICE]) == 3:
+        return slice(*x[SLICE])
+    raise MalformedMessage("bad flat-field slices in a multimodal item")
+
+
+def _field(wire: Any) -> Any:
+    from vllm.multimodal.inputs import (
+        MultiModalBatchedField,
+        MultiModalFlatField,
+        MultiModalSharedField,
+    )
+
+    match wire:
+        case ["b", bool(keep)]:
+            return MultiModalBatchedField(keep_on_cpu=keep)
+        case ["f", bool(keep), slices, int(dim)]:
+            return MultiModalFlatField(keep_on_cpu=keep, slices=_slices(slices), dim=dim)
+        case ["s", bool(keep), int(size)]:
+            return MultiModalSharedField(keep_on_cpu=keep, batch_size=size)
+    raise MalformedMessage("bad multimodal field descriptor")
+
+
+def item_from_wire(data: Any, copy: bool = False) -> Any:
+    """A fresh ``MultiModalKwargsItem`` from its wire map (None stays None)."""
+    if data is None:
+        return None
+    from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem
+
+    if type(data) is not dict or data.get(ITEM_TAG[0]) != ITEM_TAG[1] \
+            or type(data.get("i")) is not list:
+        raise MalformedMessage("feature data is not a vLLM item map (a store ref without "
+                               "a store?)")
+    item = MultiModalKwargsItem()
+    for row in data["i"]:
+        if type(row) is not list or len(row) != 3 or type(row[0]) is not str:
+            raise MalformedMessage("bad multimodal item entry")
+        item[row[0]] = MultiModalFieldElem(data=_nested(row[1], copy), field=_field(row[2]))
+    return item
+
+
+def features_from_refs(refs: tuple[MMFeatureRef, ...], copy: bool = False) -> list[Any]:
+    """Fresh ``MultiModalFeatureSpec`` objects equal to the engine's."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return [MultiModalFeatureSpec(
+        data=item_from_wire(r.data, copy), modality=r.modality, identifier=r.identifier,
+        mm_position=PlaceholderRange(r.offset, r.length, fresh(r.is_embed, copy)),
+        mm_hash=r.mm_hash) for r in refs]
+
+
+def features_as_embeds(spec: RequestSpec) -> RequestSpec:
+    """Undo ``engine_side.vllm.mm.embeds_feature`` (specs without it come back as they are)."""
+    features = spec.mm_features
+    if not features or features[-1].modality != EMBEDS_MODALITY:
+        return spec
+    if spec.prompt_embeds is not None:
+        raise MalformedMessage("prompt embeds sent twice", req_id=spec.req_id)
+    return msgspec.structs.replace(spec, prompt_embeds=features[-1].data,
+                                   mm_features=features[:-1])
+
+
+class StoreResolver:
+    """A local channel's worker end: store refs → zero-copy views, prompt embeds restored.
+
+    Call :meth:`resolve` on every rebuilt request, in order.  Raises
+    ``RemoteProtocolError`` (ForgedHandle, StaleHandle, UnknownItem,
+    MalformedMessage) for references that do not resolve; re-attach then.
+    """
+
+    def __init__(self, reader: ShmReader) -> None:
+        self.worker = MultimodalWorker(reader)
+        self._specs: dict[str, tuple[RequestSpec, RequestSpec]] = {}  # id -> (resolved, out)
+        self._last: tuple[list[RequestSpec], list[RequestSpec]] = ([], [])
+
+    def resolve(self, request: ExecuteModelRequest) -> ExecuteModelRequest:
+        request = self.worker.resolve(request)
+        if same_objects(request.specs, self._last[0]) and not request.finished_req_ids:
+            return msgspec.structs.replace(request, specs=self._last[1])
+        for rid in request.finished_req_ids:
+            self._specs.pop(rid, None)
+        specs = []
+        for rid, spec in zip(request.req_ids, request.specs, strict=True):
+            entry = self._specs.get(rid)
+            if entry is None or entry[0] is not spec:
+                entry = (spec, features_as_embeds(spec))
+                if entry[1] is not spec:
+                    self._specs[rid] = entry
+            specs.append(entry[1])
+        self._last = (request.specs, specs)
+        return msgspec.structs.replace(request, specs=specs)
+
+
+__all__ = ["StoreResolver", "features_from_refs", "fresh", "item_from_wire"]
