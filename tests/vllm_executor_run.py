@@ -108,6 +108,38 @@ def _paths(llm: Any, out: dict[str, Any]) -> None:
     out["after_error"] = _run(llm, GREEDY[1:2], _params()[0][1:2])  # still serving
 
 
+def _skew_rank1_sampler(worker: Any) -> bool:
+    """Test-only fault: rank 1 samples token + 1 from now on (rank 0 is untouched)."""
+    if worker.rpc_rank != 1:
+        return False
+    sampler = worker.worker.model_runner.sampler
+    forward = sampler.forward
+
+    def skewed(logits: Any, *args: Any, **kwargs: Any) -> Any:
+        result = forward(logits, *args, **kwargs)
+        result.sampled_token_ids = (result.sampled_token_ids + 1) % logits.shape[-1]
+        return result
+
+    sampler.forward = skewed
+    return True
+
+
+def _diverge(llm: Any, out: dict[str, Any]) -> None:
+    """Normal runs compare the ranks' token hashes and find nothing; a rank made to
+    sample other tokens is named (log, ``divergent``, callback)."""
+    ex = _executor(llm)
+    ex.check_health()  # drains the check-ins of the runs so far
+    out["hash_compared"] = ex.hashes.compared
+    out["divergent_before"] = [vars(e) for e in ex.divergent]
+    named: list[int] = []
+    ex.register_divergence_callback(lambda event: named.append(event.rank))
+    out["skewed"] = ex.collective_rpc(_skew_rank1_sampler)
+    _run(llm, GREEDY[1:2], _params()[0][1:2])
+    ex.check_health()
+    out["divergent_after"] = [vars(e) for e in ex.divergent]
+    out["divergence_callback"] = named
+
+
 def _kill(llm: Any, out: dict[str, Any]) -> None:
     """A rank dies mid-call: the failure callback runs and the engine raises."""
     ex = _executor(llm)
@@ -169,6 +201,7 @@ def main(model: str, path: str) -> None:
                 _async_run(model, out)
             elif delta:
                 _paths(llm, out)
+                _diverge(llm, out)
                 _kill(llm, out)
             else:
                 _close(llm)
