@@ -65,8 +65,7 @@ def pipeline(model: Path) -> dict[str, Any]:
 
 def _same_outputs(run: dict[str, Any]) -> None:
     default, delta = run["default"], run["delta"]
-    assert (default["executor"], delta["executor"]) != ("DeltaExecutor",) * 2
-    assert delta["executor"] == "DeltaExecutor"
+    assert default["executor"] != "DeltaExecutor" == delta["executor"]
     assert len(delta["outs"]) == len(default["outs"]) == len(FREE) + len(GUIDED)
     for k, (a, b) in enumerate(zip(default["outs"], delta["outs"], strict=True)):
         assert a == b, f"request {k} differs (token ids, text or logprobs)"
@@ -84,10 +83,10 @@ def test_features_match_default_executor(features: dict[str, Any]) -> None:
 
 def test_spec_decode_drafts_were_scheduled_accepted_and_taken(
         features: dict[str, Any]) -> None:
-    seen = features["delta"]["seen"]
-    assert seen["draft_tokens_scheduled"] > 0 and seen["accepted_drafts"] > 0
-    assert seen["drafts_taken"] > 0  # take_draft_token_ids through DeltaExecutor
-    assert seen == features["default"]["seen"]
+    for run in ("default", "delta"):  # counts depend on timing (grammar compilation)
+        seen = features[run]["seen"]
+        assert seen["draft_tokens_scheduled"] > 0 and seen["accepted_drafts"] > 0
+        assert seen["drafts_taken"] > 0  # for delta: take_draft_token_ids through it
 
 
 def test_structured_output_was_enforced(features: dict[str, Any]) -> None:
@@ -98,6 +97,7 @@ def test_structured_output_was_enforced(features: dict[str, Any]) -> None:
 
 
 def test_preemption_happened(features: dict[str, Any]) -> None:
+    assert features["default"]["seen"]["preempted"] > 0
     assert features["delta"]["seen"]["preempted"] > 0
     assert features["delta"]["divergent"] == []
 
@@ -105,9 +105,9 @@ def test_preemption_happened(features: dict[str, Any]) -> None:
 def test_pipeline_parallel_matches_default_executor(pipeline: dict[str, Any]) -> None:
     _same_outputs(pipeline)
     assert pipeline["default"]["executor"] == "MultiprocExecutor"
-    seen = pipeline["delta"]["seen"]
-    assert seen["preempted"] > 0 and seen["grammar_steps"] > 0
-    assert seen == pipeline["default"]["seen"]
+    for run in ("default", "delta"):
+        seen = pipeline[run]["seen"]
+        assert seen["preempted"] > 0 and seen["grammar_steps"] > 0
     choice, regex = _guided_texts(pipeline)
     assert choice in CHOICES and re.fullmatch(REGEX, regex)
 

@@ -99,8 +99,9 @@ def _paths(llm: Any, out: dict[str, Any]) -> None:
     futures = [ex.collective_rpc(_pid, non_block=True) for _ in range(3)]
     out["futures_in_order"] = [f.result() for f in reversed(futures)] == [out["pids"]] * 3
     out["draft"] = repr(ex.take_draft_token_ids())
-    ex.execute_dummy_batch()
+    out["dummy_batch"] = ex.execute_dummy_batch()
     out["async"] = ex.supports_async_scheduling()
+    out["max_concurrent_batches"] = ex.max_concurrent_batches
     try:
         ex.collective_rpc(_fail_on_rank1)
     except RuntimeError as exc:
@@ -182,6 +183,7 @@ def _async_run(model: str, out: dict[str, Any]) -> None:
     with _async_scheduling():
         llm = _engine(model, 1, delta=True)
     out["async_batch_queue"] = llm.llm_engine.engine_core.engine_core.batch_queue_size
+    out["async_max_concurrent_batches"] = _executor(llm).max_concurrent_batches
     out["delta1_async"] = _outputs(llm)
     _close(llm)
 
