@@ -2,7 +2,8 @@
 greedy tokens (and logprobs), on a real CPU vLLM and a tiny random Llama.
 
 ``vllm serve ... --distributed-executor-backend engine_side.vllm.DeltaExecutor``
-starts first (a subprocess in its own session, on a free port; always killed);
+(vLLM's own CLI, through tests/vllm_cli.py: the CPU wheel's ``vllm`` script cannot
+start, see there) starts first (a subprocess in its own session, on a free port; always killed);
 while it starts, tests/vllm_serve_run.py computes the default executor's greedy
 reference and the AsyncLLM outputs.  Then an OpenAI client asks the server for
 the same prompts, one request at a time, with ``return_token_ids``.
@@ -47,7 +48,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _serve_args(model: Path, port: int) -> list[str]:
-    args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+    args = [sys.executable, str(ROOT / "tests" / "vllm_cli.py"), "serve", str(model),
             "--host", "127.0.0.1", "--port", str(port),
             "--distributed-executor-backend", DELTA]
     for key, value in ENGINE.items():
