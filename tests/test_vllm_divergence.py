@@ -67,3 +67,35 @@ def test_board_rejects_ranks_that_do_not_sample() -> None:
         TokenHashBoard([1], reference=0)
     with pytest.raises(ValueError, match="does not sample"):
         TokenHashBoard([0, 1], reference=0).report(2, 8, 0)
+
+
+class _Sock:
+    def __init__(self) -> None:
+        self.sent: list[list[bytes]] = []
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        self.sent.append(frames)
+
+
+class _Output:
+    def __init__(self, req_ids: list[str], sampled: list[list[int]]) -> None:
+        self.req_ids, self.sampled_token_ids = req_ids, sampled
+
+
+def test_rank_checks_in_every_n_outputs_after_replying() -> None:
+    """A rank folds each output after its reply and sends ``H`` every ``hash_every``."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from worker_side.vllm import proc
+
+    sock = _Sock()
+    server = proc._Server(object(), sock, b"k" * 32, is_output=False,  # type: ignore[arg-type]
+                          hash_every=2)
+    for req_ids, sampled in STEPS:
+        server.sampled = _Output(req_ids, sampled)
+        server._fold()
+        server._fold()  # a call without a model output (e.g. control) folds nothing
+    assert sock.sent == [[proc.CHECK_IN, _hashed(STEPS[:2]).check_in()]]
+    silent = proc._Server(object(), _Sock(), b"k" * 32, is_output=False)  # type: ignore[arg-type]
+    silent.sampled = _Output(*STEPS[0])
+    silent._fold()
+    assert silent.token_hash.steps == 0  # not a sampling rank: no hashing at all

@@ -117,9 +117,7 @@ class _Server:
     """The rank's call loop; one reply per call, exceptions become ``E`` replies.
 
     ``hash_every`` > 0: fold each model output's sampled tokens into
-    ``token_hash`` after replying, and check in every ``hash_every`` outputs.  The
-    hash is also set on the worker wrapper as ``deltacast_token_hash`` (tests
-    reach it with a collective_rpc).
+    ``token_hash`` after replying, and check in every ``hash_every`` outputs.
     """
 
     def __init__(self, wrapper: Any, sock: zmq.Socket[bytes], secret: bytes,
@@ -132,8 +130,6 @@ class _Server:
         self.hash_every = hash_every
         self.token_hash = TokenHash()
         self.sampled: Any = None  # the last call's ModelRunnerOutput, hashed after replying
-        with contextlib.suppress(AttributeError):  # a plain stand-in in unit tests
-            wrapper.deltacast_token_hash = self.token_hash
 
     def serve(self) -> None:
         while True:
