@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # engines start slowly on busy cores
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN_BUDGET = 256  # max_num_batched_tokens in the script
 

@@ -28,7 +28,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed")
 
 from vllm_features_run import CHOICES, FREE, GUIDED, REGEX  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # engines start slowly on busy cores
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -30,7 +30,7 @@ openai = pytest.importorskip("openai", reason="the openai client is not installe
 
 from vllm_serve_run import DELTA, ENGINE, MAX_TOKENS, PROMPTS  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # engines start slowly on busy cores
 ROOT = Path(__file__).resolve().parent.parent
 START_S = 600.0  # vllm serve on two busy cores
 
