@@ -99,13 +99,46 @@ def _paths(llm: Any, out: dict[str, Any]) -> None:
     futures = [ex.collective_rpc(_pid, non_block=True) for _ in range(3)]
     out["futures_in_order"] = [f.result() for f in reversed(futures)] == [out["pids"]] * 3
     out["draft"] = repr(ex.take_draft_token_ids())
-    ex.execute_dummy_batch()
+    out["dummy_batch"] = ex.execute_dummy_batch()
     out["async"] = ex.supports_async_scheduling()
+    out["max_concurrent_batches"] = ex.max_concurrent_batches
     try:
         ex.collective_rpc(_fail_on_rank1)
     except RuntimeError as exc:
         out["rank1_error"] = str(exc)
     out["after_error"] = _run(llm, GREEDY[1:2], _params()[0][1:2])  # still serving
+
+
+def _skew_rank1_sampler(worker: Any) -> bool:
+    """Test-only fault: rank 1 samples token + 1 from now on (rank 0 is untouched)."""
+    if worker.rpc_rank != 1:
+        return False
+    sampler = worker.worker.model_runner.sampler
+    forward = sampler.forward
+
+    def skewed(logits: Any, *args: Any, **kwargs: Any) -> Any:
+        result = forward(logits, *args, **kwargs)
+        result.sampled_token_ids = (result.sampled_token_ids + 1) % logits.shape[-1]
+        return result
+
+    sampler.forward = skewed
+    return True
+
+
+def _diverge(llm: Any, out: dict[str, Any]) -> None:
+    """Normal runs compare the ranks' token hashes and find nothing; a rank made to
+    sample other tokens is named (log, ``divergent``, callback)."""
+    ex = _executor(llm)
+    ex.check_health()  # drains the check-ins of the runs so far
+    out["hash_compared"] = ex.hashes.compared
+    out["divergent_before"] = [vars(e) for e in ex.divergent]
+    named: list[int] = []
+    ex.register_divergence_callback(lambda event: named.append(event.rank))
+    out["skewed"] = ex.collective_rpc(_skew_rank1_sampler)
+    _run(llm, GREEDY[1:2], _params()[0][1:2])
+    ex.check_health()
+    out["divergent_after"] = [vars(e) for e in ex.divergent]
+    out["divergence_callback"] = named
 
 
 def _kill(llm: Any, out: dict[str, Any]) -> None:
@@ -150,6 +183,7 @@ def _async_run(model: str, out: dict[str, Any]) -> None:
     with _async_scheduling():
         llm = _engine(model, 1, delta=True)
     out["async_batch_queue"] = llm.llm_engine.engine_core.engine_core.batch_queue_size
+    out["async_max_concurrent_batches"] = _executor(llm).max_concurrent_batches
     out["delta1_async"] = _outputs(llm)
     _close(llm)
 
@@ -169,6 +203,7 @@ def main(model: str, path: str) -> None:
                 _async_run(model, out)
             elif delta:
                 _paths(llm, out)
+                _diverge(llm, out)
                 _kill(llm, out)
             else:
                 _close(llm)

@@ -18,6 +18,13 @@ Multimodal items and prompt embeds travel as zero-copy frames; with
 ``additional_config={"deltacast_mm_store_mb": N}`` they go once into an N MB
 shared-memory store instead (``engine_side.vllm.mm``), and every rank attaches
 to it (its AttachInfo sent sealed, ``A``) before the first step.
+
+Divergence: when more than one rank samples (TP > 1), each of the last pipeline
+stage's ranks checks in with a lagged hash of its sampled tokens every
+``token_hash_every`` model outputs (:mod:`worker_side.vllm.tokenhash`); the
+executor compares them with the output rank's as they arrive and logs, records
+(``divergent``) and calls back (``register_divergence_callback``) on a rank that
+differs.
 """
 
 from __future__ import annotations
@@ -44,8 +51,10 @@ from vllm.v1.executor.abstract import Executor, FailureCallback
 from engine_side.security import PrivateDir
 from engine_side.shm_store import ShmStore
 from engine_side.vllm.convert import seal, unseal
+from engine_side.vllm.divergence import RankDiverged, TokenHashBoard
 from engine_side.vllm.encoder import SchedulerOutputEncoder
 from worker_side.vllm import proc as wire
+from worker_side.vllm.tokenhash import parse_check_in
 
 log = logging.getLogger("deltacast.vllm.executor")
 POLL_MS = 100  # how often a waiting call re-checks that every rank is alive
@@ -72,9 +81,10 @@ class _Reply(Future):  # type: ignore[type-arg]
 
 
 class DeltaExecutor(Executor):
-    """See the module docstring.  Supported: vLLM 0.32.x, single node, TP (PP untested)."""
+    """See the module docstring.  Supported: vLLM 0.32.x, single node, TP and PP."""
 
-    supports_pp: bool = False
+    supports_pp: bool = True
+    token_hash_every: int = 8  # model outputs between a sampling rank's check-ins
 
     # ------------------------------------------------------------ start-up
     def _init_executor(self) -> None:
@@ -87,6 +97,10 @@ class DeltaExecutor(Executor):
         self.world_size = self.parallel_config.world_size
         self.output_rank = self.world_size - self.parallel_config.tensor_parallel_size \
             * self.parallel_config.prefill_context_parallel_size
+        samplers = range(self.output_rank, self.world_size)  # the last PP stage
+        self.hashes = TokenHashBoard(samplers, reference=self.output_rank)
+        self.divergent: list[RankDiverged] = []
+        self._divergence_callbacks: list[Callable[[RankDiverged], None]] = []
         self.secret = secrets.token_bytes(32)
         store_mb = (self.vllm_config.additional_config or {}).get("deltacast_mm_store_mb", 0)
         self.store = ShmStore(int(store_mb) << 20) if store_mb else None
@@ -125,12 +139,14 @@ class DeltaExecutor(Executor):
         init_method = get_file_store_init_method()
         omp = OMPProcessManager(self.vllm_config)
         tp = self.parallel_config.tensor_parallel_size
+        every = self.token_hash_every if len(self.hashes.ranks) > 1 else 0
         for rank in range(self.world_size):
             reader, writer = ctx.Pipe(duplex=False)
             kwargs = dict(vllm_config=self.vllm_config, local_rank=rank, rank=rank,
                           init_method=init_method, endpoint=f"{self._dir.endpoint}/ctl",
                           secret=self.secret, is_driver=rank % tp == 0,
-                          output_rank=self.output_rank, lock=lock, death=reader)
+                          output_rank=self.output_rank, lock=lock, death=reader,
+                          hash_every=every if rank in self.hashes.ranks else 0)
             p = ctx.Process(target=wire.worker_main, kwargs=kwargs, name=f"DeltaWorker-{rank}",
                             daemon=True)
             with omp.configure_omp_envs(rank=rank, local_rank=rank):  # per-rank CPU binding
@@ -204,8 +220,25 @@ class DeltaExecutor(Executor):
         got = []
         while self._sock.poll(0, zmq.POLLIN):
             ident, *frames = self._sock.recv_multipart(copy=True)
-            got.append((int(ident), frames))
+            if frames[0] == wire.CHECK_IN:
+                self._check_in(int(ident), frames[1])
+            else:
+                got.append((int(ident), frames))
         return got
+
+    def _check_in(self, rank: int, payload: bytes) -> None:
+        """A sampling rank's token hash: compare; name and report a diverging rank."""
+        for event in self.hashes.report(rank, *parse_check_in(payload)):
+            self.divergent.append(event)
+            log.error("DeltaExecutor rank %d diverged: its sampled tokens differ from rank "
+                      "%d's (the output rank) within the first %d model outputs",
+                      event.rank, event.source_rank, event.steps)
+            for callback in self._divergence_callbacks:
+                callback(event)
+
+    def register_divergence_callback(self, callback: Callable[[RankDiverged], None]) -> None:
+        """``callback(event)`` runs (on the calling thread) for each rank found diverging."""
+        self._divergence_callbacks.append(callback)
 
     def _submit(self, kind: bytes, frames: list[Any], convert: Callable[[list[Any]], Any],
                 timeout: float | None) -> _Reply:
@@ -294,6 +327,11 @@ class DeltaExecutor(Executor):
     def supports_async_scheduling(cls) -> bool:
         return True
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches the engine keeps in flight (PP size, or 2 with async scheduling)."""
+        return int(self.vllm_config.max_concurrent_batches)
+
     # ------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
         """Ask every rank to quit, then join; terminate and kill stragglers."""
@@ -329,4 +367,4 @@ class DeltaExecutor(Executor):
         private.close()
 
 
-__all__ = ["DeltaExecutor", "ExecutorFailed"]
+__all__ = ["DeltaExecutor", "ExecutorFailed", "RankDiverged"]

@@ -14,7 +14,9 @@ over ipc:// in a private directory).  Engine → rank: ``[kind, *frames]``:
 Rank → engine: ``R`` ready, ``F`` failed to start (text), ``O`` reply frames
 (output rank), ``K`` done (other ranks), ``C`` sealed control result, ``E`` an
 exception (text).  Every rank answers every call, so an exception on ANY rank
-reaches the engine.
+reaches the engine.  Unsolicited: ``H`` check-in, ``(outputs folded, token hash)``
+(:mod:`worker_side.vllm.tokenhash`), sent by a sampling rank every
+``hash_every`` model outputs right after that output's reply.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ import zmq
 
 from engine_side.vllm.convert import seal, unseal
 from worker_side.vllm.decoder import SchedulerOutputDecoder
+from worker_side.vllm.tokenhash import TokenHash
 
-READY, FAILED, OUTPUT, DONE, CONTROL, ERROR = b"R", b"F", b"O", b"K", b"C", b"E"
+READY, FAILED, OUTPUT, DONE, CONTROL, ERROR, CHECK_IN = \
+    b"R", b"F", b"O", b"K", b"C", b"E", b"H"
 EXECUTE, SAMPLE, QUIT, ATTACH = b"X", b"S", b"Q", b"A"
 
 
@@ -72,7 +76,7 @@ def _start_worker(vllm_config: Any, local_rank: int, rank: int, init_method: str
 
 def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
                 endpoint: str, secret: bytes, is_driver: bool, output_rank: int,
-                lock: Any, death: Connection) -> None:
+                lock: Any, death: Connection, hash_every: int = 0) -> None:
     """Process entry point (spawned): start the worker, then serve calls until ``Q``."""
     from vllm.utils.system_utils import set_process_title
 
@@ -92,7 +96,7 @@ def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
             sock.send_multipart([FAILED, traceback.format_exc().encode()])
             return
         sock.send_multipart([READY])
-        _Server(wrapper, sock, secret, rank == output_rank, rank).serve()
+        _Server(wrapper, sock, secret, rank == output_rank, rank, hash_every).serve()
     finally:
         if wrapper is not None:
             _shutdown_worker(wrapper)
@@ -112,16 +116,23 @@ def _shutdown_worker(wrapper: Any) -> None:
 
 
 class _Server:
-    """The rank's call loop; one reply per call, exceptions become ``E`` replies."""
+    """The rank's call loop; one reply per call, exceptions become ``E`` replies.
+
+    ``hash_every`` > 0: fold each model output's sampled tokens into
+    ``token_hash`` after replying, and check in every ``hash_every`` outputs.
+    """
 
     def __init__(self, wrapper: Any, sock: zmq.Socket[bytes], secret: bytes,
-                 is_output: bool, rank: int = 0) -> None:
+                 is_output: bool, rank: int = 0, hash_every: int = 0) -> None:
         self.wrapper = wrapper
         self.rank = rank
         self.sock = sock
         self.secret = secret
         self.is_output = is_output
         self.decoder = SchedulerOutputDecoder(secret=secret)
+        self.hash_every = hash_every
+        self.token_hash = TokenHash()
+        self.sampled: Any = None  # the last call's ModelRunnerOutput, hashed after replying
 
     def serve(self) -> None:
         while True:
@@ -134,6 +145,16 @@ class _Server:
                 traceback.print_exc()
                 reply = [ERROR, f"{type(exc).__name__}: {exc}".encode()]
             self.sock.send_multipart(reply)
+            self._fold()
+
+    def _fold(self) -> None:
+        """Off the hot path (the reply has gone): hash the output, check in when due."""
+        out, self.sampled = self.sampled, None
+        if out is None or not self.hash_every:
+            return
+        self.token_hash.update(out.req_ids, out.sampled_token_ids)
+        if self.token_hash.steps % self.hash_every == 0:
+            self.sock.send_multipart([CHECK_IN, self.token_hash.check_in()])
 
     def _handle(self, kind: bytes, frames: list[bytes]) -> list[bytes]:
         if kind == EXECUTE:
@@ -157,10 +178,11 @@ class _Server:
         raise ValueError(f"unknown call kind {kind!r}")
 
     def _output(self, out: Any) -> list[bytes]:
-        from vllm.v1.outputs import AsyncModelRunnerOutput
+        from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
         if isinstance(out, AsyncModelRunnerOutput):
             out = out.get_output()
+        self.sampled = out if isinstance(out, ModelRunnerOutput) else None
         if not self.is_output:
             return [DONE]
         return [OUTPUT, *(bytes(f) for f in self.decoder.encode_reply(out))]
