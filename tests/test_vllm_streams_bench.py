@@ -29,7 +29,8 @@ def _stream(nbytes: int, pbytes: int, running: int = 4, steady: int | None = 16,
             ) -> dict[str, Any]:
     return {"steps": 10, "max_running": running, "request": _path(nbytes, pbytes),
             "reply": _path(nbytes, pbytes * 2),
-            "steady": {"steps": 3, "max_over_blocks": steady, "median_bytes": steady},
+            "steady": {"steps": 3, "max_over_blocks": steady, "within_32": 2,
+                       "median_bytes": steady},
             "reply_at_max_running": {"steps": 2, "median_bytes": 10, "pickle_median_bytes": 95}}
 
 
@@ -49,8 +50,8 @@ def test_targets_judge_each_limit() -> None:
     assert verdicts["chunked: × fewer request bytes"] is True  # 7× ≥ 6× (its own limit)
     assert verdicts["prefix: × fewer request bytes"] is False  # 7× < 8×
     assert verdicts["all recorded: × fewer request bytes"] is False  # 8× < 15×
-    assert verdicts["prefix: steady decode B − 4/new block (worst of 3)"] is False
-    assert verdicts["decode: steady decode B − 4/new block (worst of 3)"] is True
+    assert verdicts["prefix: steady decode B − 4/new block (worst of 3; 2 within)"] is False
+    assert verdicts["decode: steady decode B − 4/new block (worst of 3; 2 within)"] is True
     assert verdicts["decode: × fewer reply bytes at 256 requests (median of 2 steps)"] is False
     assert all(v for k, v in verdicts.items() if "µs" in k)  # 10 µs against 20
 

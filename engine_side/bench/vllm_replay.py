@@ -180,6 +180,7 @@ def summarise(steps: list[_Step]) -> dict[str, Any]:
     steady = [s for s in steps if s.steady and not s.grammar]
     over = [s.figures["request"][0] - 4 * s.blocks for s in steady]
     out["steady"] = {"steps": len(steady), "max_over_blocks": max(over, default=None),
+                     "within_32": sum(1 for o in over if o <= 32),
                      "median_bytes": statistics.median([s.figures["request"][0] for s in steady])
                      if steady else None}
     full = [s for s in steps if s.running == out["max_running"]]
