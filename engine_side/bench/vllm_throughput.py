@@ -48,6 +48,21 @@ def _requests(count: int, max_tokens: int) -> tuple[list[str], list[Any]]:
     return prompts, params
 
 
+def _tree_cpu() -> float:
+    """User + system CPU seconds of this process and every descendant (engine core, ranks)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
 def child(args: argparse.Namespace) -> int:
     """One engine in this process: warm up, time ``--repeats`` generates, write JSON."""
     from vllm import LLM
@@ -63,11 +78,11 @@ def child(args: argparse.Namespace) -> int:
     llm.generate(prompts[:8], params[:8], use_tqdm=False)
     runs, digest = [], ""
     for _ in range(args.repeats):
-        t0 = time.perf_counter()
+        c0, t0 = _tree_cpu(), time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, _tree_cpu() - c0
         tokens = [list(c.token_ids) for o in outs for c in o.outputs]
-        runs.append({"seconds": elapsed, "tokens": sum(map(len, tokens)),
+        runs.append({"seconds": elapsed, "tokens": sum(map(len, tokens)), "cpu_s": cpu,
                      "tok_s": sum(map(len, tokens)) / elapsed})
         digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
     Path(args.child_out).write_text(json.dumps({"executor": args.executor, "runs": runs,
@@ -102,6 +117,8 @@ def rounds(args: argparse.Namespace) -> dict[str, Any]:
         for executor in EXECUTORS:
             res = _spawn(args, executor, tmp / f"{executor}-{r}.json")
             row[executor] = statistics.median(x["tok_s"] for x in res["runs"])
+            row[f"{executor}_cpu_ms_per_token"] = statistics.median(
+                1e3 * x["cpu_s"] / x["tokens"] for x in res["runs"])
             row[f"{executor}_runs"] = res["runs"]
             digests.add(res["digest"])
             each = ", ".join(f"{x['tok_s']:.0f}" for x in res["runs"])
@@ -115,9 +132,11 @@ def rounds(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def render(doc: dict[str, Any]) -> str:
-    lines = ["| round | default tok/s | DeltaExecutor tok/s | Delta ÷ default |",
-             "| ---: | ---: | ---: | ---: |"]
-    lines += [f"| {r['round']} | {r['default']:,.0f} | {r['delta']:,.0f} | {r['ratio']:.3f} |"
+    lines = ["| round | default tok/s | DeltaExecutor tok/s | Delta ÷ default | "
+             "CPU ms/token default | CPU ms/token Delta |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['round']} | {r['default']:,.0f} | {r['delta']:,.0f} | {r['ratio']:.3f} | "
+              f"{r['default_cpu_ms_per_token']:.2f} | {r['delta_cpu_ms_per_token']:.2f} |"
               for r in doc["rounds"]]
     lines.append(f"\nMedian ratio {doc['median_ratio']:.3f}; outputs identical across all "
                  f"runs: {'yes' if doc['outputs_identical'] else '**no**'}.")
