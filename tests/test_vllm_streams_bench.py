@@ -113,3 +113,15 @@ def test_every_scenario_builds_its_requests() -> None:
         prompts, params = scenario.requests()
         assert len(prompts) == len(params) > 0
         assert scenario.engine_kwargs()["block_size"] % 32 == 0
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_diagnose_explains_a_recording(recording: Path) -> None:
+    from engine_side.bench.vllm_diagnose import diagnose
+
+    got = diagnose(recording)
+    assert got["new_requests"] == 8 and got["new_request_bytes_per_key"]["i"] > 0
+    steps, over = got["steady_by_new_blocks"][0]
+    assert steps > 20 and over == 0  # header-only steady steps are within 32 B
+    assert got["bitmask"] == {} and got["drafts"] == {}
