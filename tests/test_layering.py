@@ -49,7 +49,7 @@ AUTHENTICATED_PICKLE_FILES: dict[str, str] = {
     # the benchmark's own baseline: unpickles bytes it produced a line earlier, never
     # anything received (it measures what vLLM's path costs)
     "engine_side/bench/baselines.py": "baseline measurement of self-produced bytes",
-    "engine_side/bench/vllm_streams.py": "baseline measurement of self-produced bytes",
+    "engine_side/bench/vllm_replay.py": "baseline measurement of self-produced bytes",
 }
 
 PICKLE_PATTERN = re.compile(r"pickle\.loads?\(|pickle\.Unpickler|recv_pyobj|cloudpickle")

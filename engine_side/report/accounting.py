@@ -82,7 +82,12 @@ def delta_breakdown(delta: Delta, frames: Sequence[Any]) -> dict[str, int]:
 
 def body_field_sizes(body: DeltaBody) -> dict[str, int]:
     """Encoded size of each present DeltaBody entry, by short key (for tests and tables)."""
-    return _entries(body, _sizer())
+    return field_sizes(body)
+
+
+def field_sizes(struct: msgspec.Struct) -> dict[str, int]:
+    """Encoded size of each present entry of any sparse (map-encoded) Struct, by short key."""
+    return _entries(struct, _sizer())
 
 
 # -- pickle baseline ---------------------------------------------------------------------

@@ -1,0 +1,215 @@
+"""Offline, side by side: our frames vs vLLM's pickling of the same recorded objects.
+
+A recording (``engine_side/vllm/record.py``) is rebuilt into the run's original
+SchedulerOutput / GrammarOutput / ModelRunnerOutput objects by fresh decoders;
+:func:`replay` then sends each through a fresh encoder → fresh decoder and, in
+the same loop, through vLLM's own message: protocol-5 pickle of the
+MultiprocExecutor RPC tuple ``(method, (obj,), {}, 0)`` or the reply
+``(SUCCESS, output)``, out-of-band buffers counted.
+
+A **step** opens at each ``execute_model``: the request path is its message plus
+the ``sample_tokens`` message, the reply path their two replies.  µs are
+encode + decode against dumps + loads, summed per step; medians are over steps.
+"""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+REQUEST, REPLY = ("execute_model", "sample_tokens"), ("reply", "sample_reply")
+_RPC = {"execute_model": "execute_model", "sample_tokens": "sample_tokens"}
+Row = tuple[str, int, float, float]  # kind, bytes, encode s, decode s
+
+
+def pickled(kind: str, obj: Any) -> tuple[int, float, float]:
+    """Bytes, dumps s, loads s of vLLM's own message for ``obj``."""
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    msg = (_RPC[kind], (obj,), {}, 0) if kind in _RPC else \
+        (WorkerProc.ResponseStatus.SUCCESS, obj)
+    bufs: list[Any] = []
+    t0 = time.perf_counter()
+    data = pickle.dumps(msg, protocol=5, buffer_callback=bufs.append)
+    t1 = time.perf_counter()
+    pickle.loads(data, buffers=bufs)  # our own bytes, produced just above
+    t2 = time.perf_counter()
+    return len(data) + sum(memoryview(b).nbytes for b in bufs), t1 - t0, t2 - t1
+
+
+def load_recording(path: Path) -> list[tuple[str, Any]]:
+    """The original objects of a recording, rebuilt by fresh decoders."""
+    from engine_side.vllm.encoder import SchedulerOutputEncoder
+    from engine_side.vllm.record import RecordReader
+    from worker_side.vllm.decoder import SchedulerOutputDecoder
+
+    enc, dec = SchedulerOutputEncoder(), SchedulerOutputDecoder()
+    decode = {"execute_model": dec.decode, "sample_tokens": dec.decode_grammar,
+              "reply": enc.decode_reply, "sample_reply": enc.decode_reply}
+    out = []
+    for kind, frames in RecordReader(path):
+        out.append((kind, decode[kind](list(frames))))
+        if kind == "execute_model":
+            enc.encode(out[-1][1])  # the engine side learns the step's batch
+    return out
+
+
+def synthetic_decode(running: int, steps: int, prompt: int = 500) -> list[tuple[str, Any]]:
+    """Steady decode of ``running`` requests (34-byte ids, 1 token each, a block per 32 steps)."""
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = [f"chatcmpl-{i:016x}-{i * 7919 % 65536:08x}"[:34] for i in range(running)]
+    sp = SamplingParams(temperature=0, max_tokens=steps + 1)
+    blocks = {rid: list(range(k * 64, k * 64 + prompt // 32 + 1)) for k, rid in enumerate(ids)}
+    first = SchedulerOutput(
+        [NewRequestData(rid, list(range(prompt)), [], sp, None, (blocks[rid],), 0, None)
+         for rid in ids], CachedRequestData.make_empty(), dict.fromkeys(ids, prompt),
+        prompt * running, {}, {}, set(), [], preempted_req_ids=set())
+    out: list[tuple[str, Any]] = [("execute_model", first)]
+    for t in range(1, steps):
+        computed = prompt + t - 1
+        grow = [(k + t) % 32 == 0 for k in range(running)]
+        cached = CachedRequestData(
+            list(ids), set(), [], {},
+            [([k * 64 + 40 + t],) if g else None for k, g in enumerate(grow)],
+            [computed] * running, [t] * running)
+        out.append(("execute_model", SchedulerOutput(
+            [], cached, dict.fromkeys(ids, 1), running, {}, {}, set(), [],
+            preempted_req_ids=set())))
+        out.append(("reply", ModelRunnerOutput(list(ids), {r: i for i, r in enumerate(ids)},
+                                               [[(t * 31 + k) % 500] for k in range(running)])))
+    return out
+
+
+# ---------------------------------------------------------------- step shapes
+def new_blocks(so: Any) -> int:
+    """Block ids a step adds (new requests' tables and cached requests' new blocks)."""
+    n = sum(len(ids) for nr in so.scheduled_new_reqs for ids in nr.block_ids)
+    return n + sum(len(ids) for g in so.scheduled_cached_reqs.new_block_ids if g for ids in g)
+
+
+def is_steady(so: Any, prev: dict[str, int]) -> bool:
+    """A steady decode step: the previous decode batch again, one token each, nothing else."""
+    c = so.scheduled_cached_reqs
+    return (not so.scheduled_new_reqs and not so.finished_req_ids and not so.preempted_req_ids
+            and not c.resumed_req_ids and not so.scheduled_spec_decode_tokens
+            and list(so.num_scheduled_tokens.items()) == list(prev.items())
+            and set(prev.values()) == {1})
+
+
+class _Step:
+    """Accumulated figures of one step (request and reply paths)."""
+
+    def __init__(self, so: Any, prev: dict[str, int]) -> None:
+        self.running = len(so.num_scheduled_tokens)
+        self.steady = is_steady(so, prev)
+        self.blocks = new_blocks(so)
+        self.figures: dict[str, list[float]] = {p: [0, 0, 0, 0] for p in ("request", "reply")}
+        self.grammar = False
+
+    def add(self, kind: str, ours: Row, theirs: tuple[int, float, float]) -> None:
+        acc = self.figures["request" if kind in REQUEST else "reply"]
+        acc[0] += ours[1]
+        acc[1] += theirs[0]
+        acc[2] += (ours[2] + ours[3]) * 1e6
+        acc[3] += (theirs[1] + theirs[2]) * 1e6
+
+
+def _route(enc: Any, dec: Any) -> dict[str, tuple[Any, Any]]:
+    return {"execute_model": (enc.encode, dec.decode),
+            "sample_tokens": (enc.encode_grammar, dec.decode_grammar),
+            "reply": (dec.encode_reply, enc.decode_reply),
+            "sample_reply": (dec.encode_reply, enc.decode_reply)}
+
+
+def replay(messages: list[tuple[str, Any]], breakdown: bool = False) -> dict[str, Any]:
+    """Per-step bytes and µs, ours (fresh encoder → fresh decoder) vs pickle, summarised."""
+    from engine_side.vllm.encoder import SchedulerOutputEncoder
+    from worker_side.vllm.decoder import SchedulerOutputDecoder
+
+    gc.collect()
+    gc.freeze()
+    enc, dec = SchedulerOutputEncoder(), SchedulerOutputDecoder()
+    route = _route(enc, dec)
+    steps: list[_Step] = []
+    fields: Counter[str] = Counter()
+    prev: dict[str, int] = {}
+    for kind, obj in messages:
+        if kind == "execute_model":
+            steps.append(_Step(obj, prev))
+            prev = dict(obj.num_scheduled_tokens)
+        encode, decode = route[kind]
+        t0 = time.perf_counter()
+        frames = [bytes(f) for f in encode(obj)]
+        t1 = time.perf_counter()
+        decode(frames)
+        t2 = time.perf_counter()
+        ours: Row = (kind, sum(map(len, frames)), t1 - t0, t2 - t1)
+        if steps:
+            steps[-1].add(kind, ours, pickled(kind, obj))
+            steps[-1].grammar |= kind == "sample_tokens" and obj is not None
+        if breakdown and kind in REQUEST:
+            fields.update(request_fields(kind, frames))
+    gc.unfreeze()
+    out = summarise(steps)
+    if breakdown:
+        out["request_fields"] = dict(fields.most_common())
+    return out
+
+
+def summarise(steps: list[_Step]) -> dict[str, Any]:
+    """Totals, per-step means and medians for both paths; the steady-decode check."""
+    out: dict[str, Any] = {"steps": len(steps),
+                           "max_running": max((s.running for s in steps), default=0)}
+    for path in ("request", "reply"):
+        cols: list[Any] = list(zip(*(s.figures[path] for s in steps), strict=True)) \
+            or [[0.0]] * 4
+        out[path] = {"bytes": int(sum(cols[0])), "pickle_bytes": int(sum(cols[1])),
+                     "us": sum(cols[2]), "pickle_us": sum(cols[3]),
+                     "median_bytes": statistics.median(cols[0]),
+                     "pickle_median_bytes": statistics.median(cols[1]),
+                     "median_us": statistics.median(cols[2]),
+                     "pickle_median_us": statistics.median(cols[3])}
+    steady = [s for s in steps if s.steady and not s.grammar]
+    over = [s.figures["request"][0] - 4 * s.blocks for s in steady]
+    out["steady"] = {"steps": len(steady), "max_over_blocks": max(over, default=None),
+                     "within_32": sum(1 for o in over if o <= 32),
+                     "median_bytes": statistics.median([s.figures["request"][0] for s in steady])
+                     if steady else None}
+    full = [s for s in steps if s.running == out["max_running"]]
+    out["reply_at_max_running"] = {
+        "steps": len(full),
+        "median_bytes": statistics.median([s.figures["reply"][0] for s in full]) if full else 0,
+        "pickle_median_bytes": statistics.median([s.figures["reply"][1] for s in full])
+        if full else 0}
+    return out
+
+
+def request_fields(kind: str, frames: list[bytes]) -> dict[str, int]:
+    """Exact bytes of one request-path message per field (``engine_side/report/accounting``)."""
+    import msgspec
+
+    from engine_side.report.accounting import delta_breakdown, field_sizes
+    from engine_side.vllm.schema import StepExt
+    from protocol import codec
+    from protocol.messages import Delta
+
+    if kind == "sample_tokens":
+        return {"sample_tokens": sum(map(len, frames))}
+    msg = codec.decode(frames)
+    if not isinstance(msg, Delta):
+        return {type(msg).__name__: sum(map(len, frames))}
+    sizes = {k: v for k, v in delta_breakdown(msg, frames).items() if v}
+    ext = msg.body.extension.get("v")
+    if ext is not None:  # split the adapter's StepExt out of the extension slot
+        parts = field_sizes(msgspec.msgpack.decode(ext, type=StepExt))
+        sizes["extension slot"] -= sum(parts.values())
+        sizes.update({f"ext.{k}": v for k, v in parts.items()})
+    return sizes

@@ -1,0 +1,171 @@
+"""End-to-end generation throughput: DeltaExecutor vs vLLM's default executor (CPU, TP=2).
+
+::
+
+    python -m engine_side.bench.vllm_throughput --rounds 2 --json tp.json
+
+Each round runs the default executor and then DeltaExecutor (A B A B ...), each in a
+fresh process (an ``LLM`` cannot be rebuilt cheaply in-process) with the same
+prompts and engine options: the tiny random model (built if missing), enforce_eager,
+block size 32, no prefix caching (every timed batch does the same work).  A process
+warms up with a small batch, then times ``LLM.generate`` of the whole batch
+``--repeats`` times and reports output tokens/s.  Greedy and seeded requests, so
+every run must produce the same token ids; the parent checks that.  The box is
+shared, so compare the ratio within a round, not absolute tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from engine_side.bench.vllm_scenarios import build_tiny_model, text
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = Path("/tmp/deltacast-tiny-llama")
+EXECUTORS = ("default", "delta")
+
+
+def _requests(count: int, max_tokens: int) -> tuple[list[str], list[Any]]:
+    """Short prompts; three in four greedy, one in four seeded top-p (outputs comparable)."""
+    from vllm import SamplingParams
+
+    rng = random.Random(11)
+    prompts = [text(rng, 16, 48) for _ in range(count)]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=max_tokens,
+                             ignore_eos=True) if i % 4 == 3 else
+              SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+              for i in range(count)]
+    return prompts, params
+
+
+def _tree_cpu() -> float:
+    """User + system CPU seconds of this process and every descendant (engine core, ranks)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
+def child(args: argparse.Namespace) -> int:
+    """One engine in this process: warm up, time ``--repeats`` generates, write JSON."""
+    from vllm import LLM
+
+    kw: dict[str, Any] = {}
+    if args.executor == "delta":
+        from engine_side.vllm import DeltaExecutor
+
+        kw["distributed_executor_backend"] = DeltaExecutor
+    llm = LLM(model=args.model, tensor_parallel_size=args.tp, enforce_eager=True,
+              block_size=32, max_model_len=512, seed=0, enable_prefix_caching=False, **kw)
+    prompts, params = _requests(args.prompts, args.max_tokens)
+    llm.generate(prompts[:8], params[:8], use_tqdm=False)
+    runs, digest = [], ""
+    for _ in range(args.repeats):
+        c0, t0 = _tree_cpu(), time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed, cpu = time.perf_counter() - t0, _tree_cpu() - c0
+        tokens = [list(c.token_ids) for o in outs for c in o.outputs]
+        runs.append({"seconds": elapsed, "tokens": sum(map(len, tokens)), "cpu_s": cpu,
+                     "tok_s": sum(map(len, tokens)) / elapsed})
+        digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
+    Path(args.child_out).write_text(json.dumps({"executor": args.executor, "runs": runs,
+                                                "digest": digest}))
+    return 0
+
+
+def _spawn(args: argparse.Namespace, executor: str, out: Path) -> dict[str, Any]:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "VLLM_CPU_OMP_THREADS_BIND": "0|1" if args.tp == 2 else "auto",
+           "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "engine_side.bench.vllm_throughput", "--executor", executor,
+           "--child-out", str(out), "--model", args.model, "--tp", str(args.tp),
+           "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens),
+           "--repeats", str(args.repeats)]
+    out.unlink(missing_ok=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if not out.exists():
+        raise RuntimeError(f"{executor} run failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def rounds(args: argparse.Namespace) -> dict[str, Any]:
+    """A B A B ...: per round the median tokens/s of each executor and their ratio."""
+    tmp = Path(args.work_dir)
+    tmp.mkdir(parents=True, exist_ok=True)
+    table, digests = [], set()
+    for r in range(1, args.rounds + 1):
+        row: dict[str, Any] = {"round": r}
+        for executor in EXECUTORS:
+            res = _spawn(args, executor, tmp / f"{executor}-{r}.json")
+            row[executor] = statistics.median(x["tok_s"] for x in res["runs"])
+            row[f"{executor}_cpu_ms_per_token"] = statistics.median(
+                1e3 * x["cpu_s"] / x["tokens"] for x in res["runs"])
+            row[f"{executor}_runs"] = res["runs"]
+            digests.add(res["digest"])
+            each = ", ".join(f"{x['tok_s']:.0f}" for x in res["runs"])
+            print(f"round {r} {executor}: {row[executor]:.0f} output tokens/s ({each})",
+                  file=sys.stderr, flush=True)
+        row["ratio"] = row["delta"] / row["default"]
+        table.append(row)
+    return {"tp": args.tp, "prompts": args.prompts, "max_tokens": args.max_tokens,
+            "repeats": args.repeats, "rounds": table, "outputs_identical": len(digests) == 1,
+            "median_ratio": statistics.median(r["ratio"] for r in table)}
+
+
+def render(doc: dict[str, Any]) -> str:
+    lines = ["| round | default tok/s | DeltaExecutor tok/s | Delta ÷ default | "
+             "CPU ms/token default | CPU ms/token Delta |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['round']} | {r['default']:,.0f} | {r['delta']:,.0f} | {r['ratio']:.3f} | "
+              f"{r['default_cpu_ms_per_token']:.2f} | {r['delta_cpu_ms_per_token']:.2f} |"
+              for r in doc["rounds"]]
+    lines.append(f"\nMedian ratio {doc['median_ratio']:.3f}; outputs identical across all "
+                 f"runs: {'yes' if doc['outputs_identical'] else '**no**'}.")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="tiny model dir (built if missing)")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2, help="timed generates per process")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--work-dir", default="/tmp/deltacast-throughput")
+    p.add_argument("--json", default="", help="write the result document here")
+    p.add_argument("--executor", choices=EXECUTORS, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.executor:
+        return child(args)
+    build_tiny_model(Path(args.model))
+    doc = rounds(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    print(render(doc))
+    return 0 if doc["outputs_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

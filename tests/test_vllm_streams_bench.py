@@ -1,0 +1,127 @@
+"""Smoke tests of the vLLM-streams benchmark machinery (replay, JSON document, tables).
+
+The verdict logic is checked on a hand-made document (no vLLM needed); the rest
+runs on a tiny synthetic stream written to a real recording file, so it takes a
+second.  Parts that need vLLM are skipped cleanly when it is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_side.bench.vllm_table import render, targets
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed")
+
+
+def _path(nbytes: int, pbytes: int, us: float = 10.0, pus: float = 20.0) -> dict[str, Any]:
+    return {"bytes": nbytes, "pickle_bytes": pbytes, "us": us, "pickle_us": pus,
+            "median_bytes": nbytes, "pickle_median_bytes": pbytes, "median_us": us,
+            "pickle_median_us": pus}
+
+
+def _stream(nbytes: int, pbytes: int, running: int = 4, steady: int | None = 16,
+            ) -> dict[str, Any]:
+    return {"steps": 10, "max_running": running, "request": _path(nbytes, pbytes),
+            "reply": _path(nbytes, pbytes * 2),
+            "steady": {"steps": 3, "max_over_blocks": steady, "within_32": 2,
+                       "median_bytes": steady},
+            "reply_at_max_running": {"steps": 2, "median_bytes": 10, "pickle_median_bytes": 95}}
+
+
+def _doc() -> dict[str, Any]:
+    workloads = {"decode": _stream(100, 1000, running=256), "chunked": _stream(100, 700),
+                 "prefix": _stream(100, 700, steady=40)}
+    total = {p: {k: sum(w[p][k] for w in workloads.values())
+                 for k in ("bytes", "pickle_bytes", "us", "pickle_us")}
+             for p in ("request", "reply")}
+    return {"meta": {"date": "today", "commit": "abc", "load": 1.0}, "workloads": workloads,
+            "synthetic": {}, "total": total}
+
+
+def test_targets_judge_each_limit() -> None:
+    verdicts = {t["target"]: t["met"] for t in targets(_doc())}
+    assert verdicts["decode: × fewer request bytes"] is True  # 10× ≥ 8×
+    assert verdicts["chunked: × fewer request bytes"] is True  # 7× ≥ 6× (its own limit)
+    assert verdicts["prefix: × fewer request bytes"] is False  # 7× < 8×
+    assert verdicts["all recorded: × fewer request bytes"] is False  # 8× < 15×
+    assert verdicts["prefix: steady decode B − 4/new block (worst of 3; 2 within)"] is False
+    assert verdicts["decode: steady decode B − 4/new block (worst of 3; 2 within)"] is True
+    assert verdicts["decode: × fewer reply bytes at 256 requests (median of 2 steps)"] is False
+    assert all(v for k, v in verdicts.items() if "µs" in k)  # 10 µs against 20
+
+
+def test_render_has_one_row_per_stream_and_the_totals() -> None:
+    text = render(_doc())
+    for name in ("decode", "chunked", "prefix", "**all recorded**"):
+        assert text.count(f"| {name} |") == 2  # request and reply tables
+    assert "**8.0×**" in text and "**not met**" in text
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A synthetic stream written as a real recording (what a live run would write)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from engine_side.bench.vllm_replay import synthetic_decode
+    from engine_side.vllm.encoder import SchedulerOutputEncoder
+    from engine_side.vllm.record import RecordWriter
+    from worker_side.vllm.decoder import SchedulerOutputDecoder
+
+    path = tmp_path_factory.mktemp("streams") / "tiny.dcrec"
+    enc, dec = SchedulerOutputEncoder(), SchedulerOutputDecoder()
+    with RecordWriter(path, meta={"scenario": "tiny"}, vllm_version="0.32.0") as writer:
+        for kind, obj in synthetic_decode(8, 40, prompt=64):
+            if kind == "execute_model":
+                frames = enc.encode(obj)
+                dec.decode([bytes(f) for f in frames])
+            else:
+                frames = dec.encode_reply(obj)
+            writer.write(kind, [bytes(f) for f in frames])
+    return path
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_replay_document_from_a_recording(recording: Path) -> None:
+    from engine_side.bench.vllm_streams import replay_all
+
+    doc = {"meta": {}, **replay_all({"tiny": recording}, [8])}
+    tiny = doc["workloads"]["tiny"]
+    assert tiny["steps"] == 40 and tiny["max_running"] == 8
+    assert 0 < tiny["request"]["bytes"] < tiny["request"]["pickle_bytes"]
+    assert 0 < tiny["reply"]["bytes"] < tiny["reply"]["pickle_bytes"]
+    assert tiny["steady"]["steps"] > 20
+    assert tiny["steady"]["median_bytes"] == 16  # most steady steps: the header-only Delta
+    assert sum(tiny["request_fields"].values()) == tiny["request"]["bytes"]  # exact accounting
+    assert doc["synthetic"]["8"]["steps"] == 20
+    assert doc["total"]["request"]["bytes"] == tiny["request"]["bytes"]
+    assert "| tiny | 40 |" in render(doc)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_every_scenario_builds_its_requests() -> None:
+    from engine_side.bench.vllm_scenarios import SCENARIOS, WORKLOADS
+
+    assert len(WORKLOADS) == 8
+    for scenario in SCENARIOS.values():
+        prompts, params = scenario.requests()
+        assert len(prompts) == len(params) > 0
+        assert scenario.engine_kwargs()["block_size"] % 32 == 0
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_diagnose_explains_a_recording(recording: Path) -> None:
+    from engine_side.bench.vllm_diagnose import diagnose
+
+    got = diagnose(recording)
+    assert got["new_requests"] == 8 and got["new_request_bytes_per_key"]["i"] > 0
+    steps, over = got["steady_by_new_blocks"][0]
+    assert steps > 20 and over == 0  # header-only steady steps are within 32 B
+    assert got["bitmask"] == {} and got["drafts"] == {}
