@@ -10,6 +10,7 @@ sparse encoding; ``array_like`` would ignore ``omit_defaults``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -109,6 +110,20 @@ class SamplingSpec(msgspec.Struct, frozen=True, omit_defaults=True, rename=_SAMP
     repetition_detection: RepetitionDetectionSpec | None = None
     routed_experts_prompt_start: int = 0
     trace_decode_token_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        # msgspec's omit_defaults compares float defaults by identity, so a float
+        # equal to its default but made elsewhere (vLLM's own 1.0) would be sent.
+        # Swap in the default object itself; -0.0 keeps its sign.
+        for name, default in _FLOAT_DEFAULTS:
+            value = getattr(self, name)
+            if value is not default and value == default \
+                    and math.copysign(1.0, value) == math.copysign(1.0, default):
+                msgspec.structs.force_setattr(self, name, default)
+
+
+_FLOAT_DEFAULTS = tuple(
+    (f.name, f.default) for f in msgspec.structs.fields(SamplingSpec) if type(f.default) is float)
 
 
 class PoolingSpec(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -341,6 +341,16 @@ def test_sampling_costs_only_non_default_fields(spec: SamplingSpec, size: int) -
     assert extra == size + 2  # the field key "s"
 
 
+def test_float_defaults_made_elsewhere_are_omitted() -> None:
+    # float("1") is equal to, but not the same object as, the field default 1.0.
+    made_elsewhere = SamplingSpec(top_p=float("1"), repetition_penalty=float("1"),
+                                  min_p=float("0"), presence_penalty=float("0"))
+    assert msgspec.msgpack.encode(made_elsewhere) == msgspec.msgpack.encode(SamplingSpec())
+    signed = SamplingSpec(min_p=-0.0)  # -0.0 == 0.0 but is a different value
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(signed), type=SamplingSpec)
+    assert str(decoded.min_p) == "-0.0"
+
+
 # ---------------------------------------------------------------- malformed input
 
 
