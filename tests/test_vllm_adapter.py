@@ -112,6 +112,21 @@ def test_grammar_output_round_trips() -> None:
     assert dec.decode_grammar(_wire(enc.encode_grammar(None))) is None
 
 
+def test_sparse_grammar_bitmask_is_deflated_and_exact() -> None:
+    enc, dec = _pair()
+    so = _first(enc, dec)
+    ids = list(so.num_scheduled_tokens)
+    mask = np.zeros((len(ids), 512), dtype=np.int32)  # mostly-zero rows, as xgrammar's
+    mask[:, 7] = -1
+    mask[0, 100] = 0x5A5A5A5A
+    grammar = GrammarOutput(ids, mask, None)
+    frames = _wire(enc.encode_grammar(grammar))
+    assert sum(map(len, frames)) < mask.nbytes // 10
+    decoded = dec.decode_grammar(frames)
+    assert_vllm_equal(grammar, decoded)
+    decoded.grammar_bitmask[0, 0] = 1  # a fresh, writable array like pickle's
+
+
 def test_model_runner_output_round_trips() -> None:
     enc, dec = _pair()
     so = _first(enc, dec)

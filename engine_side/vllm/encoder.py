@@ -48,6 +48,7 @@ from engine_side.vllm.schema import (
     StepExt,
     TokenRef,
     check_schema,
+    deflate_sparse,
 )
 from protocol import codec
 from protocol.codec import Frame
@@ -325,8 +326,10 @@ class SchedulerOutputEncoder:
         batch = self.batches.get(self.seq, [])
         refs = RefTable(batch, [])
         positions = refs.pack(grammar.structured_output_request_ids)
-        msg = GrammarMsg(self.seq, positions, tuple(refs.names), grammar.grammar_bitmask,
-                         grammar.num_acceptable_drafts)
+        deflated = deflate_sparse(grammar.grammar_bitmask)
+        bitmask = None if deflated is not None else grammar.grammar_bitmask
+        msg = GrammarMsg(self.seq, positions, tuple(refs.names), bitmask,
+                         grammar.num_acceptable_drafts, deflated)
         self._aux.clear()
         try:
             return [self._grammar_enc.encode(msg), *self._aux]

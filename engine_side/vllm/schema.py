@@ -13,11 +13,14 @@ its prediction costs nothing; integer lists are :mod:`protocol.packing` bytes.
 from __future__ import annotations
 
 import dataclasses
+import math
+import zlib
 from typing import Any
 
 import msgspec
+import numpy as np
 
-from protocol.errors import LocalProtocolError
+from protocol.errors import LocalProtocolError, MalformedMessage
 
 SUPPORTED_VLLM = "0.32"  # vLLM minor series this schema was read from
 
@@ -192,14 +195,58 @@ class StepExt(_Map, frozen=True):
     sealed: bytes = msgspec.field(default=b"", name="k")
 
 
+class Deflated(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """An integer array as zlib-deflated little-endian bytes (sparse grammar bitmasks)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+MAX_INFLATED = 1 << 28  # bytes a Deflated may claim; larger is MalformedMessage
+
+
+def deflate_sparse(a: Any, min_bytes: int = 256) -> Deflated | None:
+    """``a`` deflated when it is an integer ndarray that deflating at least halves."""
+    if not isinstance(a, np.ndarray) or a.dtype.kind not in "iu" or a.nbytes < min_bytes:
+        return None
+    raw = np.ascontiguousarray(a).tobytes()
+    packed = zlib.compress(raw, 1)
+    return Deflated(a.dtype.str, a.shape, packed) if 2 * len(packed) <= len(raw) else None
+
+
+def inflate(d: Deflated) -> Any:
+    """A fresh writable array; MalformedMessage unless the bytes match dtype and shape."""
+    try:
+        dtype = np.dtype(d.dtype)
+    except TypeError as exc:
+        raise MalformedMessage("deflated array: bad dtype", dtype=d.dtype[:20]) from exc
+    size = math.prod(d.shape) * dtype.itemsize
+    if dtype.kind not in "iu" or min(d.shape, default=0) < 0 or size > MAX_INFLATED:
+        raise MalformedMessage("deflated array: bad dtype or shape", shape=d.shape[:8])
+    unzip = zlib.decompressobj()
+    try:
+        raw = unzip.decompress(d.data, size + 1)
+    except zlib.error as exc:
+        raise MalformedMessage("deflated array: corrupt data", cause=str(exc)) from exc
+    if len(raw) != size or not unzip.eof:
+        raise MalformedMessage("deflated array: length mismatch", expected=size, got=len(raw))
+    return np.frombuffer(raw, dtype).reshape(d.shape).copy()
+
+
 class GrammarMsg(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """sample_tokens(GrammarOutput): request ids as positions in step ``seq``'s batch."""
+    """sample_tokens(GrammarOutput): request ids as positions in step ``seq``'s batch.
+
+    The bitmask is a zero-copy frame, or nil with ``deflated`` set when deflating
+    halves it at least (a bitmask is mostly 0 and -1 words).
+    """
 
     seq: int
     positions: bytes
     names: tuple[str, ...]
     bitmask: Any
     drafts: list[int] | None = None
+    deflated: Deflated | None = None
 
 
 class LogprobsWire(msgspec.Struct, frozen=True, array_like=True, gc=False):

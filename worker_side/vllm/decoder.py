@@ -39,6 +39,7 @@ from engine_side.vllm.schema import (
     NewFix,
     ReplyMsg,
     StepExt,
+    inflate,
 )
 from protocol import codec
 from protocol.codec import Frame
@@ -296,7 +297,8 @@ class SchedulerOutputDecoder:
         if msg.seq not in self.batches:
             raise InvalidDelta("grammar output for an unknown step", seq=msg.seq)
         ids = RefTable(self.batches[msg.seq], list(msg.names)).resolve(msg.positions)
-        return GrammarOutput(ids, msg.bitmask, msg.drafts)
+        bitmask = msg.bitmask if msg.deflated is None else inflate(msg.deflated)
+        return GrammarOutput(ids, bitmask, msg.drafts)
 
     # ------------------------------------------------------------ replies
     def encode_reply(self, out: Any) -> list[Frame]:
