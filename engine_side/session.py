@@ -240,7 +240,10 @@ class EngineSession:
             self._compare(msg)
 
     def _liveness_event(self, event: LivenessEvent) -> None:
-        if isinstance(event, (WorkerDead, WorkerStuck, WorkerJoined)):
+        # A first check-in may arrive after this incarnation was served its snapshot (it
+        # comes on another socket): only an incarnation that replaces a live one is stale.
+        stale = isinstance(event, WorkerJoined) and event.replaces is not None
+        if stale or isinstance(event, (WorkerDead, WorkerStuck)):
             self.joined_at.pop(event.rank, None)
         self.on_event(event)
         if self.strict and isinstance(event, WorkerDead):
