@@ -6,14 +6,25 @@ the idle-CPU test runs a real worker process and reads its CPU clock.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from engine_side.bench.latency import cpu_seconds
 from engine_side.liveness import LivenessView, WorkerJoined
 from engine_side.mirror import EngineMirror
 from engine_side.session import EngineSession
+from engine_side.transport import EngineTransport
+from engine_side.workloads import Workload
 from protocol.messages import TOKEN_MODE_ENGINE, CheckIn, Message, SnapshotRequest
 from protocol.replies import AnyReply
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 class ScriptedTransport:
@@ -67,3 +78,37 @@ def test_a_new_incarnation_replacing_a_live_one_drops_the_stale_join() -> None:
     for _ in range(3):
         session.service(0.0)
     assert session.joined_at == {}  # the join belonged to pid 100, which pid 101 replaced
+
+
+def _service_for(session: EngineSession, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        session.service(0.02)
+
+
+@pytest.mark.integration
+def test_idle_worker_blocks_after_its_spin_window(tmp_path: Path) -> None:
+    """Steps start a worker's bounded spin; heartbeats (the engine idling) must not: once
+    the window has passed, an idle worker sleeps in poll and uses next to no CPU."""
+    workload = Workload("steady_decode", 8, seed=0)
+    session = EngineSession(EngineTransport(None), EngineMirror(token_mode=workload.token_mode),
+                            LivenessView(dead_after=5.0), ack_spin=0.0)
+    log = (tmp_path / "w0.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "worker_side.main", "--ack-only", "--connect",
+                             session.transport.endpoint, "--spin-ms", "200",
+                             "--engine-timeout", "20"], cwd=REPO, stdin=subprocess.DEVNULL,
+                            stderr=log)
+    try:
+        session.wait_for_workers(1, timeout=60)
+        for req in [*workload.warmup(), *(workload.step() for _ in range(20))]:
+            session.run_step(req)
+        _service_for(session, 0.5)  # the 200 ms spin window runs out; heartbeats continue
+        cpu0 = cpu_seconds(proc.pid)
+        _service_for(session, 1.0)
+        idle_cpu = cpu_seconds(proc.pid) - cpu0
+        assert session.stats["heartbeats"] > 10
+        assert idle_cpu < 0.1, f"idle worker used {idle_cpu:.2f} CPU s in 1 s: still spinning"
+    finally:
+        session.close(expect={0})
+        proc.wait(20)
+        log.close()
