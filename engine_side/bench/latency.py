@@ -9,6 +9,9 @@ to "every worker has acknowledged holding the rebuilt request".  Rows follow
 ``decode_us`` = the rest of the round trip (transit, apply, rebuild, ack),
 ``total_us`` = median latency.  Extra keys: ``p99_us``, ``cpu_s_per_step``
 (engine + all workers, from process CPU clocks), ``transport``, ``steps``.
+Both sides wait as in production: workers spin (bounded, ``sched_yield`` between
+polls) for ``--spin-ms`` after each step, the engine for ``--ack-spin-ms`` while it
+waits for acks; 0 makes either block.
 
 Baseline ``vllm-shm`` (only where vLLM is importable): vLLM 0.32's shared-memory
 ``MessageQueue`` broadcasting the pickled ``("execute_model", (SchedulerOutput,),
@@ -289,8 +292,8 @@ def run(args: argparse.Namespace) -> int:
         transports.remove("vllm-shm")
     spin = (getattr(args, "spin_ms", DEFAULT_SPIN_MS),
             getattr(args, "ack_spin_ms", DEFAULT_ACK_SPIN * 1e3))
-    for transport in transports:
-        for workers in counts:
+    for workers in counts:  # lanes of one worker count run back to back: similar machine load
+        for transport in transports:
             cases = [(b, args.steps or (5 if quick else 200 if b <= 256 else 40)) for b in batches]
             rows = (vllm_cases(workers, cases, args.seed) if transport == "vllm-shm" else
                     (bench_case(transport, workers, b, n, args.seed, spin) for b, n in cases))
