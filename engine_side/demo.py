@@ -31,10 +31,11 @@ import numpy as np
 from engine_side.liveness import LivenessEvent, LivenessView, WorkerDead, WorkerStuck
 from engine_side.mirror import EngineMirror
 from engine_side.scheduler import Scheduler
-from engine_side.session import EngineSession
+from engine_side.session import DEFAULT_ACK_SPIN, EngineSession
 from protocol.messages import TOKEN_MODE_ENGINE
 from protocol.params import SamplingSpec
 from protocol.request import IntArray
+from worker_side.main import DEFAULT_SPIN_MS
 
 if TYPE_CHECKING:  # zmq is imported only when a run starts
     from engine_side.security import CurveKeys
@@ -72,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stuck-after", type=float, default=10.0)
     parser.add_argument("--hwm", type=int, default=1000, help="PUB/SUB high-water mark")
     parser.add_argument("--sockbuf", type=int, default=-1, help="kernel socket buffers (bytes)")
+    parser.add_argument("--spin-ms", type=float, default=DEFAULT_SPIN_MS,
+                        help="workers' bounded spin after each step (0 = block)")
+    parser.add_argument("--ack-spin-ms", type=float, default=DEFAULT_ACK_SPIN * 1e3,
+                        help="engine's bounded spin while waiting for a step (0 = block)")
     parser.add_argument("--reference", action="store_true",
                         help="also run in-process and require identical outputs")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -319,7 +324,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         worker_argv = ["--connect", transport.endpoint, "--model-seed", str(args.seed),
                        "--num-blocks", str(args.num_blocks), "--rcvhwm", str(args.hwm),
-                       "--rcvbuf", str(args.sockbuf), "--engine-timeout", "10", *key_argv]
+                       "--rcvbuf", str(args.sockbuf), "--engine-timeout", "10",
+                       "--spin-ms", str(args.spin_ms), *key_argv]
         return _run(args, transport, Supervisor(worker_argv, args.workers))
 
 
@@ -330,7 +336,8 @@ def _run(args: argparse.Namespace, transport: EngineTransport, sup: Supervisor) 
     mirror = EngineMirror(epoch=random.SystemRandom().randrange(1 << 32),
                           token_mode=TOKEN_MODE_ENGINE)
     session = EngineSession(transport, mirror, liveness, on_event=sup.on_event,
-                            ticks=[lambda now: sup.tick(now, liveness)])
+                            ticks=[lambda now: sup.tick(now, liveness)],
+                            ack_spin=args.ack_spin_ms / 1e3)
     try:
         sup.start()
         session.wait_for_workers(args.workers + args.remote_workers, timeout=60.0)

@@ -37,9 +37,11 @@ class LivenessEvent:
 
 @dataclass(frozen=True)
 class WorkerJoined(LivenessEvent):
-    """A new incarnation (pid) of ``rank`` checked in."""
+    """A new incarnation (pid) of ``rank`` checked in.  ``replaces`` is the pid of an
+    earlier incarnation that was still believed alive (None: first join, or after death)."""
 
     pid: int
+    replaces: int | None = None
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ class LivenessView:
         w = self.workers.get(rank)
         if w is None or w.pid != pid:
             self.workers[rank] = WorkerView(rank, pid, seq, phase, now, now)
-            return [WorkerJoined(rank, pid)]
+            return [WorkerJoined(rank, pid, w.pid if w is not None and w.alive else None)]
         out: list[LivenessEvent] = []
         if not w.alive:
             w.alive, w.stuck_reported = True, False

@@ -52,6 +52,8 @@ log = logging.getLogger("deltacast.engine")
 
 Tick = Callable[[float], list[LivenessEvent]]
 
+DEFAULT_ACK_SPIN = 1.0  # seconds after a publish that wait_step polls without blocking
+
 
 class WorkersLost(RuntimeError):
     """No worker has been alive to answer a step for ``orphan_timeout`` seconds."""
@@ -94,6 +96,7 @@ class EngineSession:
                  orphan_timeout: float = 30.0,
                  on_event: Callable[[object], None] | None = None,
                  ticks: list[Tick] | None = None, history: int = 4096, strict: bool = False,
+                 ack_spin: float = DEFAULT_ACK_SPIN,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.transport, self.mirror = transport, mirror
         self.liveness = liveness or LivenessView()
@@ -101,6 +104,7 @@ class EngineSession:
         self.on_event = on_event or (lambda event: None)
         self.ticks = ticks or []
         self.history, self.clock, self.strict = history, clock, strict
+        self.ack_spin = ack_spin
         self.joined_at: dict[int, int] = {}
         self.answers: dict[int, StepResult] = {}  # pending step's answers by rank
         self.expected: OrderedDict[int, tuple[bytes, bytes, int]] = OrderedDict()
@@ -109,7 +113,7 @@ class EngineSession:
         self.divergent: list[Diverged] = []
         self.goodbyes: set[int] = set()
         self.rank_of: dict[bytes, int] = {}  # DEALER identity -> rank
-        self._last_publish = -1.0
+        self._last_publish = self._step_published = -1.0
         self._pending = -1
 
     # -- stepping -------------------------------------------------------------------------
@@ -129,7 +133,7 @@ class EngineSession:
         delta = self.mirror.diff(request)
         self.stats["bytes"] += self.transport.publish(delta)
         self.stats["steps"] += 1
-        self._last_publish = now = self.clock()
+        self._last_publish = self._step_published = now = self.clock()
         self.liveness.engine_at(delta.seq, now)
         self._pending, self.answers = delta.seq, {}
         return delta.seq
@@ -152,7 +156,7 @@ class EngineSession:
                                       f"{sorted(self.liveness.workers)})")
             else:
                 orphaned_since = None
-            self.service(0.02)
+            self.service(0.02, spin=self.ack_spin - (now - self._step_published))
 
     def wait_set(self, seq: int) -> set[int]:
         alive = self.liveness.alive_ranks()
@@ -184,15 +188,16 @@ class EngineSession:
             self.on_event(event)
 
     # -- servicing ---------------------------------------------------------------------------
-    def service(self, timeout: float) -> None:
-        """One round: heartbeat if due, worker messages, timers."""
+    def service(self, timeout: float, spin: float = 0.0) -> None:
+        """One round: heartbeat if due, worker messages (``spin`` > 0: polled without
+        blocking for up to that long first, at most ``timeout``), timers."""
         now = self.clock()
         if now - self._last_publish >= self.heartbeat_interval:
             epoch, seq, digest = self.mirror.heartbeat_fields()
             self.transport.publish(Heartbeat(epoch=epoch, seq=seq, digest=digest))
             self._last_publish = now
             self.stats["heartbeats"] += 1
-        for identity, msg in self.transport.recv(int(timeout * 1000)):
+        for identity, msg in self.transport.recv(int(timeout * 1000), min(spin, timeout)):
             self._dispatch(identity, msg)
         now = self.clock()
         events = [e for tick in self.ticks for e in tick(now)] + self.liveness.poll(now)
@@ -240,7 +245,10 @@ class EngineSession:
             self._compare(msg)
 
     def _liveness_event(self, event: LivenessEvent) -> None:
-        if isinstance(event, (WorkerDead, WorkerStuck, WorkerJoined)):
+        # A first check-in may arrive after this incarnation was served its snapshot (it
+        # comes on another socket): only an incarnation that replaces a live one is stale.
+        stale = isinstance(event, WorkerJoined) and event.replaces is not None
+        if stale or isinstance(event, (WorkerDead, WorkerStuck)):
             self.joined_at.pop(event.rank, None)
         self.on_event(event)
         if self.strict and isinstance(event, WorkerDead):

@@ -34,7 +34,7 @@ from protocol import codec
 from protocol.errors import MalformedMessage
 from protocol.messages import Message
 from protocol.replies import AnyReply, decode_reply
-from worker_side.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_endpoints
+from worker_side.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_endpoints, spin_poll
 
 log = logging.getLogger("deltacast.engine.transport")
 
@@ -83,6 +83,8 @@ class EngineTransport:
             self.router = self._socket(zmq.ROUTER, keys)
             self.router.maxmsgsize = max_message_bytes
             self.router.bind(ctl_ep)
+            self.poller = zmq.Poller()
+            self.poller.register(self.router, zmq.POLLIN)
         except Exception:
             self.close()
             raise
@@ -131,10 +133,11 @@ class EngineTransport:
                                  "(a subscriber is stalled); do not mutate its tensors") from None
 
     # -- receiving -----------------------------------------------------------------------
-    def recv(self, timeout_ms: int) -> list[tuple[bytes, AnyReply]]:
-        """Worker messages that arrived within ``timeout_ms``, with sender identities."""
+    def recv(self, timeout_ms: int, spin_s: float = 0.0) -> list[tuple[bytes, AnyReply]]:
+        """Worker messages that arrived within ``timeout_ms``, with sender identities;
+        ``spin_s`` as in :meth:`WorkerTransport.recv` (a bounded non-blocking spin first)."""
         out: list[tuple[bytes, AnyReply]] = []
-        if not self.router.poll(timeout_ms):
+        if not (spin_poll(self.poller, spin_s) or self.router.poll(timeout_ms)):
             return out
         for _ in range(_BATCH):
             try:

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("deltacast.worker")
 
+DEFAULT_SPIN_MS = 1000.0  # as vLLM's shm readers (SpinCondition.busy_loop_s)
+_SPIN_SLICE = 0.05  # the loop's timers run at least this often while spinning
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect", required=True, help="engine endpoint: ipc://DIR or "
@@ -58,9 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rcvhwm", type=int, default=1000)
     parser.add_argument("--rcvbuf", type=int, default=-1)
     parser.add_argument("--max-message-bytes", type=int, default=256 << 20)
-    parser.add_argument("--spin-ms", type=float, default=0.0,
-                        help="poll without blocking for this long after each engine message "
-                             "(bounded spin while steps flow; idle workers block)")
+    parser.add_argument("--spin-ms", type=float, default=DEFAULT_SPIN_MS,
+                        help="after each executed step, poll without blocking (yielding the "
+                             "CPU) for up to this long before blocking; 0 = always block. "
+                             "Heartbeats do not extend it: an idle worker blocks")
     parser.add_argument("--ack-only", action="store_true",
                         help="benchmarks: rebuild each request and acknowledge it, no model")
 
@@ -92,6 +96,7 @@ class Worker:
         self._want_snapshot = False
         self._rejoined = False
         self._last_token_seq = -1
+        self._last_step = float("-inf")  # end of the last executed step: starts the spin
         self.counts = {"executed": 0, "resyncs": 0, "recomputed": 0, "rejected": 0}
 
     def status(self) -> CheckIn:
@@ -115,12 +120,11 @@ class Worker:
 
     def _loop(self, started: float) -> int:
         """Receive, feed the replica, act; returns the exit status."""
-        spin, last_heard = self.args.spin_ms / 1e3, float("-inf")
+        spin = self.args.spin_ms / 1e3
         while True:
-            msgs = self.transport.recv(0 if time.monotonic() - last_heard < spin else 50)
+            left = min(spin - (time.monotonic() - self._last_step), _SPIN_SLICE)
+            msgs = self.transport.recv(50, left)
             now = time.monotonic()
-            if msgs:
-                last_heard = now
             for msg in msgs:
                 if self._handle(self._receive(msg, now)):
                     return 0
@@ -158,6 +162,7 @@ class Worker:
                 return True
         if applied and self.replica.state is State.SYNCED:
             self._execute()
+            self._last_step = time.monotonic()
         return False
 
     def _recompute(self) -> None:

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,20 @@ log = logging.getLogger("deltacast.worker.transport")
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 _BATCH = 256  # messages drained per socket per recv() call
 _MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
+
+def spin_poll(poller: zmq.Poller, spin_s: float) -> list[tuple[Any, int]]:
+    """Poll without blocking for up to ``spin_s`` seconds, ``sched_yield`` between polls
+    (a spinning process gives way to runnable ones, e.g. zmq's I/O threads, on a busy
+    CPU).  Returns the ready sockets, or [] when the spin ran out."""
+    if spin_s <= 0:
+        return []
+    deadline = time.perf_counter() + spin_s
+    while True:
+        ready = poller.poll(0)
+        if ready or time.perf_counter() >= deadline:
+            return ready
+        os.sched_yield()
 
 
 def channel_endpoints(endpoint: str) -> tuple[str, str]:
@@ -134,9 +150,12 @@ class WorkerTransport:
             self.keys.apply(sock)
         return sock
 
-    def recv(self, timeout_ms: int) -> list[AnyMessage]:
-        """Messages that arrived within ``timeout_ms`` (SUB first, then DEALER)."""
-        ready = dict(self.poller.poll(timeout_ms))
+    def recv(self, timeout_ms: int, spin_s: float = 0.0) -> list[AnyMessage]:
+        """Messages that arrived within ``timeout_ms`` (SUB first, then DEALER).
+
+        ``spin_s`` > 0: first poll without blocking for up to that long, yielding the
+        CPU between polls (no wake-up latency), then block for ``timeout_ms``."""
+        ready = dict(spin_poll(self.poller, spin_s) or self.poller.poll(timeout_ms))
         out: list[AnyMessage] = []
         for monitor, sock in self.monitors.items():
             if monitor in ready:

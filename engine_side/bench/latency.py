@@ -9,6 +9,9 @@ to "every worker has acknowledged holding the rebuilt request".  Rows follow
 ``decode_us`` = the rest of the round trip (transit, apply, rebuild, ack),
 ``total_us`` = median latency.  Extra keys: ``p99_us``, ``cpu_s_per_step``
 (engine + all workers, from process CPU clocks), ``transport``, ``steps``.
+Both sides wait as in production: workers spin (bounded, ``sched_yield`` between
+polls) for ``--spin-ms`` after each step, the engine for ``--ack-spin-ms`` while it
+waits for acks; 0 makes either block.
 
 Baseline ``vllm-shm`` (only where vLLM is importable): vLLM 0.32's shared-memory
 ``MessageQueue`` broadcasting the pickled ``("execute_model", (SchedulerOutput,),
@@ -39,8 +42,9 @@ from engine_side.bench.rows import Row, dumps, make_row
 from engine_side.liveness import LivenessView
 from engine_side.mirror import EngineMirror
 from engine_side.security import free_tcp_endpoint
-from engine_side.session import EngineSession, WorkersLost
+from engine_side.session import DEFAULT_ACK_SPIN, EngineSession, WorkersLost
 from engine_side.workloads import Workload
+from worker_side.main import DEFAULT_SPIN_MS
 
 SCENARIO = "steady_decode"
 TRANSPORTS = ("ipc", "tcp-curve", "vllm-shm")  # vllm-shm only where vLLM is importable
@@ -52,9 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="latency: comma-separated subset of ipc,tcp-curve,vllm-shm")
     parser.add_argument("--worker-counts", default="1,2,4",
                         help="latency: comma-separated worker counts (default 1,2,4)")
-    parser.add_argument("--spin-ms", type=float, default=0.0,
-                        help="latency: workers' bounded spin after each message (default 0: "
-                             "on 2 cores a spinning worker starves the engine)")
+    parser.add_argument("--spin-ms", type=float, default=DEFAULT_SPIN_MS,
+                        help="latency: workers' bounded spin after each step "
+                             f"(default {DEFAULT_SPIN_MS:g}; 0 = block)")
+    parser.add_argument("--ack-spin-ms", type=float, default=DEFAULT_ACK_SPIN * 1e3,
+                        help="latency: the engine's bounded spin while it waits for acks "
+                             f"(default {DEFAULT_ACK_SPIN * 1e3:g}; 0 = block)")
     parser.add_argument("--soak", type=int, default=0, metavar="STEPS",
                         help="latency: instead, a soak run of STEPS steps with 4 workers, "
                              "random kills and stalls (prints one JSON summary)")
@@ -62,14 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soak-stall-every", type=int, default=7000)
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 @contextmanager
-def _engine(transport: str, workers: int, token_mode: int, spin_ms: float = 0.0) -> Iterator[
-        tuple[EngineSession, list[subprocess.Popen[bytes]]]]:
+def _engine(transport: str, workers: int, token_mode: int, spin: tuple[float, float]
+            ) -> Iterator[tuple[EngineSession, list[subprocess.Popen[bytes]]]]:
     """An engine session with ``workers`` ack-only worker processes joined."""
     from engine_side.security import CurveKeys, generate_keypair, load_keypair
     from engine_side.transport import EngineTransport
@@ -84,10 +91,11 @@ def _engine(transport: str, workers: int, token_mode: int, spin_ms: float = 0.0)
             extra = ["--server-key", str(server_pub), "--secret-key", str(worker_secret)]
             endpoint = free_tcp_endpoint()
         session = EngineSession(EngineTransport(endpoint, keys=keys),
-                                EngineMirror(token_mode=token_mode), LivenessView(dead_after=5.0))
+                                EngineMirror(token_mode=token_mode), LivenessView(dead_after=5.0),
+                                ack_spin=spin[1] / 1e3)
         cmd = [sys.executable, "-m", "worker_side.main", "--ack-only", "--connect",
                session.transport.endpoint, "--engine-timeout", "30",
-               "--spin-ms", str(spin_ms), *extra]
+               "--spin-ms", str(spin[0]), *extra]
         logs = [Path(tmp) / f"worker{r}.log" for r in range(workers)]
         procs = []
         for rank, log in enumerate(logs):
@@ -113,13 +121,14 @@ def _engine(transport: str, workers: int, token_mode: int, spin_ms: float = 0.0)
 
 
 def bench_case(transport: str, workers: int, batch: int, steps: int, seed: int,
-               spin_ms: float = 0.0) -> Row:
+               spin: tuple[float, float] = (DEFAULT_SPIN_MS, DEFAULT_ACK_SPIN * 1e3)) -> Row:
+    """One (transport, workers, batch) row; ``spin`` = (worker, engine ack) spin in ms."""
     workload = Workload(SCENARIO, batch, seed=seed)
-    with _engine(transport, workers, workload.token_mode, spin_ms) as (session, procs):
+    with _engine(transport, workers, workload.token_mode, spin) as (session, procs):
         for req in workload.warmup():
             session.run_step(req)
         requests = [workload.step() for _ in range(steps)]  # generated outside the CPU window
-        cpu0 = time.process_time() + sum(_cpu_seconds(p.pid) for p in procs)
+        cpu0 = time.process_time() + sum(cpu_seconds(p.pid) for p in procs)
         sent: list[int] = []
         latency: list[int] = []
         sizes: list[int] = []
@@ -133,7 +142,7 @@ def bench_case(transport: str, workers: int, batch: int, steps: int, seed: int,
             latency.append(time.perf_counter_ns() - t0)
             sent.append(t1 - t0)
             sizes.append(session.stats["bytes"] - before)
-        cpu = time.process_time() + sum(_cpu_seconds(p.pid) for p in procs) - cpu0
+        cpu = time.process_time() + sum(cpu_seconds(p.pid) for p in procs) - cpu0
     return _latency_row(transport, "deltacast", workers, batch, steps, latency, sent, sizes, cpu)
 
 
@@ -194,7 +203,7 @@ def vllm_cases(workers: int, cases: list[tuple[int, int]], seed: int) -> Iterato
             messages = [rpc_message(convert.convert(workload.step())) for _ in range(steps)]
             sizes = [frames_size(pickle_frames(m)) for m in messages]
             latency, sent = [], []
-            cpu0 = time.process_time() + sum(_cpu_seconds(p.pid) for p in procs)
+            cpu0 = time.process_time() + sum(cpu_seconds(p.pid) for p in procs)
             for message in messages:
                 t0 = time.perf_counter_ns()
                 mq.enqueue(message)
@@ -203,7 +212,7 @@ def vllm_cases(workers: int, cases: list[tuple[int, int]], seed: int) -> Iterato
                     os.read(fd, 1)
                 latency.append(time.perf_counter_ns() - t0)
                 sent.append(t1 - t0)
-            cpu = time.process_time() + sum(_cpu_seconds(p.pid) for p in procs) - cpu0
+            cpu = time.process_time() + sum(cpu_seconds(p.pid) for p in procs) - cpu0
             yield _latency_row("vllm-shm", "vllm_mq_pickle_v1", workers, batch, steps, latency,
                                sent, sizes, cpu)
 
@@ -281,12 +290,13 @@ def run(args: argparse.Namespace) -> int:
               "(run with a Python that has vLLM, e.g. PYTHONPATH=. /path/vllm-venv/bin/python "
               "-m engine_side.cli bench latency)", file=sys.stderr)
         transports.remove("vllm-shm")
-    for transport in transports:
-        for workers in counts:
+    spin = (getattr(args, "spin_ms", DEFAULT_SPIN_MS),
+            getattr(args, "ack_spin_ms", DEFAULT_ACK_SPIN * 1e3))
+    for workers in counts:  # lanes of one worker count run back to back: similar machine load
+        for transport in transports:
             cases = [(b, args.steps or (5 if quick else 200 if b <= 256 else 40)) for b in batches]
             rows = (vllm_cases(workers, cases, args.seed) if transport == "vllm-shm" else
-                    (bench_case(transport, workers, b, n, args.seed, getattr(args, "spin_ms", 0.0))
-                     for b, n in cases))
+                    (bench_case(transport, workers, b, n, args.seed, spin) for b, n in cases))
             for row in rows:
                 print(dumps(row) if args.json else _human(row), flush=True)
     return 0
