@@ -35,7 +35,7 @@ from engine_side.session import DEFAULT_ACK_SPIN, EngineSession
 from protocol.messages import TOKEN_MODE_ENGINE
 from protocol.params import SamplingSpec
 from protocol.request import IntArray
-from worker_side.main import DEFAULT_SPIN_MS
+from worker_side.waiting import DEFAULT_SPIN_MS
 
 if TYPE_CHECKING:  # zmq is imported only when a run starts
     from engine_side.security import CurveKeys

@@ -33,13 +33,13 @@ from protocol.replies import StepResult, pack_tokens
 from worker_side import events as ev
 from worker_side.replica import State, WorkerReplica
 from worker_side.transport import CheckInThread, ClientKeys, WorkerTransport
+from worker_side.waiting import DEFAULT_SPIN_MS
 
 if TYPE_CHECKING:
     from worker_side.runner import ModelRunner
 
 log = logging.getLogger("deltacast.worker")
 
-DEFAULT_SPIN_MS = 1000.0  # as vLLM's shm readers (SpinCondition.busy_loop_s)
 _SPIN_SLICE = 0.05  # the loop's timers run at least this often while spinning
 
 

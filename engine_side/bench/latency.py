@@ -44,7 +44,7 @@ from engine_side.mirror import EngineMirror
 from engine_side.security import free_tcp_endpoint
 from engine_side.session import DEFAULT_ACK_SPIN, EngineSession, WorkersLost
 from engine_side.workloads import Workload
-from worker_side.main import DEFAULT_SPIN_MS
+from worker_side.waiting import DEFAULT_SPIN_MS
 
 SCENARIO = "steady_decode"
 TRANSPORTS = ("ipc", "tcp-curve", "vllm-shm")  # vllm-shm only where vLLM is importable
