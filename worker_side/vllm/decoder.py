@@ -49,6 +49,7 @@ from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
 from protocol.request import ExecuteModelRequest, IntArray, Ragged
 from protocol.state import ReplicaState
 from protocol.tensors import make_enc_hook, make_ext_hook
+from worker_side.vllm.quick import QuickDecoder, plain_body
 
 HISTORY = 8
 _EXT = msgspec.msgpack.Decoder(StepExt)
@@ -87,8 +88,11 @@ class _Tables:
 class SchedulerOutputDecoder:
     """Stateful frames → SchedulerOutput (see the module docstring)."""
 
-    def __init__(self, secret: bytes | None = None, ledger: TokenLedger | None = None) -> None:
+    def __init__(self, secret: bytes | None = None, ledger: TokenLedger | None = None,
+                 fast: bool = True) -> None:
         self.secret = secret
+        self.fast = fast  # False: every step takes the general path (tests compare the two)
+        self.quick = QuickDecoder()
         self.state: ReplicaState | None = None
         self.seq = 0
         self.mem = StepMemory(ledger)
@@ -114,11 +118,23 @@ class SchedulerOutputDecoder:
         if self.state is None:
             self.state = ReplicaState(TOKEN_MODE_WORKER, ext.kv_groups or 1)
         self.state.apply(msg.body, expected_digest=msg.digest)
-        request = self.state.rebuild()
         self.seq = msg.seq
-        self.batches[msg.seq] = request.req_ids
         self.batches.pop(msg.seq - HISTORY, None)
-        return self._scheduler_output(request, ext, opaque)
+        quick = self.quick
+        if self.fast and quick.ready and plain_body(msg.body, ext):
+            blocks = quick.blocks(msg.body)
+            if blocks is not None:
+                self.batches[msg.seq] = quick.batch
+                self._last_lengths = quick.grown_lengths(blocks, self._last_lengths,
+                                                         self.mem.table_len)
+                return quick.scheduler_output(msg.body, ext, blocks)
+        request = self.state.rebuild()
+        self.batches[msg.seq] = request.req_ids
+        so = self._scheduler_output(request, ext, opaque)
+        quick.reset(request.req_ids, self.state.schedule.tolist(),
+                    request.num_computed_tokens.tolist(), so.num_scheduled_tokens,
+                    [self.mem.plen[rid] for rid in request.req_ids], len(request.block_tables))
+        return so
 
     def _scheduler_output(self, r: ExecuteModelRequest, x: StepExt, opaque: dict[str, Any],
                           ) -> Any:
