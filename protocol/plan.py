@@ -148,6 +148,7 @@ class _Planner:
         self.truncated_sums: dict[int, int] = {}  # handle -> digest terms removed
         self.appended: dict[int, tuple[IntArray, IntArray, IntArray]] = {}  # group -> rows
         self.digest = state.digest
+        self.advance: int | None = None  # advance term of a changed nsched (same schedule)
 
     def _own_live(self) -> None:
         if not self._live_owned:
@@ -249,6 +250,8 @@ class _Planner:
     def schedule(self) -> IntArray:
         body, prev = self.body, self.state.schedule
         sched: IntArray
+        if not (body.schedule_full or body.schedule_drop or body.schedule_append or self.reset):
+            return prev  # unchanged and already validated when it was installed
         if body.schedule_full:
             if body.schedule_drop or body.schedule_append:
                 raise self.fail("full schedule combined with schedule edits")
@@ -358,6 +361,8 @@ class _Planner:
                            ("block_append", self.body.block_append)):
             if rows and len(rows) != groups:
                 raise self.fail(f"{name} must have one entry per KV group", groups=groups)
+        if not self.body.block_replace and not self.body.block_append:
+            return [_NO_EDIT] * groups
         edits = []
         for g in range(groups):
             rep = self._block_rows(self.body.block_replace[g] if self.body.block_replace
@@ -394,6 +399,8 @@ class _Planner:
                     app: tuple[IntArray, IntArray, IntArray]) -> BlockEdit:
         rep_hs, rep_counts, rep_values = rep
         app_hs, app_counts, app_values = app
+        if not rep_hs.size and not self.reset and app_values.size <= dg.SMALL:
+            return self._small_append(g, app_hs, app_counts, app_values)
         _, rep_old = self._current(g, rep_hs)
         rep_new = _row_sums(g, rep_hs, np.zeros(rep_hs.size, dtype=np.int64), rep_counts,
                             rep_values)
@@ -413,15 +420,39 @@ class _Planner:
                          np.concatenate([rep_hs[keep], app_hs]),
                          np.concatenate([rep_new[keep], app_new]))
 
+    def _small_append(self, g: int, hs: IntArray, counts: IntArray, values: IntArray,
+                      ) -> BlockEdit:
+        """:meth:`_block_edit` of a few appended blocks and no replacement (Python ints)."""
+        if not hs.size:
+            return _NO_EDIT
+        starts = self.state.blocks[g].lengths[hs]  # live handles: installed, so inside
+        base = self.state.cols.block_sum[g, hs]
+        flat, at, sums = values.tolist(), 0, []
+        for h, start, n in zip(hs.tolist(), starts.tolist(), counts.tolist(), strict=True):
+            sums.append(dg.block_row_sums(h, g, start, flat[at:at + n]))
+            at += n
+        added = np.array(sums, dtype=np.uint64)
+        self.digest = (self.digest + sum(sums)) & dg.MASK
+        self.appended[g] = (hs, counts, values)
+        return BlockEdit(_EMPTY, _EMPTY, _EMPTY, hs, starts, counts, values, hs, base + added)
+
     # -- computed and scheduled token counts -------------------------------------
     def _unchanged_schedule(self, sched: IntArray) -> bool:
         return sched is self.state.schedule and not self.reset
 
     def computed(self, sched: IntArray, added: list[Added]) -> tuple[IntArray, IntArray]:
         cols, prev = self.state.cols, self.state.schedule
-        if self._unchanged_schedule(sched) and self.body.computed_tokens is None:
+        if self._unchanged_schedule(sched):
             self.digest = (self.digest + advance_delta(self.state)) & dg.MASK
-            return sched, cols.computed[sched] + self.state.nsched  # the steady advance
+            new = cols.computed[sched] + self.state.nsched  # the steady advance
+            if self.body.computed_tokens is not None:
+                pos, deltas = self.positions(self.body.computed_tokens, sched, signed=True)
+                new[pos] += deltas
+                if pos.size and new[pos].min() < 0:
+                    raise self.fail("computed tokens would become negative")
+                self.digest = (self.digest + dg.computed_change(sched[pos].tolist(),
+                                                                deltas.tolist())) & dg.MASK
+            return sched, new
         base = np.zeros(self.live.size, dtype=np.int64)
         base[: cols.capacity] = cols.computed[: self.live.size]
         for a in added:
@@ -441,8 +472,10 @@ class _Planner:
 
     def nsched(self, sched: IntArray) -> IntArray:
         cols, state = self.state.cols, self.state
-        if self._unchanged_schedule(sched) and self.body.scheduled_tokens is None:
-            return state.nsched  # repeats: same object, schedule term unchanged
+        if self._unchanged_schedule(sched):
+            if self.body.scheduled_tokens is None:
+                return state.nsched  # repeats: same object, schedule term unchanged
+            return self._changed_nsched(sched)
         cap = cols.capacity
         known = np.zeros(sched.size, dtype=bool)
         inside = sched < cap
@@ -458,6 +491,23 @@ class _Planner:
             old_t = dg.schedule_term(state.schedule, state.nsched)
             new_t = dg.schedule_term(sched, pred)
             self.digest = (self.digest - old_t + new_t) & dg.MASK
+        return pred
+
+    def _changed_nsched(self, sched: IntArray) -> IntArray:
+        """Scheduled counts with exceptions on an unchanged schedule: only the changed
+        positions' schedule terms move; the advance term of the new counts follows."""
+        state = self.state
+        pos, vals = self.positions(self.body.scheduled_tokens, sched, signed=False)
+        old = state.nsched
+        pred = old.copy()
+        pred[pos] = vals
+        pred.flags.writeable = False  # installed as the state's nsched, shared by rebuild
+        moved = pos[old[pos] != vals]
+        hs, before, after = sched[moved].tolist(), old[moved].tolist(), pred[moved].tolist()
+        self.digest = (self.digest + dg.schedule_change(hs, moved.tolist(), before, after)
+                       ) & dg.MASK
+        change = dg.computed_change(hs, [b - a for a, b in zip(before, after, strict=True)])
+        self.advance = (advance_delta(state) + change) & dg.MASK
         return pred
 
     # -- step-only fields ---------------------------------------------------------
@@ -493,6 +543,7 @@ class _Planner:
 
 
 STEADY_BODY = DeltaBody()  # the empty delta: a steady decode step
+_NO_EDIT = BlockEdit(*[_EMPTY] * 8, np.zeros(0, dtype=np.uint64))  # a group left untouched
 
 
 def _read_only(r: Ragged) -> Ragged:
@@ -549,4 +600,5 @@ def prepare(state: ReplicaState, body: DeltaBody) -> Plan:
                 step, p.digest)
     plan.appended = p.appended if not p.reset and not body.block_replace else {}  # type: ignore[attr-defined]
     plan.truncated_sums = p.truncated_sums  # type: ignore[attr-defined]
+    plan.advance = p.advance  # type: ignore[attr-defined]
     return plan

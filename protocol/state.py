@@ -165,6 +165,9 @@ class ReplicaState:
             cols.in_sched[plan.schedule] = True
             cols.last_nsched[plan.schedule] = plan.nsched
             self.schedule, self.nsched = plan.schedule, plan.nsched
+        advance = getattr(plan, "advance", None)
+        if advance is not None:  # the next steady advance, known from the changed counts
+            self._rebuild_cache["advance"] = (self.schedule, self.nsched, advance)
         self.step = plan.step
         self.digest = plan.digest
 

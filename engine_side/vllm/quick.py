@@ -216,7 +216,7 @@ class QuickEncoder:
                 return None
             lengths[i], last = len(toks), i
             flat += toks
-        return Rows(counts=pack_uints(lengths), values=pack_uints(np.asarray(flat) + 1))
+        return Rows(counts=pack_uints(lengths), values=pack_uints([t + 1 for t in flat]))
 
 
 def _plain(so: Any) -> bool:

@@ -17,12 +17,12 @@ import numpy as np
 from engine_side.vllm.quick import Forecast
 from engine_side.vllm.schema import StepExt
 from protocol.messages import DeltaBody, Rows
-from protocol.packing import unpack_sints, unpack_uints
+from protocol.packing import unpack_sint_list, unpack_uint_list
 from protocol.request import IntArray
 
 
 def _ints(packed: bytes) -> list[int]:
-    return unpack_uints(packed).tolist() if packed else []
+    return unpack_uint_list(packed) if packed else []
 
 
 def plain_body(body: DeltaBody, ext: StepExt) -> bool:
@@ -108,7 +108,7 @@ class QuickDecoder:
         comp, outs = fc.take()
         computed = list(comp)
         if rows is not None:
-            deltas = unpack_sints(rows.values).tolist()
+            deltas = unpack_sint_list(rows.values)
             for i, d in zip(_ints(rows.handles), deltas, strict=True):
                 computed[i] += d
             outputs = fc.outputs(computed)
@@ -120,8 +120,7 @@ class QuickDecoder:
             self.nsched = nsched
             fc.restart(list(computed), nsched)
         if ext.out_pos:
-            for i, d in zip(_ints(ext.out_pos), unpack_sints(ext.out_delta).tolist(),
-                            strict=True):
+            for i, d in zip(_ints(ext.out_pos), unpack_sint_list(ext.out_delta), strict=True):
                 outputs[i] += d
         return computed, outputs
 
@@ -143,7 +142,7 @@ class QuickDecoder:
         if rows is None:
             return {}
         lengths = _ints(rows.counts)
-        flat = (unpack_uints(rows.values) - 1).tolist()
+        flat = [t - 1 for t in _ints(rows.values)]
         out, start = {}, 0
         for i in [i for i, n in enumerate(lengths) if n]:
             end = start + lengths[i]
