@@ -231,10 +231,19 @@ class ReplicaState:
                         edit.rep_counts, edit.rep_values)
             table.write(edit.app_handles, edit.app_starts, edit.app_counts, edit.app_values)
             self.cols.block_sum[g, edit.sum_handles] = edit.sums
-            if g in appended and plan.schedule is self.schedule:
-                self._patch_block_cache(g, *appended[g])
+            cached: Any = self._rebuild_cache.get(f"blocks{g}")
+            if g in appended and plan.schedule is self.schedule and cached is not None:
+                # patched when next read (flush_block_patches): most steps never read it
+                self._rebuild_cache.setdefault(f"patches{g}", []).append(appended[g])  # type: ignore[attr-defined]
             else:
                 self._rebuild_cache.pop(f"blocks{g}", None)
+                self._rebuild_cache.pop(f"patches{g}", None)
+
+    def flush_block_patches(self, g: int) -> None:
+        """Apply the appends committed since group ``g``'s flat table cache was last read."""
+        pending: Any = self._rebuild_cache.pop(f"patches{g}", None)
+        for patch in pending or ():
+            self._patch_block_cache(g, *patch)
 
     def _patch_block_cache(self, g: int, hs: IntArray, counts: IntArray,
                            values: IntArray) -> None:
