@@ -135,14 +135,13 @@ def schedule_change(handles: list[int], positions: list[int], old: list[int],
                     new: list[int]) -> int:
     """Digest change of the scheduled counts at ``positions`` going from ``old`` to ``new``."""
     if len(handles) > SMALL:
-        h, pos = _u64(handles), _u64(positions)
-        base = h * _K_SCHED + pos * _K_POS
-        return (total(mix64(base + _u64(new) * _K_TOKEN))
-                - total(mix64(base + _u64(old) * _K_TOKEN))) & MASK
+        keyed = _u64(handles) * _K_SCHED + _u64(positions) * _K_POS
+        return (total(mix64(keyed + _u64(new) * _K_TOKEN))
+                - total(mix64(keyed + _u64(old) * _K_TOKEN))) & MASK
     out = 0
     for h, p, a, b in zip(handles, positions, old, new, strict=True):
-        base = h * _SCHED_I + p * _POS_I
-        out += mix64_int((base + b * _TOKEN_I) & MASK) - mix64_int((base + a * _TOKEN_I) & MASK)
+        key = h * _SCHED_I + p * _POS_I
+        out += mix64_int((key + b * _TOKEN_I) & MASK) - mix64_int((key + a * _TOKEN_I) & MASK)
     return out & MASK
 
 

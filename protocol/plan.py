@@ -543,7 +543,8 @@ class _Planner:
 
 
 STEADY_BODY = DeltaBody()  # the empty delta: a steady decode step
-_NO_EDIT = BlockEdit(*[_EMPTY] * 8, np.zeros(0, dtype=np.uint64))  # a group left untouched
+_NO_EDIT = BlockEdit(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY,
+                     np.zeros(0, dtype=np.uint64))  # a KV group the delta leaves untouched
 
 
 def _read_only(r: Ragged) -> Ragged:

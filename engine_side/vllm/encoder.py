@@ -22,7 +22,7 @@ decoder in order; the transport adds sequencing and resync.
 
 from __future__ import annotations
 
-from itertools import accumulate, chain, compress
+from itertools import accumulate, chain
 from typing import Any
 
 import msgspec
@@ -96,6 +96,7 @@ class SchedulerOutputEncoder:
         self.verify = verify
         self.fast = fast  # False: every step takes the general path (tests compare the two)
         self.quick = QuickEncoder()
+        self.quick_steps = 0  # steps encoded by the same-batch fast path
         self.mirror: EngineMirror | None = None
         self.mem = StepMemory(ledger)
         self.specs: dict[str, RequestSpec] = {}
@@ -127,6 +128,7 @@ class SchedulerOutputEncoder:
         if body is not None:
             delta = self.mirror.apply_body(body)
             self._quick_blocks(so.scheduled_cached_reqs.new_block_ids)
+            self.quick_steps += 1
             batch = self.quick.batch
         else:
             ext: dict[str, Any] = {"kv_groups": self.kv_groups} if self.mirror.seq == 0 else {}
@@ -143,10 +145,10 @@ class SchedulerOutputEncoder:
 
     def _quick_blocks(self, new_blocks: list[Any]) -> None:
         """A same-batch step's appended blocks into the tables (the batch's Ragged is stale)."""
-        if new_blocks.count(None) == len(new_blocks):
+        if not self.quick.grown:
             return
         tables, batch = self.tables, self.quick.batch
-        for k in compress(range(len(new_blocks)), new_blocks):
+        for k in self.quick.grown:
             for row, ids in zip(tables[batch[k]], new_blocks[k], strict=True):
                 row.extend(ids)
         self._last_blocks = None

@@ -102,6 +102,8 @@ class QuickEncoder:
         self.batch: list[str] = []
         self.pos: dict[str, int] = {}
         self.handles: list[int] = []
+        self.index: list[int] = []  # 0..n-1, made once per batch (compress() without range())
+        self.grown: list[int] = []  # positions with new blocks in the last quick step
         self.forecast = Forecast([])
         self.ready = False
 
@@ -110,6 +112,7 @@ class QuickEncoder:
         """After a general step: that step's batch, handles and actual counts."""
         self.batch, self.handles, self.kv_groups = batch, handles, kv_groups
         self.pos = {rid: i for i, rid in enumerate(batch)}
+        self.index = list(range(len(batch)))
         self.forecast = Forecast(plen)
         self.forecast.restart(computed, nsched)
         self.ready = True
@@ -181,7 +184,7 @@ class QuickEncoder:
 
     def _blocks(self, new_blocks: list[Any]) -> tuple[Rows, ...] | None:
         """block_append per KV group (() for none); None when the step needs the general path."""
-        grown = list(compress(range(len(new_blocks)), new_blocks))
+        grown = self.grown = list(compress(self.index, new_blocks))
         if not grown:
             return () if new_blocks.count(None) == len(new_blocks) else None
         if len(grown) + new_blocks.count(None) != len(new_blocks):

@@ -93,6 +93,7 @@ class SchedulerOutputDecoder:
         self.secret = secret
         self.fast = fast  # False: every step takes the general path (tests compare the two)
         self.quick = QuickDecoder()
+        self.quick_steps = 0  # steps answered by the same-batch fast path
         self.state: ReplicaState | None = None
         self.seq = 0
         self.mem = StepMemory(ledger)
@@ -127,6 +128,7 @@ class SchedulerOutputDecoder:
                 self.batches[msg.seq] = quick.batch
                 self._last_lengths = quick.grown_lengths(blocks, self._last_lengths,
                                                          self.mem.table_len)
+                self.quick_steps += 1
                 return quick.scheduler_output(msg.body, ext, blocks)
         request = self.state.rebuild()
         self.batches[msg.seq] = request.req_ids
