@@ -399,8 +399,8 @@ class _Planner:
                     app: tuple[IntArray, IntArray, IntArray]) -> BlockEdit:
         rep_hs, rep_counts, rep_values = rep
         app_hs, app_counts, app_values = app
-        if not rep_hs.size and not self.reset and app_values.size <= dg.SMALL:
-            return self._small_append(g, app_hs, app_counts, app_values)
+        if not rep_hs.size and not self.reset:
+            return self._append_only(g, app_hs, app_counts, app_values)
         _, rep_old = self._current(g, rep_hs)
         rep_new = _row_sums(g, rep_hs, np.zeros(rep_hs.size, dtype=np.int64), rep_counts,
                             rep_values)
@@ -420,19 +420,26 @@ class _Planner:
                          np.concatenate([rep_hs[keep], app_hs]),
                          np.concatenate([rep_new[keep], app_new]))
 
-    def _small_append(self, g: int, hs: IntArray, counts: IntArray, values: IntArray,
-                      ) -> BlockEdit:
-        """:meth:`_block_edit` of a few appended blocks and no replacement (Python ints)."""
+    def _append_only(self, g: int, hs: IntArray, counts: IntArray, values: IntArray,
+                     ) -> BlockEdit:
+        """:meth:`_block_edit` of appends alone to installed rows: Python ints for a few
+        blocks; one digest term per row when every row gets one block (a decode step)."""
         if not hs.size:
             return _NO_EDIT
         starts = self.state.blocks[g].lengths[hs]  # live handles: installed, so inside
         base = self.state.cols.block_sum[g, hs]
-        flat, at, sums = values.tolist(), 0, []
-        for h, start, n in zip(hs.tolist(), starts.tolist(), counts.tolist(), strict=True):
-            sums.append(dg.block_row_sums(h, g, start, flat[at:at + n]))
-            at += n
-        added = np.array(sums, dtype=np.uint64)
-        self.digest = (self.digest + sum(sums)) & dg.MASK
+        if values.size > dg.SMALL:
+            unit = values.size == hs.size and int(counts.min()) == 1
+            added = (dg.block_terms_rows(hs, g, starts, values) if unit
+                     else _row_sums(g, hs, starts, counts, values))
+            self.digest = (self.digest + dg.total(added)) & dg.MASK
+        else:
+            flat, at, sums = values.tolist(), 0, []
+            for h, start, n in zip(hs.tolist(), starts.tolist(), counts.tolist(), strict=True):
+                sums.append(dg.block_row_sums(h, g, start, flat[at:at + n]))
+                at += n
+            added = np.array(sums, dtype=np.uint64)
+            self.digest = (self.digest + sum(sums)) & dg.MASK
         self.appended[g] = (hs, counts, values)
         return BlockEdit(_EMPTY, _EMPTY, _EMPTY, hs, starts, counts, values, hs, base + added)
 

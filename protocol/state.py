@@ -227,8 +227,9 @@ class ReplicaState:
             if not edit.sum_handles.size:
                 continue
             table = self.blocks[g]
-            table.write(edit.rep_handles, np.zeros(edit.rep_handles.size, dtype=np.int64),
-                        edit.rep_counts, edit.rep_values)
+            if edit.rep_handles.size:
+                table.write(edit.rep_handles, np.zeros(edit.rep_handles.size, dtype=np.int64),
+                            edit.rep_counts, edit.rep_values)
             table.write(edit.app_handles, edit.app_starts, edit.app_counts, edit.app_values)
             self.cols.block_sum[g, edit.sum_handles] = edit.sums
             cached: Any = self._rebuild_cache.get(f"blocks{g}")

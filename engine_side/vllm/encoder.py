@@ -127,7 +127,7 @@ class SchedulerOutputEncoder:
         body = self.quick.body(so) if self.fast else None
         if body is not None:
             delta = self.mirror.apply_body(body)
-            self._quick_blocks(so.scheduled_cached_reqs.new_block_ids)
+            self._quick_blocks()
             self.quick_steps += 1
             batch = self.quick.batch
         else:
@@ -143,14 +143,17 @@ class SchedulerOutputEncoder:
         self.batches.pop(delta.seq - HISTORY, None)
         return codec.encode(delta)
 
-    def _quick_blocks(self, new_blocks: list[Any]) -> None:
+    def _quick_blocks(self) -> None:
         """A same-batch step's appended blocks into the tables (the batch's Ragged is stale)."""
-        if not self.quick.grown:
+        quick = self.quick
+        if not quick.grown:
             return
-        tables, batch = self.tables, self.quick.batch
-        for k in self.quick.grown:
-            for row, ids in zip(tables[batch[k]], new_blocks[k], strict=True):
+        tables = self.tables
+        for rid, entry in zip(map(quick.batch.__getitem__, quick.grown), quick.entries,
+                              strict=True):
+            for row, ids in zip(tables[rid], entry, strict=True):
                 row.extend(ids)
+        quick.entries = []  # the SchedulerOutput's own objects: keep no reference
         self._last_blocks = None
 
     def _request(self, so: Any, ext: dict[str, Any]) -> ExecuteModelRequest:

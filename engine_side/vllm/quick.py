@@ -21,7 +21,8 @@ actual lists); :meth:`QuickEncoder.body` keeps no reference to the SchedulerOutp
 
 from __future__ import annotations
 
-from itertools import compress
+from itertools import chain, compress
+from operator import itemgetter
 from typing import Any
 
 import msgspec
@@ -104,6 +105,7 @@ class QuickEncoder:
         self.handles: list[int] = []
         self.index: list[int] = []  # 0..n-1, made once per batch (compress() without range())
         self.grown: list[int] = []  # positions with new blocks in the last quick step
+        self.entries: list[Any] = []  # their new_block_ids entries (read before body returns)
         self.forecast = Forecast([])
         self.ready = False
 
@@ -183,18 +185,28 @@ class QuickEncoder:
         return ext
 
     def _blocks(self, new_blocks: list[Any]) -> tuple[Rows, ...] | None:
-        """block_append per KV group (() for none); None when the step needs the general path."""
+        """block_append per KV group (() for none); None when the step needs the general path.
+        Keeps the grown positions and their entries (:attr:`grown`, :attr:`entries`)."""
         grown = self.grown = list(compress(self.index, new_blocks))
         if not grown:
             return () if new_blocks.count(None) == len(new_blocks) else None
         if len(grown) + new_blocks.count(None) != len(new_blocks):
             return None  # a falsy entry that is not None
+        entries = self.entries = list(map(new_blocks.__getitem__, grown))
         groups = self.kv_groups
+        if groups == 1:  # the common case: C-level maps, no per-row Python
+            if set(map(len, entries)) != {1}:
+                return None
+            ids = list(map(itemgetter(0), entries))
+            if not all(ids):
+                return None
+            return (Rows(handles=pack_uints(list(map(self.handles.__getitem__, grown))),
+                         counts=pack_uints(list(map(len, ids))),
+                         values=pack_uints(list(chain.from_iterable(ids)))),)
         rows: list[list[int]] = [[] for _ in range(groups)]
         counts: list[list[int]] = [[] for _ in range(groups)]
         values: list[list[int]] = [[] for _ in range(groups)]
-        for k in grown:
-            entry = new_blocks[k]
+        for k, entry in zip(grown, entries, strict=True):
             if len(entry) != groups or not any(entry):
                 return None
             for g, ids in enumerate(entry):

@@ -10,6 +10,7 @@ fresh objects.
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -63,7 +64,7 @@ class QuickDecoder:
         out = []
         for rows in body.block_append:
             hs, counts = _ints(rows.handles), _ints(rows.counts)
-            pos = [self.at.get(h, -1) for h in hs]
+            pos = list(map(self.at.get, hs, repeat(-1, len(hs))))
             if -1 in pos or 0 in counts:
                 return None
             out.append((pos, counts, _ints(rows.values)))
@@ -128,6 +129,12 @@ class QuickDecoder:
                     ) -> list[tuple[list[int], ...] | None]:
         out: list[Any] = [None] * len(self.batch)
         groups = self.kv_groups
+        if groups == 1 and blocks:
+            pos, counts, values = blocks[0]
+            if len(values) == len(pos):  # one block per row (counts are >= 1)
+                for i, v in zip(pos, values, strict=True):
+                    out[i] = ([v],)
+                return out
         for g, (pos, counts, values) in enumerate(blocks):
             start = 0
             for i, c in zip(pos, counts, strict=True):
