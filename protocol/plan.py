@@ -382,11 +382,8 @@ class _Planner:
             if self.body.computed_tokens is not None:
                 at, moves = self.exceptions(self.body.computed_tokens, sched.size, True)
                 if at:
-                    new[at] += moves
-                    if new[at].min() < 0:
-                        raise self.fail("computed tokens would become negative")
-                    self.digest = (self.digest + dg.computed_change(sched[at].tolist(),
-                                                                    moves)) & dg.MASK
+                    hs = self._move_computed(new, sched, at, moves)
+                    self.digest = (self.digest + dg.computed_change(hs, moves)) & dg.MASK
             return sched, new
         base = np.zeros(self.live.size, dtype=np.int64)
         base[: cols.capacity] = cols.computed[: self.live.size]
@@ -404,6 +401,25 @@ class _Planner:
         new_t = dg.total(dg.computed_terms(changed, new[changed]))
         self.digest = (self.digest - old_t + new_t) & dg.MASK
         return changed, new[changed]
+
+    def _move_computed(self, new: IntArray, sched: IntArray, at: list[int],
+                       moves: list[int]) -> list[int]:
+        """Add ``moves`` to ``new`` at positions ``at`` (refusing a negative result);
+        returns the handles there."""
+        if len(at) <= dg.SMALL:  # a few items: scalar access beats fancy indexing
+            for i, d in zip(at, moves, strict=True):
+                value = new.item(i) + d
+                if value < 0:
+                    raise self.fail("computed tokens would become negative")
+                if value >> 63:
+                    raise self.fail("computed tokens overflow int64")
+                new[i] = value
+            return [sched.item(i) for i in at]
+        where = np.array(at, dtype=np.int64)
+        new[where] += moves
+        if new[where].min() < 0:
+            raise self.fail("computed tokens would become negative")
+        return sched[where].tolist()  # type: ignore[no-any-return]
 
     def nsched(self, sched: IntArray) -> IntArray:
         cols, state = self.state.cols, self.state
@@ -435,14 +451,9 @@ class _Planner:
         pos, vals = self.exceptions(self.body.scheduled_tokens, sched.size, False)  # type: ignore[arg-type]
         old = state.nsched
         pred = old.copy()
-        olds = old[pos].tolist() if pos else []
-        if pos:
-            pred[pos] = vals
+        moved, before, after = _moved(pred, pos, vals)
         pred.flags.writeable = False  # installed as the state's nsched, shared by rebuild
-        moved = [i for i, a, b in zip(pos, olds, vals, strict=True) if a != b]
-        before = [a for a, b in zip(olds, vals, strict=True) if a != b]
-        after = [b for a, b in zip(olds, vals, strict=True) if a != b]
-        hs = sched[moved].tolist() if moved else []
+        hs = [sched.item(i) for i in moved] if len(moved) <= dg.SMALL else sched[moved].tolist()
         self.digest = (self.digest + dg.schedule_change(hs, moved, before, after)) & dg.MASK
         change = dg.computed_change(hs, [b - a for a, b in zip(before, after, strict=True)])
         self.advance = (advance_delta(state) + change) & dg.MASK
@@ -479,6 +490,26 @@ class _Planner:
             raise self.fail("schedule-aligned rows shape mismatch")
         return _read_only(Ragged(counts, values))
 
+
+
+def _moved(pred: IntArray, pos: list[int], vals: list[int]) -> tuple[list[int], list[int],
+                                                                     list[int]]:
+    """Write ``vals`` into ``pred`` at ``pos``; (positions, old, new) of the values changed."""
+    if len(pos) > dg.SMALL:
+        where, values = np.array(pos, dtype=np.int64), np.array(vals, dtype=np.int64)
+        differs = pred[where] != values
+        moved, before = where[differs], pred[where][differs]
+        pred[where] = values
+        return moved.tolist(), before.tolist(), values[differs].tolist()
+    moved, before, after = [], [], []
+    for i, v in zip(pos, vals, strict=True):  # a few items: scalar access
+        was = pred.item(i)
+        if was != v:
+            moved.append(i)
+            before.append(was)
+            after.append(v)
+            pred[i] = v
+    return moved, before, after
 
 
 def prepare(state: ReplicaState, body: DeltaBody) -> Plan:
