@@ -16,15 +16,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-import numpy.typing as npt
 
 from protocol import digest as dg
 from protocol.errors import InvalidDelta
 from protocol.messages import TOKEN_MODE_ENGINE, DeltaBody, NewRequest, Rows
 from protocol.packing import unpack_sint_list, unpack_sints, unpack_uint_list, unpack_uints
+from protocol.plan_blocks import BlockPlanner
 from protocol.planned import (  # re-exported: the plan's parts live in protocol.planned
     _EMPTY,
-    _NO_EDIT,
     STEADY_BODY,
     Added,
     BlockEdit,
@@ -33,12 +32,11 @@ from protocol.planned import (  # re-exported: the plan's parts live in protocol
     TokenRows,
     _empty_rows,
     _read_only,
-    _row_sums,
     advance_delta,
     encode_spec_for_hash,
     steady_step,
 )
-from protocol.request import IntArray, Ragged, RequestSpec, has_duplicates, member_mask
+from protocol.request import IntArray, Ragged, RequestSpec, has_duplicates
 
 if TYPE_CHECKING:
     from protocol.state import ReplicaState
@@ -51,7 +49,7 @@ def _ints(buf: bytes) -> IntArray:
     return unpack_uints(buf) if buf else _EMPTY
 
 
-class _Planner:
+class _Planner(BlockPlanner):
     """One-shot helper holding the intermediate views of a delta being prepared."""
 
     def __init__(self, state: ReplicaState, body: DeltaBody) -> None:
@@ -280,95 +278,6 @@ class _Planner:
         self.digest = (self.digest + int(cum[-1])) & dg.MASK
         return TokenRows(hs, counts, values, offsets, sums)
 
-    # -- blocks -----------------------------------------------------------------
-    def blocks(self, sched: IntArray) -> list[BlockEdit]:
-        """Per KV group: replacements, then appends, with the digest sums they leave."""
-        groups = self.state.kv_groups
-        for name, rows in (("block_replace", self.body.block_replace),
-                           ("block_append", self.body.block_append)):
-            if rows and len(rows) != groups:
-                raise self.fail(f"{name} must have one entry per KV group", groups=groups)
-        if not self.body.block_replace and not self.body.block_append:
-            return [_NO_EDIT] * groups
-        edits = []
-        for g in range(groups):
-            rep = self._block_rows(self.body.block_replace[g] if self.body.block_replace
-                                   else None, sched, g)
-            app = self._block_rows(self.body.block_append[g] if self.body.block_append
-                                   else None, sched, g)
-            edits.append(self._block_edit(g, rep, app))
-        return edits
-
-    def _block_rows(self, rows: Rows | None, sched: IntArray,
-                    g: int) -> tuple[IntArray, IntArray, IntArray]:
-        if rows is None:
-            return _EMPTY, _EMPTY, _EMPTY
-        hs, counts, values = self.rows(rows, sched)
-        self.check_live(hs, "blocks")
-        if has_duplicates(hs):
-            raise self.fail("block rows repeat a handle", group=g)
-        return hs, counts, values
-
-    def _current(self, g: int, hs: IntArray) -> tuple[IntArray, npt.NDArray[np.uint64]]:
-        """(lengths, digest sums) of rows as the state holds them; reset rows are empty."""
-        table, cols = self.state.blocks[g], self.state.cols
-        lens = np.zeros(hs.size, dtype=np.int64)
-        sums = np.zeros(hs.size, dtype=np.uint64)
-        inside = hs < min(table.lengths.size, cols.capacity)
-        lens[inside] = table.lengths[hs[inside]]
-        sums[inside] = cols.block_sum[g, hs[inside]]
-        if self.reset:
-            fresh = member_mask(hs, self.reset)
-            lens[fresh], sums[fresh] = 0, 0
-        return lens, sums
-
-    def _block_edit(self, g: int, rep: tuple[IntArray, IntArray, IntArray],
-                    app: tuple[IntArray, IntArray, IntArray]) -> BlockEdit:
-        rep_hs, rep_counts, rep_values = rep
-        app_hs, app_counts, app_values = app
-        if not rep_hs.size and not self.reset:
-            return self._append_only(g, app_hs, app_counts, app_values)
-        _, rep_old = self._current(g, rep_hs)
-        rep_new = _row_sums(g, rep_hs, np.zeros(rep_hs.size, dtype=np.int64), rep_counts,
-                            rep_values)
-        starts, app_base = self._current(g, app_hs)
-        if rep_hs.size and app_hs.size:  # appends after a replacement in the same delta
-            where = {h: i for i, h in enumerate(rep_hs.tolist())}
-            for i, h in enumerate(app_hs.tolist()):
-                if h in where:
-                    starts[i], app_base[i] = rep_counts[where[h]], rep_new[where[h]]
-        app_new = app_base + _row_sums(g, app_hs, starts, app_counts, app_values)
-        self.digest = (self.digest + dg.total(rep_new) - dg.total(rep_old)
-                       + dg.total(app_new) - dg.total(app_base)) & dg.MASK
-        if app_hs.size:
-            self.appended[g] = (app_hs, app_counts, app_values)
-        keep = ~member_mask(rep_hs, app_hs) if rep_hs.size else np.ones(0, dtype=bool)
-        return BlockEdit(rep_hs, rep_counts, rep_values, app_hs, starts, app_counts, app_values,
-                         np.concatenate([rep_hs[keep], app_hs]),
-                         np.concatenate([rep_new[keep], app_new]))
-
-    def _append_only(self, g: int, hs: IntArray, counts: IntArray, values: IntArray,
-                     ) -> BlockEdit:
-        """:meth:`_block_edit` of appends alone to installed rows: Python ints for a few
-        blocks; one digest term per row when every row gets one block (a decode step)."""
-        if not hs.size:
-            return _NO_EDIT
-        starts = self.state.blocks[g].lengths[hs]  # live handles: installed, so inside
-        base = self.state.cols.block_sum[g, hs]
-        if values.size > dg.SMALL:
-            unit = values.size == hs.size and int(counts.min()) == 1
-            added = (dg.block_terms_rows(hs, g, starts, values) if unit
-                     else _row_sums(g, hs, starts, counts, values))
-            self.digest = (self.digest + dg.total(added)) & dg.MASK
-        else:
-            flat, at, sums = values.tolist(), 0, []
-            for h, start, n in zip(hs.tolist(), starts.tolist(), counts.tolist(), strict=True):
-                sums.append(dg.block_row_sums(h, g, start, flat[at:at + n]))
-                at += n
-            added = np.array(sums, dtype=np.uint64)
-            self.digest = (self.digest + sum(sums)) & dg.MASK
-        self.appended[g] = (hs, counts, values)
-        return BlockEdit(_EMPTY, _EMPTY, _EMPTY, hs, starts, counts, values, hs, base + added)
 
     # -- computed and scheduled token counts -------------------------------------
     def _unchanged_schedule(self, sched: IntArray) -> bool:

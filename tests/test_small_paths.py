@@ -107,3 +107,31 @@ def test_a_same_schedule_body_is_checked_before_anything_changes() -> None:
     else:
         raise AssertionError("a negative computed count was applied")
     assert state.digest == before == state.recompute_digest()
+
+
+def test_bad_block_appends_are_refused_unchanged() -> None:
+    """The few-appends path keeps the general checks: a handle not live, a repeated
+    handle, a shape mismatch and a count-overflowing exception are all refused."""
+    mirror = EngineMirror()
+    mirror.diff(_request(3, [8] * 3, [1] * 3, [[0], [1], [2]]))
+    state: ReplicaState = mirror.state
+    before = state.digest
+    bad = [Rows(handles=pack_uints([7]), values=pack_uints([5])),
+           Rows(handles=pack_uints([1, 1]), values=pack_uints([5, 6])),
+           Rows(handles=pack_uints([1]), counts=pack_uints([2]), values=pack_uints([5]))]
+    bodies = [DeltaBody(block_append=(rows,)) for rows in bad]
+    bodies.append(DeltaBody(computed_tokens=Rows(handles=pack_uints([0]),
+                                                 values=pack_sints([(1 << 63) - 9]))))
+    for body in bodies:
+        try:
+            state.apply(body)
+        except Exception as exc:  # noqa: BLE001 - the type is checked below
+            assert type(exc).__name__ == "InvalidDelta", exc
+        else:
+            raise AssertionError(f"applied {body}")
+        assert state.digest == before == state.recompute_digest()
+    good = DeltaBody(block_append=(Rows(handles=pack_uints([2, 0]), counts=pack_uints([2, 1]),
+                                        values=pack_uints([9, 10, 11])),))
+    state.apply(good)
+    assert state.digest == state.recompute_digest()
+    assert state.blocks[0][2].tolist() == [2, 9, 10] and state.blocks[0][0].tolist() == [0, 11]
