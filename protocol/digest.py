@@ -150,3 +150,11 @@ def block_row_sums(handle: int, group: int, start: int, blocks: list[int]) -> in
     salt = (handle * _HANDLE_I + ((group * _GROUP_I) & MASK)) & MASK
     return sum(mix64_int((b * _SPEC_I + (start + j) * _POS_I + salt) & MASK)
                for j, b in enumerate(blocks)) & MASK
+
+
+def block_unit_terms(handles: list[int], group: int, positions: list[int],
+                     blocks: list[int]) -> list[int]:
+    """:func:`block_terms_rows` of one block per row (aligned lists, Python ints)."""
+    g = (group * _GROUP_I) & MASK
+    return [mix64_int((b * _SPEC_I + p * _POS_I + h * _HANDLE_I + g) & MASK)
+            for h, p, b in zip(handles, positions, blocks, strict=True)]

@@ -137,10 +137,13 @@ class BlockPlanner:
             return _NO_EDIT
         lengths, block_sum = self.state.blocks[g].lengths, self.state.cols.block_sum
         starts = [lengths.item(h) for h in hs]  # live handles: installed, so inside
-        at, sums = 0, []
-        for h, start, n in zip(hs, starts, counts, strict=True):
-            sums.append(dg.block_row_sums(h, g, start, values[at:at + n]))
-            at += n
+        if len(values) == len(hs) and 0 not in counts:  # one block per row: a term each
+            sums = dg.block_unit_terms(hs, g, starts, values)
+        else:
+            at, sums = 0, []
+            for h, start, n in zip(hs, starts, counts, strict=True):
+                sums.append(dg.block_row_sums(h, g, start, values[at:at + n]))
+                at += n
         self.digest = (self.digest + sum(sums)) & dg.MASK
         ends = [(block_sum.item(g, h) + s) & dg.MASK for h, s in zip(hs, sums, strict=True)]
         hs_a, counts_a = np.array(hs, dtype=np.int64), np.array(counts, dtype=np.int64)

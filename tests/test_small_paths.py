@@ -54,6 +54,7 @@ def test_digest_changes_match_the_numpy_terms(items: list[tuple[int, int, int, i
     if items:
         assert dg.block_row_sums(hs[0], 1, pos[0], new) == dg.total(
             dg.block_terms(hs[0], 1, pos[0], new))
+    assert dg.block_unit_terms(hs, 2, pos, new) == dg.block_terms_rows(hs, 2, pos, new).tolist()
 
 
 def _request(n: int, computed: list[int], nsched: list[int],
