@@ -161,8 +161,10 @@ class ReplicaState:
         if plan.schedule is not self.schedule or plan.nsched is not self.nsched:
             if plan.schedule is not self.schedule:
                 self._rebuild_cache.pop("schedule", None)
-            cols.in_sched[self.schedule] = False
-            cols.in_sched[plan.schedule] = True
+            if plan.schedule is not self.schedule or plan.added or plan.finished.size:
+                # (else the same schedule of the same handles: membership holds)
+                cols.in_sched[self.schedule] = False
+                cols.in_sched[plan.schedule] = True
             cols.last_nsched[plan.schedule] = plan.nsched
             self.schedule, self.nsched = plan.schedule, plan.nsched
         advance = getattr(plan, "advance", None)
