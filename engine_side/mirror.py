@@ -28,7 +28,7 @@ import numpy as np
 
 from engine_side.diffing import DiffContext, _same_specs
 from protocol.errors import LocalProtocolError
-from protocol.messages import TOKEN_MODE_WORKER, Delta, Snapshot
+from protocol.messages import TOKEN_MODE_WORKER, Delta, DeltaBody, Snapshot
 from protocol.plan import STEADY_BODY
 from protocol.request import (
     ExecuteModelRequest,
@@ -110,6 +110,21 @@ class EngineMirror:
         if self._steady_ok and self._is_steady(request):
             return self._advance(request)
         return self._diff(request)
+
+    def apply_body(self, body: DeltaBody) -> Delta:
+        """The Delta of a body the caller built against the current schedule itself (an
+        adapter's fast path: no adds, finishes or schedule edits); advances the mirror.
+
+        Raises InvalidDelta (mirror unchanged) when the body does not apply.
+        """
+        if body is STEADY_BODY:
+            self.state.advance()
+        else:
+            self.state.apply(body)
+            if body.block_append or body.block_replace:
+                self._last_tables = ()  # the last request's tables are stale now
+        self.seq += 1
+        return Delta(self.epoch, self.seq, self.state.digest, body)
 
     def _diff(self, request: ExecuteModelRequest) -> Delta:
         ctx = DiffContext(self, request)

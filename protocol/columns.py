@@ -129,6 +129,10 @@ class BlockTable:
             return
         ends = starts + counts
         self.ensure(int(handles.max()), int(ends.max()))
+        if values.size == handles.size and int(counts.min()) == 1:  # one block per row
+            self.table[handles, starts] = values
+            self.lengths[handles] = ends
+            return
         row = np.repeat(np.arange(handles.size), counts)
         offsets = np.cumsum(counts) - counts
         self.table[handles[row], starts[row] + np.arange(values.size) - offsets[row]] = values

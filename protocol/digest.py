@@ -98,3 +98,63 @@ def schedule_term(handles: npt.ArrayLike, num_scheduled: npt.ArrayLike) -> int:
     h = _u64(handles)
     pos = np.arange(h.size, dtype=np.uint64)
     return total(mix64(h * _K_SCHED + pos * _K_POS + _u64(num_scheduled) * _K_TOKEN))
+
+
+# -- the same terms on Python ints, for the few items of a common step ---------------------
+# (each numpy call costs a microsecond or more; a handful of items is cheaper in Python)
+SMALL = 32  # at most this many items: Python ints
+
+_M1I, _M2I = int(_M1), int(_M2)
+_SPEC_I, _COMP_I, _POS_I = int(_K_SPEC), int(_K_COMP), int(_K_POS)
+_HANDLE_I, _GROUP_I = int(_K_HANDLE), int(_K_GROUP)
+_SCHED_I, _TOKEN_I = int(_K_SCHED), int(_K_TOKEN)
+
+
+def mix64_int(z: int) -> int:
+    """:func:`mix64` of one value < 2**64."""
+    z ^= z >> 30
+    z = (z * _M1I) & MASK
+    z ^= z >> 27
+    z = (z * _M2I) & MASK
+    return z ^ (z >> 31)
+
+
+def handle_key_int(h: int) -> int:
+    return mix64_int((h * _COMP_I + _HANDLE_I) & MASK) | 1
+
+
+def computed_change(handles: list[int], deltas: list[int]) -> int:
+    """Digest change of adding ``deltas`` to the computed counts of ``handles``."""
+    if len(handles) > SMALL:
+        d = np.asarray(deltas, dtype=np.int64).astype(np.uint64)
+        return total(d * handle_keys(handles))
+    return sum(d * handle_key_int(h) for h, d in zip(handles, deltas, strict=True)) & MASK
+
+
+def schedule_change(handles: list[int], positions: list[int], old: list[int],
+                    new: list[int]) -> int:
+    """Digest change of the scheduled counts at ``positions`` going from ``old`` to ``new``."""
+    if len(handles) > SMALL:
+        keyed = _u64(handles) * _K_SCHED + _u64(positions) * _K_POS
+        return (total(mix64(keyed + _u64(new) * _K_TOKEN))
+                - total(mix64(keyed + _u64(old) * _K_TOKEN))) & MASK
+    out = 0
+    for h, p, a, b in zip(handles, positions, old, new, strict=True):
+        key = h * _SCHED_I + p * _POS_I
+        out += mix64_int((key + b * _TOKEN_I) & MASK) - mix64_int((key + a * _TOKEN_I) & MASK)
+    return out & MASK
+
+
+def block_row_sums(handle: int, group: int, start: int, blocks: list[int]) -> int:
+    """Sum of :func:`block_terms` of one row's ``blocks`` at ``start..`` (Python ints)."""
+    salt = (handle * _HANDLE_I + ((group * _GROUP_I) & MASK)) & MASK
+    return sum(mix64_int((b * _SPEC_I + (start + j) * _POS_I + salt) & MASK)
+               for j, b in enumerate(blocks)) & MASK
+
+
+def block_unit_terms(handles: list[int], group: int, positions: list[int],
+                     blocks: list[int]) -> list[int]:
+    """:func:`block_terms_rows` of one block per row (aligned lists, Python ints)."""
+    g = (group * _GROUP_I) & MASK
+    return [mix64_int((b * _SPEC_I + p * _POS_I + h * _HANDLE_I + g) & MASK)
+            for h, p, b in zip(handles, positions, blocks, strict=True)]

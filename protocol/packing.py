@@ -52,8 +52,33 @@ def read_leb128(buf: bytes | memoryview, pos: int, what: str = "packed array") -
             return value, pos
 
 
+SMALL = 64  # lists up to this long are packed and unpacked with Python ints (no numpy call)
+
+
+def _pack_list(values: list[int]) -> bytes | None:
+    """:func:`pack_uints` of a short list of Python ints (None: not such a list)."""
+    if not values:
+        return b"\x00\x00"
+    if min(values) < 0:
+        raise ValueError("pack_uints takes non-negative values; use pack_sints")
+    width = max(values).bit_length()
+    if width > _MAX_WIDTH:
+        return None
+    head = bytes((width, len(values)))  # one LEB128 byte: len(values) <= SMALL < 128
+    if width == 0:
+        return head
+    acc = 0
+    for v in reversed(values):  # value i at bits i*width.. (little-endian bit order)
+        acc = (acc << width) | v
+    return head + acc.to_bytes((len(values) * width + 7) // 8, "little")
+
+
 def pack_uints(values: npt.ArrayLike) -> bytes:
     """Pack non-negative integers at the minimal common bit width."""
+    if type(values) is list and len(values) <= SMALL and all(type(v) is int for v in values):
+        packed = _pack_list(values)
+        if packed is not None:
+            return packed
     arr = np.asarray(values)
     if arr.size and arr.min() < 0:
         raise ValueError("pack_uints takes non-negative values; use pack_sints")
@@ -76,10 +101,39 @@ def unpack_uints(buf: bytes, *, limit: int = 1 << 26) -> npt.NDArray[np.int64]:
     not fit int64, or a count over ``limit`` (a guard against a hostile count
     allocating unbounded memory).
     """
+    short = _raw_list(buf)
+    if short is not None:
+        if short and buf[0] == 64 and max(short) > _INT64_MAX:
+            raise MalformedMessage("packed value does not fit int64")
+        return np.array(short, dtype=np.int64)
     raw = _unpack_raw(buf, limit)
     if raw.dtype == np.uint64 and raw.size and int(raw.max()) > _INT64_MAX:
         raise MalformedMessage("packed value does not fit int64")
     return raw.astype(np.int64)
+
+
+def _raw_list(buf: bytes) -> list[int] | None:
+    """The raw values of a short packed array as Python ints (None: not short)."""
+    if len(buf) < 2 or buf[1] > SMALL or buf[0] > _MAX_WIDTH:
+        return None
+    width, count = buf[0], buf[1]
+    need = (count * width + 7) // 8
+    if len(buf) - 2 != need:
+        raise MalformedMessage("packed array length mismatch", expected=need, got=len(buf) - 2)
+    if width == 0:
+        return [0] * count
+    acc, mask = int.from_bytes(buf[2:], "little"), (1 << width) - 1
+    return [(acc >> (i * width)) & mask for i in range(count)]
+
+
+def unpack_uint_list(buf: bytes, *, limit: int = 1 << 26) -> list[int]:
+    """:func:`unpack_uints` as a list of Python ints (short arrays without numpy)."""
+    out = _raw_list(buf)
+    if out is None:
+        return unpack_uints(buf, limit=limit).tolist()  # type: ignore[no-any-return]
+    if out and buf[0] == 64 and max(out) > _INT64_MAX:
+        raise MalformedMessage("packed value does not fit int64")
+    return out
 
 
 def _unpack_raw(buf: bytes, limit: int) -> npt.NDArray[np.uint64] | npt.NDArray[np.int64]:
@@ -106,12 +160,30 @@ def _unpack_raw(buf: bytes, limit: int) -> npt.NDArray[np.uint64] | npt.NDArray[
 
 def pack_sints(values: npt.ArrayLike) -> bytes:
     """Pack signed integers (zig-zag mapped) at the minimal bit width."""
+    if (type(values) is list and len(values) <= SMALL
+            and all(type(v) is int and -_INT64_MAX - 1 <= v <= _INT64_MAX for v in values)):
+        return pack_uints([v << 1 if v >= 0 else (-v << 1) - 1 for v in values])
     arr = np.asarray(values, dtype=np.int64).ravel()
     return pack_uints(((arr << 1) ^ (arr >> 63)).view(np.uint64))
 
 
 def unpack_sints(buf: bytes) -> npt.NDArray[np.int64]:
     """Inverse of :func:`pack_sints`."""
+    short = _raw_list(buf)
+    if short is None:
+        return _unpack_sints(buf)
+    return np.array([v >> 1 if not v & 1 else -(v >> 1) - 1 for v in short], dtype=np.int64)
+
+
+def unpack_sint_list(buf: bytes) -> list[int]:
+    """:func:`unpack_sints` as a list of Python ints."""
+    raw = _raw_list(buf)
+    if raw is None:
+        return _unpack_sints(buf).tolist()  # type: ignore[no-any-return]
+    return [v >> 1 if not v & 1 else -(v >> 1) - 1 for v in raw]
+
+
+def _unpack_sints(buf: bytes) -> npt.NDArray[np.int64]:
     z = _unpack_raw(buf, 1 << 26).astype(np.uint64)
     return ((z >> np.uint64(1)).view(np.int64)) ^ -((z & np.uint64(1)).view(np.int64))
 

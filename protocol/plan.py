@@ -13,129 +13,43 @@ exceptions, scheduled-token prediction and exceptions, step-only fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
-import msgspec
 import numpy as np
-import numpy.typing as npt
 
 from protocol import digest as dg
 from protocol.errors import InvalidDelta
 from protocol.messages import TOKEN_MODE_ENGINE, DeltaBody, NewRequest, Rows
-from protocol.packing import unpack_sints, unpack_uints
-from protocol.request import IntArray, Ragged, RequestSpec, has_duplicates, member_mask
+from protocol.packing import unpack_sint_list, unpack_sints, unpack_uint_list, unpack_uints
+from protocol.plan_blocks import BlockPlanner
+from protocol.planned import (  # re-exported: the plan's parts live in protocol.planned
+    _EMPTY,
+    STEADY_BODY,
+    Added,
+    BlockEdit,
+    Plan,
+    StepInfo,
+    TokenRows,
+    _empty_rows,
+    _read_only,
+    advance_delta,
+    encode_spec_for_hash,
+    steady_step,
+)
+from protocol.request import IntArray, Ragged, RequestSpec, has_duplicates
 
 if TYPE_CHECKING:
     from protocol.state import ReplicaState
 
-_EMPTY = np.zeros(0, dtype=np.int64)
-
-
-@dataclass
-class StepInfo:
-    """Step-only content of the last applied delta (not part of the replicated state)."""
-
-    finished_ids: frozenset[str] = frozenset()
-    preempted: IntArray = field(default_factory=lambda: _EMPTY)
-    resumed: IntArray = field(default_factory=lambda: _EMPTY)
-    spec_tokens: Ragged = field(default_factory=lambda: Ragged.empty(0))
-    encoder_inputs: Ragged = field(default_factory=lambda: Ragged.empty(0))
-    free_encoder_mm_hashes: tuple[str, ...] = ()
-    blocks_to_zero: IntArray | None = None
-    has_structured_output: bool = False
-    pending_structured_output: bool = False
-    num_spec_tokens_to_schedule: int = 0
-    extension: dict[str, bytes] = field(default_factory=dict)
-
-
-@dataclass
-class Added:
-    handle: int
-    spec: RequestSpec
-    spec_hash: int
-    computed: int
-    tokens: IntArray | None
-
-
-@dataclass
-class TokenRows:
-    """Token appends of a delta, decoded: rows ``handles`` get ``values[offsets[i]:
-    offsets[i+1]]``; ``sums`` are each row's digest terms."""
-
-    handles: IntArray
-    counts: IntArray
-    values: IntArray
-    offsets: IntArray
-    sums: npt.NDArray[np.uint64]
-
-
-@dataclass
-class BlockEdit:
-    """One KV group's block changes: whole-row replacements, then appends at ``starts``;
-    ``sum_handles``/``sums`` are the digest sums the touched rows end with."""
-
-    rep_handles: IntArray
-    rep_counts: IntArray
-    rep_values: IntArray
-    app_handles: IntArray
-    app_starts: IntArray
-    app_counts: IntArray
-    app_values: IntArray
-    sum_handles: IntArray
-    sums: npt.NDArray[np.uint64]
-
-
-def _row_sums(g: int, hs: IntArray, starts: IntArray, counts: IntArray,
-              values: IntArray) -> npt.NDArray[np.uint64]:
-    """Per-row sums of the block digest terms of ``values`` placed at ``starts``."""
-    if not hs.size:
-        return np.zeros(0, dtype=np.uint64)
-    offsets = np.zeros(hs.size + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    row = np.repeat(np.arange(hs.size), counts)
-    pos = starts[row] + (np.arange(values.size) - offsets[row])
-    cum = np.zeros(values.size + 1, dtype=np.uint64)
-    np.cumsum(dg.block_terms_rows(hs[row], g, pos, values), out=cum[1:])
-    return cum[offsets[1:]] - cum[offsets[:-1]]
-
-
-@dataclass
-class Plan:
-    """Everything a delta changes, decoded and checked; ``digest`` is the result."""
-
-    finished: IntArray
-    added: list[Added]
-    schedule: IntArray
-    nsched: IntArray
-    truncate: dict[int, int]
-    token_rows: TokenRows | None
-    blocks: list[BlockEdit]
-    computed_handles: IntArray
-    computed_values: IntArray
-    step: StepInfo
-    digest: int = 0
+__all__ = ["STEADY_BODY", "Added", "BlockEdit", "Plan", "StepInfo", "TokenRows",
+           "advance_delta", "encode_spec_for_hash", "prepare", "steady_step"]
 
 
 def _ints(buf: bytes) -> IntArray:
     return unpack_uints(buf) if buf else _EMPTY
 
 
-def encode_spec_for_hash(spec: RequestSpec) -> bytes:
-    """Canonical bytes of a request's static data (the input of its digest term)."""
-    prompt = b"" if spec.prompt_token_ids is None else spec.prompt_token_ids.tobytes()
-    embeds = b""
-    if spec.prompt_embeds is not None:
-        from protocol.tensors import tensor_bytes
-
-        embeds = tensor_bytes(spec.prompt_embeds)
-    meta = (spec.req_id, spec.sampling, spec.pooling, spec.lora,
-            [(f.modality, f.identifier, f.offset, f.length, f.mm_hash) for f in spec.mm_features],
-            spec.prompt_is_token_ids, spec.prompt_token_ids is None)
-    return msgspec.msgpack.encode(meta) + prompt + embeds
-
-
-class _Planner:
+class _Planner(BlockPlanner):
     """One-shot helper holding the intermediate views of a delta being prepared."""
 
     def __init__(self, state: ReplicaState, body: DeltaBody) -> None:
@@ -148,6 +62,7 @@ class _Planner:
         self.truncated_sums: dict[int, int] = {}  # handle -> digest terms removed
         self.appended: dict[int, tuple[IntArray, IntArray, IntArray]] = {}  # group -> rows
         self.digest = state.digest
+        self.advance: int | None = None  # advance term of a changed nsched (same schedule)
 
     def _own_live(self) -> None:
         if not self._live_owned:
@@ -249,6 +164,8 @@ class _Planner:
     def schedule(self) -> IntArray:
         body, prev = self.body, self.state.schedule
         sched: IntArray
+        if not (body.schedule_full or body.schedule_drop or body.schedule_append or self.reset):
+            return prev  # unchanged and already validated when it was installed
         if body.schedule_full:
             if body.schedule_drop or body.schedule_append:
                 raise self.fail("full schedule combined with schedule edits")
@@ -291,6 +208,17 @@ class _Planner:
         if pos.size != vals.size or (pos.size and pos.max() >= sched.size):
             raise self.fail("exception positions out of range")
         if has_duplicates(pos):
+            raise self.fail("exception positions repeat")
+        return pos, vals
+
+    def exceptions(self, rows: Rows, n: int, signed: bool) -> tuple[list[int], list[int]]:
+        """:meth:`positions` as Python lists (the same checks), against ``n`` positions."""
+        pos = unpack_uint_list(rows.handles) if rows.handles else []
+        vals = (unpack_sint_list(rows.values) if signed
+                else unpack_uint_list(rows.values) if rows.values else [])
+        if len(pos) != len(vals) or (pos and max(pos) >= n):
+            raise self.fail("exception positions out of range")
+        if len(set(pos)) != len(pos):
             raise self.fail("exception positions repeat")
         return pos, vals
 
@@ -350,68 +278,6 @@ class _Planner:
         self.digest = (self.digest + int(cum[-1])) & dg.MASK
         return TokenRows(hs, counts, values, offsets, sums)
 
-    # -- blocks -----------------------------------------------------------------
-    def blocks(self, sched: IntArray) -> list[BlockEdit]:
-        """Per KV group: replacements, then appends, with the digest sums they leave."""
-        groups = self.state.kv_groups
-        for name, rows in (("block_replace", self.body.block_replace),
-                           ("block_append", self.body.block_append)):
-            if rows and len(rows) != groups:
-                raise self.fail(f"{name} must have one entry per KV group", groups=groups)
-        edits = []
-        for g in range(groups):
-            rep = self._block_rows(self.body.block_replace[g] if self.body.block_replace
-                                   else None, sched, g)
-            app = self._block_rows(self.body.block_append[g] if self.body.block_append
-                                   else None, sched, g)
-            edits.append(self._block_edit(g, rep, app))
-        return edits
-
-    def _block_rows(self, rows: Rows | None, sched: IntArray,
-                    g: int) -> tuple[IntArray, IntArray, IntArray]:
-        if rows is None:
-            return _EMPTY, _EMPTY, _EMPTY
-        hs, counts, values = self.rows(rows, sched)
-        self.check_live(hs, "blocks")
-        if has_duplicates(hs):
-            raise self.fail("block rows repeat a handle", group=g)
-        return hs, counts, values
-
-    def _current(self, g: int, hs: IntArray) -> tuple[IntArray, npt.NDArray[np.uint64]]:
-        """(lengths, digest sums) of rows as the state holds them; reset rows are empty."""
-        table, cols = self.state.blocks[g], self.state.cols
-        lens = np.zeros(hs.size, dtype=np.int64)
-        sums = np.zeros(hs.size, dtype=np.uint64)
-        inside = hs < min(table.lengths.size, cols.capacity)
-        lens[inside] = table.lengths[hs[inside]]
-        sums[inside] = cols.block_sum[g, hs[inside]]
-        if self.reset:
-            fresh = member_mask(hs, self.reset)
-            lens[fresh], sums[fresh] = 0, 0
-        return lens, sums
-
-    def _block_edit(self, g: int, rep: tuple[IntArray, IntArray, IntArray],
-                    app: tuple[IntArray, IntArray, IntArray]) -> BlockEdit:
-        rep_hs, rep_counts, rep_values = rep
-        app_hs, app_counts, app_values = app
-        _, rep_old = self._current(g, rep_hs)
-        rep_new = _row_sums(g, rep_hs, np.zeros(rep_hs.size, dtype=np.int64), rep_counts,
-                            rep_values)
-        starts, app_base = self._current(g, app_hs)
-        if rep_hs.size and app_hs.size:  # appends after a replacement in the same delta
-            where = {h: i for i, h in enumerate(rep_hs.tolist())}
-            for i, h in enumerate(app_hs.tolist()):
-                if h in where:
-                    starts[i], app_base[i] = rep_counts[where[h]], rep_new[where[h]]
-        app_new = app_base + _row_sums(g, app_hs, starts, app_counts, app_values)
-        self.digest = (self.digest + dg.total(rep_new) - dg.total(rep_old)
-                       + dg.total(app_new) - dg.total(app_base)) & dg.MASK
-        if app_hs.size:
-            self.appended[g] = (app_hs, app_counts, app_values)
-        keep = ~member_mask(rep_hs, app_hs) if rep_hs.size else np.ones(0, dtype=bool)
-        return BlockEdit(rep_hs, rep_counts, rep_values, app_hs, starts, app_counts, app_values,
-                         np.concatenate([rep_hs[keep], app_hs]),
-                         np.concatenate([rep_new[keep], app_new]))
 
     # -- computed and scheduled token counts -------------------------------------
     def _unchanged_schedule(self, sched: IntArray) -> bool:
@@ -419,9 +285,15 @@ class _Planner:
 
     def computed(self, sched: IntArray, added: list[Added]) -> tuple[IntArray, IntArray]:
         cols, prev = self.state.cols, self.state.schedule
-        if self._unchanged_schedule(sched) and self.body.computed_tokens is None:
+        if self._unchanged_schedule(sched):
             self.digest = (self.digest + advance_delta(self.state)) & dg.MASK
-            return sched, cols.computed[sched] + self.state.nsched  # the steady advance
+            new = cols.computed[sched] + self.state.nsched  # the steady advance
+            if self.body.computed_tokens is not None:
+                at, moves = self.exceptions(self.body.computed_tokens, sched.size, True)
+                if at:
+                    hs = self._move_computed(new, sched, at, moves)
+                    self.digest = (self.digest + dg.computed_change(hs, moves)) & dg.MASK
+            return sched, new
         base = np.zeros(self.live.size, dtype=np.int64)
         base[: cols.capacity] = cols.computed[: self.live.size]
         for a in added:
@@ -439,10 +311,31 @@ class _Planner:
         self.digest = (self.digest - old_t + new_t) & dg.MASK
         return changed, new[changed]
 
+    def _move_computed(self, new: IntArray, sched: IntArray, at: list[int],
+                       moves: list[int]) -> list[int]:
+        """Add ``moves`` to ``new`` at positions ``at`` (refusing a negative result);
+        returns the handles there."""
+        if len(at) <= dg.SMALL:  # a few items: scalar access beats fancy indexing
+            for i, d in zip(at, moves, strict=True):
+                value = new.item(i) + d
+                if value < 0:
+                    raise self.fail("computed tokens would become negative")
+                if value >> 63:
+                    raise self.fail("computed tokens overflow int64")
+                new[i] = value
+            return [sched.item(i) for i in at]
+        where = np.array(at, dtype=np.int64)
+        new[where] += moves
+        if new[where].min() < 0:
+            raise self.fail("computed tokens would become negative")
+        return sched[where].tolist()  # type: ignore[no-any-return]
+
     def nsched(self, sched: IntArray) -> IntArray:
         cols, state = self.state.cols, self.state
-        if self._unchanged_schedule(sched) and self.body.scheduled_tokens is None:
-            return state.nsched  # repeats: same object, schedule term unchanged
+        if self._unchanged_schedule(sched):
+            if self.body.scheduled_tokens is None:
+                return state.nsched  # repeats: same object, schedule term unchanged
+            return self._changed_nsched(sched)
         cap = cols.capacity
         known = np.zeros(sched.size, dtype=bool)
         inside = sched < cap
@@ -458,6 +351,21 @@ class _Planner:
             old_t = dg.schedule_term(state.schedule, state.nsched)
             new_t = dg.schedule_term(sched, pred)
             self.digest = (self.digest - old_t + new_t) & dg.MASK
+        return pred
+
+    def _changed_nsched(self, sched: IntArray) -> IntArray:
+        """Scheduled counts with exceptions on an unchanged schedule: only the changed
+        positions' schedule terms move; the advance term of the new counts follows."""
+        state = self.state
+        pos, vals = self.exceptions(self.body.scheduled_tokens, sched.size, False)  # type: ignore[arg-type]
+        old = state.nsched
+        pred = old.copy()
+        moved, before, after = _moved(pred, pos, vals)
+        pred.flags.writeable = False  # installed as the state's nsched, shared by rebuild
+        hs = [sched.item(i) for i in moved] if len(moved) <= dg.SMALL else sched[moved].tolist()
+        self.digest = (self.digest + dg.schedule_change(hs, moved, before, after)) & dg.MASK
+        change = dg.computed_change(hs, [b - a for a, b in zip(before, after, strict=True)])
+        self.advance = (advance_delta(state) + change) & dg.MASK
         return pred
 
     # -- step-only fields ---------------------------------------------------------
@@ -487,48 +395,31 @@ class _Planner:
             raise self.fail("schedule-aligned rows must not name handles")
         counts = _ints(rows.counts)
         values = _ints(rows.values)
-        if counts.size != sched.size or int(counts.sum()) != values.size:
+        # np.add.reduce: counts.sum() adds a Python-level wrapper (a microsecond a call)
+        if counts.size != sched.size or int(np.add.reduce(counts)) != values.size:
             raise self.fail("schedule-aligned rows shape mismatch")
         return _read_only(Ragged(counts, values))
 
 
-STEADY_BODY = DeltaBody()  # the empty delta: a steady decode step
 
-
-def _read_only(r: Ragged) -> Ragged:
-    """Freeze a Ragged's arrays: rebuilt requests share them instead of copying."""
-    r.lengths.flags.writeable = r.values.flags.writeable = False
-    return r
-
-
-def _empty_rows(state: ReplicaState, n: int) -> Ragged:
-    """A shared, read-only all-empty Ragged of ``n`` rows (handed out by rebuild as is)."""
-    key = ("empty_rows", n)
-    cached = state._rebuild_cache.get(key)  # type: ignore[call-overload]
-    if cached is None:
-        cached = _read_only(Ragged.empty(n))
-        state._rebuild_cache[key] = cached  # type: ignore[index]
-    return cast(Ragged, cached)
-
-
-def advance_delta(state: ReplicaState) -> int:
-    """Digest change of advancing every scheduled request by its scheduled count (cached)."""
-    key = state._rebuild_cache.get("advance")
-    if key is None or key[0] is not state.schedule or key[1] is not state.nsched:  # type: ignore[index]
-        delta = dg.total(dg.computed_terms(state.schedule, state.nsched))
-        key = (state.schedule, state.nsched, delta)
-        state._rebuild_cache["advance"] = key
-    return key[2]  # type: ignore[index,no-any-return]
-
-
-def steady_step(state: ReplicaState) -> StepInfo:
-    """The (shared, cached) step-only fields of an empty delta: all empty."""
-    step: Any = state._rebuild_cache.get("steady_step")
-    if step is None or step.spec_tokens.lengths.size != state.schedule.size:
-        empty = _empty_rows(state, state.schedule.size)
-        step = StepInfo(spec_tokens=empty, encoder_inputs=empty)
-        state._rebuild_cache["steady_step"] = step
-    return cast(StepInfo, step)
+def _moved(pred: IntArray, pos: list[int], vals: list[int]) -> tuple[list[int], list[int],
+                                                                     list[int]]:
+    """Write ``vals`` into ``pred`` at ``pos``; (positions, old, new) of the values changed."""
+    if len(pos) > dg.SMALL:
+        where, values = np.array(pos, dtype=np.int64), np.array(vals, dtype=np.int64)
+        differs = pred[where] != values
+        moved, before = where[differs], pred[where][differs]
+        pred[where] = values
+        return moved.tolist(), before.tolist(), values[differs].tolist()
+    moved, before, after = [], [], []
+    for i, v in zip(pos, vals, strict=True):  # a few items: scalar access
+        was = pred.item(i)
+        if was != v:
+            moved.append(i)
+            before.append(was)
+            after.append(v)
+            pred[i] = v
+    return moved, before, after
 
 
 def prepare(state: ReplicaState, body: DeltaBody) -> Plan:
@@ -549,4 +440,5 @@ def prepare(state: ReplicaState, body: DeltaBody) -> Plan:
                 step, p.digest)
     plan.appended = p.appended if not p.reset and not body.block_replace else {}  # type: ignore[attr-defined]
     plan.truncated_sums = p.truncated_sums  # type: ignore[attr-defined]
+    plan.advance = p.advance  # type: ignore[attr-defined]
     return plan

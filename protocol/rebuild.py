@@ -46,6 +46,7 @@ def cached_block_table(state: ReplicaState, g: int) -> tuple[IntArray, IntArray]
     Shared, cached, read-only arrays; a change installs new arrays.
     """
     key = f"blocks{g}"
+    state.flush_block_patches(g)
     cached: Any = state._rebuild_cache.get(key)
     if cached is None or cached[0] is not state.schedule:
         lengths, values = state.blocks[g].gather(state.schedule)

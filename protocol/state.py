@@ -161,10 +161,15 @@ class ReplicaState:
         if plan.schedule is not self.schedule or plan.nsched is not self.nsched:
             if plan.schedule is not self.schedule:
                 self._rebuild_cache.pop("schedule", None)
-            cols.in_sched[self.schedule] = False
-            cols.in_sched[plan.schedule] = True
+            if plan.schedule is not self.schedule or plan.added or plan.finished.size:
+                # (else the same schedule of the same handles: membership holds)
+                cols.in_sched[self.schedule] = False
+                cols.in_sched[plan.schedule] = True
             cols.last_nsched[plan.schedule] = plan.nsched
             self.schedule, self.nsched = plan.schedule, plan.nsched
+        advance = getattr(plan, "advance", None)
+        if advance is not None:  # the next steady advance, known from the changed counts
+            self._rebuild_cache["advance"] = (self.schedule, self.nsched, advance)
         self.step = plan.step
         self.digest = plan.digest
 
@@ -224,14 +229,24 @@ class ReplicaState:
             if not edit.sum_handles.size:
                 continue
             table = self.blocks[g]
-            table.write(edit.rep_handles, np.zeros(edit.rep_handles.size, dtype=np.int64),
-                        edit.rep_counts, edit.rep_values)
+            if edit.rep_handles.size:
+                table.write(edit.rep_handles, np.zeros(edit.rep_handles.size, dtype=np.int64),
+                            edit.rep_counts, edit.rep_values)
             table.write(edit.app_handles, edit.app_starts, edit.app_counts, edit.app_values)
             self.cols.block_sum[g, edit.sum_handles] = edit.sums
-            if g in appended and plan.schedule is self.schedule:
-                self._patch_block_cache(g, *appended[g])
+            cached: Any = self._rebuild_cache.get(f"blocks{g}")
+            if g in appended and plan.schedule is self.schedule and cached is not None:
+                # patched when next read (flush_block_patches): most steps never read it
+                self._rebuild_cache.setdefault(f"patches{g}", []).append(appended[g])  # type: ignore[attr-defined]
             else:
                 self._rebuild_cache.pop(f"blocks{g}", None)
+                self._rebuild_cache.pop(f"patches{g}", None)
+
+    def flush_block_patches(self, g: int) -> None:
+        """Apply the appends committed since group ``g``'s flat table cache was last read."""
+        pending: Any = self._rebuild_cache.pop(f"patches{g}", None)
+        for patch in pending or ():
+            self._patch_block_cache(g, *patch)
 
     def _patch_block_cache(self, g: int, hs: IntArray, counts: IntArray,
                            values: IntArray) -> None:

@@ -22,7 +22,7 @@ decoder in order; the transport adds sequencing and resync.
 
 from __future__ import annotations
 
-from itertools import accumulate
+from itertools import accumulate, chain
 from typing import Any
 
 import msgspec
@@ -41,6 +41,7 @@ from engine_side.vllm.convert import (
     unseal,
 )
 from engine_side.vllm.mm import StoreChannel
+from engine_side.vllm.quick import QuickEncoder
 from engine_side.vllm.schema import (
     GrammarMsg,
     LogprobsWire,
@@ -93,17 +94,21 @@ class SchedulerOutputEncoder:
 
     def __init__(self, kv_groups: int | None = None, secret: bytes | None = None,
                  ledger: TokenLedger | None = None, epoch: int = 1,
-                 verify: bool = False, store: ShmStore | None = None) -> None:
+                 verify: bool = False, store: ShmStore | None = None,
+                 fast: bool = True) -> None:
         check_schema()
         self.kv_groups = kv_groups
         self.secret = secret
         self.epoch = epoch
         self.verify = verify
+        self.fast = fast  # False: every step takes the general path (tests compare the two)
+        self.quick = QuickEncoder()
+        self.quick_steps = 0  # steps encoded by the same-batch fast path
         self.mirror: EngineMirror | None = None
         self.items = None if store is None else StoreChannel(store)
         self.mem = StepMemory(ledger)
         self.specs: dict[str, RequestSpec] = {}
-        self.tables: dict[str, list[IntArray]] = {}
+        self.tables: dict[str, list[list[int]]] = {}  # our own lists (extended in place)
         self.batches: dict[int, list[str]] = {}
         self._last_batch: list[str] = []
         self._pos: dict[str, int] = {}
@@ -127,13 +132,38 @@ class SchedulerOutputEncoder:
                 first = so.scheduled_new_reqs[0].block_ids if so.scheduled_new_reqs else (0,)
                 self.kv_groups = len(first)
             self.mirror = EngineMirror(self.epoch, kv_groups=self.kv_groups, verify=self.verify)
-        ext: dict[str, Any] = {"kv_groups": self.kv_groups} if self.mirror.seq == 0 else {}
-        request = self._request(so, ext)
-        delta = self.mirror.diff(request) if self.items is None else \
-            self.items.diff(self.mirror, request)
-        self.batches[delta.seq] = request.req_ids
+        body = self.quick.body(so) if self.fast else None
+        if body is not None:
+            delta = self.mirror.apply_body(body)
+            self._quick_blocks()
+            self.quick_steps += 1
+            batch = self.quick.batch
+        else:
+            ext: dict[str, Any] = {"kv_groups": self.kv_groups} if self.mirror.seq == 0 else {}
+            request = self._request(so, ext)
+            delta = self.mirror.diff(request) if self.items is None else \
+                self.items.diff(self.mirror, request)
+            batch = request.req_ids
+            self.quick.reset(batch, self.mirror.state.schedule.tolist(),
+                             request.num_computed_tokens.tolist(),
+                             list(so.num_scheduled_tokens.values()),
+                             [self.mem.plen[rid] for rid in batch], self.kv_groups or 1)
+        self.batches[delta.seq] = batch
         self.batches.pop(delta.seq - HISTORY, None)
         return codec.encode(delta)
+
+    def _quick_blocks(self) -> None:
+        """A same-batch step's appended blocks into the tables (the batch's Ragged is stale)."""
+        quick = self.quick
+        if not quick.grown:
+            return
+        tables = self.tables
+        for rid, entry in zip(map(quick.batch.__getitem__, quick.grown), quick.entries,
+                              strict=True):
+            for row, ids in zip(tables[rid], entry, strict=True):
+                row.extend(ids)
+        quick.entries = []  # the SchedulerOutput's own objects: keep no reference
+        self._last_blocks = None
 
     def _request(self, so: Any, ext: dict[str, Any]) -> ExecuteModelRequest:
         mem, cached = self.mem, so.scheduled_cached_reqs
@@ -191,18 +221,18 @@ class SchedulerOutputEncoder:
         return last
 
     @staticmethod
-    def _ragged(rows: list[IntArray]) -> Ragged:
-        lengths = np.fromiter((r.size for r in rows), np.int64, len(rows))
-        values = np.concatenate(rows) if rows else _EMPTY
-        return Ragged(lengths, values.astype(np.int64, copy=False))
+    def _ragged(rows: list[list[int]]) -> Ragged:
+        lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+        values = np.fromiter(chain.from_iterable(rows), np.int64, int(lengths.sum()))
+        return Ragged(lengths, values)
 
     @staticmethod
     def _rows(d: dict[str, list[int]], batch: list[str], shift: int = 0) -> Ragged:
         if not d:
             return Ragged.empty(len(batch))
-        rows: list[IntArray] = [np.asarray(d.get(rid, ()), dtype=np.int64) + shift
-                                for rid in batch]
-        return SchedulerOutputEncoder._ragged(rows)
+        rows = [d.get(rid, []) for rid in batch]
+        r = SchedulerOutputEncoder._ragged(rows)
+        return Ragged(r.lengths, r.values + shift) if shift else r
 
     # ------------------------------------------------------------ requests
     def _new_requests(self, new_reqs: list[Any], batch: list[str], pos: dict[str, int],
@@ -220,7 +250,7 @@ class SchedulerOutputEncoder:
             old = self.specs.get(nr.req_id)
             self.specs[nr.req_id] = old if old is not None and _same_spec(old, spec) else spec
             self.mem.remember(spec)
-            self.tables[nr.req_id] = [np.asarray(b, dtype=np.int64) for b in nr.block_ids]
+            self.tables[nr.req_id] = [list(b) for b in nr.block_ids]
             computed[pos[nr.req_id]] = nr.num_computed_tokens
             fixes += [fix] if fix is not None else []
             prefill.append(None if nr.prefill_token_ids is None else
@@ -259,12 +289,11 @@ class SchedulerOutputEncoder:
             rid, new = ids[k], blocks[k]
             if not any(new):
                 none_flip.append(k)
-            rows: list[IntArray] = [np.asarray(b, dtype=np.int64) for b in new]
-            self.tables[rid] = rows if rid in resumed else \
-                [np.concatenate((t, b)) for t, b in zip(self.tables[rid], rows, strict=True)]
+            self.tables[rid] = [list(b) for b in new] if rid in resumed else \
+                [t + b for t, b in zip(self.tables[rid], new, strict=True)]
         for rid in resumed:
             if blocks[ids.index(rid)] is None:
-                self.tables[rid] = [_EMPTY] * len(self.tables[rid])
+                self.tables[rid] = [[] for _ in self.tables[rid]]
         return none_flip
 
     def _token_lists(self, so: Any, batch: list[str], pos: dict[str, int],

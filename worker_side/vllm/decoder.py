@@ -51,6 +51,7 @@ from protocol.state import ReplicaState
 from protocol.tensors import make_enc_hook, make_ext_hook
 from worker_side.shm_reader import ShmReader
 from worker_side.vllm.mm import StoreResolver, features_from_refs, fresh
+from worker_side.vllm.quick import QuickDecoder, plain_body
 
 HISTORY = 8
 _EXT = msgspec.msgpack.Decoder(StepExt)
@@ -91,14 +92,19 @@ class SchedulerOutputDecoder:
 
     ``reader``: this worker's store reader when the engine's encoder has a store
     (a local channel); ``copy``: give multimodal tensors and prompt embeds their
-    own writable memory (buffer rule: ``worker_side.vllm.mm``).
+    own writable memory (buffer rule: ``worker_side.vllm.mm``); ``fast=False``:
+    every step takes the general path (tests compare the two).
     """
 
     def __init__(self, secret: bytes | None = None, ledger: TokenLedger | None = None,
-                 reader: ShmReader | None = None, copy: bool = False) -> None:
+                 reader: ShmReader | None = None, copy: bool = False,
+                 fast: bool = True) -> None:
         self.secret = secret
         self.items = None if reader is None else StoreResolver(reader)
         self.copy = copy
+        self.fast = fast
+        self.quick = QuickDecoder()
+        self.quick_steps = 0  # steps answered by the same-batch fast path
         self.state: ReplicaState | None = None
         self.seq = 0
         self.mem = StepMemory(ledger)
@@ -124,13 +130,28 @@ class SchedulerOutputDecoder:
         if self.state is None:
             self.state = ReplicaState(TOKEN_MODE_WORKER, ext.kv_groups or 1)
         self.state.apply(msg.body, expected_digest=msg.digest)
+        self.seq = msg.seq
+        self.batches.pop(msg.seq - HISTORY, None)
+        quick = self.quick
+        if self.fast and quick.ready and plain_body(msg.body, ext):
+            blocks = quick.blocks(msg.body)
+            if blocks is not None:
+                self.batches[msg.seq] = quick.batch
+                self._last_lengths = quick.grown_lengths(blocks, self._last_lengths,
+                                                         self.mem.table_len)
+                self.quick_steps += 1
+                return quick.scheduler_output(msg.body, ext, blocks)
+        # A plain body adds, finishes and frees nothing: the store resolver has
+        # nothing to do on the fast path above.
         request = self.state.rebuild()
         if self.items is not None:
             request = self.items.resolve(request)
-        self.seq = msg.seq
         self.batches[msg.seq] = request.req_ids
-        self.batches.pop(msg.seq - HISTORY, None)
-        return self._scheduler_output(request, ext, opaque)
+        so = self._scheduler_output(request, ext, opaque)
+        quick.reset(request.req_ids, self.state.schedule.tolist(),
+                    request.num_computed_tokens.tolist(), so.num_scheduled_tokens,
+                    [self.mem.plen[rid] for rid in request.req_ids], len(request.block_tables))
+        return so
 
     def _scheduler_output(self, r: ExecuteModelRequest, x: StepExt, opaque: dict[str, Any],
                           ) -> Any:

@@ -1,0 +1,249 @@
+"""The same-batch step: vLLM's common step, encoded without the general path.
+
+Theory of operation
+-------------------
+Most steps schedule exactly the batch of the step before, in the same order, with
+nothing but per-request counts, a few appended blocks and speculative tokens
+changing.  :class:`QuickEncoder` recognises such a step from the SchedulerOutput
+itself (C-level list comparisons against lists it predicted) and builds the Delta
+body the general path (``ExecuteModelRequest`` → ``EngineMirror.diff``) would
+build for it -- the same fields, the same bytes -- without building the request.
+Anything else returns None and the general path runs.  The worker side
+(:mod:`worker_side.vllm.quick`) recognises the body and answers it likewise.
+
+Both ends keep the same :class:`Forecast`: each scheduled request's computed count
+advances by its scheduled count, and ``num_output_tokens`` is ``computed - prompt
++ 1`` (at least 0), exactly the predictions of the general path.
+
+Contract: :meth:`QuickEncoder.reset` after every general step (with that step's
+actual lists); :meth:`QuickEncoder.body` keeps no reference to the SchedulerOutput.
+"""
+
+from __future__ import annotations
+
+from itertools import chain, compress
+from operator import itemgetter
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from engine_side.vllm.schema import StepExt
+from protocol.messages import DeltaBody, Rows
+from protocol.packing import pack_sints, pack_uints
+from protocol.plan import STEADY_BODY
+
+SMALL = 32  # batches up to this size predict with Python lists, larger ones with numpy
+ROWS = 8  # steps a numpy forecast covers
+CONNECTOR_FIELDS = ("kv_connector_metadata", "ec_connector_metadata",
+                    "aux_output_connector_metadata", "ec_manager_metadata")
+_NO_ROWS = Rows(handles=pack_uints(np.zeros(0, dtype=np.int64)))
+
+
+class Forecast:
+    """Predicted computed and output counts of one batch for its next steps.
+
+    Rows ``j = 1..`` advance ``computed`` by ``j * nsched``; a row is valid while
+    every step before it matched its own row and kept ``nsched``.
+    """
+
+    __slots__ = ("plen", "plen_np", "nsched", "comp_rows", "out_rows", "next", "_last")
+
+    def __init__(self, plen: list[int]) -> None:
+        self.plen = plen
+        self.plen_np = np.array(plen, dtype=np.int64) if len(plen) > SMALL else None
+        self.nsched: list[int] = []
+        self.comp_rows: list[list[int]] = []
+        self.out_rows: list[list[int]] = []
+        self.next = 0
+        self._last: Any = None  # numpy base of the next table (large batches)
+
+    def restart(self, computed: list[int], nsched: list[int]) -> None:
+        """Predict from actual ``computed`` and ``nsched`` lists."""
+        self.nsched, self._last = nsched, None
+        self._build(computed)
+
+    def take(self) -> tuple[list[int], list[int]]:
+        """(computed, outputs) predicted for the next step (shared lists: copy to keep)."""
+        if self.next >= len(self.comp_rows):
+            self._build(self.comp_rows[-1])
+        return self.comp_rows[self.next], self.out_rows[self.next]
+
+    def advanced(self) -> None:
+        """The step just taken matched its prediction and kept ``nsched``."""
+        self.next += 1
+
+    def outputs(self, computed: list[int]) -> list[int]:
+        return [c - p + 1 if c >= p else 0 for c, p in zip(computed, self.plen, strict=True)]
+
+    def _build(self, computed: list[int]) -> None:
+        ns, self.next = self.nsched, 0
+        if self.plen_np is None:
+            row = [c + s for c, s in zip(computed, ns, strict=True)]
+            self.comp_rows, self.out_rows = [row], [self.outputs(row)]
+            return
+        base = self._last if self._last is not None else np.array(computed, dtype=np.int64)
+        table = base + np.multiply.outer(np.arange(1, ROWS + 1, dtype=np.int64),
+                                         np.array(ns, dtype=np.int64))
+        self._last = table[-1]
+        self.comp_rows = table.tolist()
+        self.out_rows = np.maximum(table - (self.plen_np - 1), 0).tolist()
+
+
+def changed(new: list[int], old: list[int]) -> list[int]:
+    """Positions where two equally long lists differ."""
+    return [i for i, (a, b) in enumerate(zip(new, old, strict=True)) if a != b]
+
+
+class QuickEncoder:
+    """Engine side of the same-batch step (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.kv_groups = 1
+        self.batch: list[str] = []
+        self.pos: dict[str, int] = {}
+        self.handles: list[int] = []
+        self.index: list[int] = []  # 0..n-1, made once per batch (compress() without range())
+        self.grown: list[int] = []  # positions with new blocks in the last quick step
+        self.entries: list[Any] = []  # their new_block_ids entries (read before body returns)
+        self.forecast = Forecast([])
+        self.ready = False
+
+    def reset(self, batch: list[str], handles: list[int], computed: list[int],
+              nsched: list[int], plen: list[int], kv_groups: int) -> None:
+        """After a general step: that step's batch, handles and actual counts."""
+        self.batch, self.handles, self.kv_groups = batch, handles, kv_groups
+        self.pos = {rid: i for i, rid in enumerate(batch)}
+        self.index = list(range(len(batch)))
+        self.forecast = Forecast(plen)
+        self.forecast.restart(computed, nsched)
+        self.ready = True
+
+    def body(self, so: Any) -> DeltaBody | None:
+        """The Delta body of ``so`` if it is a same-batch step, else None (nothing changed)."""
+        if not self.ready or not _plain(so):
+            return None
+        cached, batch = so.scheduled_cached_reqs, self.batch
+        if cached.req_ids != batch or list(so.num_scheduled_tokens) != batch:
+            return None
+        nsched = list(so.num_scheduled_tokens.values())
+        if so.total_num_scheduled_tokens != sum(nsched):
+            return None
+        blocks = self._blocks(cached.new_block_ids)
+        spec = self._spec(so.scheduled_spec_decode_tokens)
+        if blocks is None or spec is None:
+            return None
+        fields: dict[str, Any] = {}
+        counts = self._counts(cached, nsched, fields)
+        if counts is None:
+            return None
+        if blocks:
+            fields["block_append"] = blocks
+        if spec is not True:
+            fields["spec_tokens"] = spec
+        if so.has_structured_output_requests:
+            fields["has_structured_output"] = True
+        if so.pending_structured_output_tokens:
+            fields["pending_structured_output"] = True
+        if so.num_spec_tokens_to_schedule:
+            fields["num_spec_tokens_to_schedule"] = so.num_spec_tokens_to_schedule
+        if counts[0]:
+            fields["extension"] = {"v": msgspec.msgpack.encode(StepExt(out_pos=counts[0],
+                                                                       out_delta=counts[1]))}
+        return DeltaBody(**fields) if fields else STEADY_BODY
+
+    def _counts(self, cached: Any, nsched: list[int], fields: dict[str, Any],
+                ) -> tuple[bytes, bytes] | None:
+        """Scheduled / computed exceptions into ``fields``; output departures returned
+        (positions and deltas, empty when there are none)."""
+        fc = self.forecast
+        comp, comp_outs = fc.take()
+        actual = cached.num_computed_tokens
+        same_ns = nsched == fc.nsched
+        if actual == comp:
+            predicted = comp_outs
+        else:
+            moved = changed(actual, comp)
+            if min(actual[i] for i in moved) < 0:
+                return None  # the general path refuses it
+            fields["computed_tokens"] = Rows(
+                handles=pack_uints(moved), values=pack_sints([actual[i] - comp[i] for i in moved]))
+            predicted = fc.outputs(actual)
+        if not same_ns:
+            moved = changed(nsched, fc.nsched)
+            fields["scheduled_tokens"] = Rows(handles=pack_uints(moved),
+                                              values=pack_uints([nsched[i] for i in moved]))
+        ext = (b"", b"")
+        outs = cached.num_output_tokens
+        if outs != predicted:
+            off = changed(outs, predicted)
+            ext = (pack_uints(off), pack_sints([outs[i] - predicted[i] for i in off]))
+        if same_ns and "computed_tokens" not in fields:
+            fc.advanced()
+        else:
+            fc.restart(list(actual), nsched)
+        return ext
+
+    def _blocks(self, new_blocks: list[Any]) -> tuple[Rows, ...] | None:
+        """block_append per KV group (() for none); None when the step needs the general path.
+        Keeps the grown positions and their entries (:attr:`grown`, :attr:`entries`)."""
+        grown = self.grown = list(compress(self.index, new_blocks))
+        if not grown:
+            return () if new_blocks.count(None) == len(new_blocks) else None
+        if len(grown) + new_blocks.count(None) != len(new_blocks):
+            return None  # a falsy entry that is not None
+        entries = self.entries = list(map(new_blocks.__getitem__, grown))
+        groups = self.kv_groups
+        if groups == 1:  # the common case: C-level maps, no per-row Python
+            if set(map(len, entries)) != {1}:
+                return None
+            ids = list(map(itemgetter(0), entries))
+            if not all(ids):
+                return None
+            return (Rows(handles=pack_uints(list(map(self.handles.__getitem__, grown))),
+                         counts=pack_uints(list(map(len, ids))),
+                         values=pack_uints(list(chain.from_iterable(ids)))),)
+        rows: list[list[int]] = [[] for _ in range(groups)]
+        counts: list[list[int]] = [[] for _ in range(groups)]
+        values: list[list[int]] = [[] for _ in range(groups)]
+        for k, entry in zip(grown, entries, strict=True):
+            if len(entry) != groups or not any(entry):
+                return None
+            for g, ids in enumerate(entry):
+                if ids:
+                    rows[g].append(self.handles[k])
+                    counts[g].append(len(ids))
+                    values[g] += ids
+        return tuple(Rows(handles=pack_uints(rows[g]), counts=pack_uints(counts[g]),
+                          values=pack_uints(values[g])) if rows[g] else _NO_ROWS
+                     for g in range(groups))
+
+    def _spec(self, drafts: dict[str, list[int]]) -> Rows | bool | None:
+        """Speculative tokens as aligned rows (True: none); None unless in batch order."""
+        if not drafts:
+            return True
+        pos, last = self.pos, -1
+        lengths = [0] * len(self.batch)
+        flat: list[int] = []
+        for rid, toks in drafts.items():
+            i = pos.get(rid, -1)
+            if i <= last or not toks:
+                return None
+            lengths[i], last = len(toks), i
+            flat += toks
+        return Rows(counts=pack_uints(lengths), values=pack_uints([t + 1 for t in flat]))
+
+
+def _plain(so: Any) -> bool:
+    """No request enters, leaves or resumes, and no rare field is set."""
+    cached = so.scheduled_cached_reqs
+    return (not so.scheduled_new_reqs and not so.finished_req_ids
+            and so.preempted_req_ids is not None and not so.preempted_req_ids
+            and not so.free_encoder_mm_hashes and not so.scheduled_encoder_inputs
+            and so.scheduled_encoder_input_stats is None and so.num_invalid_spec_tokens is None
+            and not so.has_sync_kv_loads and so.new_block_ids_to_zero is None
+            and so.kv_cache_block_copies is None and so.num_common_prefix_blocks == []
+            and so.kv_connector_block_state is None
+            and not cached.resumed_req_ids and not cached.new_token_ids
+            and not cached.all_token_ids
+            and all(getattr(so, f) is None for f in CONNECTOR_FIELDS))

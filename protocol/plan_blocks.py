@@ -1,0 +1,176 @@
+"""Block-table edits of a delta being prepared (a part of :mod:`protocol.plan`).
+
+Per KV group: whole-row replacements, then appends at each row's current end, with
+the digest sums the touched rows end with.  Appends alone to installed rows -- the
+common step -- take lean paths: Python ints for a few blocks, one digest term per
+row when every row gets one block.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from protocol import digest as dg
+from protocol.errors import InvalidDelta
+from protocol.messages import DeltaBody, Rows
+from protocol.packing import unpack_uint_list
+from protocol.planned import _EMPTY, _NO_EDIT, BlockEdit, _row_sums
+from protocol.request import IntArray, has_duplicates, member_mask
+
+if TYPE_CHECKING:
+    from protocol.state import ReplicaState
+
+
+class BlockPlanner:
+    """The block part of :class:`protocol.plan._Planner` (a mixin: it uses the planner's
+    state, body, liveness, reset handles, digest and row decoding)."""
+
+    state: ReplicaState
+    body: DeltaBody
+    live: npt.NDArray[np.bool_]
+    reset: set[int]
+    digest: int
+    appended: dict[int, tuple[IntArray, IntArray, IntArray]]
+
+    def fail(self, message: str, **fields: object) -> InvalidDelta:
+        raise NotImplementedError
+
+    def check_live(self, handles: IntArray, what: str) -> None:
+        raise NotImplementedError
+
+    def rows(self, rows: Rows, sched: IntArray, signed: bool = False) -> tuple[IntArray, IntArray,
+                                                                             IntArray]:
+        raise NotImplementedError
+
+
+    # -- blocks -----------------------------------------------------------------
+    def blocks(self, sched: IntArray) -> list[BlockEdit]:
+        """Per KV group: replacements, then appends, with the digest sums they leave."""
+        groups = self.state.kv_groups
+        for name, rows in (("block_replace", self.body.block_replace),
+                           ("block_append", self.body.block_append)):
+            if rows and len(rows) != groups:
+                raise self.fail(f"{name} must have one entry per KV group", groups=groups)
+        if not self.body.block_replace and not self.body.block_append:
+            return [_NO_EDIT] * groups
+        if not self.body.block_replace and not self.reset:  # appends alone: the common step
+            return [self._few_appends(g, rows) or self._block_edit(
+                g, (_EMPTY, _EMPTY, _EMPTY), self._block_rows(rows, sched, g))
+                for g, rows in enumerate(self.body.block_append)]
+        edits = []
+        for g in range(groups):
+            rep = self._block_rows(self.body.block_replace[g] if self.body.block_replace
+                                   else None, sched, g)
+            app = self._block_rows(self.body.block_append[g] if self.body.block_append
+                                   else None, sched, g)
+            edits.append(self._block_edit(g, rep, app))
+        return edits
+
+    def _block_rows(self, rows: Rows | None, sched: IntArray,
+                    g: int) -> tuple[IntArray, IntArray, IntArray]:
+        if rows is None:
+            return _EMPTY, _EMPTY, _EMPTY
+        hs, counts, values = self.rows(rows, sched)
+        self.check_live(hs, "blocks")
+        if has_duplicates(hs):
+            raise self.fail("block rows repeat a handle", group=g)
+        return hs, counts, values
+
+    def _current(self, g: int, hs: IntArray) -> tuple[IntArray, npt.NDArray[np.uint64]]:
+        """(lengths, digest sums) of rows as the state holds them; reset rows are empty."""
+        table, cols = self.state.blocks[g], self.state.cols
+        lens = np.zeros(hs.size, dtype=np.int64)
+        sums = np.zeros(hs.size, dtype=np.uint64)
+        inside = hs < min(table.lengths.size, cols.capacity)
+        lens[inside] = table.lengths[hs[inside]]
+        sums[inside] = cols.block_sum[g, hs[inside]]
+        if self.reset:
+            fresh = member_mask(hs, self.reset)
+            lens[fresh], sums[fresh] = 0, 0
+        return lens, sums
+
+    def _block_edit(self, g: int, rep: tuple[IntArray, IntArray, IntArray],
+                    app: tuple[IntArray, IntArray, IntArray]) -> BlockEdit:
+        rep_hs, rep_counts, rep_values = rep
+        app_hs, app_counts, app_values = app
+        if not rep_hs.size and not self.reset:
+            return self._append_only(g, app_hs, app_counts, app_values)
+        _, rep_old = self._current(g, rep_hs)
+        rep_new = _row_sums(g, rep_hs, np.zeros(rep_hs.size, dtype=np.int64), rep_counts,
+                            rep_values)
+        starts, app_base = self._current(g, app_hs)
+        if rep_hs.size and app_hs.size:  # appends after a replacement in the same delta
+            where = {h: i for i, h in enumerate(rep_hs.tolist())}
+            for i, h in enumerate(app_hs.tolist()):
+                if h in where:
+                    starts[i], app_base[i] = rep_counts[where[h]], rep_new[where[h]]
+        app_new = app_base + _row_sums(g, app_hs, starts, app_counts, app_values)
+        self.digest = (self.digest + dg.total(rep_new) - dg.total(rep_old)
+                       + dg.total(app_new) - dg.total(app_base)) & dg.MASK
+        if app_hs.size:
+            self.appended[g] = (app_hs, app_counts, app_values)
+        keep = ~member_mask(rep_hs, app_hs) if rep_hs.size else np.ones(0, dtype=bool)
+        return BlockEdit(rep_hs, rep_counts, rep_values, app_hs, starts, app_counts, app_values,
+                         np.concatenate([rep_hs[keep], app_hs]),
+                         np.concatenate([rep_new[keep], app_new]))
+
+    def _few_appends(self, g: int, rows: Rows) -> BlockEdit | None:
+        """:meth:`_append_only` of a few named rows, checked and summed on Python ints
+        (the same checks as :meth:`_block_rows`); None when they are not a few."""
+        hb, vb = rows.handles, rows.values
+        if len(hb) < 2 or hb[1] > dg.SMALL or len(vb) < 2 or vb[1] > dg.SMALL:
+            return None  # byte 1 is the count (one LEB128 byte below 128)
+        hs, values = unpack_uint_list(hb), unpack_uint_list(vb)
+        counts = unpack_uint_list(rows.counts) if rows.counts else [1] * len(hs)
+        if len(counts) != len(hs) or sum(counts) != len(values):
+            raise self.fail("rows shape mismatch", rows=len(hs), counts=len(counts),
+                            values=len(values))
+        live = self.live
+        if hs and (max(hs) >= live.size or not all([live.item(h) for h in hs])):
+            raise self.fail("blocks names a handle that is not live", handles=hs[:8])
+        if len(set(hs)) != len(hs):
+            raise self.fail("block rows repeat a handle", group=g)
+        if not hs:
+            return _NO_EDIT
+        lengths, block_sum = self.state.blocks[g].lengths, self.state.cols.block_sum
+        starts = [lengths.item(h) for h in hs]  # live handles: installed, so inside
+        if len(values) == len(hs) and 0 not in counts:  # one block per row: a term each
+            sums = dg.block_unit_terms(hs, g, starts, values)
+        else:
+            at, sums = 0, []
+            for h, start, n in zip(hs, starts, counts, strict=True):
+                sums.append(dg.block_row_sums(h, g, start, values[at:at + n]))
+                at += n
+        self.digest = (self.digest + sum(sums)) & dg.MASK
+        ends = [(block_sum.item(g, h) + s) & dg.MASK for h, s in zip(hs, sums, strict=True)]
+        hs_a, counts_a = np.array(hs, dtype=np.int64), np.array(counts, dtype=np.int64)
+        values_a = np.array(values, dtype=np.int64)
+        self.appended[g] = (hs_a, counts_a, values_a)
+        return BlockEdit(_EMPTY, _EMPTY, _EMPTY, hs_a, np.array(starts, dtype=np.int64),
+                         counts_a, values_a, hs_a, np.array(ends, dtype=np.uint64))
+
+    def _append_only(self, g: int, hs: IntArray, counts: IntArray, values: IntArray,
+                     ) -> BlockEdit:
+        """:meth:`_block_edit` of appends alone to installed rows: Python ints for a few
+        blocks; one digest term per row when every row gets one block (a decode step)."""
+        if not hs.size:
+            return _NO_EDIT
+        starts = self.state.blocks[g].lengths[hs]  # live handles: installed, so inside
+        base = self.state.cols.block_sum[g, hs]
+        if values.size > dg.SMALL:
+            unit = values.size == hs.size and int(counts.min()) == 1
+            added = (dg.block_terms_rows(hs, g, starts, values) if unit
+                     else _row_sums(g, hs, starts, counts, values))
+            self.digest = (self.digest + dg.total(added)) & dg.MASK
+        else:
+            flat, at, sums = values.tolist(), 0, []
+            for h, start, n in zip(hs.tolist(), starts.tolist(), counts.tolist(), strict=True):
+                sums.append(dg.block_row_sums(h, g, start, flat[at:at + n]))
+                at += n
+            added = np.array(sums, dtype=np.uint64)
+            self.digest = (self.digest + sum(sums)) & dg.MASK
+        self.appended[g] = (hs, counts, values)
+        return BlockEdit(_EMPTY, _EMPTY, _EMPTY, hs, starts, counts, values, hs, base + added)

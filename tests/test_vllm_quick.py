@@ -1,0 +1,149 @@
+"""The same-batch fast path (engine_side/vllm/quick.py, worker_side/vllm/quick.py).
+
+The fast path must be invisible: the same frames as the general path, and a
+SchedulerOutput equal to the original whichever path each end takes.  Hand-made
+streams pin where it must fire and where it must not.  Skipped without vLLM.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed")
+
+from hypothesis import event, given, settings  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.sched.output import (  # noqa: E402
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
+from vllm_equal import assert_vllm_equal  # noqa: E402
+from vllm_streams import scheduler_streams  # noqa: E402
+
+from engine_side.vllm import SchedulerOutputEncoder  # noqa: E402
+from engine_side.vllm.quick import Forecast  # noqa: E402
+from worker_side.vllm import SchedulerOutputDecoder  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+PROMPT = 40
+IDS = ["a", "b", "c"]
+SECRET = b"q" * 32
+
+
+def _run(steps: list[Any], kv_groups: int | None = None) -> tuple[int, int]:
+    """Every step through fast and general encoders and decoders: same frames, equal
+    SchedulerOutputs.  Returns how many steps each fast path took."""
+    fast = SchedulerOutputEncoder(kv_groups, secret=SECRET)
+    slow = SchedulerOutputEncoder(kv_groups, secret=SECRET, fast=False)
+    decoders = [SchedulerOutputDecoder(SECRET), SchedulerOutputDecoder(SECRET, fast=False)]
+    for so in steps:
+        expected = copy.deepcopy(so)
+        frames = [bytes(f) for f in fast.encode(so)]
+        assert frames == [bytes(f) for f in slow.encode(so)]
+        for dec in decoders:
+            got = dec.decode(frames)
+            assert_vllm_equal(expected, got)
+            for entry in got.scheduled_cached_reqs.new_block_ids:  # the runner extends these
+                for ids in entry or ():
+                    ids.append(-5)
+    return fast.quick_steps, decoders[0].quick_steps
+
+
+def _first(groups: int = 1) -> SchedulerOutput:
+    new = [NewRequestData(rid, list(range(PROMPT)), [], SamplingParams(temperature=0), None,
+                          tuple([10 * k + g] for g in range(groups)), 0, None)
+           for k, rid in enumerate(IDS)]
+    return SchedulerOutput(new, CachedRequestData.make_empty(), dict.fromkeys(IDS, PROMPT),
+                           PROMPT * len(IDS), {}, {}, set(), [], preempted_req_ids=set())
+
+
+def _step(t: int, ids: list[str] | None = None, **changes: Any) -> SchedulerOutput:
+    """Decode step ``t`` (1, 2, ...) of the batch: one token each, computed as predicted."""
+    ids = IDS if ids is None else ids
+    cached = CachedRequestData(
+        list(ids), changes.pop("resumed", set()), [], changes.pop("all_tokens", {}),
+        changes.pop("blocks", [None] * len(ids)),
+        changes.pop("computed", [PROMPT + t - 1] * len(ids)),
+        changes.pop("outputs", [t] * len(ids)))
+    nsched = changes.pop("nsched", dict.fromkeys(ids, 1))
+    fields = {"scheduled_spec_decode_tokens": {}, "scheduled_encoder_inputs": {},
+              "finished_req_ids": set(), "free_encoder_mm_hashes": [],
+              "preempted_req_ids": set(), **changes}
+    return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens=nsched,
+                           total_num_scheduled_tokens=sum(nsched.values()), **fields)
+
+
+def test_steady_and_grown_steps_take_the_fast_path() -> None:
+    steps = [_first(), _step(1), _step(2), _step(3, blocks=[None, ([77],), None]), _step(4)]
+    assert _run(steps) == (4, 4)
+
+
+def test_departures_inside_the_batch_still_take_the_fast_path() -> None:
+    """Computed or output counts off the prediction, changed scheduled counts, drafts."""
+    steps = [_first(), _step(1),
+             _step(2, computed=[PROMPT + 1, PROMPT - 3, PROMPT + 1]),  # a rollback
+             _step(3, outputs=[3, 9, 3], nsched={"a": 3, "b": 1, "c": 2},
+                   scheduled_spec_decode_tokens={"a": [5, -1], "c": [7]},
+                   num_spec_tokens_to_schedule=2),
+             _step(4, computed=[PROMPT + 5, PROMPT - 2, PROMPT + 4], outputs=[6, 10, 5],
+                   nsched={"a": 3, "b": 1, "c": 2}, has_structured_output_requests=True)]
+    assert _run(steps) == (4, 4)
+
+
+@pytest.mark.parametrize("name", ["order", "resumed", "empty_blocks", "preempted_none",
+                                  "spec_order", "finished", "zero"])
+def test_steps_the_fast_path_must_leave_to_the_general_path(name: str) -> None:
+    odd = {
+        "order": lambda: _step(2, ids=["b", "a", "c"], nsched={"b": 1, "a": 1, "c": 1}),
+        "resumed": lambda: _step(2, resumed={"b"}, blocks=[None, ([90],), None],
+                                 all_tokens={"b": list(range(PROMPT + 1))}),
+        "empty_blocks": lambda: _step(2, blocks=[None, ([],), None]),
+        "preempted_none": lambda: _step(2, preempted_req_ids=None),
+        "spec_order": lambda: _step(2, scheduled_spec_decode_tokens={"c": [4], "a": [5]},
+                                    nsched={"a": 2, "b": 1, "c": 2}),
+        "finished": lambda: _step(2, finished_req_ids={"zz"}),
+        "zero": lambda: _step(2, new_block_ids_to_zero=[3]),
+    }[name]()
+    after = _step(3, ids=list(odd.num_scheduled_tokens))
+    assert _run([_first(), _step(1), odd, after]) == (2, 2)  # steps 1 and 3 only
+
+
+def test_more_kv_groups_grow_one_group_at_a_time() -> None:
+    steps = [_first(2), _step(1, blocks=[([50], []), None, ([51], [52])]), _step(2)]
+    assert _run(steps, kv_groups=2) == (2, 2)
+
+
+def test_large_batches_forecast_with_numpy() -> None:
+    ids = [f"r{i}" for i in range(70)]
+    new = [NewRequestData(rid, list(range(PROMPT)), [], SamplingParams(temperature=0), None,
+                          ([k],), 0, None) for k, rid in enumerate(ids)]
+    first = SchedulerOutput(new, CachedRequestData.make_empty(), dict.fromkeys(ids, PROMPT),
+                            PROMPT * len(ids), {}, {}, set(), [], preempted_req_ids=set())
+    steps = [first] + [_step(t, ids=ids) for t in range(1, 12)]  # past one forecast table
+    steps.append(_step(12, ids=ids, computed=[PROMPT + 11] * 69 + [3]))
+    assert _run(steps) == (12, 12)
+
+
+def test_forecast_lists_match_python_and_numpy() -> None:
+    plen_small, plen_large = [5, 1, 9], [5, 1, 9] * 20
+    small, large = Forecast(plen_small), Forecast(plen_large)
+    small.restart([3, 4, 20], [1, 2, 1])
+    large.restart([3, 4, 20] * 20, [1, 2, 1] * 20)
+    for _ in range(20):
+        (cs, os_), (cl, ol) = small.take(), large.take()
+        assert cl == cs * 20 and ol == os_ * 20
+        assert os_ == small.outputs(cs)
+        small.advanced()
+        large.advanced()
+
+
+@settings(max_examples=30, deadline=None)
+@given(stream=scheduler_streams())
+def test_generated_streams_give_the_general_paths_frames(stream: dict[str, Any]) -> None:
+    quick = _run(stream["steps"], kv_groups=stream["kv_groups"])
+    event(f"fast path taken: {'yes' if quick[0] else 'no'}")

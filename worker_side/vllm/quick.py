@@ -1,0 +1,181 @@
+"""Worker side of the same-batch step (see :mod:`engine_side.vllm.quick`).
+
+A Delta body that keeps the schedule and carries nothing but count exceptions,
+block appends, speculative tokens and step flags -- with no vLLM departure but
+``num_output_tokens`` -- is answered from the decoder's lists of the last step,
+after the replica state applied (and so validated) it: no rebuild, no numpy
+column per field.  The SchedulerOutput is equal to the general path's and made of
+fresh objects.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from itertools import repeat
+from typing import Any
+
+import numpy as np
+
+from engine_side.vllm.quick import Forecast
+from engine_side.vllm.schema import StepExt
+from protocol.messages import DeltaBody, Rows
+from protocol.packing import unpack_sint_list, unpack_uint_list
+from protocol.request import IntArray
+
+
+def _ints(packed: bytes) -> list[int]:
+    return unpack_uint_list(packed) if packed else []
+
+
+def plain_body(body: DeltaBody, ext: StepExt) -> bool:
+    """Whether ``body`` keeps the batch and ``ext`` departs only in output counts."""
+    return (not body.finished and not body.finished_unknown and not body.added
+            and not body.schedule_full and not body.schedule_drop and not body.schedule_append
+            and not body.block_replace and body.truncate is None and body.tokens is None
+            and body.encoder_inputs is None and not body.preempted and not body.resumed
+            and not body.free_encoder_mm_hashes and not body.blocks_to_zero
+            and ext == StepExt(out_pos=ext.out_pos, out_delta=ext.out_delta))
+
+
+@cache
+def _vllm_types() -> tuple[Any, Any]:
+    """vLLM's step classes, imported once (an import statement costs ~1 µs a step)."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    return CachedRequestData, SchedulerOutput
+
+
+class QuickDecoder:
+    """The decoder's lists of the last step and the same-batch SchedulerOutput."""
+
+    def __init__(self) -> None:
+        self.batch: list[str] = []
+        self.at: dict[int, int] = {}  # handle -> batch position
+        self.nsched: list[int] = []
+        self.nsched_map: dict[str, int] = {}
+        self.forecast = Forecast([])
+        self.kv_groups = 1
+        self.ready = False
+
+    def reset(self, batch: list[str], handles: list[int], computed: list[int],
+              nsched: dict[str, int], plen: list[int], kv_groups: int) -> None:
+        """After a general step: its batch, handles and counts (``nsched`` is copied)."""
+        self.batch, self.kv_groups = batch, kv_groups
+        self.at = {h: i for i, h in enumerate(handles)}
+        self.nsched_map = dict(nsched)
+        self.nsched = list(nsched.values())
+        self.forecast = Forecast(plen)
+        self.forecast.restart(computed, self.nsched)
+        self.ready = True
+
+    def blocks(self, body: DeltaBody) -> list[tuple[list[int], list[int], list[int]]] | None:
+        """Per group (positions, counts, flat ids) of the appends; None if one is unscheduled."""
+        out = []
+        for rows in body.block_append:
+            hs, counts = _ints(rows.handles), _ints(rows.counts)
+            pos = list(map(self.at.get, hs, repeat(-1, len(hs))))
+            if -1 in pos or 0 in counts:
+                return None
+            out.append((pos, counts, _ints(rows.values)))
+        return out
+
+    def scheduler_output(self, body: DeltaBody, ext: StepExt,
+                         blocks: list[tuple[list[int], list[int], list[int]]]) -> Any:
+        """The step's SchedulerOutput (state already applied; ``blocks`` from :meth:`blocks`)."""
+        CachedRequestData, SchedulerOutput = _vllm_types()  # noqa: N806 - classes
+        batch = self.batch
+        nsched = self._nsched(body.scheduled_tokens)
+        computed, outputs = self._counts(body.computed_tokens, nsched, ext)
+        new_blocks = self._new_blocks(blocks)
+        cached = CachedRequestData(
+            req_ids=list(batch), resumed_req_ids=set(), new_token_ids=[], all_token_ids={},
+            new_block_ids=new_blocks, num_computed_tokens=computed,
+            num_output_tokens=outputs)
+        return SchedulerOutput(
+            scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+            num_scheduled_tokens=dict(self.nsched_map),
+            total_num_scheduled_tokens=sum(nsched),
+            scheduled_spec_decode_tokens=self._drafts(body.spec_tokens),
+            scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
+            preempted_req_ids=set(),
+            has_structured_output_requests=body.has_structured_output,
+            pending_structured_output_tokens=body.pending_structured_output,
+            num_spec_tokens_to_schedule=body.num_spec_tokens_to_schedule)
+
+    def _nsched(self, rows: Rows | None) -> list[int]:
+        if rows is None:
+            return self.nsched
+        nsched, names = list(self.nsched), self.nsched_map
+        for i, v in zip(_ints(rows.handles), _ints(rows.values), strict=True):
+            nsched[i] = names[self.batch[i]] = v
+        return nsched
+
+    def _counts(self, rows: Rows | None, nsched: list[int], ext: StepExt,
+                ) -> tuple[list[int], list[int]]:
+        """Fresh (computed, outputs) lists; advances the forecast."""
+        fc = self.forecast
+        comp, outs = fc.take()
+        computed = list(comp)
+        if rows is not None:
+            deltas = unpack_sint_list(rows.values)
+            for i, d in zip(_ints(rows.handles), deltas, strict=True):
+                computed[i] += d
+            outputs = fc.outputs(computed)
+        else:
+            outputs = list(outs)
+        if rows is None and nsched is self.nsched:
+            fc.advanced()
+        else:
+            self.nsched = nsched
+            fc.restart(list(computed), nsched)
+        if ext.out_pos:
+            for i, d in zip(_ints(ext.out_pos), unpack_sint_list(ext.out_delta), strict=True):
+                outputs[i] += d
+        return computed, outputs
+
+    def _new_blocks(self, blocks: list[tuple[list[int], list[int], list[int]]],
+                    ) -> list[tuple[list[int], ...] | None]:
+        out: list[Any] = [None] * len(self.batch)
+        groups = self.kv_groups
+        if groups == 1 and blocks:
+            pos, counts, values = blocks[0]
+            if len(values) == len(pos):  # one block per row (counts are >= 1)
+                for i, v in zip(pos, values, strict=True):
+                    out[i] = ([v],)
+                return out
+        for g, (pos, counts, values) in enumerate(blocks):
+            start = 0
+            for i, c in zip(pos, counts, strict=True):
+                entry = out[i]
+                if entry is None:
+                    entry = out[i] = tuple([] for _ in range(groups))
+                entry[g].extend(values[start:start + c])
+                start += c
+        return out
+
+    def _drafts(self, rows: Rows | None) -> dict[str, list[int]]:
+        if rows is None:
+            return {}
+        lengths = _ints(rows.counts)
+        flat = [t - 1 for t in _ints(rows.values)]
+        out, start = {}, 0
+        for i in [i for i, n in enumerate(lengths) if n]:
+            end = start + lengths[i]
+            out[self.batch[i]] = flat[start:end]
+            start = end
+        return out
+
+    def grown_lengths(self, blocks: list[tuple[list[int], list[int], list[int]]],
+                      last: list[IntArray], table_len: list[dict[str, int]]) -> list[IntArray]:
+        """The decoder's per-group table lengths after the appends (fresh arrays)."""
+        if not blocks:
+            return last
+        out = []
+        for (pos, counts, _), lengths, lens in zip(blocks, last, table_len, strict=True):
+            if pos:
+                lengths = lengths.copy()
+                lengths[np.array(pos, dtype=np.int64)] += np.array(counts, dtype=np.int64)
+                for i, c in zip(pos, counts, strict=True):
+                    lens[self.batch[i]] += c
+            out.append(lengths)
+        return out
