@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from protocol.errors import LocalProtocolError
 from protocol.messages import TOKEN_MODE_ENGINE, DeltaBody, NewRequest, Rows
-from protocol.packing import pack_sints, pack_uints
+from protocol.packing import pack_row_counts, pack_sints, pack_uints
 from protocol.rebuild import cached_block_table
 from protocol.request import (
     ExecuteModelRequest,
@@ -252,7 +252,7 @@ class DiffContext:
             lo = new_off[rows] if start is None else new_off[rows] + start[rows]
             hi = new_off[rows + 1]
             values = np.concatenate([new.values[a:b] for a, b in zip(lo, hi, strict=True)])
-            entry = Rows(handles=pack_uints(hs[rows]), counts=pack_uints(hi - lo),
+            entry = Rows(handles=pack_uints(hs[rows]), counts=pack_row_counts(hi - lo),
                          values=pack_uints(values))
             self._group_field(name, g, entry)
 

@@ -94,6 +94,14 @@ def pack_uints(values: npt.ArrayLike) -> bytes:
     return head + np.packbits(bits.ravel(), bitorder="little").tobytes()
 
 
+def pack_row_counts(counts: list[int] | npt.NDArray[np.int64]) -> bytes:
+    """A ``Rows.counts`` field: empty when every row holds exactly one value (the
+    meaning of empty counts), else :func:`pack_uints`."""
+    if type(counts) is list:
+        return b"" if counts.count(1) == len(counts) else pack_uints(counts)
+    return b"" if bool(np.all(np.asarray(counts) == 1)) else pack_uints(counts)
+
+
 def unpack_uints(buf: bytes, *, limit: int = 1 << 26) -> npt.NDArray[np.int64]:
     """Inverse of :func:`pack_uints`; returns a fresh int64 array.
 

@@ -393,7 +393,7 @@ class _Planner(BlockPlanner):
             return _empty_rows(self.state, sched.size)
         if rows.handles:
             raise self.fail("schedule-aligned rows must not name handles")
-        counts = _ints(rows.counts)
+        counts = _ints(rows.counts) if rows.counts else np.ones(sched.size, dtype=np.int64)
         values = _ints(rows.values)
         # np.add.reduce: counts.sum() adds a Python-level wrapper (a microsecond a call)
         if counts.size != sched.size or int(np.add.reduce(counts)) != values.size:

@@ -136,3 +136,16 @@ def test_bad_block_appends_are_refused_unchanged() -> None:
     state.apply(good)
     assert state.digest == state.recompute_digest()
     assert state.blocks[0][2].tolist() == [2, 9, 10] and state.blocks[0][0].tolist() == [0, 11]
+
+
+def test_absent_counts_mean_one_value_per_row() -> None:
+    """SPEC §6 Rows: ``n`` absent = one value per row, for block rows and aligned rows."""
+    mirror = EngineMirror()
+    mirror.diff(_request(3, [8] * 3, [1] * 3, [[0], [1], [2]]))
+    state: ReplicaState = mirror.state
+    state.apply(DeltaBody(block_append=(Rows(handles=pack_uints([2, 0]),
+                                             values=pack_uints([9, 11])),),
+                          spec_tokens=Rows(values=pack_uints([4, 5, 6]))))
+    assert state.digest == state.recompute_digest()
+    assert state.blocks[0][2].tolist() == [2, 9] and state.blocks[0][0].tolist() == [0, 11]
+    assert state.rebuild().spec_token_ids.to_lists() == [[4], [5], [6]]

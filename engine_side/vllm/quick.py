@@ -30,7 +30,7 @@ import numpy as np
 
 from engine_side.vllm.schema import StepExt
 from protocol.messages import DeltaBody, Rows
-from protocol.packing import pack_sints, pack_uints
+from protocol.packing import pack_row_counts, pack_sints, pack_uints
 from protocol.plan import STEADY_BODY
 
 SMALL = 32  # batches up to this size predict with Python lists, larger ones with numpy
@@ -201,7 +201,7 @@ class QuickEncoder:
             if not all(ids):
                 return None
             return (Rows(handles=pack_uints(list(map(self.handles.__getitem__, grown))),
-                         counts=pack_uints(list(map(len, ids))),
+                         counts=pack_row_counts(list(map(len, ids))),
                          values=pack_uints(list(chain.from_iterable(ids)))),)
         rows: list[list[int]] = [[] for _ in range(groups)]
         counts: list[list[int]] = [[] for _ in range(groups)]
@@ -214,7 +214,7 @@ class QuickEncoder:
                     rows[g].append(self.handles[k])
                     counts[g].append(len(ids))
                     values[g] += ids
-        return tuple(Rows(handles=pack_uints(rows[g]), counts=pack_uints(counts[g]),
+        return tuple(Rows(handles=pack_uints(rows[g]), counts=pack_row_counts(counts[g]),
                           values=pack_uints(values[g])) if rows[g] else _NO_ROWS
                      for g in range(groups))
 

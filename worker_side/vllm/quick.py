@@ -72,7 +72,8 @@ class QuickDecoder:
         """Per group (positions, counts, flat ids) of the appends; None if one is unscheduled."""
         out = []
         for rows in body.block_append:
-            hs, counts = _ints(rows.handles), _ints(rows.counts)
+            hs = _ints(rows.handles)
+            counts = _ints(rows.counts) if rows.counts else [1] * len(hs)  # absent: one each
             pos = list(map(self.at.get, hs, repeat(-1, len(hs))))
             if -1 in pos or 0 in counts:
                 return None
@@ -156,7 +157,7 @@ class QuickDecoder:
     def _drafts(self, rows: Rows | None) -> dict[str, list[int]]:
         if rows is None:
             return {}
-        lengths = _ints(rows.counts)
+        lengths = _ints(rows.counts) if rows.counts else [1] * len(self.batch)
         flat = [t - 1 for t in _ints(rows.values)]
         out, start = {}, 0
         for i in [i for i, n in enumerate(lengths) if n]:
