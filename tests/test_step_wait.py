@@ -112,3 +112,23 @@ def test_idle_worker_blocks_after_its_spin_window(tmp_path: Path) -> None:
         session.close(expect={0})
         proc.wait(20)
         log.close()
+
+
+def test_spin_socket_wakes_on_a_message_and_gives_up_at_its_deadline() -> None:
+    import zmq
+
+    from worker_side.transport import spin_socket
+
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://spin")
+        b.connect("inproc://spin")
+        assert spin_socket(b, 0.01) is False  # nothing sent: the spin ends
+        a.send(b"x")
+        assert spin_socket(b, 5.0) is True
+        assert b.recv() == b"x"
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()

@@ -53,6 +53,7 @@ from engine_side.shm_store import ShmStore
 from engine_side.vllm.convert import seal, unseal
 from engine_side.vllm.divergence import RankDiverged, TokenHashBoard
 from engine_side.vllm.encoder import SchedulerOutputEncoder
+from worker_side.transport import spin_socket
 from worker_side.vllm import proc as wire
 from worker_side.vllm.tokenhash import parse_check_in
 
@@ -85,6 +86,7 @@ class DeltaExecutor(Executor):
 
     supports_pp: bool = True
     token_hash_every: int = 8  # model outputs between a sampling rank's check-ins
+    spin_ms: float = 1000.0  # bounded spin while steps flow (vLLM's shm readers: 1 s)
 
     # ------------------------------------------------------------ start-up
     def _init_executor(self) -> None:
@@ -102,7 +104,10 @@ class DeltaExecutor(Executor):
         self.divergent: list[RankDiverged] = []
         self._divergence_callbacks: list[Callable[[RankDiverged], None]] = []
         self.secret = secrets.token_bytes(32)
-        store_mb = (self.vllm_config.additional_config or {}).get("deltacast_mm_store_mb", 0)
+        extra = self.vllm_config.additional_config or {}
+        store_mb = extra.get("deltacast_mm_store_mb", 0)
+        self.spin_s = float(extra.get("deltacast_spin_ms", self.spin_ms)) / 1e3
+        self._replied = 0.0  # monotonic time of the last message from a rank
         self.store = ShmStore(int(store_mb) << 20) if store_mb else None
         self.encoder = SchedulerOutputEncoder(secret=self.secret, store=self.store)
         self._pending: deque[_Reply] = deque()
@@ -146,7 +151,8 @@ class DeltaExecutor(Executor):
                           init_method=init_method, endpoint=f"{self._dir.endpoint}/ctl",
                           secret=self.secret, is_driver=rank % tp == 0,
                           output_rank=self.output_rank, lock=lock, death=reader,
-                          hash_every=every if rank in self.hashes.ranks else 0)
+                          hash_every=every if rank in self.hashes.ranks else 0,
+                          spin_s=self.spin_s)
             p = ctx.Process(target=wire.worker_main, kwargs=kwargs, name=f"DeltaWorker-{rank}",
                             daemon=True)
             with omp.configure_omp_envs(rank=rank, local_rank=rank):  # per-rank CPU binding
@@ -211,7 +217,9 @@ class DeltaExecutor(Executor):
     # ------------------------------------------------------------ transport
     def _receive(self, deadline: float | None) -> list[tuple[int, list[bytes]]]:
         """Messages available within POLL_MS, as (rank, frames); raises if a rank died."""
-        if self._sock.poll(POLL_MS, zmq.POLLIN) == 0:
+        left = min(self.spin_s - (time.monotonic() - self._replied), POLL_MS / 1e3)
+        if not (self._sock.poll(0, zmq.POLLIN) or (left > 0 and spin_socket(self._sock, left))
+                or self._sock.poll(POLL_MS, zmq.POLLIN)):
             self._check_alive()
             if deadline is not None and time.monotonic() > deadline:
                 self.is_failed = True  # a late reply would answer the wrong call
@@ -224,6 +232,7 @@ class DeltaExecutor(Executor):
                 self._check_in(int(ident), frames[1])
             else:
                 got.append((int(ident), frames))
+        self._replied = time.monotonic()
         return got
 
     def _check_in(self, rank: int, payload: bytes) -> None:

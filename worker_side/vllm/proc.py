@@ -25,6 +25,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import zmq
 
 from engine_side.vllm.convert import seal, unseal
+from worker_side.transport import spin_socket
 from worker_side.vllm.decoder import SchedulerOutputDecoder
 from worker_side.vllm.tokenhash import TokenHash
 
@@ -76,7 +78,7 @@ def _start_worker(vllm_config: Any, local_rank: int, rank: int, init_method: str
 
 def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
                 endpoint: str, secret: bytes, is_driver: bool, output_rank: int,
-                lock: Any, death: Connection, hash_every: int = 0) -> None:
+                lock: Any, death: Connection, hash_every: int = 0, spin_s: float = 0.0) -> None:
     """Process entry point (spawned): start the worker, then serve calls until ``Q``."""
     from vllm.utils.system_utils import set_process_title
 
@@ -96,7 +98,9 @@ def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
             sock.send_multipart([FAILED, traceback.format_exc().encode()])
             return
         sock.send_multipart([READY])
-        _Server(wrapper, sock, secret, rank == output_rank, rank, hash_every).serve()
+        server = _Server(wrapper, sock, secret, rank == output_rank, rank, hash_every)
+        server.spin_s = spin_s
+        server.serve()
     finally:
         if wrapper is not None:
             _shutdown_worker(wrapper)
@@ -134,8 +138,14 @@ class _Server:
         self.token_hash = TokenHash()
         self.sampled: Any = None  # the last call's ModelRunnerOutput, hashed after replying
 
+    spin_s = 0.0  # after each answer, spin (sched_yield) this long before blocking
+    _answered = 0.0  # monotonic time of the last answer
+
     def serve(self) -> None:
         while True:
+            left = self.spin_s - (time.monotonic() - self._answered)
+            if left > 0:  # steps are flowing: wake without a blocking poll's latency
+                spin_socket(self.sock, left)
             kind, *frames = self.sock.recv_multipart(copy=True)
             if kind == QUIT:
                 return
@@ -145,6 +155,7 @@ class _Server:
                 traceback.print_exc()
                 reply = [ERROR, f"{type(exc).__name__}: {exc}".encode()]
             self.sock.send_multipart(reply)
+            self._answered = time.monotonic()
             self._fold()
 
     def _fold(self) -> None:
