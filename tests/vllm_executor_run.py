@@ -15,8 +15,6 @@ import gc
 import json
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 BASE = "the quick brown fox jumps over a lazy dog "
@@ -161,26 +159,10 @@ def _kill(llm: Any, out: dict[str, Any]) -> None:
     out["alive_after_death"] = [p.is_alive() for p in ex.procs]
 
 
-@contextmanager
-def _async_scheduling() -> Iterator[None]:
-    """Override the CPU platform, which switches async scheduling off."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    orig = CpuPlatform.__dict__["check_and_update_config"]
-
-    def patched(cls: Any, vllm_config: Any) -> None:
-        orig.__func__(cls, vllm_config)
-        vllm_config.scheduler_config.async_scheduling = True
-
-    CpuPlatform.check_and_update_config = classmethod(patched)  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        CpuPlatform.check_and_update_config = orig  # type: ignore[method-assign]
-
-
 def _async_run(model: str, out: dict[str, Any]) -> None:
-    with _async_scheduling():
+    from engine_side.bench.vllm_scenarios import async_scheduling
+
+    with async_scheduling(True):
         llm = _engine(model, 1, delta=True)
     out["async_batch_queue"] = llm.llm_engine.engine_core.engine_core.batch_queue_size
     out["async_max_concurrent_batches"] = _executor(llm).max_concurrent_batches
