@@ -13,7 +13,11 @@ a minute each on a 2-core box with the tiny model.
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -238,3 +242,24 @@ def async_scheduling(on: bool) -> Iterator[None]:
         yield
     finally:
         CpuPlatform.check_and_update_config = orig  # type: ignore[method-assign]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_child(module: str, argv: list[str], out: Path, what: str,
+              env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``python -m module *argv`` in a fresh process (an LLM cannot be rebuilt cheaply
+    in-process) that writes its result as JSON to ``out``; that result, or RuntimeError
+    with the child's stderr tail naming ``what``."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                **(env or {})}
+    out.unlink(missing_ok=True)
+    proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True)
+    if not out.exists():
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result

@@ -35,14 +35,15 @@ from typing import Any
 
 from engine_side.bench.vllm_replay import load_recording, pickled, replay, synthetic_decode
 from engine_side.bench.vllm_scenarios import (
+    ROOT,
     SCENARIOS,
     WORKLOADS,
     async_scheduling,
     build_tiny_model,
+    run_child,
 )
 
 __all__ = ["build_tiny_model", "record_scenario", "record_all", "replay_all"]
-ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = Path("/tmp/deltacast-tiny-llama")
 
 
@@ -138,18 +139,9 @@ def record_scenario(model: Path, name: str, out: Path | None, check: bool,
 def _record_one(model: Path, name: str, directory: Path, check: bool) -> dict[str, Any]:
     """One scenario in a fresh process (an LLM cannot be rebuilt cheaply in-process)."""
     out, rec = directory / f"{name}.json", directory / f"{name}.dcrec"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "engine_side.bench.vllm_streams", "--model", str(model),
-           "--scenario", name, "--out", str(out), "--record", str(rec)] + \
-        (["--check"] if check else [])
-    out.unlink(missing_ok=True)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if not out.exists():
-        raise RuntimeError(f"recording {name} failed:\n{proc.stderr[-3000:]}")
-    stats: dict[str, Any] = json.loads(out.read_text())
-    return stats
+    argv = ["--model", str(model), "--scenario", name, "--out", str(out),
+            "--record", str(rec)] + (["--check"] if check else [])
+    return run_child("engine_side.bench.vllm_streams", argv, out, f"recording {name}")
 
 
 def record_all(model: Path, names: list[str], directory: Path, check: bool,

@@ -19,18 +19,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from engine_side.bench.vllm_scenarios import build_tiny_model, text
+from engine_side.bench.vllm_scenarios import build_tiny_model, run_child, text
 
-ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = Path("/tmp/deltacast-tiny-llama")
 EXECUTORS = ("default", "delta")
 
@@ -91,20 +88,11 @@ def child(args: argparse.Namespace) -> int:
 
 
 def _spawn(args: argparse.Namespace, executor: str, out: Path) -> dict[str, Any]:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "VLLM_CPU_OMP_THREADS_BIND": "0|1" if args.tp == 2 else "auto",
-           "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "engine_side.bench.vllm_throughput", "--executor", executor,
-           "--child-out", str(out), "--model", args.model, "--tp", str(args.tp),
-           "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens),
-           "--repeats", str(args.repeats)]
-    out.unlink(missing_ok=True)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if not out.exists():
-        raise RuntimeError(f"{executor} run failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
+    argv = ["--executor", executor, "--child-out", str(out), "--model", args.model,
+            "--tp", str(args.tp), "--prompts", str(args.prompts),
+            "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)]
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1" if args.tp == 2 else "auto"}
+    return run_child("engine_side.bench.vllm_throughput", argv, out, f"{executor} run", bind)
 
 
 def rounds(args: argparse.Namespace) -> dict[str, Any]:
