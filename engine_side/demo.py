@@ -35,6 +35,7 @@ from engine_side.session import DEFAULT_ACK_SPIN, EngineSession
 from protocol.messages import TOKEN_MODE_ENGINE
 from protocol.params import SamplingSpec
 from protocol.request import IntArray
+from worker_side.ring import DEFAULT_RING_BYTES
 from worker_side.waiting import DEFAULT_SPIN_MS
 
 if TYPE_CHECKING:  # zmq is imported only when a run starts
@@ -73,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stuck-after", type=float, default=10.0)
     parser.add_argument("--hwm", type=int, default=1000, help="PUB/SUB high-water mark")
     parser.add_argument("--sockbuf", type=int, default=-1, help="kernel socket buffers (bytes)")
+    parser.add_argument("--ring-kb", type=int, default=DEFAULT_RING_BYTES >> 10,
+                        help="ipc: the local step ring's size in KiB (a worker stalled past "
+                             "it resyncs; 0 = sockets only)")
     parser.add_argument("--spin-ms", type=float, default=DEFAULT_SPIN_MS,
                         help="workers' bounded spin after each step (0 = block)")
     parser.add_argument("--ack-spin-ms", type=float, default=DEFAULT_ACK_SPIN * 1e3,
@@ -318,7 +322,8 @@ def run(args: argparse.Namespace) -> int:
         keys, key_argv = _security(args, Path(keydir))
         try:
             transport = EngineTransport(args.endpoint, keys=keys, insecure=args.insecure,
-                                        sndhwm=args.hwm, sndbuf=args.sockbuf)
+                                        sndhwm=args.hwm, sndbuf=args.sockbuf,
+                                        ring_bytes=args.ring_kb << 10)
         except EndpointError as exc:
             print(f"deltacast demo: {exc}", file=sys.stderr)
             return 2

@@ -214,7 +214,8 @@ class EngineSession:
             self.rank_of[identity] = msg.rank
             self._serve_snapshot(identity, msg.rank)
         elif isinstance(msg, StepResult):
-            self.rank_of[identity] = msg.rank
+            if identity:  # b"": it came through a reply ring (its DEALER is known already)
+                self.rank_of[identity] = msg.rank
             self._step_result(msg)
         elif isinstance(msg, Goodbye) and identity in self.rank_of:
             rank = self.rank_of[identity]

@@ -14,6 +14,12 @@ the explicit ``insecure`` flag (:func:`check_tcp_policy`).
 Sending: frames from :func:`protocol.codec.encode`; a message with large
 tensor frames goes out zero-copy with a ``MessageTracker``, and ``publish``
 waits for it (buffer-lifetime rule of :mod:`protocol.tensors`).
+
+Local step ring (ipc endpoints, ``ring_bytes`` > 0, the default): Deltas go
+through the shared-memory ring of :mod:`worker_side.ring` instead of PUB (one
+that does not fit goes on PUB behind an ON_PUB marker), and workers' step
+results come back through their reply rings; everything else stays on the
+sockets.  A worker blocked on SUB is woken by a doorbell: one empty frame on PUB.
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ from engine_side.security import (
 )
 from protocol import codec
 from protocol.errors import MalformedMessage
-from protocol.messages import Message
+from protocol.messages import Delta, Message
 from protocol.replies import AnyReply, decode_reply
+from worker_side.ring import DEFAULT_RING_BYTES, RING_FILE, RingWriter
 from worker_side.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_endpoints, spin_poll
 
 log = logging.getLogger("deltacast.engine.transport")
@@ -56,6 +63,7 @@ class EngineTransport:
         sndhwm: PUB high-water mark per subscriber (messages; beyond it PUB drops).
         sndbuf: kernel send buffer per connection (bytes; -1 = OS default).
         max_message_bytes: ROUTER per-frame limit (zmq drops offending connections).
+        ring_bytes: size of the local step ring (ipc only; 0 = sockets only).
 
     Raises EndpointError (InsecureEndpoint, EndpointInUse) before binding anything.
     """
@@ -63,12 +71,16 @@ class EngineTransport:
     def __init__(self, endpoint: str | None = None, *, keys: CurveKeys | None = None,
                  insecure: bool = False, sndhwm: int = 1000, sndbuf: int = -1,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 track_timeout: float = 5.0) -> None:
+                 track_timeout: float = 5.0, ring_bytes: int = DEFAULT_RING_BYTES) -> None:
         check_tcp_policy(endpoint or "", keys, insecure)
         self.private: PrivateDir | None = None
+        self.ring: RingWriter | None = None
         if endpoint is None or endpoint.startswith("ipc://"):
             self.private = PrivateDir(Path(endpoint[6:]) if endpoint else None)
             endpoint = self.private.endpoint
+            (self.private.path / RING_FILE).unlink(missing_ok=True)  # a dead engine's
+            if ring_bytes > 0:
+                self.ring = RingWriter(self.private.path, ring_bytes)
         self.endpoint = endpoint
         self.track_timeout = track_timeout
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -90,6 +102,7 @@ class EngineTransport:
             raise
         self.malformed = 0
         self.bytes_published = 0
+        self.doorbells = 0
 
     def _socket(self, kind: int, keys: CurveKeys | None) -> zmq.Socket[bytes]:
         sock = self.ctx.socket(kind)
@@ -104,7 +117,14 @@ class EngineTransport:
     def publish(self, msg: Message) -> int:
         """Publish ``msg`` to every subscriber; returns its size in bytes."""
         frames = codec.encode(msg)
-        self._send(self.pub, frames)
+        ring = self.ring
+        if ring is None or type(msg) is not Delta:
+            self._send(self.pub, frames)
+        elif not ring.publish(frames, msg.seq):
+            self._send(self.pub, frames)  # too large for the ring: behind its ON_PUB marker
+        elif ring.sleepers():
+            self.pub.send(b"")  # the doorbell: a reader blocks on SUB
+            self.doorbells += 1
         size = codec.encoded_size(frames)
         self.bytes_published += size
         return size
@@ -135,10 +155,24 @@ class EngineTransport:
     # -- receiving -----------------------------------------------------------------------
     def recv(self, timeout_ms: int, spin_s: float = 0.0) -> list[tuple[bytes, AnyReply]]:
         """Worker messages that arrived within ``timeout_ms``, with sender identities;
-        ``spin_s`` as in :meth:`WorkerTransport.recv` (a bounded non-blocking spin first)."""
-        out: list[tuple[bytes, AnyReply]] = []
-        if not (spin_poll(self.poller, spin_s) or self.router.poll(timeout_ms)):
+        ``spin_s`` as in :meth:`WorkerTransport.recv` (a bounded non-blocking spin first,
+        watching the reply rings too)."""
+        ring = self.ring
+        if ring is None:
+            if not (spin_poll(self.poller, spin_s) or self.router.poll(timeout_ms)):
+                return []
+            return self._drain_router()
+        out = self._ring_replies(ring)
+        if out:  # ROUTER messages wait for the next call (the session calls every round)
             return out
+        ready = bool(spin_poll(self.poller, spin_s, ring.replies_pending))
+        if not ready and not ring.replies_pending():
+            # blocking: a ring reply is seen on the next call (the caller's timeout late)
+            ready = bool(self.router.poll(timeout_ms))
+        return self._ring_replies(ring) + (self._drain_router() if ready else [])
+
+    def _drain_router(self) -> list[tuple[bytes, AnyReply]]:
+        out: list[tuple[bytes, AnyReply]] = []
         for _ in range(_BATCH):
             try:
                 identity, *frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -152,8 +186,23 @@ class EngineTransport:
                     log.warning("dropped a worker message that does not decode: %s", exc)
         return out
 
+    def _ring_replies(self, ring: RingWriter) -> list[tuple[bytes, AnyReply]]:
+        """Replies from the reply rings (identity b"": they name their rank)."""
+        out: list[tuple[bytes, AnyReply]] = []
+        for _, payload in ring.replies():
+            try:
+                out.append((b"", decode_reply([payload])))
+            except MalformedMessage as exc:
+                self.malformed += 1
+                if self.malformed == 1:
+                    log.warning("dropped a worker message that does not decode: %s", exc)
+        return out
+
     def close(self) -> None:
-        """Close sockets (linger 0), stop ZAP, remove the ipc directory."""
+        """Close sockets (linger 0), stop ZAP, remove the ring and the ipc directory."""
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
         for name in ("pub", "router"):
             sock = getattr(self, name, None)
             if sock is not None:

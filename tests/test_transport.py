@@ -243,15 +243,17 @@ def test_worker_with_unknown_curve_key_receives_nothing(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_large_tensor_frames_go_out_zero_copy_and_arrive_intact(short_dir: Path) -> None:
+@pytest.mark.parametrize("ring", [0, 4 << 20], ids=["sockets", "ring"])
+def test_large_tensor_frames_go_out_zero_copy_and_arrive_intact(short_dir: Path,
+                                                                ring: int) -> None:
     import torch
 
     from protocol.messages import Delta, DeltaBody, NewRequest
     from protocol.tensors import tensors_equal
     from worker_side.transport import WorkerTransport
 
-    engine = EngineTransport(f"ipc://{short_dir}/e")
-    worker = WorkerTransport(engine.endpoint)
+    engine = EngineTransport(f"ipc://{short_dir}/e", ring_bytes=ring)
+    worker = WorkerTransport(engine.endpoint, rank=0)
     embeds = torch.arange(300_000, dtype=torch.float32).reshape(1000, 300)
     body = DeltaBody(added=(NewRequest(handle=0, req_id="r", prompt_none=True,
                                        prompt_embeds=embeds),))
@@ -261,7 +263,7 @@ def test_large_tensor_frames_go_out_zero_copy_and_arrive_intact(short_dir: Path)
             if worker.recv(10):
                 break
         size = engine.publish(Delta(epoch=1, seq=1, digest=0, body=body))
-        embeds.zero_()  # allowed: publish waited on the MessageTracker
+        embeds.zero_()  # allowed: publish waited on the MessageTracker (or copied into the ring)
         assert size > embeds.nbytes
         delta = next(m for _ in range(200) for m in worker.recv(20) if isinstance(m, Delta))
         received = delta.body.added[0].prompt_embeds
@@ -422,8 +424,11 @@ def test_worker_refuses_an_engine_of_another_major_version(tmp_path: Path) -> No
 
 
 @pytest.mark.integration
-def test_stalled_worker_past_hwm_detects_the_gap_and_resyncs(tmp_path: Path) -> None:
-    h = Harness(None, requests=8, sndhwm=4, sndbuf=4096)
+@pytest.mark.parametrize("ring", [0, 1024], ids=["sockets", "ring"])
+def test_stalled_worker_past_hwm_detects_the_gap_and_resyncs(tmp_path: Path, ring: int) -> None:
+    """Past the PUB high-water mark (sockets), or past the step ring's capacity (ring: the
+    steps taken while it is stopped overrun a 1 KiB ring; larger ones go ON_PUB and drop)."""
+    h = Harness(None, requests=8, sndhwm=4, sndbuf=4096, ring_bytes=ring)
     logs = [tmp_path / f"w{r}.log" for r in range(2)]
     procs = [spawn_worker(h.endpoint, r, logs[r], "--rcvhwm", "4", "--rcvbuf", "4096")
              for r in range(2)]
@@ -435,7 +440,7 @@ def test_stalled_worker_past_hwm_detects_the_gap_and_resyncs(tmp_path: Path) -> 
             for _ in range(50):
                 h.session.transport.publish(Heartbeat(epoch=1, seq=h.session.mirror.seq))
             h.session.service(0.002)
-        h.steps(4)  # rank 1 is declared dead (check-ins stop) and no longer waited for
+        h.steps(4 if not ring else 16)  # rank 1 is declared dead and no longer waited for
         os.kill(procs[1].pid, signal.SIGCONT)
         h.steps()
     finally:
@@ -446,5 +451,8 @@ def test_stalled_worker_past_hwm_detects_the_gap_and_resyncs(tmp_path: Path) -> 
     assert codes == [0, 0]
     stalled = worker_stats(logs[1])
     assert stalled["replica_gaps"] >= 1 and stalled["replica_snapshots"] >= 2
+    assert stalled["ring"] == int(ring > 0)
+    if ring:  # lapped while stopped (or a large Delta's PUB copy was dropped)
+        assert stalled["ring_overruns"] + stalled["ring_lost"] >= 1
     assert h.session.stats["resyncs"] >= 1 and h.session.stats["mismatched"] == 0
     assert h.outputs() == reference_outputs(h.args)

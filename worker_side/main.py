@@ -91,7 +91,8 @@ class Worker:
         identity = f"{self.rank}-{os.getpid()}".encode()
         self.transport = WorkerTransport(args.connect, keys, rcvhwm=args.rcvhwm,
                                          rcvbuf=args.rcvbuf, identity=identity,
-                                         max_message_bytes=args.max_message_bytes)
+                                         max_message_bytes=args.max_message_bytes,
+                                         rank=self.rank)
         self.checkin = CheckInThread(args.connect, self.status, args.checkin_interval, keys)
         self._want_snapshot = False
         self._rejoined = False

@@ -11,6 +11,13 @@ are decoded and handed to the caller, which feeds the pure WorkerReplica.
 * :class:`CheckInThread` owns a second DEALER: check-ins keep flowing while the
   main thread computes.  No socket is ever used from two threads.
 
+* With ``rank`` and an ipc endpoint whose engine serves a local step ring
+  (:mod:`worker_side.ring`), Deltas arrive through the ring and step results
+  leave through this rank's reply ring.  :meth:`recv` merges the ring with SUB
+  (a Delta too large for the ring comes on PUB behind an ON_PUB marker: the
+  ring's later records wait for it), and re-attaches when another engine takes
+  the directory over.  A doorbell (one empty frame on SUB) only wakes us.
+
 Bad input never changes state: frames that fail to decode, or whose total size
 exceeds ``max_message_bytes``, are counted and logged once.  zmq enforces
 ``MAXMSGSIZE`` per frame by dropping the connection; a socket monitor reports
@@ -35,28 +42,42 @@ from zmq.utils.monitor import recv_monitor_message
 
 from protocol import codec
 from protocol.errors import MalformedMessage
-from protocol.messages import AnyMessage, CheckIn
-from protocol.replies import AnyReply, encode_reply
+from protocol.messages import AnyMessage, CheckIn, Delta
+from protocol.replies import AnyReply, StepResult, encode_reply
+from worker_side.ring import MESSAGE, ON_PUB, RING_FILE, RingError, RingReader, unpack_frames
 
 log = logging.getLogger("deltacast.worker.transport")
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 _BATCH = 256  # messages drained per socket per recv() call
 _MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+SOCKET_POLL_S = 200e-6  # sockets' poll period while spinning on a ring
+AWAIT_PUB_S = 1.0  # how long ring records wait for a Delta announced ON_PUB (then: a gap)
+_RING_CHECK_S = 0.1  # at most this often: is there a (new) ring to attach?
 
 
-def spin_poll(poller: zmq.Poller, spin_s: float) -> list[tuple[Any, int]]:
+def spin_poll(poller: zmq.Poller, spin_s: float,
+              elsewhere: Callable[[], bool] | None = None) -> list[tuple[Any, int]]:
     """Poll without blocking for up to ``spin_s`` seconds, ``sched_yield`` between polls
     (a spinning process gives way to runnable ones, e.g. zmq's I/O threads, on a busy
-    CPU).  Returns the ready sockets, or [] when the spin ran out."""
+    CPU).  Returns the ready sockets, or [] when the spin ran out or ``elsewhere()``
+    (e.g. a shared-memory ring has records) became true.  With ``elsewhere`` (a
+    microsecond check), the sockets (several microseconds a poll) are polled only
+    every ``SOCKET_POLL_S``: they carry the rarer messages."""
     if spin_s <= 0:
         return []
-    deadline = time.perf_counter() + spin_s
+    now = time.perf_counter()
+    deadline, next_poll = now + spin_s, now
     while True:
-        ready = poller.poll(0)
-        if ready or time.perf_counter() >= deadline:
-            return ready
+        if elsewhere is None or now >= next_poll:
+            ready = poller.poll(0)
+            if ready:
+                return ready
+            next_poll = now + SOCKET_POLL_S
+        if (elsewhere is not None and elsewhere()) or now >= deadline:
+            return []
         os.sched_yield()
+        now = time.perf_counter()
 
 
 def spin_socket(sock: zmq.Socket[bytes], spin_s: float) -> bool:
@@ -81,6 +102,14 @@ def channel_endpoints(endpoint: str) -> tuple[str, str]:
             raise ValueError(f"{endpoint}: a tcp endpoint needs an explicit port")
         return endpoint, f"{host}:{int(port) + 1}"
     raise ValueError(f"{endpoint}: use ipc://DIR or tcp://HOST:PORT")
+
+
+@dataclass(frozen=True)
+class _Await:
+    """A ring position whose Delta went on PUB."""
+
+    seq: int
+    since: float
 
 
 @dataclass(frozen=True)
@@ -123,7 +152,8 @@ class WorkerTransport:
 
     def __init__(self, endpoint: str, keys: ClientKeys | None = None, *,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, rcvhwm: int = 1000,
-                 rcvbuf: int = -1, identity: bytes | None = None) -> None:
+                 rcvbuf: int = -1, identity: bytes | None = None,
+                 rank: int | None = None) -> None:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.endpoint, self.keys = endpoint, keys
         self.max_message_bytes = max_message_bytes
@@ -146,6 +176,14 @@ class WorkerTransport:
         self.dropped = _Once("connection to the engine dropped (a frame over the size limit, "
                              "or the engine went away); zmq reconnects")
         self.auth_failed = _Once("the engine rejected our CURVE key")
+        self.ring_lost = _Once("a Delta announced on PUB never came (the replica resyncs)")
+        self.rank = rank
+        self.ring: RingReader | None = None
+        self.ring_dir = Path(endpoint[6:]) if endpoint.startswith("ipc://") else None
+        self._ring_checked = float("-inf")
+        self._queue: list[AnyMessage | _Await] = []  # ring order, SUB extras behind
+        self._from_pub: dict[int, Delta] = {}
+        self._check_ring(force=True)
 
     def _socket(self, kind: int, *, rcvhwm: int = 1000, rcvbuf: int = -1,
                 identity: bytes | None = None) -> zmq.Socket[bytes]:
@@ -161,20 +199,102 @@ class WorkerTransport:
         return sock
 
     def recv(self, timeout_ms: int, spin_s: float = 0.0) -> list[AnyMessage]:
-        """Messages that arrived within ``timeout_ms`` (SUB first, then DEALER).
+        """Messages that arrived within ``timeout_ms`` (the stream first, then DEALER).
 
         ``spin_s`` > 0: first poll without blocking for up to that long, yielding the
         CPU between polls (no wake-up latency), then block for ``timeout_ms``."""
-        ready = dict(spin_poll(self.poller, spin_s) or self.poller.poll(timeout_ms))
-        out: list[AnyMessage] = []
+        ready = dict(self._wait(timeout_ms, spin_s))
         for monitor, sock in self.monitors.items():
             if monitor in ready:
                 self._drain_monitor(monitor, sock)
-        if self.sub in ready:
-            out += self._drain(self.sub)
-            self.heard = self.heard or bool(out)
+        sub = self._drain(self.sub) if self.sub in ready else []
+        self.heard = self.heard or bool(sub)  # the subscription is live (Clone ordering)
+        out = self._stream(sub) if self.ring is not None or self._queue else sub
         if self.dealer in ready:
             out += self._drain(self.dealer)
+        return out
+
+    def _wait(self, timeout_ms: int, spin_s: float) -> list[tuple[Any, int]]:
+        ring = self.ring
+        if ring is None:
+            return spin_poll(self.poller, spin_s) or self.poller.poll(timeout_ms)
+        if ring.pending():
+            return self.poller.poll(0)
+        ready = spin_poll(self.poller, spin_s, ring.pending)
+        if ready or ring.pending():
+            return ready
+        # announce that we block; records that came meanwhile mean: do not block
+        ready = self.poller.poll(0 if ring.sleep(True) else timeout_ms)
+        ring.sleep(False)
+        return ready
+
+    # -- the local ring ---------------------------------------------------------------
+    def _check_ring(self, force: bool = False) -> None:
+        """Attach the directory's ring if there is one, re-attach if it changed."""
+        now = time.monotonic()
+        if self.ring_dir is None or (not force and now - self._ring_checked < _RING_CHECK_S):
+            return
+        self._ring_checked = now
+        if self.ring is not None and not self.ring.stale():
+            return
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        if not (self.ring_dir / RING_FILE).exists():
+            return
+        if self.rank is None:
+            raise RingError(f"{self.ring_dir} serves a local step ring: pass this worker's rank "
+                            "(or start the engine without a ring, ring_bytes=0)")
+        try:
+            self.ring = RingReader(self.ring_dir, self.rank)
+        except RingError as exc:  # the engine sends Deltas only there: we cannot follow it
+            raise RingError(f"{exc}; start the engine without a ring (ring_bytes=0)") from exc
+
+    def _stream(self, sub: list[AnyMessage]) -> list[AnyMessage]:
+        """The ring's records, then SUB's messages, in stream order (see the module doc)."""
+        if sub:
+            self._check_ring()  # may re-attach: read self.ring only after it
+        ring, now = self.ring, time.monotonic()
+        if ring is not None:
+            for kind, payload in ring.read():
+                if kind == ON_PUB:
+                    self._queue.append(_Await(int.from_bytes(payload[:8], "little"), now))
+                elif kind == MESSAGE:
+                    self._queue += self._decode_record(payload)
+        for msg in sub:
+            if type(msg) is Delta:
+                self._from_pub[msg.seq] = msg
+            else:
+                self._queue.append(msg)
+        return self._release(now)
+
+    def _decode_record(self, payload: bytes) -> list[AnyMessage]:
+        try:
+            return [codec.decode(unpack_frames(payload))]
+        except (MalformedMessage, ValueError) as exc:
+            self.malformed.hit(exc)
+            return []
+
+    def _release(self, now: float) -> list[AnyMessage]:
+        """The queue's front up to the first ON_PUB Delta that has not come yet."""
+        out: list[AnyMessage] = []
+        queue, taken = self._queue, 0
+        for item in queue:
+            if isinstance(item, _Await):
+                msg = self._from_pub.pop(item.seq, None)
+                if msg is None and now - item.since < AWAIT_PUB_S:
+                    break
+                if msg is None:
+                    self.ring_lost.hit(f"seq {item.seq}")
+                else:
+                    out.append(msg)
+            else:
+                out.append(item)
+            taken += 1
+        del queue[:taken]
+        if len(self._from_pub) > 64:  # never awaited (a stale engine's): keep it bounded
+            for seq in sorted(self._from_pub)[:-64]:
+                del self._from_pub[seq]
         return out
 
     def _drain(self, sock: zmq.Socket[bytes]) -> list[AnyMessage]:
@@ -184,6 +304,8 @@ class WorkerTransport:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
+            if len(frames) == 1 and not len(frames[0].buffer):
+                continue  # a doorbell: it only woke us
             if sum(len(f.buffer) for f in frames) > self.max_message_bytes:
                 self.oversized.hit(f"{len(frames)} frames")
                 continue
@@ -210,18 +332,27 @@ class WorkerTransport:
         sock.connect(endpoint)
 
     def send(self, msg: AnyReply) -> None:
-        """One reply to the engine (never blocks: dropped if the engine is gone)."""
+        """One reply to the engine (never blocks: dropped if the engine is gone); a step
+        result goes through the reply ring when there is one and it fits."""
+        data = encode_reply(msg)
+        if self.ring is not None and type(msg) is StepResult and self.ring.reply(data):
+            return
         try:
-            self.dealer.send(encode_reply(msg), zmq.NOBLOCK)
+            self.dealer.send(data, zmq.NOBLOCK)
         except zmq.Again:
             log.debug("engine not reachable; %s dropped", type(msg).__name__)
 
     def stats(self) -> dict[str, int]:
         return {"malformed": self.malformed.count, "oversized": self.oversized.count,
-                "disconnects": self.dropped.count, "auth_failures": self.auth_failed.count}
+                "disconnects": self.dropped.count, "auth_failures": self.auth_failed.count,
+                "ring": int(self.ring is not None), "ring_lost": self.ring_lost.count,
+                "ring_overruns": self.ring.overruns if self.ring is not None else 0}
 
     def close(self, goodbye_linger_ms: int = 100) -> None:
         """Close everything; the DEALER lingers briefly so a final Goodbye gets out."""
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
         for monitor, sock in self.monitors.items():
             sock.disable_monitor()
             monitor.close(linger=0)

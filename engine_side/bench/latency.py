@@ -245,7 +245,8 @@ def soak(args: argparse.Namespace, workers: int = 4, batch: int = 64) -> dict[st
     from engine_side.transport import EngineTransport
 
     workload = Workload("mixed_chat", batch, seed=args.seed)
-    transport = EngineTransport(None, sndhwm=64)  # small HWM: stalls overflow and force resyncs
+    # small HWM and ring: stalls overflow and force resyncs
+    transport = EngineTransport(None, sndhwm=64, ring_bytes=64 << 10)
     liveness = LivenessView(dead_after=1.0, stuck_after={"synced": 10.0, "silent": 10.0})
     sup = Supervisor(["--ack-only", "--connect", transport.endpoint, "--engine-timeout", "30",
                       "--rcvhwm", "64"], workers)

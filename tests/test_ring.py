@@ -1,0 +1,184 @@
+"""The local step ring (worker_side/ring.py) and its use by the transports: order, wrap,
+overrun, ON_PUB markers, reply rings, doorbells, re-attachment."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from protocol.messages import AnyMessage, Delta, DeltaBody, Heartbeat
+from protocol.replies import StepResult
+from worker_side.ring import (
+    MESSAGE,
+    ON_PUB,
+    RingError,
+    RingReader,
+    RingWriter,
+    pack_frames,
+    unpack_frames,
+)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:  # ipc socket paths must stay under 107 bytes
+    path = Path(tempfile.mkdtemp(prefix="dcr-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def writer(tmp_path: Path) -> Iterator[RingWriter]:
+    w = RingWriter(tmp_path, ring_bytes=1024, reply_bytes=1024)
+    yield w
+    w.close()
+
+
+def _messages(reader: RingReader) -> list[bytes]:
+    return [bytes(unpack_frames(p)[0]) for k, p in reader.read() if k == MESSAGE]
+
+
+def test_records_arrive_in_order_across_wraps(writer: RingWriter, tmp_path: Path) -> None:
+    reader = RingReader(tmp_path, 0)
+    sent, got = [], []
+    for i in range(200):  # 200 records of 40-140 bytes through a 1 KiB ring: many wraps
+        record = bytes([i % 251]) * (40 + i % 100)
+        assert writer.publish([record], i)
+        sent.append(record)
+        if i % 3 == 2:
+            got += _messages(reader)
+    got += _messages(reader)
+    assert got == sent and reader.overruns == 0
+
+
+def test_a_reader_lapped_by_the_writer_is_overrun_not_fed_torn_data(
+        writer: RingWriter, tmp_path: Path) -> None:
+    reader = RingReader(tmp_path, 0)
+    for i in range(40):
+        writer.publish([bytes(100)], i)  # 40 * 108 bytes > 1 KiB: the reader is lapped
+    assert reader.read() == [] and reader.overruns == 1
+    writer.publish([b"next"], 40)
+    assert _messages(reader) == [b"next"]  # it resumes from the head (the replica resyncs)
+
+
+def test_a_late_reader_starts_at_the_head_like_a_late_subscriber(
+        writer: RingWriter, tmp_path: Path) -> None:
+    writer.publish([b"before"], 1)
+    reader = RingReader(tmp_path, 0)
+    writer.publish([b"after"], 2)
+    assert _messages(reader) == [b"after"]
+
+
+def test_a_message_too_large_for_the_ring_leaves_an_on_pub_marker(
+        writer: RingWriter, tmp_path: Path) -> None:
+    reader = RingReader(tmp_path, 0)
+    assert not writer.publish([bytes(600)], 7)  # > half the ring
+    assert reader.read() == [(ON_PUB, (7).to_bytes(8, "little"))]
+
+
+def test_frames_pack_and_bad_payloads_are_refused() -> None:
+    parts = pack_frames([b"ab", b"", b"cde"])
+    payload = b"".join(bytes(p) for p in parts)
+    assert [bytes(f) for f in unpack_frames(payload)] == [b"ab", b"", b"cde"]
+    for bad in (payload[:-1], (5).to_bytes(4, "little") + b"\0" * 8):
+        with pytest.raises(ValueError):
+            unpack_frames(bad)
+
+
+def test_replies_per_rank_and_the_sleeping_flag(writer: RingWriter, tmp_path: Path) -> None:
+    r0, r3 = RingReader(tmp_path, 0), RingReader(tmp_path, 3)
+    assert not writer.replies_pending() and not writer.sleepers()
+    assert r3.reply(b"three") and r0.reply(b"zero-a") and r0.reply(b"zero-b")
+    assert writer.replies_pending()
+    assert writer.replies() == [(0, b"zero-a"), (0, b"zero-b"), (3, b"three")]
+    assert not writer.replies_pending() and writer.replies() == []
+    assert not r0.reply(bytes(600))  # too large: the caller uses its DEALER
+    assert r3.sleep(True) is False and writer.sleepers()
+    writer.publish([b"x"], 1)
+    assert r0.sleep(True) is True  # records are pending: do not block
+    r0.sleep(False)
+    r3.sleep(False)
+    assert not writer.sleepers()
+
+
+def test_a_restarted_engine_makes_readers_stale_and_bad_ranks_are_refused(
+        tmp_path: Path) -> None:
+    first = RingWriter(tmp_path, ring_bytes=1024)
+    reader = RingReader(tmp_path, 1)
+    assert not reader.stale()
+    first.close()
+    assert reader.stale()
+    second = RingWriter(tmp_path, ring_bytes=1024)
+    try:
+        again = RingReader(tmp_path, 1)
+        second.publish([b"new"], 1)
+        assert _messages(again) == [b"new"]
+        with pytest.raises(RingError, match="rank 64"):
+            RingReader(tmp_path, 64)
+    finally:
+        second.close()
+    assert not (tmp_path / "ring").exists()
+    with pytest.raises(RingError, match="cannot attach"):
+        RingReader(tmp_path, 0)
+
+
+# -- through the transports (real sockets) -------------------------------------------------
+@pytest.mark.integration
+def test_transport_merges_ring_and_pub_in_stream_order_and_rings_the_doorbell(
+        short_dir: Path) -> None:
+    from engine_side.transport import EngineTransport
+    from worker_side.transport import WorkerTransport
+
+    engine = EngineTransport(f"ipc://{short_dir}/e", ring_bytes=1024)
+    worker = WorkerTransport(engine.endpoint, rank=2)
+    try:
+        for _ in range(500):  # until the subscription is live (bounded)
+            engine.publish(Heartbeat(epoch=1, seq=0))
+            if worker.recv(10):
+                break
+        small = DeltaBody(finished_unknown=("a",))
+        large = DeltaBody(finished_unknown=tuple(f"req-{i}" for i in range(100)))  # > 512 B
+        for seq, body in enumerate([small, large, small], start=1):
+            engine.publish(Delta(epoch=1, seq=seq, digest=0, body=body))
+        got: list[int] = []
+        for _ in range(200):
+            got += [m.seq for m in worker.recv(20) if isinstance(m, Delta)]
+            if len(got) == 3:
+                break
+        assert got == [1, 2, 3]  # seq 2 came on PUB; seq 3 waited for it in the ring
+        assert engine.doorbells == 0
+
+        done: list[list[AnyMessage]] = []
+        blocked = threading.Thread(target=lambda: done.append(worker.recv(10_000)))
+        blocked.start()  # no spin: it announces it sleeps, then blocks on SUB
+        while not engine.ring or not engine.ring.sleepers():
+            blocked.join(0.001)
+        engine.publish(Delta(epoch=1, seq=4, digest=0, body=small))
+        blocked.join()
+        assert engine.doorbells == 1
+        assert [m.seq for m in done[0] if isinstance(m, Delta)] == [4]
+
+        worker.send(StepResult(epoch=1, seq=4, rank=2))
+        replies = [(ident, msg.seq, msg.rank) for _ in range(100)
+                   for ident, msg in engine.recv(10) if isinstance(msg, StepResult)]
+        assert replies[:1] == [(b"", 4, 2)]  # via the reply ring: no DEALER identity
+    finally:
+        worker.close()
+        engine.close()
+
+
+@pytest.mark.integration
+def test_a_worker_without_a_rank_is_told_to_pass_one(short_dir: Path) -> None:
+    from engine_side.transport import EngineTransport
+    from worker_side.transport import WorkerTransport
+
+    engine = EngineTransport(f"ipc://{short_dir}/e")
+    try:
+        with pytest.raises(RingError, match="pass this worker's rank"):
+            WorkerTransport(engine.endpoint)
+    finally:
+        engine.close()
