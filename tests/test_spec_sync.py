@@ -245,3 +245,28 @@ def test_worked_example_bytes(spec: str) -> None:
     for step in (2, 3):  # printed in full
         assert f"`{frames[step - 1].hex(' ')}`" in section
     assert f"`{mirror.state.digest:#018x}`" in section
+
+
+def test_local_ring_layout_and_record_kinds_match_the_code(spec: str) -> None:
+    """§7.6's segment table and record kinds are the ones worker_side/ring.py uses."""
+    from worker_side import ring
+
+    _, rows = table_at(spec, "| Word | Name | Written by | Meaning |")
+    words = {name: word for word, name, *_ in rows}
+    fixed = {"magic": ring._W_MAGIC, "version": ring._W_VERSION, "ring_bytes": ring._W_RING,
+             "ranks": ring._W_RANKS, "reply_bytes": ring._W_REPLY, "closed": ring._W_CLOSED,
+             "head": ring._W_HEAD}
+    assert {k: int(words[k]) for k in fixed} == fixed
+    layout = ring.Layout(1024, 1024)
+    assert words["sleeping[r]"] == f"{ring._HEADER_WORDS} + r" \
+        and ring._sleeping_word(5) == ring._HEADER_WORDS + 5
+    assert words["reply_head[r]"] == f"{ring._HEADER_WORDS} + R + r" \
+        and layout.reply_word(5) == ring._HEADER_WORDS + layout.ranks + 5
+    assert layout.ranks == ring.MAX_RANKS == 64 and "`R` = 64" in spec
+    meaning = {name: row[-1] for _, name, *row in rows}
+    assert f"{ring.MAGIC:#x}".lower() in meaning["magic"].lower()
+    assert meaning["version"] == str(ring.VERSION)
+    _, records = table_at(spec, "| Bytes | Field | Meaning |")
+    kinds = dict(re.findall(r"(\d) `?([A-Z_]+)", records[1][2]))  # (cells lose end backticks)
+    assert kinds == {str(ring.MESSAGE): "MESSAGE", str(ring.ON_PUB): "ON_PUB",
+                     str(ring.WRAP): "WRAP"}
