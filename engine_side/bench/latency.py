@@ -4,7 +4,9 @@ One case = (transport, workers, batch).  The engine (this process) steps a
 synthetic workload through an :class:`EngineSession`; ``--ack-only`` worker
 processes apply each delta, rebuild the full request and acknowledge it.  A
 step's latency runs from "the engine hands over the request" (before the diff)
-to "every worker has acknowledged holding the rebuilt request".  Rows follow
+to "every worker has acknowledged holding the rebuilt request".  Lanes: ``ipc`` (the
+default local channel: Deltas and acks through the shared-memory step ring of
+:mod:`worker_side.ring`), ``ipc-sockets`` (the same without the ring), ``tcp-curve``.  Rows follow
 :mod:`engine_side.bench.rows`: ``encode_us`` = diff + publish on the engine,
 ``decode_us`` = the rest of the round trip (transit, apply, rebuild, ack),
 ``total_us`` = median latency.  Extra keys: ``p99_us``, ``cpu_s_per_step``
@@ -44,16 +46,18 @@ from engine_side.mirror import EngineMirror
 from engine_side.security import free_tcp_endpoint
 from engine_side.session import DEFAULT_ACK_SPIN, EngineSession, WorkersLost
 from engine_side.workloads import Workload
+from worker_side.ring import DEFAULT_RING_BYTES
 from worker_side.waiting import DEFAULT_SPIN_MS
 
 SCENARIO = "steady_decode"
-TRANSPORTS = ("ipc", "tcp-curve", "vllm-shm")  # vllm-shm only where vLLM is importable
+# ipc: the default local channel (step ring + ipc sockets); ipc-sockets: without the ring
+TRANSPORTS = ("ipc", "ipc-sockets", "tcp-curve", "vllm-shm")  # vllm-shm: where vLLM imports
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transports", default=",".join(TRANSPORTS),
-                        help="latency: comma-separated subset of ipc,tcp-curve,vllm-shm")
+                        help="latency: comma-separated subset of " + ",".join(TRANSPORTS))
     parser.add_argument("--worker-counts", default="1,2,4",
                         help="latency: comma-separated worker counts (default 1,2,4)")
     parser.add_argument("--spin-ms", type=float, default=DEFAULT_SPIN_MS,
@@ -90,7 +94,8 @@ def _engine(transport: str, workers: int, token_mode: int, spin: tuple[float, fl
                              frozenset({load_keypair(worker_secret)[0]}))
             extra = ["--server-key", str(server_pub), "--secret-key", str(worker_secret)]
             endpoint = free_tcp_endpoint()
-        session = EngineSession(EngineTransport(endpoint, keys=keys),
+        ring = DEFAULT_RING_BYTES if transport == "ipc" else 0
+        session = EngineSession(EngineTransport(endpoint, keys=keys, ring_bytes=ring),
                                 EngineMirror(token_mode=token_mode), LivenessView(dead_after=5.0),
                                 ack_spin=spin[1] / 1e3)
         cmd = [sys.executable, "-m", "worker_side.main", "--ack-only", "--connect",
