@@ -152,6 +152,13 @@ def test_transport_merges_ring_and_pub_in_stream_order_and_rings_the_doorbell(
         assert got == [1, 2, 3]  # seq 2 came on PUB; seq 3 waited for it in the ring
         assert engine.doorbells == 0
 
+        assert engine.ring is not None  # garbage in the ring: counted, nothing delivered
+        engine.ring.seg.ring.write(MESSAGE, [b"\x01\0\0\0" + (3).to_bytes(8, "little")
+                                             + b"\xc1xx"])
+        engine.ring.seg.ring.write(MESSAGE, [b"\xff\xff"])  # not even a frame table
+        assert [m for _ in range(20) for m in worker.recv(5)] == []
+        assert worker.malformed.count == 2
+
         done: list[list[AnyMessage]] = []
         blocked = threading.Thread(target=lambda: done.append(worker.recv(10_000)))
         blocked.start()  # no spin: it announces it sleeps, then blocks on SUB

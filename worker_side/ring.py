@@ -162,6 +162,8 @@ def pack_frames(frames: Sequence[Any]) -> list[Any]:
 def unpack_frames(payload: bytes) -> list[memoryview]:
     """The frames of a MESSAGE payload (ValueError if it is not one)."""
     view = memoryview(payload)
+    if len(view) < 4:
+        raise ValueError("no frame count")
     (n,) = _U32.unpack_from(view, 0)
     if n > (len(view) - 4) // 8:
         raise ValueError("frame count exceeds the record")
