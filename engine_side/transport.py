@@ -40,7 +40,7 @@ from protocol import codec
 from protocol.errors import MalformedMessage
 from protocol.messages import Delta, Message
 from protocol.replies import AnyReply, decode_reply
-from worker_side.ring import DEFAULT_RING_BYTES, RING_FILE, RingWriter
+from worker_side.ring import DEFAULT_RING_BYTES, MESSAGE, RING_FILE, RingWriter
 from worker_side.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_endpoints, spin_poll
 
 log = logging.getLogger("deltacast.engine.transport")
@@ -189,7 +189,9 @@ class EngineTransport:
     def _ring_replies(self, ring: RingWriter) -> list[tuple[bytes, AnyReply]]:
         """Replies from the reply rings (identity b"": they name their rank)."""
         out: list[tuple[bytes, AnyReply]] = []
-        for _, payload in ring.replies():
+        for _, kind, payload in ring.replies():
+            if kind != MESSAGE:  # this channel's workers send large replies on DEALER alone
+                continue
             try:
                 out.append((b"", decode_reply([payload])))
             except MalformedMessage as exc:

@@ -94,15 +94,20 @@ def test_replies_per_rank_and_the_sleeping_flag(writer: RingWriter, tmp_path: Pa
     assert not writer.replies_pending() and not writer.sleepers()
     assert r3.reply(b"three") and r0.reply(b"zero-a") and r0.reply(b"zero-b")
     assert writer.replies_pending()
-    assert writer.replies() == [(0, b"zero-a"), (0, b"zero-b"), (3, b"three")]
+    assert writer.replies() == [(0, MESSAGE, b"zero-a"), (0, MESSAGE, b"zero-b"),
+                                (3, MESSAGE, b"three")]
     assert not writer.replies_pending() and writer.replies() == []
     assert not r0.reply(bytes(600))  # too large: the caller uses its DEALER
-    assert r3.sleep(True) is False and writer.sleepers()
+    r0.reply_marker()
+    assert writer.replies() == [(0, ON_PUB, bytes(8))]
+    assert r3.sleep(True) is False and writer.sleepers() and writer.sleeping_ranks() == [3]
     writer.publish([b"x"], 1)
     assert r0.sleep(True) is True  # records are pending: do not block
     r0.sleep(False)
     r3.sleep(False)
     assert not writer.sleepers()
+    assert writer.publish([b"tiny"], 9, limit=64) and not writer.publish([bytes(100)], 10, 64)
+    assert [k for k, _ in r0.read()] == [MESSAGE, MESSAGE, ON_PUB]
 
 
 def test_a_restarted_engine_makes_readers_stale_and_bad_ranks_are_refused(

@@ -52,12 +52,14 @@ def _outputs(llm: Any) -> list[dict[str, Any]]:
     return res
 
 
-def _engine(model: str, tp: int, delta: bool) -> Any:
+def _engine(model: str, tp: int, delta: bool, ring_kb: int | None = None) -> Any:
     from vllm import LLM
 
     from engine_side.vllm import DeltaExecutor
 
     kw: dict[str, Any] = {"distributed_executor_backend": DeltaExecutor} if delta else {}
+    if ring_kb is not None:
+        kw["additional_config"] = {"deltacast_ring_kb": ring_kb}
     return LLM(model=model, tensor_parallel_size=tp, enforce_eager=True, block_size=32,
                max_model_len=1024, seed=0, enable_prefix_caching=True,
                max_num_batched_tokens=256, enable_chunked_prefill=True, **kw)
@@ -184,6 +186,7 @@ def main(model: str, path: str) -> None:
                 out["tp1_alive_after_shutdown"] = [p.is_alive() for p in ex.procs]
                 _async_run(model, out)
             elif delta:
+                out["ring_stats"] = dict(_executor(llm).stats)
                 _paths(llm, out)
                 _diverge(llm, out)
                 _kill(llm, out)
@@ -191,6 +194,13 @@ def main(model: str, path: str) -> None:
                 _close(llm)
             with open(path, "w") as f:
                 json.dump(out, f)
+    for ring_kb in (1, 0):  # a 1 KiB ring: large calls and replies take the sockets; none
+        llm = _engine(model, 2, True, ring_kb)
+        out[f"delta2_ring{ring_kb}"] = _outputs(llm)
+        out[f"ring{ring_kb}_stats"] = dict(_executor(llm).stats)
+        _close(llm)
+        with open(path, "w") as f:
+            json.dump(out, f)
 
 
 def _worker_pids() -> list[int]:

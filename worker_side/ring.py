@@ -105,11 +105,12 @@ class _Region:
     def head(self) -> int:
         return self.words[self.at]  # type: ignore[no-any-return]
 
-    def write(self, kind: int, parts: Sequence[Any]) -> bool:
-        """Append one record made of ``parts``; False if it cannot fit (> capacity / 2)."""
+    def write(self, kind: int, parts: Sequence[Any], limit: int | None = None) -> bool:
+        """Append one record made of ``parts``; False if it is larger than ``limit``
+        (default and at most: half the capacity)."""
         size = sum(memoryview(p).nbytes for p in parts)
         need = 8 + _align(size)
-        if need > self.capacity // 2:
+        if need > min(limit or self.capacity, self.capacity // 2):
             return False
         head = self.head()
         pos = head % self.capacity
@@ -233,10 +234,11 @@ class RingWriter:
         self.cursors = [self.seg.replies[r].head() for r in range(layout.ranks)]
         self._seen = bytes(self.seg.reply_heads)  # the reply heads we have read up to
 
-    def publish(self, frames: Sequence[Any], seq: int) -> bool:
-        """Append one message; if it is too large, an ON_PUB marker for ``seq`` instead
-        (returns False: the caller MUST then send the message on PUB)."""
-        if self.seg.ring.write(MESSAGE, pack_frames(frames)):
+    def publish(self, frames: Sequence[Any], seq: int, limit: int | None = None) -> bool:
+        """Append one message; if it is too large (for the ring, or than ``limit``), an
+        ON_PUB marker for ``seq`` instead (returns False: the caller MUST then send the
+        message on its socket)."""
+        if self.seg.ring.write(MESSAGE, pack_frames(frames), limit):
             return True
         self.seg.ring.write(ON_PUB, [_U64.pack(seq)])
         return False
@@ -246,19 +248,25 @@ class RingWriter:
         fence()
         return self.seg.sleeping_any()
 
+    def sleeping_ranks(self) -> list[int]:
+        """Ranks whose worker announced it blocks (after a fence)."""
+        fence()
+        return [r for r, v in enumerate(self.seg.sleeping.cast("Q")) if v]
+
     def replies_pending(self) -> bool:
         return bytes(self.seg.reply_heads) != self._seen  # a copy and a memcmp: ~0.1 µs
 
-    def replies(self) -> list[tuple[int, bytes]]:
-        """(rank, payload) of every reply written since the last call, in order per rank."""
+    def replies(self) -> list[tuple[int, int, bytes]]:
+        """(rank, kind, payload) of every record in the reply rings since the last call,
+        in order per rank."""
         if not self.replies_pending():
             return []
-        out: list[tuple[int, bytes]] = []
+        out: list[tuple[int, int, bytes]] = []
         cursors, regions = self.cursors, self.seg.replies
         for rank, head in enumerate(self.seg.reply_heads.cast("Q")):
             if head != cursors[rank]:
                 cursors[rank], records = regions[rank].read(cursors[rank])
-                out += [(rank, payload) for _, payload in records or ()]
+                out += [(rank, kind, payload) for kind, payload in records or ()]
         self._seen = struct.pack(f"<{len(cursors)}Q", *cursors)
         return out
 
@@ -320,6 +328,10 @@ class RingReader:
     def reply(self, payload: bytes) -> bool:
         """Append a reply for the engine; False if it does not fit (send it on DEALER)."""
         return self.seg.replies[self.rank].write(MESSAGE, [payload])
+
+    def reply_marker(self) -> None:
+        """An ON_PUB record in our reply ring: the reply at this place went on the DEALER."""
+        self.seg.replies[self.rank].write(ON_PUB, [bytes(8)])
 
     def stale(self) -> bool:
         """The engine closed this segment or another engine now serves the directory."""

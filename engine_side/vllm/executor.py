@@ -14,6 +14,14 @@ answers every call, so an exception on any rank is raised here; a dead rank
 marks the executor failed, wakes any waiting call and runs the failure
 callback.  Futures resolve in submission order.
 
+Local step ring (default; ``additional_config={"deltacast_ring_kb": N}`` sizes it,
+default 32 MiB, 0 turns it off): calls go through the shared-memory ring of
+:mod:`worker_side.ring` once for all ranks instead of once per rank on the ROUTER,
+and replies come back through the ranks' reply rings (:mod:`worker_side.vllm.channel`);
+a call over ``RING_CALL_LIMIT`` (or half the ring) goes on the ROUTER behind an ON_PUB
+marker, a large reply on the rank's DEALER likewise, so each rank's replies stay in
+call order.
+
 Multimodal items and prompt embeds travel as zero-copy frames; with
 ``additional_config={"deltacast_mm_store_mb": N}`` they go once into an N MB
 shared-memory store instead (``engine_side.vllm.mm``), and every rank attaches
@@ -37,7 +45,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
@@ -53,13 +61,16 @@ from engine_side.shm_store import ShmStore
 from engine_side.vllm.convert import seal, unseal
 from engine_side.vllm.divergence import RankDiverged, TokenHashBoard
 from engine_side.vllm.encoder import SchedulerOutputEncoder
-from worker_side.transport import spin_socket
+from worker_side.ring import MESSAGE, RingWriter, unpack_frames
+from worker_side.transport import spin_poll
 from worker_side.vllm import proc as wire
+from worker_side.vllm.channel import DOORBELL
 from worker_side.vllm.tokenhash import parse_check_in
 
 log = logging.getLogger("deltacast.vllm.executor")
 POLL_MS = 100  # how often a waiting call re-checks that every rank is alive
 JOIN_S = 10.0
+RING_CALL_LIMIT = 1 << 20  # bigger calls use the ROUTER (bounds what the ring holds in flight)
 
 
 class ExecutorFailed(RuntimeError):
@@ -111,7 +122,8 @@ class DeltaExecutor(Executor):
         self.store = ShmStore(int(store_mb) << 20) if store_mb else None
         self.encoder = SchedulerOutputEncoder(secret=self.secret, store=self.store)
         self._pending: deque[_Reply] = deque()
-        self._inbox: list[deque[list[bytes]]] = [deque() for _ in range(self.world_size)]
+        # per rank, replies in call order; None: its place, the reply comes on the ROUTER
+        self._inbox: list[deque[list[bytes] | None]] = [deque() for _ in range(self.world_size)]
         self.procs: list[BaseProcess] = []
         self._deaths: list[Connection] = []
         self._lock: Any = None
@@ -121,8 +133,16 @@ class DeltaExecutor(Executor):
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(f"{self._dir.endpoint}/ctl")
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        ring_kb = int(extra.get("deltacast_ring_kb", 32 << 10))
+        self.ring = RingWriter(self._dir.path, ring_kb << 10, min(4 << 20, ring_kb << 10)) \
+            if ring_kb else None
+        self.stats: Counter[str] = Counter()  # ring_calls, socket_calls, socket_replies
         self._finalizer = weakref.finalize(self, DeltaExecutor._cleanup, self.procs,
-                                           self._deaths, self._sock, self._ctx, self._dir)
+                                           self._deaths, self._sock, self._ctx, self._dir,
+                                           self.ring)
+        self._calls = 0
         set_multiprocessing_worker_envs(self.world_size)
         try:
             self._start_ranks()
@@ -152,7 +172,8 @@ class DeltaExecutor(Executor):
                           secret=self.secret, is_driver=rank % tp == 0,
                           output_rank=self.output_rank, lock=lock, death=reader,
                           hash_every=every if rank in self.hashes.ranks else 0,
-                          spin_s=self.spin_s)
+                          spin_s=self.spin_s,
+                          ring_dir=str(self._dir.path) if self.ring is not None else None)
             p = ctx.Process(target=wire.worker_main, kwargs=kwargs, name=f"DeltaWorker-{rank}",
                             daemon=True)
             with omp.configure_omp_envs(rank=rank, local_rank=rank):  # per-rank CPU binding
@@ -216,9 +237,14 @@ class DeltaExecutor(Executor):
 
     # ------------------------------------------------------------ transport
     def _receive(self, deadline: float | None) -> list[tuple[int, list[bytes]]]:
-        """Messages available within POLL_MS, as (rank, frames); raises if a rank died."""
+        """ROUTER messages available within POLL_MS, as (rank, frames), after filing the
+        reply rings' records into the inboxes; raises if a rank died."""
         left = min(self.spin_s - (time.monotonic() - self._replied), POLL_MS / 1e3)
-        if not (self._sock.poll(0, zmq.POLLIN) or (left > 0 and spin_socket(self._sock, left))
+        ring = self.ring
+        pending = ring.replies_pending if ring is not None else None
+        if not (self._sock.poll(0, zmq.POLLIN) or (pending is not None and pending())
+                or (left > 0 and (spin_poll(self._poller, left, pending)
+                                  or (pending is not None and pending())))
                 or self._sock.poll(POLL_MS, zmq.POLLIN)):
             self._check_alive()
             if deadline is not None and time.monotonic() > deadline:
@@ -232,8 +258,22 @@ class DeltaExecutor(Executor):
                 self._check_in(int(ident), frames[1])
             else:
                 got.append((int(ident), frames))
+        if ring is not None:  # read after the ROUTER: a large reply's marker is in already
+            for rank, kind, payload in ring.replies():
+                self._inbox[rank].append([bytes(f) for f in unpack_frames(payload)]
+                                         if kind == MESSAGE else None)
         self._replied = time.monotonic()
         return got
+
+    def _file(self, rank: int, frames: list[bytes]) -> None:
+        """A ROUTER reply: into the place its marker kept, else at the end."""
+        box = self._inbox[rank]
+        for i, held in enumerate(box):
+            if held is None:
+                box[i] = frames
+                self.stats["socket_replies"] += 1
+                return
+        box.append(frames)
 
     def _check_in(self, rank: int, payload: bytes) -> None:
         """A sampling rank's token hash: compare; name and report a diverging rank."""
@@ -254,8 +294,7 @@ class DeltaExecutor(Executor):
         if self.is_failed:
             raise ExecutorFailed("DeltaExecutor has failed")
         try:
-            for rank in range(self.world_size):
-                self._sock.send_multipart([str(rank).encode(), kind, *frames], copy=False)
+            self._broadcast(kind, frames)
         except zmq.ZMQError:
             self._check_alive()
             raise
@@ -263,6 +302,19 @@ class DeltaExecutor(Executor):
         reply = _Reply(self, convert, deadline)
         self._pending.append(reply)
         return reply
+
+    def _broadcast(self, kind: bytes, frames: list[Any]) -> None:
+        """One call to every rank: once through the ring, else once per rank on the ROUTER."""
+        self._calls += 1
+        if self.ring is not None and self.ring.publish([kind, *frames], self._calls,
+                                                       RING_CALL_LIMIT):
+            for rank in self.ring.sleeping_ranks():  # wake who sleeps
+                self._sock.send_multipart([str(rank).encode(), DOORBELL])
+            self.stats["ring_calls"] += 1
+            return
+        self.stats["socket_calls"] += 1
+        for rank in range(self.world_size):  # no ring, or too large: behind its marker
+            self._sock.send_multipart([str(rank).encode(), kind, *frames], copy=False)
 
     def _drain(self, until: _Reply) -> None:
         """Resolve pending calls oldest first, up to and including ``until``."""
@@ -275,10 +327,10 @@ class DeltaExecutor(Executor):
 
     def _gather(self, deadline: float | None) -> list[list[bytes]]:
         """One reply per rank; raises the first rank's exception after reading all."""
-        while any(not box for box in self._inbox):
+        while any(not box or box[0] is None for box in self._inbox):
             for rank, frames in self._receive(deadline):
-                self._inbox[rank].append(frames)
-        replies = [box.popleft() for box in self._inbox]
+                self._file(rank, frames)
+        replies: list[list[bytes]] = [box.popleft() for box in self._inbox]  # type: ignore[misc]
         errors = [(r, f[1].decode(errors="replace")) for r, f in enumerate(replies)
                   if f[0] == wire.ERROR]
         if errors:
@@ -347,10 +399,9 @@ class DeltaExecutor(Executor):
         if getattr(self, "shutting_down", True):
             return
         self.shutting_down = True
-        for rank, p in enumerate(self.procs):
-            if p.is_alive():
-                with contextlib.suppress(zmq.ZMQError):  # never connected
-                    self._sock.send_multipart([str(rank).encode(), wire.QUIT])
+        if any(p.is_alive() for p in self.procs):
+            with contextlib.suppress(zmq.ZMQError):  # a rank never connected
+                self._broadcast(wire.QUIT, [])
         self._finalizer()
         if self.store is not None:
             self.store.close()
@@ -358,7 +409,8 @@ class DeltaExecutor(Executor):
 
     @staticmethod
     def _cleanup(procs: list[BaseProcess], deaths: list[Connection], sock: zmq.Socket[bytes],
-                 ctx: zmq.Context[zmq.Socket[bytes]], private: PrivateDir) -> None:
+                 ctx: zmq.Context[zmq.Socket[bytes]], private: PrivateDir,
+                 ring: RingWriter | None) -> None:
         end = time.monotonic() + JOIN_S
         for p in procs:
             p.join(max(0.0, end - time.monotonic()))
@@ -373,6 +425,8 @@ class DeltaExecutor(Executor):
             d.close()
         sock.close(linger=0)
         ctx.term()
+        if ring is not None:
+            ring.close()
         private.close()
 
 

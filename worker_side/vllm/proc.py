@@ -11,6 +11,10 @@ over ipc:// in a private directory).  Engine → rank: ``[kind, *frames]``:
   then resolves multimodal items from the engine's shared-memory store;
 * ``Q`` quit.
 
+With the executor's local step ring (its default), the same calls arrive once
+through the ring and replies leave through the rank's reply ring
+(:mod:`worker_side.vllm.channel`); ready, failed and check-ins stay on the DEALER.
+
 Rank → engine: ``R`` ready, ``F`` failed to start (text), ``O`` reply frames
 (output rank), ``K`` done (other ranks), ``C`` sealed control result, ``E`` an
 exception (text).  Every rank answers every call, so an exception on ANY rank
@@ -25,7 +29,6 @@ import contextlib
 import os
 import signal
 import threading
-import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -33,7 +36,7 @@ from typing import Any
 import zmq
 
 from engine_side.vllm.convert import seal, unseal
-from worker_side.transport import spin_socket
+from worker_side.vllm.channel import RankChannel
 from worker_side.vllm.decoder import SchedulerOutputDecoder
 from worker_side.vllm.tokenhash import TokenHash
 
@@ -78,7 +81,8 @@ def _start_worker(vllm_config: Any, local_rank: int, rank: int, init_method: str
 
 def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
                 endpoint: str, secret: bytes, is_driver: bool, output_rank: int,
-                lock: Any, death: Connection, hash_every: int = 0, spin_s: float = 0.0) -> None:
+                lock: Any, death: Connection, hash_every: int = 0, spin_s: float = 0.0,
+                ring_dir: str | None = None) -> None:
     """Process entry point (spawned): start the worker, then serve calls until ``Q``."""
     from vllm.utils.system_utils import set_process_title
 
@@ -97,10 +101,10 @@ def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
         except Exception:
             sock.send_multipart([FAILED, traceback.format_exc().encode()])
             return
+        channel = RankChannel(sock, ring_dir, rank)  # attached before READY: sees every call
+        channel.spin_s = spin_s
         sock.send_multipart([READY])
-        server = _Server(wrapper, sock, secret, rank == output_rank, rank, hash_every)
-        server.spin_s = spin_s
-        server.serve()
+        _Server(wrapper, channel, secret, rank == output_rank, rank, hash_every).serve()
     finally:
         if wrapper is not None:
             _shutdown_worker(wrapper)
@@ -126,11 +130,11 @@ class _Server:
     ``token_hash`` after replying, and check in every ``hash_every`` outputs.
     """
 
-    def __init__(self, wrapper: Any, sock: zmq.Socket[bytes], secret: bytes,
+    def __init__(self, wrapper: Any, channel: RankChannel, secret: bytes,
                  is_output: bool, rank: int = 0, hash_every: int = 0) -> None:
         self.wrapper = wrapper
         self.rank = rank
-        self.sock = sock
+        self.channel = channel
         self.secret = secret
         self.is_output = is_output
         self.decoder = SchedulerOutputDecoder(secret=secret)
@@ -138,15 +142,10 @@ class _Server:
         self.token_hash = TokenHash()
         self.sampled: Any = None  # the last call's ModelRunnerOutput, hashed after replying
 
-    spin_s = 0.0  # after each answer, spin (sched_yield) this long before blocking
-    _answered = 0.0  # monotonic time of the last answer
-
     def serve(self) -> None:
+        """Answer calls until ``Q`` (the channel spins while steps flow, then sleeps)."""
         while True:
-            left = self.spin_s - (time.monotonic() - self._answered)
-            if left > 0:  # steps are flowing: wake without a blocking poll's latency
-                spin_socket(self.sock, left)
-            kind, *frames = self.sock.recv_multipart(copy=True)
+            kind, *frames = self.channel.next_call()
             if kind == QUIT:
                 return
             try:
@@ -154,8 +153,7 @@ class _Server:
             except Exception as exc:
                 traceback.print_exc()
                 reply = [ERROR, f"{type(exc).__name__}: {exc}".encode()]
-            self.sock.send_multipart(reply)
-            self._answered = time.monotonic()
+            self.channel.reply(reply)
             self._fold()
 
     def _fold(self) -> None:
@@ -165,7 +163,7 @@ class _Server:
             return
         self.token_hash.update(out.req_ids, out.sampled_token_ids)
         if self.token_hash.steps % self.hash_every == 0:
-            self.sock.send_multipart([CHECK_IN, self.token_hash.check_in()])
+            self.channel.send([CHECK_IN, self.token_hash.check_in()])
 
     def _handle(self, kind: bytes, frames: list[bytes]) -> list[bytes]:
         if kind == EXECUTE:

@@ -1,0 +1,124 @@
+"""A DeltaExecutor rank's end of its calls: the DEALER, plus the local step ring.
+
+With a ring (:mod:`worker_side.ring`, the executor's default), calls arrive as ring
+records ``[kind, *frames]`` and replies leave through this rank's reply ring; a call
+too large for the ring comes on the DEALER behind an ON_PUB marker, a reply too
+large for the reply ring leaves on the DEALER behind an ON_PUB marker in the reply
+ring (the executor keeps each rank's replies in order).  Unsolicited messages
+(ready, failed, check-ins) always use the DEALER.  An empty frame on the DEALER is a
+doorbell: it only wakes a rank that announced it sleeps.
+
+Without a ring: every call and reply on the DEALER, as :mod:`worker_side.vllm.proc`
+documents.  Not thread-safe (the rank's main thread).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from worker_side.ring import MESSAGE, ON_PUB, RingError, RingReader, pack_frames, unpack_frames
+from worker_side.transport import SOCKET_POLL_S
+
+DOORBELL = b""
+_BLOCK_MS = 1000  # a sleeping rank re-checks the ring at least this often
+
+
+class RankChannel:
+    """``next_call()`` → ``[kind, *frames]``; ``reply(frames)``; ``send(frames)``."""
+
+    def __init__(self, sock: zmq.Socket[bytes], ring_dir: str | None, rank: int) -> None:
+        self.sock = sock
+        self.ring = RingReader(Path(ring_dir), rank) if ring_dir else None
+        self._calls: deque[tuple[int, bytes]] = deque()
+        self._stash: deque[list[bytes]] = deque()  # DEALER calls read while waiting
+        self.spin_s = 0.0
+        self._answered = 0.0  # monotonic time of the last reply: the spin runs from it
+
+    def next_call(self) -> list[bytes]:
+        """The next call, waiting as long as it takes (spinning first while steps flow)."""
+        if self.ring is None:
+            self._spin(lambda: False)
+            return self._from_dealer()
+        while not self._calls:
+            self._calls.extend(self._read())
+            if not self._calls:
+                self._wait()
+        kind, payload = self._calls.popleft()
+        if kind == ON_PUB:  # the engine sent this one on our DEALER
+            return self._from_dealer()
+        return [bytes(f) for f in unpack_frames(payload)]
+
+    def reply(self, frames: list[Any]) -> None:
+        """One call's reply (in call order)."""
+        self._answered = time.monotonic()
+        if self.ring is None:
+            self.sock.send_multipart(frames)
+            return
+        if not self.ring.reply(b"".join(bytes(p) for p in pack_frames(frames))):
+            self.ring.reply_marker()  # too large: on the DEALER, its place kept
+            self.sock.send_multipart(frames)
+
+    def send(self, frames: list[Any]) -> None:
+        """An unsolicited message (check-in) on the DEALER."""
+        self.sock.send_multipart(frames)
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+
+    # -- waiting ---------------------------------------------------------------------
+    def _read(self) -> list[tuple[int, bytes]]:
+        assert self.ring is not None
+        records = self.ring.read()
+        if self.ring.overruns:  # cannot happen while the executor bounds what is in flight
+            raise RingError("this rank fell a whole ring behind the executor")
+        return [r for r in records if r[0] in (MESSAGE, ON_PUB)]
+
+    def _spin(self, ready: Any) -> bool:
+        """Spin (sched_yield) while steps flow; True once ``ready()`` or the DEALER is."""
+        left = self.spin_s - (time.monotonic() - self._answered)
+        deadline, next_poll = time.perf_counter() + left, 0.0
+        while left > 0:
+            now = time.perf_counter()
+            if ready():
+                return True
+            if now >= next_poll:
+                if self.sock.poll(0, zmq.POLLIN):
+                    return True
+                next_poll = now + SOCKET_POLL_S
+            if now >= deadline:
+                return False
+            os.sched_yield()
+        return False
+
+    def _wait(self) -> None:
+        """Until the ring has records: spin, then sleep on the DEALER (doorbells wake us)."""
+        ring = self.ring
+        assert ring is not None
+        if not self._spin(ring.pending) and not ring.pending():
+            if not ring.sleep(True):  # nothing came while we announced it
+                self.sock.poll(_BLOCK_MS, zmq.POLLIN)
+            ring.sleep(False)
+        self._stash_dealer()
+
+    def _stash_dealer(self) -> None:
+        """Drop doorbells; keep calls (announced by markers we may not have read yet)."""
+        while self.sock.poll(0, zmq.POLLIN):
+            frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            if frames != [DOORBELL]:
+                self._stash.append(frames)
+
+    def _from_dealer(self) -> list[bytes]:
+        if self._stash:
+            return self._stash.popleft()
+        while True:
+            frames = self.sock.recv_multipart()
+            if frames != [DOORBELL]:
+                return frames
