@@ -133,7 +133,9 @@ class EngineSession:
         delta = self.mirror.diff(request)
         self.stats["bytes"] += self.transport.publish(delta)
         self.stats["steps"] += 1
-        self._last_publish = self._step_published = now = self.clock()
+        self._step_published = now = self.clock()
+        if self.transport.ring is None:  # a Delta on PUB proves the subscription like a
+            self._last_publish = now     # Heartbeat; through the ring, PUB stays quiet
         self.liveness.engine_at(delta.seq, now)
         self._pending, self.answers = delta.seq, {}
         return delta.seq

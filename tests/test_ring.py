@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -194,3 +195,41 @@ def test_a_worker_without_a_rank_is_told_to_pass_one(short_dir: Path) -> None:
             WorkerTransport(engine.endpoint)
     finally:
         engine.close()
+
+
+@pytest.mark.integration
+def test_a_worker_joins_while_steps_stream_through_the_ring(tmp_path: Path) -> None:
+    """PUB carries no Deltas with a ring, so heartbeats must keep flowing while steps do:
+    a joining worker asks for its snapshot only after hearing the engine on SUB."""
+    import subprocess
+    import sys
+
+    from engine_side.liveness import LivenessView
+    from engine_side.mirror import EngineMirror
+    from engine_side.session import EngineSession
+    from engine_side.transport import EngineTransport
+    from engine_side.workloads import Workload
+
+    workload = Workload("steady_decode", 4, seed=0)
+    session = EngineSession(EngineTransport(None), EngineMirror(token_mode=workload.token_mode),
+                            LivenessView(dead_after=5.0))
+    cmd = [sys.executable, "-m", "worker_side.main", "--ack-only", "--connect",
+           session.transport.endpoint, "--engine-timeout", "20"]
+    procs = [subprocess.Popen([*cmd, "--rank", "0"], stdin=subprocess.DEVNULL)]
+    try:
+        session.wait_for_workers(1, timeout=60)
+        procs.append(subprocess.Popen([*cmd, "--rank", "1"], stdin=subprocess.DEVNULL))
+        deadline = time.monotonic() + 60  # a bound, not a measurement
+        while time.monotonic() < deadline:  # steps stream back to back until rank 1 joins
+            session.run_step(workload.step())
+            if set(session.answers) == {0, 1}:
+                break
+        assert set(session.answers) == {0, 1} and session.stats["heartbeats"] > 0
+        for _ in range(5):
+            answer = session.run_step(workload.step())
+            assert set(session.answers) == {0, 1}
+            assert answer.tokens == session.mirror.state.digest.to_bytes(8, "little")
+    finally:
+        session.close("done", expect={0, 1})
+        for p in procs:
+            p.wait(20)
