@@ -8,7 +8,7 @@ row when every row gets one block.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -81,7 +81,7 @@ class BlockPlanner:
 
     def _current(self, g: int, hs: IntArray) -> tuple[IntArray, npt.NDArray[np.uint64]]:
         """(lengths, digest sums) of rows as the state holds them; reset rows are empty."""
-        table, cols = self.state.blocks[g], self.state.cols
+        table, cols = self.state.blocks[g], self.state.lazy_cols
         lens = np.zeros(hs.size, dtype=np.int64)
         sums = np.zeros(hs.size, dtype=np.uint64)
         inside = hs < min(table.lengths.size, cols.capacity)
@@ -135,7 +135,7 @@ class BlockPlanner:
             raise self.fail("block rows repeat a handle", group=g)
         if not hs:
             return _NO_EDIT
-        lengths, block_sum = self.state.blocks[g].lengths, self.state.cols.block_sum
+        lengths, block_sum = self.state.blocks[g].lengths, self.state.lazy_cols.block_sum
         starts = [lengths.item(h) for h in hs]  # live handles: installed, so inside
         if len(values) == len(hs) and 0 not in counts:  # one block per row: a term each
             sums = dg.block_unit_terms(hs, g, starts, values)
@@ -159,7 +159,7 @@ class BlockPlanner:
         if not hs.size:
             return _NO_EDIT
         starts = self.state.blocks[g].lengths[hs]  # live handles: installed, so inside
-        base = self.state.cols.block_sum[g, hs]
+        base = self.state.lazy_cols.block_sum[g, hs]
         if values.size > dg.SMALL:
             unit = values.size == hs.size and int(counts.min()) == 1
             added = (dg.block_terms_rows(hs, g, starts, values) if unit
@@ -174,3 +174,35 @@ class BlockPlanner:
             self.digest = (self.digest + sum(sums)) & dg.MASK
         self.appended[g] = (hs, counts, values)
         return BlockEdit(_EMPTY, _EMPTY, _EMPTY, hs, starts, counts, values, hs, base + added)
+
+
+class UnitAppends(NamedTuple):
+    """One block appended to each of a few rows of a KV group, checked and summed."""
+
+    handles: list[int]
+    starts: list[int]  # each row's length before (where its block goes)
+    values: list[int]
+    sums: list[int]  # each row's block digest sum after
+    change: int  # the digest change (mod 2**64 once summed)
+
+
+def unit_appends(state: ReplicaState, g: int, rows: Rows) -> UnitAppends | None:
+    """A decode step's appends to group ``g`` -- one block to each of a few named rows
+    (counts absent) -- checked and summed on Python ints.  None when the rows are not
+    of that shape or a check fails: :class:`BlockPlanner` then decides (and refuses
+    what it refuses); also for block ids that do not fit the int32 table (scalar writes
+    would raise)."""
+    hb, vb = rows.handles, rows.values
+    if rows.counts or len(hb) < 2 or not 0 < hb[1] <= dg.SMALL or len(vb) < 2 \
+            or vb[1] != hb[1]:  # byte 1: the count (one LEB128 byte below 128)
+        return None
+    hs, values = unpack_uint_list(hb), unpack_uint_list(vb)
+    live = state.lazy_cols.live
+    if max(values) >> 31 or max(hs) >= live.size or not all([live.item(h) for h in hs]) \
+            or len(set(hs)) != len(hs):
+        return None
+    starts = [state.blocks[g].lengths.item(h) for h in hs]  # live: installed, so inside
+    terms = dg.block_unit_terms(hs, g, starts, values)
+    block_sum = state.lazy_cols.block_sum
+    ends = [(block_sum.item(g, h) + t) & dg.MASK for h, t in zip(hs, terms, strict=True)]
+    return UnitAppends(hs, starts, values, ends, sum(terms))
