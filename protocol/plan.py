@@ -21,7 +21,7 @@ from protocol import digest as dg
 from protocol.errors import InvalidDelta
 from protocol.messages import TOKEN_MODE_ENGINE, DeltaBody, NewRequest, Rows
 from protocol.packing import unpack_sint_list, unpack_sints, unpack_uint_list, unpack_uints
-from protocol.plan_blocks import BlockPlanner, UnitAppends, unit_appends
+from protocol.plan_blocks import BlockPlanner, FewAppends, few_appends
 from protocol.planned import (  # re-exported: the plan's parts live in protocol.planned
     _EMPTY,
     STEADY_BODY,
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STEADY_BODY", "Added", "BlockEdit", "Plan", "StepInfo", "TokenRows",
            "advance_delta", "encode_spec_for_hash", "prepare", "prepare_appends", "steady_step",
-           "UnitAppends", "unit_appends"]
+           "FewAppends", "few_appends"]
 
 
 def _ints(buf: bytes) -> IntArray:

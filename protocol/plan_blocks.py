@@ -176,33 +176,41 @@ class BlockPlanner:
         return BlockEdit(_EMPTY, _EMPTY, _EMPTY, hs, starts, counts, values, hs, base + added)
 
 
-class UnitAppends(NamedTuple):
-    """One block appended to each of a few rows of a KV group, checked and summed."""
+class FewAppends(NamedTuple):
+    """Blocks appended to a few rows of a KV group, checked and summed (Python ints)."""
 
     handles: list[int]
-    starts: list[int]  # each row's length before (where its block goes)
-    values: list[int]
+    starts: list[int]  # each row's length before (where its blocks go)
+    counts: list[int]
+    values: list[int]  # flat, row after row
     sums: list[int]  # each row's block digest sum after
     change: int  # the digest change (mod 2**64 once summed)
 
 
-def unit_appends(state: ReplicaState, g: int, rows: Rows) -> UnitAppends | None:
-    """A decode step's appends to group ``g`` -- one block to each of a few named rows
-    (counts absent) -- checked and summed on Python ints.  None when the rows are not
-    of that shape or a check fails: :class:`BlockPlanner` then decides (and refuses
-    what it refuses); also for block ids that do not fit the int32 table (scalar writes
-    would raise)."""
-    hb, vb = rows.handles, rows.values
-    if rows.counts or len(hb) < 2 or not 0 < hb[1] <= dg.SMALL or len(vb) < 2 \
-            or vb[1] != hb[1]:  # byte 1: the count (one LEB128 byte below 128)
+def few_appends(state: ReplicaState, g: int, rows: Rows) -> FewAppends | None:
+    """A decode or chunk step's appends to group ``g`` -- a few named rows, at most 127
+    blocks -- checked and summed on Python ints.  None when the rows are not of that
+    shape or a check fails: :class:`BlockPlanner` then decides (and refuses what it
+    refuses); also for block ids that do not fit the int32 table (scalar writes would
+    raise)."""
+    hb, vb, cb = rows.handles, rows.values, rows.counts
+    if len(hb) < 2 or not 0 < hb[1] <= dg.SMALL or len(vb) < 2 or not 0 < vb[1] < 0x80 \
+            or (cb and (len(cb) < 2 or cb[1] != hb[1])):  # byte 1: a one-byte LEB128 count
         return None
     hs, values = unpack_uint_list(hb), unpack_uint_list(vb)
+    counts = unpack_uint_list(cb) if cb else [1] * len(hs)
     live = state.lazy_cols.live
-    if max(values) >> 31 or max(hs) >= live.size or not all([live.item(h) for h in hs]) \
-            or len(set(hs)) != len(hs):
+    if sum(counts) != len(values) or max(values) >> 31 or max(hs) >= live.size \
+            or not all([live.item(h) for h in hs]) or len(set(hs)) != len(hs):
         return None
     starts = [state.blocks[g].lengths.item(h) for h in hs]  # live: installed, so inside
-    terms = dg.block_unit_terms(hs, g, starts, values)
+    if len(values) == len(hs) and 0 not in counts:  # one block per row: a term each
+        terms = dg.block_unit_terms(hs, g, starts, values)
+    else:
+        terms, at = [], 0
+        for h, start, n in zip(hs, starts, counts, strict=True):
+            terms.append(dg.block_row_sums(h, g, start, values[at:at + n]))
+            at += n
     block_sum = state.lazy_cols.block_sum
     ends = [(block_sum.item(g, h) + t) & dg.MASK for h, t in zip(hs, terms, strict=True)]
-    return UnitAppends(hs, starts, values, ends, sum(terms))
+    return FewAppends(hs, starts, counts, values, ends, sum(terms))

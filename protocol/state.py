@@ -35,15 +35,15 @@ from protocol.messages import TOKEN_MODE_ENGINE, TOKEN_MODE_WORKER, DeltaBody
 from protocol.plan import (
     STEADY_BODY,
     BlockEdit,
+    FewAppends,
     Plan,
     StepInfo,
-    UnitAppends,
     advance_delta,
     encode_spec_for_hash,
+    few_appends,
     prepare,
     prepare_appends,
     steady_step,
-    unit_appends,
 )
 from protocol.rebuild import rebuild_request
 from protocol.request import ExecuteModelRequest, IntArray, RequestSpec
@@ -118,7 +118,7 @@ class ReplicaState:
         step, applied keeping the :class:`Lookahead` (a general commit drops it).
 
         The same checks, errors, digest and resulting state as :func:`prepare` and
-        :meth:`commit`: rows the Python-int path (:func:`unit_appends`) does not take
+        :meth:`commit`: rows the Python-int path (:func:`few_appends`) does not take
         are planned by the general block code.  False, with nothing done, when the body
         carries anything else or not one entry per KV group.
         """
@@ -126,7 +126,7 @@ class ReplicaState:
         if len(groups) != self.kv_groups or \
                 replace(body, block_append=(), extension={}) != STEADY_BODY:
             return False
-        units = [unit_appends(self, g, rows) for g, rows in enumerate(groups)]
+        units = [few_appends(self, g, rows) for g, rows in enumerate(groups)]
         fast = [u for u in units if u is not None]
         planned = None if len(fast) == len(units) else prepare_appends(self, body)
         digest = self.digest + sum(u.change for u in fast) if planned is None else planned[2]
@@ -148,17 +148,21 @@ class ReplicaState:
         self.digest = digest
         return True
 
-    def _commit_units(self, g: int, unit: UnitAppends) -> None:
-        """:meth:`_commit_blocks` of :func:`unit_appends` rows (scalar writes)."""
+    def _commit_units(self, g: int, few: FewAppends) -> None:
+        """:meth:`_commit_blocks` of :func:`few_appends` rows (scalar and slice writes)."""
         table, block_sum = self.blocks[g], self._cols.block_sum
-        table.ensure(max(unit.handles), max(unit.starts) + 1)
-        cells, lengths = table.table, table.lengths
-        for h, start, value, total in zip(unit.handles, unit.starts, unit.values, unit.sums,
-                                          strict=True):
-            cells[h, start] = value
-            lengths[h] = start + 1
+        ends = [start + n for start, n in zip(few.starts, few.counts, strict=True)]
+        table.ensure(max(few.handles), max(ends))
+        cells, lengths, values, at = table.table, table.lengths, few.values, 0
+        for h, start, end, total in zip(few.handles, few.starts, ends, few.sums, strict=True):
+            if end == start + 1:
+                cells[h, start] = values[at]
+            else:
+                cells[h, start:end] = values[at:at + end - start]
+            at += end - start
+            lengths[h] = end
             block_sum[g, h] = total
-        self._patch_later(g, (unit.handles, [1] * len(unit.handles), unit.values), True)
+        self._patch_later(g, (few.handles, few.counts, values), True)
 
     def _steady(self) -> Any:
         """(schedule, nsched, advance term, step fields) of the steady step (cached)."""
