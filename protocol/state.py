@@ -126,18 +126,18 @@ class ReplicaState:
         if len(groups) != self.kv_groups or \
                 replace(body, block_append=(), extension={}) != STEADY_BODY:
             return False
-        units = [few_appends(self, g, rows) for g, rows in enumerate(groups)]
-        fast = [u for u in units if u is not None]
-        planned = None if len(fast) == len(units) else prepare_appends(self, body)
-        digest = self.digest + sum(u.change for u in fast) if planned is None else planned[2]
+        rows_few = [few_appends(self, g, rows) for g, rows in enumerate(groups)]
+        fast = [few for few in rows_few if few is not None]
+        planned = None if len(fast) == len(rows_few) else prepare_appends(self, body)
+        digest = self.digest + sum(few.change for few in fast) if planned is None else planned[2]
         steady = self._steady()
         digest = (digest + steady[2]) & dg.MASK
         if expected_digest is not None and digest != expected_digest:
             raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
         self._take_row()
         if planned is None:
-            for g, unit in enumerate(fast):
-                self._commit_units(g, unit)
+            for g, few in enumerate(fast):
+                self._commit_few(g, few)
         else:
             self._commit_blocks(planned[0], planned[1], same_schedule=True)
         self._rebuild_cache.pop("template", None)
@@ -148,7 +148,7 @@ class ReplicaState:
         self.digest = digest
         return True
 
-    def _commit_units(self, g: int, few: FewAppends) -> None:
+    def _commit_few(self, g: int, few: FewAppends) -> None:
         """:meth:`_commit_blocks` of :func:`few_appends` rows (scalar and slice writes)."""
         table, block_sum = self.blocks[g], self._cols.block_sum
         ends = [start + n for start, n in zip(few.starts, few.counts, strict=True)]
