@@ -44,6 +44,7 @@ PREFIX_MIN_TOKENS = 16  # shortest shared prompt prefix worth a reference
 
 
 _INT64 = np.dtype(np.int64)
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 def _is_int64(values: IntArray, expected: bytes) -> bool:
@@ -136,8 +137,8 @@ class EngineMirror:
                     self.allocator.release(h)
             raise
         plan = self.state.apply(body)
-        if plan is not None:  # None: the steady step, nothing to re-index
-            self._after_apply(ctx, plan.finished)
+        # None: a steady step (appends at most), nothing finished or added
+        self._after_apply(ctx, _NONE if plan is None else plan.finished)
         self._last_tables = request.block_tables
         self.seq += 1
         if self.verify and not requests_equal(self.state.rebuild(), request):

@@ -21,7 +21,7 @@ from protocol import digest as dg
 from protocol.errors import InvalidDelta
 from protocol.messages import TOKEN_MODE_ENGINE, DeltaBody, NewRequest, Rows
 from protocol.packing import unpack_sint_list, unpack_sints, unpack_uint_list, unpack_uints
-from protocol.plan_blocks import BlockPlanner
+from protocol.plan_blocks import BlockPlanner, FewAppends, few_appends
 from protocol.planned import (  # re-exported: the plan's parts live in protocol.planned
     _EMPTY,
     STEADY_BODY,
@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     from protocol.state import ReplicaState
 
 __all__ = ["STEADY_BODY", "Added", "BlockEdit", "Plan", "StepInfo", "TokenRows",
-           "advance_delta", "encode_spec_for_hash", "prepare", "steady_step"]
+           "advance_delta", "encode_spec_for_hash", "prepare", "prepare_appends", "steady_step",
+           "FewAppends", "few_appends"]
 
 
 def _ints(buf: bytes) -> IntArray:
@@ -55,8 +56,8 @@ class _Planner(BlockPlanner):
     def __init__(self, state: ReplicaState, body: DeltaBody) -> None:
         self.state = state
         self.body = body
-        cols = state.cols
-        self.live = cols.live  # copied on first write (_own_live): most deltas add nothing
+        # copied on first write (_own_live): most deltas add nothing
+        self.live = state.lazy_cols.live
         self._live_owned = False
         self.reset: set[int] = set()  # handles finished or (re)added: no history carried over
         self.truncated_sums: dict[int, int] = {}  # handle -> digest terms removed
@@ -420,6 +421,19 @@ def _moved(pred: IntArray, pos: list[int], vals: list[int]) -> tuple[list[int], 
             after.append(v)
             pred[i] = v
     return moved, before, after
+
+
+Appended = dict[int, tuple[IntArray, IntArray, IntArray]]  # group -> (handles, counts, values)
+
+
+def prepare_appends(state: ReplicaState, body: DeltaBody,
+                    ) -> tuple[list[BlockEdit], Appended, int]:
+    """The block part of :func:`prepare` for a body that keeps the schedule and adds
+    nothing: (edits, appended rows per group, digest after them -- the steady advance
+    not included).  The same checks and errors; nothing is mutated."""
+    p = _Planner(state, body)
+    edits = p.blocks(state.schedule)
+    return edits, p.appended, p.digest
 
 
 def prepare(state: ReplicaState, body: DeltaBody) -> Plan:

@@ -8,7 +8,7 @@ row when every row gets one block.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -81,7 +81,7 @@ class BlockPlanner:
 
     def _current(self, g: int, hs: IntArray) -> tuple[IntArray, npt.NDArray[np.uint64]]:
         """(lengths, digest sums) of rows as the state holds them; reset rows are empty."""
-        table, cols = self.state.blocks[g], self.state.cols
+        table, cols = self.state.blocks[g], self.state.lazy_cols
         lens = np.zeros(hs.size, dtype=np.int64)
         sums = np.zeros(hs.size, dtype=np.uint64)
         inside = hs < min(table.lengths.size, cols.capacity)
@@ -135,7 +135,7 @@ class BlockPlanner:
             raise self.fail("block rows repeat a handle", group=g)
         if not hs:
             return _NO_EDIT
-        lengths, block_sum = self.state.blocks[g].lengths, self.state.cols.block_sum
+        lengths, block_sum = self.state.blocks[g].lengths, self.state.lazy_cols.block_sum
         starts = [lengths.item(h) for h in hs]  # live handles: installed, so inside
         if len(values) == len(hs) and 0 not in counts:  # one block per row: a term each
             sums = dg.block_unit_terms(hs, g, starts, values)
@@ -159,7 +159,7 @@ class BlockPlanner:
         if not hs.size:
             return _NO_EDIT
         starts = self.state.blocks[g].lengths[hs]  # live handles: installed, so inside
-        base = self.state.cols.block_sum[g, hs]
+        base = self.state.lazy_cols.block_sum[g, hs]
         if values.size > dg.SMALL:
             unit = values.size == hs.size and int(counts.min()) == 1
             added = (dg.block_terms_rows(hs, g, starts, values) if unit
@@ -174,3 +174,43 @@ class BlockPlanner:
             self.digest = (self.digest + sum(sums)) & dg.MASK
         self.appended[g] = (hs, counts, values)
         return BlockEdit(_EMPTY, _EMPTY, _EMPTY, hs, starts, counts, values, hs, base + added)
+
+
+class FewAppends(NamedTuple):
+    """Blocks appended to a few rows of a KV group, checked and summed (Python ints)."""
+
+    handles: list[int]
+    starts: list[int]  # each row's length before (where its blocks go)
+    counts: list[int]
+    values: list[int]  # flat, row after row
+    sums: list[int]  # each row's block digest sum after
+    change: int  # the digest change (mod 2**64 once summed)
+
+
+def few_appends(state: ReplicaState, g: int, rows: Rows) -> FewAppends | None:
+    """A decode or chunk step's appends to group ``g`` -- a few named rows, at most 127
+    blocks -- checked and summed on Python ints.  None when the rows are not of that
+    shape or a check fails: :class:`BlockPlanner` then decides (and refuses what it
+    refuses); also for block ids that do not fit the int32 table (scalar writes would
+    raise)."""
+    hb, vb, cb = rows.handles, rows.values, rows.counts
+    if len(hb) < 2 or not 0 < hb[1] <= dg.SMALL or len(vb) < 2 or not 0 < vb[1] < 0x80 \
+            or (cb and (len(cb) < 2 or cb[1] != hb[1])):  # byte 1: a one-byte LEB128 count
+        return None
+    hs, values = unpack_uint_list(hb), unpack_uint_list(vb)
+    counts = unpack_uint_list(cb) if cb else [1] * len(hs)
+    live = state.lazy_cols.live
+    if sum(counts) != len(values) or max(values) >> 31 or max(hs) >= live.size \
+            or not all([live.item(h) for h in hs]) or len(set(hs)) != len(hs):
+        return None
+    starts = [state.blocks[g].lengths.item(h) for h in hs]  # live: installed, so inside
+    if len(values) == len(hs) and 0 not in counts:  # one block per row: a term each
+        terms = dg.block_unit_terms(hs, g, starts, values)
+    else:
+        terms, at = [], 0
+        for h, start, n in zip(hs, starts, counts, strict=True):
+            terms.append(dg.block_row_sums(h, g, start, values[at:at + n]))
+            at += n
+    block_sum = state.lazy_cols.block_sum
+    ends = [(block_sum.item(g, h) + t) & dg.MASK for h, t in zip(hs, terms, strict=True)]
+    return FewAppends(hs, starts, counts, values, ends, sum(terms))

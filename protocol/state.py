@@ -21,9 +21,11 @@ edited; token views never change; everything else is copied).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
+from msgspec.structs import replace
 
 from protocol import digest as dg
 from protocol.columns import BlockTable, HandleColumns, TokenBuffer
@@ -32,11 +34,15 @@ from protocol.lookahead import Lookahead
 from protocol.messages import TOKEN_MODE_ENGINE, TOKEN_MODE_WORKER, DeltaBody
 from protocol.plan import (
     STEADY_BODY,
+    BlockEdit,
+    FewAppends,
     Plan,
     StepInfo,
     advance_delta,
     encode_spec_for_hash,
+    few_appends,
     prepare,
+    prepare_appends,
     steady_step,
 )
 from protocol.rebuild import rebuild_request
@@ -44,6 +50,9 @@ from protocol.request import ExecuteModelRequest, IntArray, RequestSpec
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
+#: appends kept for a cached flat block table before it is dropped instead (a table
+#: rebuilt from the block columns costs about as much as this many patches)
+MAX_PATCHES = 16
 
 
 class ReplicaState:
@@ -75,12 +84,15 @@ class ReplicaState:
     def apply(self, body: DeltaBody, expected_digest: int | None = None) -> Plan | None:
         """Apply a delta body; with ``expected_digest``, refuse a mismatch unchanged.
 
-        Returns the applied plan, or None for the empty body (see :meth:`advance`).
-        Raises InvalidDelta (state unchanged) for an inapplicable delta or a digest
-        mismatch.
+        Returns the applied plan, or None for a steady step: the empty body (see
+        :meth:`advance`) or one adding block appends and an extension alone (see
+        :meth:`_steady_appends`).  Raises InvalidDelta (state unchanged) for an
+        inapplicable delta or a digest mismatch.
         """
         if body == STEADY_BODY:
             self.advance(expected_digest)
+            return None
+        if body.block_append and self._steady_appends(body, expected_digest):
             return None
         plan = prepare(self, body)
         if expected_digest is not None and plan.digest != expected_digest:
@@ -93,21 +105,81 @@ class ReplicaState:
         repeat and every scheduled request's computed count advances by its scheduled
         count.  O(1) digest (the advance term and step fields are cached per schedule);
         the counts come from a :class:`Lookahead` table (one numpy call per few steps)."""
+        steady = self._steady()
+        digest = (self.digest + steady[2]) & dg.MASK
+        if expected_digest is not None and digest != expected_digest:
+            raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
+        self._take_row()
+        self.step = steady[3]
+        self.digest = digest
+
+    def _steady_appends(self, body: DeltaBody, expected_digest: int | None) -> bool:
+        """The steady advance plus block appends (and an extension): the common vLLM
+        step, applied keeping the :class:`Lookahead` (a general commit drops it).
+
+        The same checks, errors, digest and resulting state as :func:`prepare` and
+        :meth:`commit`: rows the Python-int path (:func:`few_appends`) does not take
+        are planned by the general block code.  False, with nothing done, when the body
+        carries anything else or not one entry per KV group.
+        """
+        groups = body.block_append
+        if len(groups) != self.kv_groups or \
+                replace(body, block_append=(), extension={}) != STEADY_BODY:
+            return False
+        rows_few = [few_appends(self, g, rows) for g, rows in enumerate(groups)]
+        fast = [few for few in rows_few if few is not None]
+        planned = None if len(fast) == len(rows_few) else prepare_appends(self, body)
+        digest = self.digest + sum(few.change for few in fast) if planned is None else planned[2]
+        steady = self._steady()
+        digest = (digest + steady[2]) & dg.MASK
+        if expected_digest is not None and digest != expected_digest:
+            raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
+        self._take_row()
+        if planned is None:
+            for g, few in enumerate(fast):
+                self._commit_few(g, few)
+        else:
+            self._commit_blocks(planned[0], planned[1], same_schedule=True)
+        self._rebuild_cache.pop("template", None)
+        step: StepInfo = steady[3]
+        if body.extension:
+            step = dataclasses.replace(step, extension=dict(body.extension))
+        self.step = step
+        self.digest = digest
+        return True
+
+    def _commit_few(self, g: int, few: FewAppends) -> None:
+        """:meth:`_commit_blocks` of :func:`few_appends` rows (scalar and slice writes)."""
+        table, block_sum = self.blocks[g], self._cols.block_sum
+        ends = [start + n for start, n in zip(few.starts, few.counts, strict=True)]
+        table.ensure(max(few.handles), max(ends))
+        cells, lengths, values, at = table.table, table.lengths, few.values, 0
+        for h, start, end, total in zip(few.handles, few.starts, ends, few.sums, strict=True):
+            if end == start + 1:
+                cells[h, start] = values[at]
+            else:
+                cells[h, start:end] = values[at:at + end - start]
+            at += end - start
+            lengths[h] = end
+            block_sum[g, h] = total
+        self._patch_later(g, (few.handles, few.counts, values), True)
+
+    def _steady(self) -> Any:
+        """(schedule, nsched, advance term, step fields) of the steady step (cached)."""
         sched, nsched = self.schedule, self.nsched
         steady: Any = self._rebuild_cache.get("steady")
         if steady is None or steady[0] is not sched or steady[1] is not nsched:
             steady = (sched, nsched, advance_delta(self), steady_step(self))
             self._rebuild_cache["steady"] = steady
-        digest = (self.digest + steady[2]) & dg.MASK
-        if expected_digest is not None and digest != expected_digest:
-            raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
+        return steady
+
+    def _take_row(self) -> None:
+        """The counts of one steady advance: the next look-ahead row."""
         ahead = self.lookahead()
         i = ahead.next
         ahead.next = i + 1
         self._pending = ahead.private[i]  # written back to the columns when next read
         self._fresh = ahead.public[i]  # the rebuilt request's column (handed out once)
-        self.step = steady[3]
-        self.digest = digest
 
     def lookahead(self) -> Lookahead:
         """The steady look-ahead table of the current schedule (built when needed)."""
@@ -135,6 +207,12 @@ class ReplicaState:
         self._ahead = self._fresh = None
 
     @property
+    def lazy_cols(self) -> HandleColumns:
+        """The columns as they are: ``computed`` may lag steady advances still pending
+        (read it through :attr:`cols`); every other column is current."""
+        return self._cols
+
+    @property
     def cols(self) -> HandleColumns:
         """The per-handle columns (steady advances still pending are written first)."""
         if self._pending is not None:
@@ -154,7 +232,8 @@ class ReplicaState:
         for a in plan.added:
             self._install(a.handle, a.spec, a.spec_hash, a.computed, a.tokens)
         self._commit_tokens(plan)
-        self._commit_blocks(plan)
+        self._commit_blocks(plan.blocks, plan.appended,  # type: ignore[attr-defined]
+                            plan.schedule is self.schedule)
         cols = self.cols
         cols.computed[plan.computed_handles] = plan.computed_values
         self._rebuild_cache.pop("template", None)
@@ -223,9 +302,10 @@ class ReplicaState:
             if bounds[i + 1] > bounds[i]:
                 bufs[h].append(rows.values[bounds[i]:bounds[i + 1]])  # type: ignore[union-attr]
 
-    def _commit_blocks(self, plan: Plan) -> None:
-        appended = plan.appended  # type: ignore[attr-defined]
-        for g, edit in enumerate(plan.blocks):
+    def _commit_blocks(self, edits: list[BlockEdit],
+                       appended: dict[int, tuple[IntArray, IntArray, IntArray]],
+                       same_schedule: bool) -> None:
+        for g, edit in enumerate(edits):
             if not edit.sum_handles.size:
                 continue
             table = self.blocks[g]
@@ -233,14 +313,22 @@ class ReplicaState:
                 table.write(edit.rep_handles, np.zeros(edit.rep_handles.size, dtype=np.int64),
                             edit.rep_counts, edit.rep_values)
             table.write(edit.app_handles, edit.app_starts, edit.app_counts, edit.app_values)
-            self.cols.block_sum[g, edit.sum_handles] = edit.sums
-            cached: Any = self._rebuild_cache.get(f"blocks{g}")
-            if g in appended and plan.schedule is self.schedule and cached is not None:
-                # patched when next read (flush_block_patches): most steps never read it
-                self._rebuild_cache.setdefault(f"patches{g}", []).append(appended[g])  # type: ignore[attr-defined]
-            else:
-                self._rebuild_cache.pop(f"blocks{g}", None)
-                self._rebuild_cache.pop(f"patches{g}", None)
+            self._cols.block_sum[g, edit.sum_handles] = edit.sums
+            self._patch_later(g, appended.get(g), same_schedule)
+
+    def _patch_later(self, g: int, rows: tuple[Any, Any, Any] | None,
+                     same_schedule: bool) -> None:
+        """Group ``g``'s appended (handles, counts, values) for its cached flat table, or
+        drop that cache (rows None: replaced rows; or too many patches pending)."""
+        cached: Any = self._rebuild_cache.get(f"blocks{g}")
+        patches: Any = self._rebuild_cache.get(f"patches{g}")
+        if rows is not None and same_schedule and cached is not None and \
+                (patches is None or len(patches) < MAX_PATCHES):
+            # patched when next read (flush_block_patches): most steps never read it
+            self._rebuild_cache.setdefault(f"patches{g}", []).append(rows)  # type: ignore[attr-defined]
+        else:
+            self._rebuild_cache.pop(f"blocks{g}", None)
+            self._rebuild_cache.pop(f"patches{g}", None)
 
     def flush_block_patches(self, g: int) -> None:
         """Apply the appends committed since group ``g``'s flat table cache was last read."""
@@ -248,10 +336,12 @@ class ReplicaState:
         for patch in pending or ():
             self._patch_block_cache(g, *patch)
 
-    def _patch_block_cache(self, g: int, hs: IntArray, counts: IntArray,
-                           values: IntArray) -> None:
+    def _patch_block_cache(self, g: int, handles: Any, row_counts: Any, row_values: Any,
+                           ) -> None:
         """Insert appended blocks into the cached flat table instead of rebuilding it (O(n)
-        memcpy, no per-row Python)."""
+        memcpy, no per-row Python).  Arrays or lists."""
+        hs, counts = np.asarray(handles, dtype=np.int64), np.asarray(row_counts, dtype=np.int64)
+        values = np.asarray(row_values, dtype=np.int64)
         key = f"blocks{g}"
         cached: Any = self._rebuild_cache.get(key)
         if cached is None or cached[0] is not self.schedule:

@@ -157,11 +157,14 @@ class SchedulerOutputEncoder:
         quick = self.quick
         if not quick.grown:
             return
-        tables = self.tables
-        for rid, entry in zip(map(quick.batch.__getitem__, quick.grown), quick.entries,
-                              strict=True):
-            for row, ids in zip(tables[rid], entry, strict=True):
-                row.extend(ids)
+        tables, rids = self.tables, map(quick.batch.__getitem__, quick.grown)
+        if quick.kv_groups == 1:  # entries of one list each (checked by quick.body)
+            for rid, (ids,) in zip(rids, quick.entries, strict=True):
+                tables[rid][0].extend(ids)
+        else:
+            for rid, entry in zip(rids, quick.entries, strict=True):
+                for row, ids in zip(tables[rid], entry, strict=True):
+                    row.extend(ids)
         quick.entries = []  # the SchedulerOutput's own objects: keep no reference
         self._last_blocks = None
 

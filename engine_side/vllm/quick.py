@@ -47,12 +47,13 @@ class Forecast:
     every step before it matched its own row and kept ``nsched``.
     """
 
-    __slots__ = ("plen", "plen_np", "nsched", "comp_rows", "out_rows", "next", "_last")
+    __slots__ = ("plen", "plen_np", "nsched", "total", "comp_rows", "out_rows", "next", "_last")
 
     def __init__(self, plen: list[int]) -> None:
         self.plen = plen
         self.plen_np = np.array(plen, dtype=np.int64) if len(plen) > SMALL else None
         self.nsched: list[int] = []
+        self.total = 0  # sum(nsched)
         self.comp_rows: list[list[int]] = []
         self.out_rows: list[list[int]] = []
         self.next = 0
@@ -60,7 +61,7 @@ class Forecast:
 
     def restart(self, computed: list[int], nsched: list[int]) -> None:
         """Predict from actual ``computed`` and ``nsched`` lists."""
-        self.nsched, self._last = nsched, None
+        self.nsched, self.total, self._last = nsched, sum(nsched), None
         self._build(computed)
 
     def take(self) -> tuple[list[int], list[int]]:
@@ -127,14 +128,15 @@ class QuickEncoder:
         if cached.req_ids != batch or list(so.num_scheduled_tokens) != batch:
             return None
         nsched = list(so.num_scheduled_tokens.values())
-        if so.total_num_scheduled_tokens != sum(nsched):
+        same_ns = nsched == self.forecast.nsched
+        if so.total_num_scheduled_tokens != (self.forecast.total if same_ns else sum(nsched)):
             return None
         blocks = self._blocks(cached.new_block_ids)
         spec = self._spec(so.scheduled_spec_decode_tokens)
         if blocks is None or spec is None:
             return None
         fields: dict[str, Any] = {}
-        counts = self._counts(cached, nsched, fields)
+        counts = self._counts(cached, nsched, same_ns, fields)
         if counts is None:
             return None
         if blocks:
@@ -152,14 +154,13 @@ class QuickEncoder:
                                                                        out_delta=counts[1]))}
         return DeltaBody(**fields) if fields else STEADY_BODY
 
-    def _counts(self, cached: Any, nsched: list[int], fields: dict[str, Any],
+    def _counts(self, cached: Any, nsched: list[int], same_ns: bool, fields: dict[str, Any],
                 ) -> tuple[bytes, bytes] | None:
         """Scheduled / computed exceptions into ``fields``; output departures returned
         (positions and deltas, empty when there are none)."""
         fc = self.forecast
         comp, comp_outs = fc.take()
         actual = cached.num_computed_tokens
-        same_ns = nsched == fc.nsched
         if actual == comp:
             predicted = comp_outs
         else:

@@ -86,6 +86,7 @@ class QuickDecoder:
         CachedRequestData, SchedulerOutput = _vllm_types()  # noqa: N806 - classes
         batch = self.batch
         nsched = self._nsched(body.scheduled_tokens)
+        total = self.forecast.total if nsched is self.nsched else sum(nsched)
         computed, outputs = self._counts(body.computed_tokens, nsched, ext)
         new_blocks = self._new_blocks(blocks)
         cached = CachedRequestData(
@@ -95,7 +96,7 @@ class QuickDecoder:
         return SchedulerOutput(
             scheduled_new_reqs=[], scheduled_cached_reqs=cached,
             num_scheduled_tokens=dict(self.nsched_map),
-            total_num_scheduled_tokens=sum(nsched),
+            total_num_scheduled_tokens=total,
             scheduled_spec_decode_tokens=self._drafts(body.spec_tokens),
             scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
             preempted_req_ids=set(),
