@@ -61,7 +61,7 @@ from engine_side.shm_store import ShmStore
 from engine_side.vllm.convert import seal, unseal
 from engine_side.vllm.divergence import RankDiverged, TokenHashBoard
 from engine_side.vllm.encoder import SchedulerOutputEncoder
-from worker_side.ring import MESSAGE, RingWriter, unpack_frames
+from worker_side.ring import MAX_RANKS, MESSAGE, RingWriter, unpack_frames
 from worker_side.transport import spin_poll
 from worker_side.vllm import proc as wire
 from worker_side.vllm.channel import DOORBELL
@@ -135,7 +135,9 @@ class DeltaExecutor(Executor):
         self._sock.bind(f"{self._dir.endpoint}/ctl")
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
-        ring_kb = int(extra.get("deltacast_ring_kb", 32 << 10))
+        # every rank needs a reply ring: beyond MAX_RANKS ranks, sockets only
+        ring_kb = int(extra.get("deltacast_ring_kb", 32 << 10)) \
+            if self.world_size <= MAX_RANKS else 0
         self.ring = RingWriter(self._dir.path, ring_kb << 10, min(4 << 20, ring_kb << 10)) \
             if ring_kb else None
         self.stats: Counter[str] = Counter()  # ring_calls, socket_calls, socket_replies
