@@ -86,16 +86,18 @@ def test_rank_checks_in_every_n_outputs_after_replying() -> None:
     """A rank folds each output after its reply and sends ``H`` every ``hash_every``."""
     pytest.importorskip("vllm", reason="vLLM is not installed")
     from worker_side.vllm import proc
+    from worker_side.vllm.channel import RankChannel
 
     sock = _Sock()
-    server = proc._Server(object(), sock, b"k" * 32, is_output=False,  # type: ignore[arg-type]
-                          hash_every=2)
+    channel = RankChannel(sock, None, 0)  # type: ignore[arg-type]  # no ring: the DEALER
+    server = proc._Server(object(), channel, b"k" * 32, is_output=False, hash_every=2)
     for req_ids, sampled in STEPS:
         server.sampled = _Output(req_ids, sampled)
         server._fold()
         server._fold()  # a call without a model output (e.g. control) folds nothing
     assert sock.sent == [[proc.CHECK_IN, _hashed(STEPS[:2]).check_in()]]
-    silent = proc._Server(object(), _Sock(), b"k" * 32, is_output=False)  # type: ignore[arg-type]
+    silent = proc._Server(object(), RankChannel(_Sock(), None, 0),  # type: ignore[arg-type]
+                          b"k" * 32, is_output=False)
     silent.sampled = _Output(*STEPS[0])
     silent._fold()
     assert silent.token_hash.steps == 0  # not a sampling rank: no hashing at all
