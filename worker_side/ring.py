@@ -325,9 +325,10 @@ class RingReader:
         fence()
         return self.pending()
 
-    def reply(self, payload: bytes) -> bool:
-        """Append a reply for the engine; False if it does not fit (send it on DEALER)."""
-        return self.seg.replies[self.rank].write(MESSAGE, [payload])
+    def reply(self, *parts: Any) -> bool:
+        """Append a reply (the concatenation of ``parts``) for the engine; False if it does
+        not fit (send it on the DEALER)."""
+        return self.seg.replies[self.rank].write(MESSAGE, parts)
 
     def reply_marker(self) -> None:
         """An ON_PUB record in our reply ring: the reply at this place went on the DEALER."""

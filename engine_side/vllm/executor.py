@@ -70,6 +70,7 @@ from worker_side.vllm.tokenhash import parse_check_in
 log = logging.getLogger("deltacast.vllm.executor")
 POLL_MS = 100  # how often a waiting call re-checks that every rank is alive
 JOIN_S = 10.0
+RING_POLL_MS = 1  # a blocked executor's ring check period (long steps, past the spin)
 RING_CALL_LIMIT = 1 << 20  # bigger calls use the ROUTER (bounds what the ring holds in flight)
 
 
@@ -241,19 +242,13 @@ class DeltaExecutor(Executor):
     def _receive(self, deadline: float | None) -> list[tuple[int, list[bytes]]]:
         """ROUTER messages available within POLL_MS, as (rank, frames), after filing the
         reply rings' records into the inboxes; raises if a rank died."""
-        left = min(self.spin_s - (time.monotonic() - self._replied), POLL_MS / 1e3)
-        ring = self.ring
-        pending = ring.replies_pending if ring is not None else None
-        if not (self._sock.poll(0, zmq.POLLIN) or (pending is not None and pending())
-                or (left > 0 and (spin_poll(self._poller, left, pending)
-                                  or (pending is not None and pending())))
-                or self._sock.poll(POLL_MS, zmq.POLLIN)):
+        if not self._arrived():
             self._check_alive()
             if deadline is not None and time.monotonic() > deadline:
                 self.is_failed = True  # a late reply would answer the wrong call
                 raise TimeoutError("DeltaExecutor call timed out; the executor has failed")
             return []
-        got = []
+        ring, got = self.ring, []
         while self._sock.poll(0, zmq.POLLIN):
             ident, *frames = self._sock.recv_multipart(copy=True)
             if frames[0] == wire.CHECK_IN:
@@ -266,6 +261,21 @@ class DeltaExecutor(Executor):
                                          if kind == MESSAGE else None)
         self._replied = time.monotonic()
         return got
+
+    def _arrived(self) -> bool:
+        """Wait (spinning while steps flow) until the ROUTER or a reply ring has input;
+        False after POLL_MS without any.  Blocked on the ROUTER, a ring reply is seen
+        within RING_POLL_MS (ranks ring no doorbell for the executor)."""
+        ring = self.ring
+        in_ring = ring.replies_pending if ring is not None else lambda: False
+        if self._sock.poll(0, zmq.POLLIN) or in_ring():
+            return True
+        left = min(self.spin_s - (time.monotonic() - self._replied), POLL_MS / 1e3)
+        if left > 0 and (spin_poll(self._poller, left, in_ring) or in_ring()):
+            return True
+        step = POLL_MS if ring is None else RING_POLL_MS
+        return any(self._sock.poll(step, zmq.POLLIN) or in_ring()
+                   for _ in range(POLL_MS // step))
 
     def _file(self, rank: int, frames: list[bytes]) -> None:
         """A ROUTER reply: into the place its marker kept, else at the end."""

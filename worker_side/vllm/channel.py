@@ -60,7 +60,7 @@ class RankChannel:
         if self.ring is None:
             self.sock.send_multipart(frames)
             return
-        if not self.ring.reply(b"".join(bytes(p) for p in pack_frames(frames))):
+        if not self.ring.reply(*pack_frames(frames)):
             self.ring.reply_marker()  # too large: on the DEALER, its place kept
             self.sock.send_multipart(frames)
 
