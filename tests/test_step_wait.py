@@ -114,19 +114,23 @@ def test_idle_worker_blocks_after_its_spin_window(tmp_path: Path) -> None:
         log.close()
 
 
-def test_spin_socket_wakes_on_a_message_and_gives_up_at_its_deadline() -> None:
+def test_spin_poll_wakes_on_a_message_or_elsewhere_and_gives_up_at_its_deadline() -> None:
     import zmq
 
-    from worker_side.transport import spin_socket
+    from worker_side.transport import spin_poll
 
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    poller = zmq.Poller()
+    poller.register(b, zmq.POLLIN)
     try:
         a.bind("inproc://spin")
         b.connect("inproc://spin")
-        assert spin_socket(b, 0.01) is False  # nothing sent: the spin ends
+        assert spin_poll(poller, 0.01) == []  # nothing sent: the spin ends
+        assert spin_poll(poller, 5.0, lambda: True) == []  # elsewhere ready: ends at once
         a.send(b"x")
-        assert spin_socket(b, 5.0) is True
+        assert spin_poll(poller, 5.0) == [(b, zmq.POLLIN)]
+        assert spin_poll(poller, 5.0, lambda: False) == [(b, zmq.POLLIN)]  # sockets polled too
         assert b.recv() == b"x"
     finally:
         a.close(0)

@@ -80,16 +80,6 @@ def spin_poll(poller: zmq.Poller, spin_s: float,
         now = time.perf_counter()
 
 
-def spin_socket(sock: zmq.Socket[bytes], spin_s: float) -> bool:
-    """:func:`spin_poll` for one socket: whether it became readable within ``spin_s``."""
-    deadline = time.perf_counter() + spin_s
-    while not sock.poll(0, zmq.POLLIN):
-        if time.perf_counter() >= deadline:
-            return False
-        os.sched_yield()
-    return True
-
-
 def channel_endpoints(endpoint: str) -> tuple[str, str]:
     """(PUB, ROUTER) endpoints of an engine: ``ipc://DIR`` → DIR/pub, DIR/ctl;
     ``tcp://HOST:PORT`` → PORT and PORT + 1."""

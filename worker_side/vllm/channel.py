@@ -14,16 +14,16 @@ documents.  Not thread-safe (the rank's main thread).
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from worker_side.ring import MESSAGE, ON_PUB, RingError, RingReader, pack_frames, unpack_frames
-from worker_side.transport import SOCKET_POLL_S
+from worker_side.transport import spin_poll
 
 DOORBELL = b""
 _BLOCK_MS = 1000  # a sleeping rank re-checks the ring at least this often
@@ -34,6 +34,8 @@ class RankChannel:
 
     def __init__(self, sock: zmq.Socket[bytes], ring_dir: str | None, rank: int) -> None:
         self.sock = sock
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
         self.ring = RingReader(Path(ring_dir), rank) if ring_dir else None
         self._calls: deque[tuple[int, bytes]] = deque()
         self._stash: deque[list[bytes]] = deque()  # DEALER calls read while waiting
@@ -43,7 +45,7 @@ class RankChannel:
     def next_call(self) -> list[bytes]:
         """The next call, waiting as long as it takes (spinning first while steps flow)."""
         if self.ring is None:
-            self._spin(lambda: False)
+            self._spin()
             return self._from_dealer()
         while not self._calls:
             self._calls.extend(self._read())
@@ -81,22 +83,10 @@ class RankChannel:
             raise RingError("this rank fell a whole ring behind the executor")
         return [r for r in records if r[0] in (MESSAGE, ON_PUB)]
 
-    def _spin(self, ready: Any) -> bool:
+    def _spin(self, ready: Callable[[], bool] | None = None) -> bool:
         """Spin (sched_yield) while steps flow; True once ``ready()`` or the DEALER is."""
         left = self.spin_s - (time.monotonic() - self._answered)
-        deadline, next_poll = time.perf_counter() + left, 0.0
-        while left > 0:
-            now = time.perf_counter()
-            if ready():
-                return True
-            if now >= next_poll:
-                if self.sock.poll(0, zmq.POLLIN):
-                    return True
-                next_poll = now + SOCKET_POLL_S
-            if now >= deadline:
-                return False
-            os.sched_yield()
-        return False
+        return bool(spin_poll(self._poller, left, ready)) or (ready is not None and ready())
 
     def _wait(self) -> None:
         """Until the ring has records: spin, then sleep on the DEALER (doorbells wake us)."""
