@@ -127,6 +127,14 @@ class EngineMirror:
         self.seq += 1
         return Delta(self.epoch, self.seq, self.state.digest, body)
 
+    def lane_delta(self, body: DeltaBody, digest: int) -> Delta:
+        """The Delta of a body a :class:`protocol.lane.SteadyLane` over :attr:`state`
+        took (its digest); the mirror advances without touching the state."""
+        if body.block_append:
+            self._last_tables = ()  # the last request's tables are stale now
+        self.seq += 1
+        return Delta(self.epoch, self.seq, digest, body)
+
     def _diff(self, request: ExecuteModelRequest) -> Delta:
         ctx = DiffContext(self, request)
         try:

@@ -13,6 +13,7 @@ exceptions, scheduled-token prediction and exceptions, step-only fields.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STEADY_BODY", "Added", "BlockEdit", "Plan", "StepInfo", "TokenRows",
            "advance_delta", "encode_spec_for_hash", "prepare", "prepare_appends", "steady_step",
-           "FewAppends", "few_appends"]
+           "FewAppends", "few_appends", "lane_step"]
 
 
 def _ints(buf: bytes) -> IntArray:
@@ -434,6 +435,17 @@ def prepare_appends(state: ReplicaState, body: DeltaBody,
     p = _Planner(state, body)
     edits = p.blocks(state.schedule)
     return edits, p.appended, p.digest
+
+
+def lane_step(state: ReplicaState, body: DeltaBody, steady: StepInfo) -> StepInfo:
+    """The step fields of a lane-shaped body (:mod:`protocol.lane`, which checked its
+    speculative rows): ``steady``'s with the body's own."""
+    return dataclasses.replace(
+        steady, spec_tokens=_Planner(state, body).aligned(body.spec_tokens, state.schedule),
+        has_structured_output=body.has_structured_output,
+        pending_structured_output=body.pending_structured_output,
+        num_spec_tokens_to_schedule=body.num_spec_tokens_to_schedule,
+        extension=dict(body.extension))
 
 
 def prepare(state: ReplicaState, body: DeltaBody) -> Plan:

@@ -77,6 +77,8 @@ class BlockPlanner:
         self.check_live(hs, "blocks")
         if has_duplicates(hs):
             raise self.fail("block rows repeat a handle", group=g)
+        if values.size and int(values.max()) >> 31:  # the tables are int32 (SPEC.md §8)
+            raise self.fail("block id does not fit 31 bits", group=g, id=int(values.max()))
         return hs, counts, values
 
     def _current(self, g: int, hs: IntArray) -> tuple[IntArray, npt.NDArray[np.uint64]]:
@@ -133,6 +135,8 @@ class BlockPlanner:
             raise self.fail("blocks names a handle that is not live", handles=hs[:8])
         if len(set(hs)) != len(hs):
             raise self.fail("block rows repeat a handle", group=g)
+        if values and max(values) >> 31:  # the tables are int32 (SPEC.md §8)
+            raise self.fail("block id does not fit 31 bits", group=g, id=max(values))
         if not hs:
             return _NO_EDIT
         lengths, block_sum = self.state.blocks[g].lengths, self.state.lazy_cols.block_sum

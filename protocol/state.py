@@ -22,6 +22,7 @@ edited; token views never change; everything else is copied).
 from __future__ import annotations
 
 import dataclasses
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,7 @@ from protocol.plan import (
     advance_delta,
     encode_spec_for_hash,
     few_appends,
+    lane_step,
     prepare,
     prepare_appends,
     steady_step,
@@ -78,6 +80,7 @@ class ReplicaState:
         self.nsched: IntArray = _EMPTY
         self.digest = 0
         self.step = StepInfo()
+        self.version = 0  # counts changes (a :class:`protocol.lane.SteadyLane` checks it)
         self._rebuild_cache: dict[object, object] = {}
 
     # -- applying deltas ------------------------------------------------------------
@@ -112,6 +115,7 @@ class ReplicaState:
         self._take_row()
         self.step = steady[3]
         self.digest = digest
+        self.version += 1
 
     def _steady_appends(self, body: DeltaBody, expected_digest: int | None) -> bool:
         """The steady advance plus block appends (and an extension): the common vLLM
@@ -146,7 +150,47 @@ class ReplicaState:
             step = dataclasses.replace(step, extension=dict(body.extension))
         self.step = step
         self.digest = digest
+        self.version += 1
         return True
+
+    def steady_advance_term(self) -> int:
+        """The digest change of one steady advance of the current schedule (cached)."""
+        return self._steady()[2]  # type: ignore[no-any-return]
+
+    def absorb_lane(self, steps: int,
+                    journal: list[list[tuple[list[int], list[int], list[int], list[int]]]],
+                    sums: list[dict[int, int]], lengths: list[dict[int, int]],
+                    last: DeltaBody, digest: int) -> None:
+        """Commit ``steps`` steady steps a :class:`protocol.lane.SteadyLane` checked and
+        journaled: the advances, the appends per group ((handles, starts, counts, ids)
+        per step), the rows' block-term sums and final lengths, the last body's step
+        fields and the digest (see :mod:`protocol.lane`).  Cannot fail."""
+        self._flush()
+        self._ahead = self._fresh = None
+        self._cols.computed[self.schedule] += steps * self.nsched  # wraps like repeated adds
+        for g, rows in enumerate(journal):
+            if rows:
+                self._absorb_appends(g, rows, sums[g], lengths[g])
+        self._rebuild_cache.pop("template", None)
+        self.step = steady_step(self) if last == STEADY_BODY else \
+            lane_step(self, last, self._steady()[3])
+        self.digest = digest
+        self.version += 1
+
+    def _absorb_appends(self, g: int, rows: list[tuple[list[int], list[int], list[int],
+                                                         list[int]]],
+                        sums: dict[int, int], lengths: dict[int, int]) -> None:
+        hs, starts, counts, values = (np.fromiter(chain.from_iterable(r[k] for r in rows),
+                                                  dtype=np.int64) for k in range(4))
+        table = self.blocks[g]
+        table.write(hs, starts, counts, values)
+        keys = np.fromiter(lengths, dtype=np.int64, count=len(lengths))
+        table.lengths[keys] = np.fromiter(lengths.values(), dtype=np.int64, count=len(lengths))
+        added = np.fromiter((sums[h] & dg.MASK for h in lengths), dtype=np.uint64,
+                            count=len(lengths))
+        self._cols.block_sum[g, keys] += added  # uint64 arithmetic wraps: sums are mod 2**64
+        self._rebuild_cache.pop(f"blocks{g}", None)  # its cached flat table is stale
+        self._rebuild_cache.pop(f"patches{g}", None)
 
     def _commit_few(self, g: int, few: FewAppends) -> None:
         """:meth:`_commit_blocks` of :func:`few_appends` rows (scalar and slice writes)."""
@@ -251,6 +295,7 @@ class ReplicaState:
             self._rebuild_cache["advance"] = (self.schedule, self.nsched, advance)
         self.step = plan.step
         self.digest = plan.digest
+        self.version += 1
 
     def _forget(self, h: int) -> None:
         self._drop_ahead()
@@ -353,8 +398,10 @@ class ReplicaState:
             self._rebuild_cache.pop(key, None)
             return
         _, lengths, flat = cached
-        ends = np.cumsum(lengths)[pos]
-        flat = np.insert(flat, np.repeat(ends, counts), values)
+        at, rows = np.repeat(np.cumsum(lengths)[pos], counts), np.repeat(pos, counts)
+        # rows ending at the same offset (empty rows between them) insert in batch order
+        order = np.lexsort((np.arange(at.size), rows, at))
+        flat = np.insert(flat, at[order], values[order])
         lengths = lengths.copy()
         lengths[pos] += counts
         lengths.flags.writeable = flat.flags.writeable = False

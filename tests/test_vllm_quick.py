@@ -147,3 +147,19 @@ def test_forecast_lists_match_python_and_numpy() -> None:
 def test_generated_streams_give_the_general_paths_frames(stream: dict[str, Any]) -> None:
     quick = _run(stream["steps"], kv_groups=stream["kv_groups"])
     event(f"fast path taken: {'yes' if quick[0] else 'no'}")
+
+
+def test_quick_outputs_are_built_like_the_constructor_builds_them() -> None:
+    """``made`` bypasses the dataclass __init__: it must name every field, in order,
+    and the classes must have no __post_init__ or slots it would skip."""
+    import dataclasses
+
+    enc, dec = SchedulerOutputEncoder(secret=SECRET), SchedulerOutputDecoder(SECRET)
+    dec.decode([bytes(f) for f in enc.encode(_first())])
+    got = dec.decode([bytes(f) for f in enc.encode(_step(1, blocks=[([90],), None, None]))])
+    assert dec.quick_steps == 1
+    for obj, cls in ((got, SchedulerOutput), (got.scheduled_cached_reqs, CachedRequestData)):
+        assert type(obj) is cls and not hasattr(cls, "__post_init__")
+        assert "__slots__" not in vars(cls)
+        assert list(vars(obj)) == [f.name for f in dataclasses.fields(cls)]
+    assert got == _step(1, blocks=[([90],), None, None])

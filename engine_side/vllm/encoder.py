@@ -54,6 +54,7 @@ from engine_side.vllm.schema import (
 from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import LocalProtocolError, MalformedMessage, RemoteProtocolError
+from protocol.lane import SteadyLane, lane_shaped
 from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
 from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
 from protocol.tensors import make_enc_hook, make_ext_hook
@@ -105,6 +106,7 @@ class SchedulerOutputEncoder:
         self.quick = QuickEncoder()
         self.quick_steps = 0  # steps encoded by the same-batch fast path
         self.mirror: EngineMirror | None = None
+        self.lane: SteadyLane | None = None  # the mirror's steady steps (protocol.lane)
         self.items = None if store is None else StoreChannel(store)
         self.mem = StepMemory(ledger)
         self.specs: dict[str, RequestSpec] = {}
@@ -132,13 +134,21 @@ class SchedulerOutputEncoder:
                 first = so.scheduled_new_reqs[0].block_ids if so.scheduled_new_reqs else (0,)
                 self.kv_groups = len(first)
             self.mirror = EngineMirror(self.epoch, kv_groups=self.kv_groups, verify=self.verify)
+        if self.lane is None or self.lane.state is not self.mirror.state:
+            self.lane = SteadyLane(self.mirror.state)
         body = self.quick.body(so) if self.fast else None
         if body is not None:
-            delta = self.mirror.apply_body(body)
+            digest = self.lane.step(body, self.quick.appends) if lane_shaped(body) else None
+            if digest is None:
+                self.lane.settle()
+                delta = self.mirror.apply_body(body)
+            else:
+                delta = self.mirror.lane_delta(body, digest)
             self._quick_blocks()
             self.quick_steps += 1
             batch = self.quick.batch
         else:
+            self.lane.settle()
             ext: dict[str, Any] = {"kv_groups": self.kv_groups} if self.mirror.seq == 0 else {}
             request = self._request(so, ext)
             delta = self.mirror.diff(request) if self.items is None else \

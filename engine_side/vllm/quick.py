@@ -21,8 +21,8 @@ actual lists); :meth:`QuickEncoder.body` keeps no reference to the SchedulerOutp
 
 from __future__ import annotations
 
-from itertools import chain, compress
-from operator import itemgetter
+from itertools import chain, compress, repeat
+from operator import add, attrgetter, itemgetter, sub
 from typing import Any
 
 import msgspec
@@ -47,11 +47,13 @@ class Forecast:
     every step before it matched its own row and kept ``nsched``.
     """
 
-    __slots__ = ("plen", "plen_np", "nsched", "total", "comp_rows", "out_rows", "next", "_last")
+    __slots__ = ("plen", "plen_np", "plen_less_one", "nsched", "total", "comp_rows", "out_rows",
+                 "next", "_last")
 
     def __init__(self, plen: list[int]) -> None:
         self.plen = plen
         self.plen_np = np.array(plen, dtype=np.int64) if len(plen) > SMALL else None
+        self.plen_less_one = [p - 1 for p in plen]  # outputs = max(computed - plen + 1, 0)
         self.nsched: list[int] = []
         self.total = 0  # sum(nsched)
         self.comp_rows: list[list[int]] = []
@@ -79,9 +81,12 @@ class Forecast:
 
     def _build(self, computed: list[int]) -> None:
         ns, self.next = self.nsched, 0
-        if self.plen_np is None:
-            row = [c + s for c, s in zip(computed, ns, strict=True)]
-            self.comp_rows, self.out_rows = [row], [self.outputs(row)]
+        if self.plen_np is None:  # C-level maps: no per-item bytecode
+            row = list(map(add, computed, ns))
+            outs = list(map(sub, row, self.plen_less_one))
+            if min(outs, default=0) < 0:
+                outs = list(map(max, outs, repeat(0)))
+            self.comp_rows, self.out_rows = [row], [outs]
             return
         base = self._last if self._last is not None else np.array(computed, dtype=np.int64)
         table = base + np.multiply.outer(np.arange(1, ROWS + 1, dtype=np.int64),
@@ -107,6 +112,9 @@ class QuickEncoder:
         self.index: list[int] = []  # 0..n-1, made once per batch (compress() without range())
         self.grown: list[int] = []  # positions with new blocks in the last quick step
         self.entries: list[Any] = []  # their new_block_ids entries (read before body returns)
+        #: the last quick step's appends per KV group for the steady lane (positions,
+        #: counts, ids; [] for none)
+        self.appends: list[tuple[list[int], list[int], list[int]]] = []
         self.forecast = Forecast([])
         self.ready = False
 
@@ -189,6 +197,7 @@ class QuickEncoder:
         """block_append per KV group (() for none); None when the step needs the general path.
         Keeps the grown positions and their entries (:attr:`grown`, :attr:`entries`)."""
         grown = self.grown = list(compress(self.index, new_blocks))
+        self.appends = []
         if not grown:
             return () if new_blocks.count(None) == len(new_blocks) else None
         if len(grown) + new_blocks.count(None) != len(new_blocks):
@@ -201,10 +210,12 @@ class QuickEncoder:
             ids = list(map(itemgetter(0), entries))
             if not all(ids):
                 return None
+            lens, flat = list(map(len, ids)), list(chain.from_iterable(ids))
+            self.appends = [(grown, lens, flat)]
             return (Rows(handles=pack_uints(list(map(self.handles.__getitem__, grown))),
-                         counts=pack_row_counts(list(map(len, ids))),
-                         values=pack_uints(list(chain.from_iterable(ids)))),)
+                         counts=pack_row_counts(lens), values=pack_uints(flat)),)
         rows: list[list[int]] = [[] for _ in range(groups)]
+        at: list[list[int]] = [[] for _ in range(groups)]
         counts: list[list[int]] = [[] for _ in range(groups)]
         values: list[list[int]] = [[] for _ in range(groups)]
         for k, entry in zip(grown, entries, strict=True):
@@ -213,8 +224,10 @@ class QuickEncoder:
             for g, ids in enumerate(entry):
                 if ids:
                     rows[g].append(self.handles[k])
+                    at[g].append(k)
                     counts[g].append(len(ids))
                     values[g] += ids
+        self.appends = list(zip(at, counts, values, strict=True))
         return tuple(Rows(handles=pack_uints(rows[g]), counts=pack_row_counts(counts[g]),
                           values=pack_uints(values[g])) if rows[g] else _NO_ROWS
                      for g in range(groups))
@@ -235,16 +248,26 @@ class QuickEncoder:
         return Rows(counts=pack_uints(lengths), values=pack_uints([t + 1 for t in flat]))
 
 
+# A plain step's rare fields, read by one C call and compared with one tuple.
+_RARE = attrgetter(
+    "scheduled_new_reqs", "finished_req_ids", "preempted_req_ids", "free_encoder_mm_hashes",
+    "scheduled_encoder_inputs", "scheduled_encoder_input_stats", "num_invalid_spec_tokens",
+    "has_sync_kv_loads", "new_block_ids_to_zero", "kv_cache_block_copies",
+    "num_common_prefix_blocks", "kv_connector_block_state", *CONNECTOR_FIELDS,
+    "scheduled_cached_reqs.resumed_req_ids", "scheduled_cached_reqs.new_token_ids",
+    "scheduled_cached_reqs.all_token_ids")
+_PLAIN: tuple[Any, ...] = ([], set(), set(), [], {}, None, None, False, None, None, [], None,
+          *(None for _ in CONNECTOR_FIELDS), set(), [], {})
+
+
 def _plain(so: Any) -> bool:
     """No request enters, leaves or resumes, and no rare field is set."""
-    cached = so.scheduled_cached_reqs
-    return (not so.scheduled_new_reqs and not so.finished_req_ids
-            and so.preempted_req_ids is not None and not so.preempted_req_ids
-            and not so.free_encoder_mm_hashes and not so.scheduled_encoder_inputs
-            and so.scheduled_encoder_input_stats is None and so.num_invalid_spec_tokens is None
-            and not so.has_sync_kv_loads and so.new_block_ids_to_zero is None
-            and so.kv_cache_block_copies is None and so.num_common_prefix_blocks == []
-            and so.kv_connector_block_state is None
-            and not cached.resumed_req_ids and not cached.new_token_ids
-            and not cached.all_token_ids
-            and all(getattr(so, f) is None for f in CONNECTOR_FIELDS))
+    rare = _RARE(so)
+    if rare == _PLAIN:
+        return True
+    # the same up to container types (a test may hand in a tuple or a dict for a set)
+    return (not rare[0] and not rare[1] and rare[2] is not None and not rare[2]
+            and not rare[3] and not rare[4] and rare[5] is None and rare[6] is None
+            and not rare[7] and rare[8] is None and rare[9] is None and rare[10] == []
+            and all(v is None for v in rare[11:12 + len(CONNECTOR_FIELDS)])
+            and not any(rare[-3:]))

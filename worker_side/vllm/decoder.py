@@ -44,6 +44,7 @@ from engine_side.vllm.schema import (
 from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import InvalidDelta, MalformedMessage
+from protocol.lane import SteadyLane, lane_shaped
 from protocol.messages import TOKEN_MODE_WORKER, Delta
 from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
 from protocol.request import ExecuteModelRequest, IntArray, Ragged
@@ -51,7 +52,7 @@ from protocol.state import ReplicaState
 from protocol.tensors import make_enc_hook, make_ext_hook
 from worker_side.shm_reader import ShmReader
 from worker_side.vllm.mm import StoreResolver, features_from_refs, fresh
-from worker_side.vllm.quick import QuickDecoder, plain_body
+from worker_side.vllm.quick import NO_EXT, QuickDecoder, plain_body
 
 HISTORY = 8
 _EXT = msgspec.msgpack.Decoder(StepExt)
@@ -106,11 +107,13 @@ class SchedulerOutputDecoder:
         self.quick = QuickDecoder()
         self.quick_steps = 0  # steps answered by the same-batch fast path
         self.state: ReplicaState | None = None
+        self.lane = SteadyLane(ReplicaState())  # replaced with the state's own lane
         self.seq = 0
         self.mem = StepMemory(ledger)
         self.batches: dict[int, list[str]] = {}
         self._last_batch: list[str] = []
         self._last_lengths: list[IntArray] = []
+        self._lengths_stale = False  # blocks appended since (see _refresh_lengths)
         self._aux: list[Any] = []
         self._reply_enc = msgspec.msgpack.Encoder(enc_hook=make_enc_hook(self._aux))
 
@@ -123,24 +126,29 @@ class SchedulerOutputDecoder:
             raise InvalidDelta("step out of order", expected=self.seq + 1, got=msg.seq)
         raw = msg.body.extension.get("v")
         try:
-            ext = _EXT.decode(raw) if raw else StepExt()
+            ext = _EXT.decode(raw) if raw else NO_EXT
         except msgspec.DecodeError as exc:
             raise MalformedMessage("bad vLLM step extension", cause=str(exc)[:200]) from exc
         opaque = unseal(ext.sealed, self.secret)  # before anything changes
         if self.state is None:
             self.state = ReplicaState(TOKEN_MODE_WORKER, ext.kv_groups or 1)
-        self.state.apply(msg.body, expected_digest=msg.digest)
+            self.lane = SteadyLane(self.state)
+        quick = self.quick
+        plain = self.fast and quick.ready and plain_body(msg.body, ext)
+        blocks = quick.blocks(msg.body) if plain else None
+        if blocks is None or not lane_shaped(msg.body) or \
+                self.lane.step(msg.body, blocks, msg.digest) is None:
+            self.lane.settle()
+            if blocks is None and self._lengths_stale:
+                self._refresh_lengths()
+            self.state.apply(msg.body, expected_digest=msg.digest)
         self.seq = msg.seq
         self.batches.pop(msg.seq - HISTORY, None)
-        quick = self.quick
-        if self.fast and quick.ready and plain_body(msg.body, ext):
-            blocks = quick.blocks(msg.body)
-            if blocks is not None:
-                self.batches[msg.seq] = quick.batch
-                self._last_lengths = quick.grown_lengths(blocks, self._last_lengths,
-                                                         self.mem.table_len)
-                self.quick_steps += 1
-                return quick.scheduler_output(msg.body, ext, blocks)
+        if blocks is not None:
+            self.batches[msg.seq] = quick.batch
+            self._lengths_stale |= bool(msg.body.block_append)
+            self.quick_steps += 1
+            return quick.scheduler_output(msg.body, ext, blocks)
         # A plain body adds, finishes and frees nothing: the store resolver has
         # nothing to do on the fast path above.
         request = self.state.rebuild()
@@ -152,6 +160,17 @@ class SchedulerOutputDecoder:
                     request.num_computed_tokens.tolist(), so.num_scheduled_tokens,
                     [self.mem.plen[rid] for rid in request.req_ids], len(request.block_tables))
         return so
+
+    def _refresh_lengths(self) -> None:
+        """The last batch's table lengths after same-batch steps appended blocks (read
+        from the settled replica, which holds exactly vLLM's tables): the quick path
+        leaves them stale instead of updating them every step."""
+        assert self.state is not None  # noqa: S101 - a step was decoded before
+        sched, batch = self.state.schedule, self._last_batch
+        self._last_lengths = [table.lengths[sched] for table in self.state.blocks]
+        for lens, now in zip(self.mem.table_len, self._last_lengths, strict=True):
+            lens.update(zip(batch, now.tolist(), strict=True))
+        self._lengths_stale = False
 
     def _scheduler_output(self, r: ExecuteModelRequest, x: StepExt, opaque: dict[str, Any],
                           ) -> Any:

@@ -14,27 +14,28 @@ from functools import cache
 from itertools import repeat
 from typing import Any
 
-import numpy as np
-
 from engine_side.vllm.quick import Forecast
 from engine_side.vllm.schema import StepExt
 from protocol.messages import DeltaBody, Rows
 from protocol.packing import unpack_sint_list, unpack_uint_list
-from protocol.request import IntArray
 
 
 def _ints(packed: bytes) -> list[int]:
     return unpack_uint_list(packed) if packed else []
 
 
+NO_EXT = StepExt()  # the extension of a step that carries none (shared: frozen)
+
+
 def plain_body(body: DeltaBody, ext: StepExt) -> bool:
     """Whether ``body`` keeps the batch and ``ext`` departs only in output counts."""
+    if ext is not NO_EXT and ext != StepExt(out_pos=ext.out_pos, out_delta=ext.out_delta):
+        return False
     return (not body.finished and not body.finished_unknown and not body.added
             and not body.schedule_full and not body.schedule_drop and not body.schedule_append
             and not body.block_replace and body.truncate is None and body.tokens is None
             and body.encoder_inputs is None and not body.preempted and not body.resumed
-            and not body.free_encoder_mm_hashes and not body.blocks_to_zero
-            and ext == StepExt(out_pos=ext.out_pos, out_delta=ext.out_delta))
+            and not body.free_encoder_mm_hashes and not body.blocks_to_zero)
 
 
 @cache
@@ -43,6 +44,17 @@ def _vllm_types() -> tuple[Any, Any]:
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 
     return CachedRequestData, SchedulerOutput
+
+
+def made(cls: Any, fields: dict[str, Any]) -> Any:
+    """An instance of dataclass ``cls`` holding ``fields`` (every field, in declaration
+    order), built the way ``pickle.loads`` builds it: ``__new__`` and the instance
+    dict, without the generated ``__init__`` (a microsecond per call at a dozen
+    keyword arguments).  Only for vLLM's plain step dataclasses (no ``__post_init__``,
+    no slots; checked by ``tests/test_vllm_quick.py``)."""
+    obj = cls.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
 
 
 class QuickDecoder:
@@ -89,20 +101,27 @@ class QuickDecoder:
         total = self.forecast.total if nsched is self.nsched else sum(nsched)
         computed, outputs = self._counts(body.computed_tokens, nsched, ext)
         new_blocks = self._new_blocks(blocks)
-        cached = CachedRequestData(
-            req_ids=list(batch), resumed_req_ids=set(), new_token_ids=[], all_token_ids={},
-            new_block_ids=new_blocks, num_computed_tokens=computed,
-            num_output_tokens=outputs)
-        return SchedulerOutput(
-            scheduled_new_reqs=[], scheduled_cached_reqs=cached,
-            num_scheduled_tokens=dict(self.nsched_map),
-            total_num_scheduled_tokens=total,
-            scheduled_spec_decode_tokens=self._drafts(body.spec_tokens),
-            scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
-            preempted_req_ids=set(),
-            has_structured_output_requests=body.has_structured_output,
-            pending_structured_output_tokens=body.pending_structured_output,
-            num_spec_tokens_to_schedule=body.num_spec_tokens_to_schedule)
+        cached = made(CachedRequestData, {
+            "req_ids": list(batch), "resumed_req_ids": set(), "new_token_ids": [],
+            "all_token_ids": {}, "new_block_ids": new_blocks, "num_computed_tokens": computed,
+            "num_output_tokens": outputs})
+        return made(SchedulerOutput, {
+            "scheduled_new_reqs": [], "scheduled_cached_reqs": cached,
+            "num_scheduled_tokens": dict(self.nsched_map),
+            "total_num_scheduled_tokens": total,
+            "scheduled_spec_decode_tokens": self._drafts(body.spec_tokens),
+            "scheduled_encoder_inputs": {}, "finished_req_ids": set(),
+            "free_encoder_mm_hashes": [], "scheduled_encoder_input_stats": None,
+            "preempted_req_ids": set(),
+            "has_structured_output_requests": body.has_structured_output,
+            "pending_structured_output_tokens": body.pending_structured_output,
+            "num_invalid_spec_tokens": None, "kv_connector_metadata": None,
+            "has_sync_kv_loads": False, "aux_output_connector_metadata": None,
+            "ec_connector_metadata": None, "ec_manager_metadata": None,
+            "new_block_ids_to_zero": None, "kv_cache_block_copies": None,
+            "kv_connector_block_state": None,
+            "num_spec_tokens_to_schedule": body.num_spec_tokens_to_schedule,
+            "num_common_prefix_blocks": []})
 
     def _nsched(self, rows: Rows | None) -> list[int]:
         if rows is None:
@@ -165,19 +184,4 @@ class QuickDecoder:
             end = start + lengths[i]
             out[self.batch[i]] = flat[start:end]
             start = end
-        return out
-
-    def grown_lengths(self, blocks: list[tuple[list[int], list[int], list[int]]],
-                      last: list[IntArray], table_len: list[dict[str, int]]) -> list[IntArray]:
-        """The decoder's per-group table lengths after the appends (fresh arrays)."""
-        if not blocks:
-            return last
-        out = []
-        for (pos, counts, _), lengths, lens in zip(blocks, last, table_len, strict=True):
-            if pos:
-                lengths = lengths.copy()
-                lengths[np.array(pos, dtype=np.int64)] += np.array(counts, dtype=np.int64)
-                for i, c in zip(pos, counts, strict=True):
-                    lens[self.batch[i]] += c
-            out.append(lengths)
         return out

@@ -1,0 +1,196 @@
+"""The steady lane (``protocol/lane.py``) equals ReplicaState.apply of the same bodies:
+the same digest after every step, the same refusals (nothing changed), and after a
+settle the same state (recomputed digest, rebuilt request, block tables, step fields)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_side.mirror import EngineMirror
+from protocol.errors import InvalidDelta, MalformedMessage
+from protocol.lane import MAX_ROWS, Appends, SteadyLane, lane_shaped
+from protocol.messages import DeltaBody, Rows
+from protocol.packing import pack_sints, pack_uints
+from protocol.plan import STEADY_BODY
+from protocol.request import ExecuteModelRequest, Ragged, RequestSpec, request_differences
+from protocol.state import ReplicaState
+
+
+def _first_body(n: int, groups: int) -> DeltaBody:
+    ids = [f"r{i}" for i in range(n)]
+    prompt = np.arange(8, dtype=np.int64)
+    prompt.flags.writeable = False
+    tables = tuple(Ragged.from_lists([[100 * g + i] * (i % 3) for i in range(n)])
+                   for g in range(groups))
+    request = ExecuteModelRequest(
+        req_ids=ids, specs=[RequestSpec(rid, prompt) for rid in ids],
+        num_scheduled_tokens=np.array([1 + i % 2 for i in range(n)], dtype=np.int64),
+        num_computed_tokens=np.full(n, 8, dtype=np.int64), block_tables=tables,
+        spec_token_ids=Ragged.empty(n), encoder_inputs=Ragged.empty(n))
+    # reversed handles: batch positions and handles differ
+    return EngineMirror(kv_groups=groups).diff(request).body
+
+
+@st.composite
+def _appends(draw: st.DrawFn, n: int) -> Appends:
+    """One group's appends by batch position: mostly valid, sometimes a repeated or
+    outside position, a zero count, an id past int32 or a count/ids mismatch."""
+    pos = draw(st.lists(st.integers(0, n - 1), max_size=min(n, 8),
+                        unique=draw(st.integers(0, 9)) > 0))
+    if pos and draw(st.integers(0, 19)) == 0:
+        pos.append(n)
+    counts = [draw(st.integers(0 if draw(st.integers(0, 19)) == 0 else 1, 3)) for _ in pos]
+    size = sum(counts) + (1 if draw(st.integers(0, 19)) == 0 else 0)
+    top = (1 << 32) if draw(st.integers(0, 19)) == 0 else (1 << 31) - 1
+    values = draw(st.lists(st.integers(0, top), min_size=size, max_size=size))
+    return pos, counts, values
+
+
+def _body(appends: list[Appends], handles: list[int], extra: dict[str, Any]) -> DeltaBody:
+    rows = tuple(Rows(handles=pack_uints([handles[p] if p < len(handles) else len(handles) + 7
+                                          for p in pos]),
+                      counts=pack_uints(counts), values=pack_uints(values))
+                 for pos, counts, values in appends)
+    return DeltaBody(block_append=rows if any(a[0] for a in appends) else (), **extra)
+
+
+@st.composite
+def _step(draw: st.DrawFn, n: int, groups: int, handles: list[int],
+          ) -> tuple[DeltaBody, list[Appends]]:
+    kind = draw(st.sampled_from(["lane"] * 6 + ["steady", "spec", "computed"]))
+    if kind == "steady":
+        return STEADY_BODY, []
+    if kind == "computed":  # not lane-shaped: a settle and a general step
+        return DeltaBody(computed_tokens=Rows(
+            handles=pack_uints([handles[draw(st.integers(0, n - 1))]]),
+            values=pack_sints([draw(st.integers(-2, 2))]))), []
+    appends = [draw(_appends(n)) for _ in range(groups)]
+    extra: dict[str, Any] = {}
+    if draw(st.booleans()):
+        extra["extension"] = {"v": b"\x80"}
+    if kind == "spec":
+        lengths = [draw(st.integers(0, 2)) for _ in range(n)]
+        size = sum(lengths) + (1 if draw(st.integers(0, 9)) == 0 else 0)
+        extra["spec_tokens"] = Rows(counts=pack_uints(lengths),
+                                    values=pack_uints(list(range(1, size + 1))))
+        extra["has_structured_output"] = draw(st.booleans())
+        extra["num_spec_tokens_to_schedule"] = draw(st.integers(0, 3))
+    return _body(appends, handles, extra), appends
+
+
+def _outcome(apply: Callable[..., object], *args: object) -> str:
+    try:
+        apply(*args)
+    except (InvalidDelta, MalformedMessage) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _lane_apply(lane: SteadyLane, state: ReplicaState, body: DeltaBody, appends: list[Appends],
+                expected: int | None) -> None:
+    """The adapter's use: the lane when it takes the body, else settle and apply."""
+    if not lane_shaped(body) or lane.step(body, appends, expected) is None:
+        lane.settle()
+        state.apply(body, expected_digest=expected)
+
+
+def _same_state(a: ReplicaState, b: ReplicaState) -> None:
+    assert a.digest == b.digest == a.recompute_digest()
+    assert request_differences(a.rebuild(), b.rebuild()) == []
+    for ta, tb in zip(a.blocks, b.blocks, strict=True):
+        for h in b.live_handles().tolist():
+            assert ta[h].tolist() == tb[h].tolist()
+    assert a.step.extension == b.step.extension
+    assert a.step.has_structured_output == b.step.has_structured_output
+    assert a.step.num_spec_tokens_to_schedule == b.step.num_spec_tokens_to_schedule
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 2), st.data())
+def test_the_lane_equals_applying_every_body(n: int, groups: int, data: st.DataObject) -> None:
+    laned, reference = ReplicaState(kv_groups=groups), ReplicaState(kv_groups=groups)
+    first = _first_body(n, groups)
+    for state in (laned, reference):
+        state.apply(first)
+    lane = SteadyLane(laned)
+    handles = laned.schedule.tolist()
+    for _ in range(data.draw(st.integers(1, 30))):
+        body, appends = data.draw(_step(n, groups, handles))
+        expected = None if data.draw(st.integers(0, 5)) else data.draw(
+            st.sampled_from([reference.digest, 12345]))
+        error = _outcome(_lane_apply, lane, laned, body, appends, expected)
+        assert error == _outcome(reference.apply, body, expected)
+        assert (lane.digest if lane.steps else laned.digest) == reference.digest
+        if data.draw(st.integers(0, 3)) == 0:
+            lane.settle()
+            _same_state(laned, reference)
+    lane.settle()
+    _same_state(laned, reference)
+
+
+def test_a_digest_mismatch_changes_nothing() -> None:
+    state, reference = ReplicaState(), ReplicaState()
+    for s in (state, reference):
+        s.apply(_first_body(4, 1))
+    lane = SteadyLane(state)
+    appends = [([1], [1], [77])]
+    body = _body(appends, state.schedule.tolist(), {})
+    lane.step(STEADY_BODY, [])
+    before = (lane.digest, lane.steps, [list(x) for x in lane.lengths], state.version)
+    with pytest.raises(InvalidDelta, match="digest mismatch"):
+        lane.step(body, appends, expected_digest=1)
+    assert (lane.digest, lane.steps, lane.lengths, state.version) == before
+    reference.apply(STEADY_BODY)
+    reference.apply(body)
+    assert lane.step(body, appends, reference.digest) == reference.digest
+    lane.settle()
+    _same_state(state, reference)
+
+
+def test_the_lane_settles_itself_before_its_journal_grows_unbounded() -> None:
+    state = ReplicaState()
+    state.apply(_first_body(4, 1))
+    lane = SteadyLane(state)
+    handles = state.schedule.tolist()
+    appends = [([0, 1, 2, 3], [1, 1, 1, 1], [5, 6, 7, 8])]
+    body = _body(appends, handles, {})
+    for _ in range(MAX_ROWS // 4 + 2):
+        lane.step(body, appends)
+    assert lane.rows <= MAX_ROWS and state.version > 1
+    lane.settle()
+    assert state.digest == state.recompute_digest()
+
+
+def test_appends_to_rows_ending_at_one_offset_rebuild_in_batch_order() -> None:
+    """Found by the lane property test: the cached flat table patched with appends to
+    a row and to the empty row after it (both end at one offset) put the later row's
+    block first when the body named it first."""
+    state = ReplicaState()
+    state.apply(_first_body(4, 1))  # rows of 0, 1, 2 and 0 blocks
+    state.rebuild()  # caches the flat table that appends then patch
+    handles = state.schedule.tolist()
+    state.apply(_body([([3, 2], [1, 1], [76, 97])], handles, {}))
+    table = state.rebuild().block_tables[0]
+    assert table.values.tolist() == state.blocks[0].gather(state.schedule)[1].tolist()
+    assert table.values.tolist()[-2:] == [97, 76]
+
+
+@pytest.mark.parametrize("rows", [1, 40])  # the Python-int path and the numpy path
+def test_a_block_id_past_int32_is_refused_and_changes_nothing(rows: int) -> None:
+    """Found by the lane property test: the int32 tables silently truncated it."""
+    state = ReplicaState()
+    state.apply(_first_body(40, 1))
+    before = state.digest
+    pos = list(range(rows))
+    body = _body([(pos, [1] * rows, [5] * (rows - 1) + [1 << 31])], state.schedule.tolist(), {})
+    with pytest.raises(InvalidDelta, match="31 bits"):
+        state.apply(body)
+    assert state.digest == before == state.recompute_digest()
+    assert SteadyLane(state).step(body, [(pos, [1] * rows, [5] * (rows - 1) + [1 << 31])]) \
+        is None
