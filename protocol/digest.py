@@ -146,15 +146,33 @@ def schedule_change(handles: list[int], positions: list[int], old: list[int],
 
 
 def block_row_sums(handle: int, group: int, start: int, blocks: list[int]) -> int:
-    """Sum of :func:`block_terms` of one row's ``blocks`` at ``start..`` (Python ints)."""
+    """Sum of :func:`block_terms` of one row's ``blocks`` at ``start..`` (Python ints;
+    :func:`mix64_int` inlined: a call per block would cost a third more)."""
     salt = (handle * _HANDLE_I + ((group * _GROUP_I) & MASK)) & MASK
-    return sum(mix64_int((b * _SPEC_I + (start + j) * _POS_I + salt) & MASK)
-               for j, b in enumerate(blocks)) & MASK
+    total, pos = 0, start * _POS_I
+    for b in blocks:
+        z = (b * _SPEC_I + pos + salt) & MASK
+        z ^= z >> 30
+        z = (z * _M1I) & MASK
+        z ^= z >> 27
+        z = (z * _M2I) & MASK
+        total += z ^ (z >> 31)
+        pos += _POS_I
+    return total & MASK
 
 
 def block_unit_terms(handles: list[int], group: int, positions: list[int],
                      blocks: list[int]) -> list[int]:
-    """:func:`block_terms_rows` of one block per row (aligned lists, Python ints)."""
+    """:func:`block_terms_rows` of one block per row (aligned lists, Python ints;
+    :func:`mix64_int` inlined)."""
     g = (group * _GROUP_I) & MASK
-    return [mix64_int((b * _SPEC_I + p * _POS_I + h * _HANDLE_I + g) & MASK)
-            for h, p, b in zip(handles, positions, blocks, strict=True)]
+    out = []
+    for h, p, b in zip(handles, positions, blocks, strict=True):
+        z = (b * _SPEC_I + p * _POS_I + h * _HANDLE_I + g) & MASK
+        z ^= z >> 30
+        z = (z * _M1I) & MASK
+        z ^= z >> 27
+        z = (z * _M2I) & MASK
+        out.append(z ^ (z >> 31))
+    return out
+

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 #: one KV group's appends of a step: (batch positions, blocks per row, flat block ids)
 Appends = tuple[list[int], list[int], list[int]]
+#: one group's appends of one journaled step: (handles, starts, counts, ids, row terms)
+Journaled = tuple[list[int], list[int], list[int], list[int], list[int]]
 #: settle once the journal holds this many appended rows (bounds its memory)
 MAX_ROWS = 1 << 16
 _BLOCK_ID_LIMIT = 1 << 31  # the block table is int32
@@ -60,8 +62,9 @@ class SteadyLane:
         self.digest = state.digest
         self.handles: list[int] = []
         self.lengths: list[list[int]] = []
-        self.journal: list[list[tuple[list[int], list[int], list[int], list[int]]]] = []
-        self.sums: list[dict[int, int]] = []
+        self.advance = 0
+        #: per group, per journaled step: (handles, starts, counts, ids, row terms)
+        self.journal: list[list[Journaled]] = []
         self.rows = 0
         self.last: DeltaBody | None = None
 
@@ -71,8 +74,8 @@ class SteadyLane:
         self.handles = sched.tolist()
         self.lengths = [table.lengths[sched].tolist() for table in state.blocks]
         self.journal = [[] for _ in state.blocks]
-        self.sums = [{} for _ in state.blocks]
         self.digest, self.version, self.rows = state.digest, state.version, 0
+        self.advance = state.steady_advance_term()  # the schedule stays while the lane runs
 
     def step(self, body: DeltaBody, appends: list[Appends],
              expected_digest: int | None = None) -> int | None:
@@ -86,7 +89,7 @@ class SteadyLane:
                 not _aligned_ok(body.spec_tokens, len(self.handles)):
             return None
         planned = []
-        digest = self.digest + self.state.steady_advance_term()
+        digest = self.digest + self.advance
         for g, rows in enumerate(appends):
             if not rows[0]:
                 if rows[1] or rows[2]:
@@ -130,12 +133,10 @@ class SteadyLane:
 
     def _commit(self, g: int, pos: list[int], counts: list[int], values: list[int],
                 hs: list[int], starts: list[int], terms: list[int]) -> None:
-        lengths, sums = self.lengths[g], self.sums[g]
+        lengths = self.lengths[g]
         for p, c in zip(pos, counts, strict=True):
             lengths[p] += c
-        for h, t in zip(hs, terms, strict=True):
-            sums[h] = sums.get(h, 0) + t
-        self.journal[g].append((hs, starts, counts, values))
+        self.journal[g].append((hs, starts, counts, values, terms))
         self.rows += len(hs)
 
     def settle(self) -> None:
@@ -143,13 +144,10 @@ class SteadyLane:
         if not self.steps:
             return
         assert self.last is not None  # noqa: S101 - set by every journaled step
-        final = [{h: self.lengths[g][i] for i, h in enumerate(self.handles) if h in sums}
-                 for g, sums in enumerate(self.sums)]
-        self.state.absorb_lane(self.steps, self.journal, self.sums, final, self.last,
-                               self.digest)
+        self.state.absorb_lane(self.steps, self.journal, self.handles, self.lengths,
+                               self.last, self.digest)
         self.steps, self.last = 0, None
         self.journal = [[] for _ in self.lengths]
-        self.sums = [{} for _ in self.lengths]
         self.version, self.rows = self.state.version, 0
 
 

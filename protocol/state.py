@@ -158,19 +158,21 @@ class ReplicaState:
         return self._steady()[2]  # type: ignore[no-any-return]
 
     def absorb_lane(self, steps: int,
-                    journal: list[list[tuple[list[int], list[int], list[int], list[int]]]],
-                    sums: list[dict[int, int]], lengths: list[dict[int, int]],
-                    last: DeltaBody, digest: int) -> None:
+                    journal: list[list[tuple[list[int], list[int], list[int], list[int],
+                                             list[int]]]],
+                    handles: list[int], lengths: list[list[int]], last: DeltaBody,
+                    digest: int) -> None:
         """Commit ``steps`` steady steps a :class:`protocol.lane.SteadyLane` checked and
-        journaled: the advances, the appends per group ((handles, starts, counts, ids)
-        per step), the rows' block-term sums and final lengths, the last body's step
-        fields and the digest (see :mod:`protocol.lane`).  Cannot fail."""
+        journaled: the advances; per group the appends ((handles, starts, counts, ids,
+        row terms) per step) and the schedule's final table lengths (aligned with
+        ``handles``, the schedule); the last body's step fields; the digest (see
+        :mod:`protocol.lane`).  Cannot fail."""
         self._flush()
         self._ahead = self._fresh = None
         self._cols.computed[self.schedule] += steps * self.nsched  # wraps like repeated adds
         for g, rows in enumerate(journal):
             if rows:
-                self._absorb_appends(g, rows, sums[g], lengths[g])
+                self._absorb_appends(g, rows, lengths[g])
         self._rebuild_cache.pop("template", None)
         self.step = steady_step(self) if last == STEADY_BODY else \
             lane_step(self, last, self._steady()[3])
@@ -178,17 +180,15 @@ class ReplicaState:
         self.version += 1
 
     def _absorb_appends(self, g: int, rows: list[tuple[list[int], list[int], list[int],
-                                                         list[int]]],
-                        sums: dict[int, int], lengths: dict[int, int]) -> None:
+                                                         list[int], list[int]]],
+                        lengths: list[int]) -> None:
         hs, starts, counts, values = (np.fromiter(chain.from_iterable(r[k] for r in rows),
                                                   dtype=np.int64) for k in range(4))
+        terms = np.fromiter(chain.from_iterable(r[4] for r in rows), dtype=np.uint64)
         table = self.blocks[g]
         table.write(hs, starts, counts, values)
-        keys = np.fromiter(lengths, dtype=np.int64, count=len(lengths))
-        table.lengths[keys] = np.fromiter(lengths.values(), dtype=np.int64, count=len(lengths))
-        added = np.fromiter((sums[h] & dg.MASK for h in lengths), dtype=np.uint64,
-                            count=len(lengths))
-        self._cols.block_sum[g, keys] += added  # uint64 arithmetic wraps: sums are mod 2**64
+        table.lengths[self.schedule] = lengths  # (a handle's rows may repeat across steps)
+        np.add.at(self._cols.block_sum[g], hs, terms)  # uint64 wraps: sums are mod 2**64
         self._rebuild_cache.pop(f"blocks{g}", None)  # its cached flat table is stale
         self._rebuild_cache.pop(f"patches{g}", None)
 

@@ -5,9 +5,9 @@ SchedulerOutput / GrammarOutput / ModelRunnerOutput objects by fresh decoders;
 :func:`replay` then sends each through a fresh encoder → fresh decoder and, in
 the same loop, through vLLM's own message: protocol-5 pickle of the
 MultiprocExecutor RPC tuple ``(method, (obj,), {}, 0)`` or the reply
-``(SUCCESS, output)``, out-of-band buffers counted.  Each message is first
-brought into the caches (:func:`warm`) and the side timed first alternates from
-message to message, so neither side is charged for the other's cache misses.
+``(SUCCESS, output)``, out-of-band buffers counted.  The side timed first
+alternates from message to message: the first to touch a recorded object pays
+for its cache misses (15-20 % of a small step), so neither side always does.
 
 A **step** opens at each ``execute_model``: the request path is its message plus
 the ``sample_tokens`` message, the reply path their two replies.  µs are
@@ -124,14 +124,6 @@ class _Step:
         acc[3] += (theirs[1] + theirs[2]) * 1e6
 
 
-def warm(obj: Any) -> None:
-    """Bring ``obj`` into the caches, as the scheduler leaves the object it just built.
-
-    Without it, whichever side is timed first pays for the recorded object's cache
-    misses (15-20 % of a small step), and the other side gets it warm."""
-    pickle.dumps(obj, protocol=5, buffer_callback=lambda _: None)
-
-
 def _ours(kind: str, obj: Any, route: tuple[Any, Any]) -> tuple[Row, list[bytes]]:
     encode, decode = route
     t0 = time.perf_counter()
@@ -165,7 +157,6 @@ def replay(messages: list[tuple[str, Any]], breakdown: bool = False) -> dict[str
         if kind == "execute_model":
             steps.append(_Step(obj, prev))
             prev = dict(obj.num_scheduled_tokens)
-        warm(obj)
         theirs = pickled(kind, obj) if i % 2 else None
         ours, frames = _ours(kind, obj, route[kind])
         theirs = theirs or pickled(kind, obj)

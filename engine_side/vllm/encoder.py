@@ -111,6 +111,8 @@ class SchedulerOutputEncoder:
         self.mem = StepMemory(ledger)
         self.specs: dict[str, RequestSpec] = {}
         self.tables: dict[str, list[list[int]]] = {}  # our own lists (extended in place)
+        #: same-batch steps' appends not yet in ``tables``: (batch, per-group appends)
+        self._unfiled: list[tuple[list[str], list[tuple[list[int], list[int], list[int]]]]] = []
         self.batches: dict[int, list[str]] = {}
         self._last_batch: list[str] = []
         self._pos: dict[str, int] = {}
@@ -149,6 +151,7 @@ class SchedulerOutputEncoder:
             batch = self.quick.batch
         else:
             self.lane.settle()
+            self._file_blocks()
             ext: dict[str, Any] = {"kv_groups": self.kv_groups} if self.mirror.seq == 0 else {}
             request = self._request(so, ext)
             delta = self.mirror.diff(request) if self.items is None else \
@@ -163,20 +166,25 @@ class SchedulerOutputEncoder:
         return codec.encode(delta)
 
     def _quick_blocks(self) -> None:
-        """A same-batch step's appended blocks into the tables (the batch's Ragged is stale)."""
+        """Note a same-batch step's appended blocks for our tables (filed by
+        :meth:`_file_blocks` when the general path next reads them); the batch's
+        Ragged is stale."""
         quick = self.quick
-        if not quick.grown:
-            return
-        tables, rids = self.tables, map(quick.batch.__getitem__, quick.grown)
-        if quick.kv_groups == 1:  # entries of one list each (checked by quick.body)
-            for rid, (ids,) in zip(rids, quick.entries, strict=True):
-                tables[rid][0].extend(ids)
-        else:
-            for rid, entry in zip(rids, quick.entries, strict=True):
-                for row, ids in zip(tables[rid], entry, strict=True):
-                    row.extend(ids)
+        if quick.appends:
+            self._unfiled.append((quick.batch, quick.appends))
+            self._last_blocks = None
         quick.entries = []  # the SchedulerOutput's own objects: keep no reference
-        self._last_blocks = None
+
+    def _file_blocks(self) -> None:
+        """The noted appends into our tables, in step order."""
+        tables = self.tables
+        for batch, appends in self._unfiled:
+            for g, (pos, counts, flat) in enumerate(appends):
+                at = 0
+                for p, c in zip(pos, counts, strict=True):
+                    tables[batch[p]][g].extend(flat[at:at + c])
+                    at += c
+        self._unfiled.clear()
 
     def _request(self, so: Any, ext: dict[str, Any]) -> ExecuteModelRequest:
         mem, cached = self.mem, so.scheduled_cached_reqs
