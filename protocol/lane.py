@@ -122,7 +122,9 @@ class SteadyLane:
             return None
         hs = list(map(self.handles.__getitem__, pos))
         starts = list(map(self.lengths[g].__getitem__, pos))
-        if len(values) == len(pos):  # one block per row
+        if len(values) == len(pos) > dg.SMALL:  # many rows of one block: numpy wins
+            terms = dg.block_terms_rows(hs, g, starts, values).tolist()
+        elif len(values) == len(pos):  # a few rows of one block: Python ints
             terms = dg.block_unit_terms(hs, g, starts, values)
         else:
             terms, at = [], 0
