@@ -21,12 +21,13 @@ the state :meth:`ReplicaState.apply` of the same bodies would hold, and
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from operator import add
+from typing import TYPE_CHECKING, Any
 
 from protocol import digest as dg
 from protocol.errors import InvalidDelta, MalformedMessage
 from protocol.messages import DeltaBody, Rows
-from protocol.packing import unpack_uint_list
+from protocol.packing import unpack_sint_list, unpack_uint_list
 
 if TYPE_CHECKING:
     from protocol.state import ReplicaState
@@ -37,16 +38,18 @@ Appends = tuple[list[int], list[int], list[int]]
 Journaled = tuple[list[int], list[int], list[int], list[int], list[int]]
 #: settle once the journal holds this many appended rows (bounds its memory)
 MAX_ROWS = 1 << 16
+#: ... or this many changes of the scheduled counts (bounds a computed count's lookup)
+MAX_SEGMENTS = 16
+_COUNT_LIMIT = 1 << 62  # larger counts are left to the state's own checks
 _BLOCK_ID_LIMIT = 1 << 31  # the block table is int32
 
 
 def lane_shaped(body: DeltaBody) -> bool:
-    """Whether ``body`` keeps the schedule, its counts and the computed forecast,
-    changing only block appends and step-only fields (the lane's bodies)."""
+    """Whether ``body`` keeps the schedule, changing only count exceptions, block appends
+    and step-only fields (the lane's bodies)."""
     return (not body.finished and not body.finished_unknown and not body.added
             and not body.schedule_full and not body.schedule_drop
-            and not body.schedule_append and body.scheduled_tokens is None
-            and body.computed_tokens is None and not body.block_replace
+            and not body.schedule_append and not body.block_replace
             and body.truncate is None and body.tokens is None
             and body.encoder_inputs is None and not body.preempted and not body.resumed
             and not body.free_encoder_mm_hashes and not body.blocks_to_zero)
@@ -61,8 +64,16 @@ class SteadyLane:
         self.steps = 0  # steps journaled since the last settle
         self.digest = state.digest
         self.handles: list[int] = []
+        self.keys: list[int] | None = None  # see _keys
         self.lengths: list[list[int]] = []
         self.advance = 0
+        self.nsched: list[int] = []  # the scheduled counts now (replaced, never edited)
+        #: the advances so far: [scheduled counts, steps advanced by them]
+        self.segments: list[list[Any]] = []
+        self.extra: dict[int, int] = {}  # position -> computed-count exceptions summed
+        #: the computed counts now, made when an exception first needs them and then kept
+        #: up to date (a lane without exceptions never pays for them)
+        self.comp: list[int] | None = None
         #: per group, per journaled step: (handles, starts, counts, ids, row terms)
         self.journal: list[list[Journaled]] = []
         self.rows = 0
@@ -72,10 +83,17 @@ class SteadyLane:
         state = self.state
         sched = state.schedule
         self.handles = sched.tolist()
+        self.keys = None
         self.lengths = [table.lengths[sched].tolist() for table in state.blocks]
         self.journal = [[] for _ in state.blocks]
         self.digest, self.version, self.rows = state.digest, state.version, 0
         self.advance = state.steady_advance_term()  # the schedule stays while the lane runs
+        self._restart()
+
+    def _restart(self) -> None:
+        """Counts journal empty: advances start from the state's scheduled counts."""
+        self.nsched = self.state.nsched.tolist()
+        self.segments, self.extra, self.comp = [[self.nsched, 0]], {}, None
 
     def step(self, body: DeltaBody, appends: list[Appends],
              expected_digest: int | None = None) -> int | None:
@@ -88,8 +106,11 @@ class SteadyLane:
         if (appends and len(appends) != len(self.lengths)) or \
                 not _aligned_ok(body.spec_tokens, len(self.handles)):
             return None
+        counts = self._plan_counts(body)
+        if counts is None:
+            return None
         planned = []
-        digest = self.digest + self.advance
+        digest = self.digest + self.advance + counts[0]
         for g, rows in enumerate(appends):
             if not rows[0]:
                 if rows[1] or rows[2]:
@@ -103,11 +124,12 @@ class SteadyLane:
         digest &= dg.MASK
         if expected_digest is not None and digest != expected_digest:
             raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
-        for g, (pos, counts, values), (hs, starts, terms, _) in planned:
-            self._commit(g, pos, counts, values, hs, starts, terms)
+        for g, (pos, rows_n, values), (hs, starts, terms, _) in planned:
+            self._commit(g, pos, rows_n, values, hs, starts, terms)
+        self._commit_counts(*counts[1:])
         self.digest, self.last = digest, body
         self.steps += 1
-        if self.rows > MAX_ROWS:
+        if self.rows > MAX_ROWS or len(self.segments) > MAX_SEGMENTS:
             self.settle()
         return digest
 
@@ -133,6 +155,78 @@ class SteadyLane:
                 at += c
         return hs, starts, terms, sum(terms)
 
+    def _plan_counts(self, body: DeltaBody,
+                     ) -> tuple[int, list[int], list[int], list[int] | None, int] | None:
+        """(digest change, computed positions, their corrections, the new scheduled counts
+        or None, the next advance term) of the count exceptions: the checks and terms of
+        :mod:`protocol.plan` on an unchanged schedule; None when one fails (or a value is
+        absurdly large: the state's path decides)."""
+        change, advance, n = 0, self.advance, len(self.handles)
+        at: list[int] = []
+        moves: list[int] = []
+        if body.computed_tokens is not None:
+            pair = _exceptions(body.computed_tokens, n, signed=True)
+            if pair is None:
+                return None
+            at, moves = pair
+            comp, ns = self._computed(), self.nsched
+            for p, d in zip(at, moves, strict=True):
+                if not 0 <= comp[p] + ns[p] + d < _COUNT_LIMIT:
+                    return None
+            keys = self._keys()
+            change = sum(d * keys[p] for p, d in zip(at, moves, strict=True)) & dg.MASK
+        nsched = None
+        if body.scheduled_tokens is not None:
+            pair = _exceptions(body.scheduled_tokens, n, signed=False)
+            if pair is None or max(pair[1], default=0) >= _COUNT_LIMIT:
+                return None
+            moved = [(p, v) for p, v in zip(*pair, strict=True) if self.nsched[p] != v]
+            if moved:
+                pos = [p for p, _ in moved]
+                hs = [self.handles[p] for p in pos]
+                before, after = [self.nsched[p] for p in pos], [v for _, v in moved]
+                change += dg.schedule_change(hs, pos, before, after)
+                keys = self._keys()
+                advance = (advance + sum((b - a) * keys[p] for p, a, b in zip(
+                    pos, before, after, strict=True))) & dg.MASK
+                nsched = list(self.nsched)
+                for p, v in moved:
+                    nsched[p] = v
+        return change, at, moves, nsched, advance
+
+    def _keys(self) -> list[int]:
+        """The schedule's computed-term multipliers by position (``dg.handle_keys``; made
+        when count exceptions first need them, kept while the schedule stays)."""
+        if self.keys is None:
+            self.keys = dg.handle_keys(self.handles).tolist()
+        return self.keys
+
+    def _computed(self) -> list[int]:
+        """The computed counts now, by position (the state's plus the journal's)."""
+        if self.comp is None:
+            comp = self.state.cols.computed[self.state.schedule].tolist()
+            for ns, k in self.segments:
+                if k:
+                    comp = [c + k * x for c, x in zip(comp, ns, strict=True)]
+            for p, d in self.extra.items():
+                comp[p] += d
+            self.comp = comp
+        return self.comp
+
+    def _commit_counts(self, at: list[int], moves: list[int], nsched: list[int] | None,
+                       advance: int) -> None:
+        self.segments[-1][1] += 1  # this step advanced by the counts before its exceptions
+        comp = self.comp
+        if comp is not None:
+            comp = self.comp = list(map(add, comp, self.nsched))
+        for p, d in zip(at, moves, strict=True):
+            self.extra[p] = self.extra.get(p, 0) + d
+            if comp is not None:
+                comp[p] += d
+        if nsched is not None:
+            self.nsched, self.advance = nsched, advance
+            self.segments.append([nsched, 0])
+
     def _commit(self, g: int, pos: list[int], counts: list[int], values: list[int],
                 hs: list[int], starts: list[int], terms: list[int]) -> None:
         lengths = self.lengths[g]
@@ -146,11 +240,26 @@ class SteadyLane:
         if not self.steps:
             return
         assert self.last is not None  # noqa: S101 - set by every journaled step
-        self.state.absorb_lane(self.steps, self.journal, self.handles, self.lengths,
-                               self.last, self.digest)
+        self.state.absorb_lane(self.segments, self.extra, self.journal, self.lengths,
+                               self.last, self.digest, self.advance)
         self.steps, self.last = 0, None
         self.journal = [[] for _ in self.lengths]
         self.version, self.rows = self.state.version, 0
+        self._restart()
+
+
+def _exceptions(rows: Rows, n: int, signed: bool) -> tuple[list[int], list[int]] | None:
+    """(positions, values) of count exceptions, or None unless distinct, inside the
+    schedule and as many as values (the checks of ``_Planner.exceptions``)."""
+    try:
+        pos = unpack_uint_list(rows.handles) if rows.handles else []
+        vals = (unpack_sint_list(rows.values) if signed
+                else unpack_uint_list(rows.values) if rows.values else [])
+    except MalformedMessage:  # the state's own path raises it again, typed
+        return None
+    if len(pos) != len(vals) or (pos and max(pos) >= n) or len(set(pos)) != len(pos):
+        return None
+    return pos, vals
 
 
 def _aligned_ok(rows: Rows | None, n: int) -> bool:

@@ -157,19 +157,33 @@ class ReplicaState:
         """The digest change of one steady advance of the current schedule (cached)."""
         return self._steady()[2]  # type: ignore[no-any-return]
 
-    def absorb_lane(self, steps: int,
+    def absorb_lane(self, segments: list[list[Any]], extra: dict[int, int],
                     journal: list[list[tuple[list[int], list[int], list[int], list[int],
                                              list[int]]]],
-                    handles: list[int], lengths: list[list[int]], last: DeltaBody,
-                    digest: int) -> None:
-        """Commit ``steps`` steady steps a :class:`protocol.lane.SteadyLane` checked and
-        journaled: the advances; per group the appends ((handles, starts, counts, ids,
-        row terms) per step) and the schedule's final table lengths (aligned with
-        ``handles``, the schedule); the last body's step fields; the digest (see
-        :mod:`protocol.lane`).  Cannot fail."""
+                    lengths: list[list[int]], last: DeltaBody, digest: int,
+                    advance: int) -> None:
+        """Commit the steps a :class:`protocol.lane.SteadyLane` checked and journaled (see
+        :mod:`protocol.lane`): the advances ([scheduled counts, steps] per stretch of
+        unchanged counts, the last stretch's counts now current) and computed-count
+        exceptions by position; per group the appends ((handles, starts, counts, ids,
+        row terms) per step) and the schedule's final table lengths; the last body's
+        step fields; the digest and the next advance term.  Cannot fail."""
         self._flush()
         self._ahead = self._fresh = None
-        self._cols.computed[self.schedule] += steps * self.nsched  # wraps like repeated adds
+        computed, sched = self._cols.computed, self.schedule
+        for nsched, steps in segments:  # int64 arithmetic wraps like repeated adds
+            if steps:
+                computed[sched] += steps * np.array(nsched, dtype=np.int64)
+        if extra:
+            computed[sched[list(extra)]] += np.fromiter(extra.values(), dtype=np.int64,
+                                                        count=len(extra))
+        final = segments[-1][0]
+        if final != self.nsched.tolist():
+            nsched = np.array(final, dtype=np.int64)
+            nsched.flags.writeable = False  # shared by rebuild, replaced on change
+            self._cols.last_nsched[sched] = nsched
+            self.nsched = nsched
+            self._rebuild_cache["advance"] = (sched, nsched, advance)
         for g, rows in enumerate(journal):
             if rows:
                 self._absorb_appends(g, rows, lengths[g])

@@ -67,15 +67,15 @@ def _body(appends: list[Appends], handles: list[int], extra: dict[str, Any]) -> 
 @st.composite
 def _step(draw: st.DrawFn, n: int, groups: int, handles: list[int],
           ) -> tuple[DeltaBody, list[Appends]]:
-    kind = draw(st.sampled_from(["lane"] * 6 + ["steady", "spec", "computed"]))
+    kind = draw(st.sampled_from(["lane"] * 5 + ["steady", "spec", "counts", "counts"]))
     if kind == "steady":
         return STEADY_BODY, []
-    if kind == "computed":  # not lane-shaped: a settle and a general step
-        return DeltaBody(computed_tokens=Rows(
-            handles=pack_uints([handles[draw(st.integers(0, n - 1))]]),
-            values=pack_sints([draw(st.integers(-2, 2))]))), []
     appends = [draw(_appends(n)) for _ in range(groups)]
     extra: dict[str, Any] = {}
+    if kind == "counts":  # count exceptions (sometimes repeated, outside or negative)
+        extra.update(_counts(draw, n))
+        if draw(st.booleans()):
+            return DeltaBody(**extra), []
     if draw(st.booleans()):
         extra["extension"] = {"v": b"\x80"}
     if kind == "spec":
@@ -86,6 +86,20 @@ def _step(draw: st.DrawFn, n: int, groups: int, handles: list[int],
         extra["has_structured_output"] = draw(st.booleans())
         extra["num_spec_tokens_to_schedule"] = draw(st.integers(0, 3))
     return _body(appends, handles, extra), appends
+
+
+def _counts(draw: st.DrawFn, n: int) -> dict[str, Rows]:
+    out = {}
+    for name, low in (("computed_tokens", -12), ("scheduled_tokens", 0)):
+        if draw(st.booleans()):
+            pos = draw(st.lists(st.integers(0, n), max_size=3,
+                                unique=draw(st.integers(0, 9)) > 0))
+            vals = [draw(st.integers(low, 4)) for _ in pos]
+            if draw(st.integers(0, 19)) == 0:
+                vals.append(1)
+            out[name] = Rows(handles=pack_uints(pos),
+                             values=pack_sints(vals) if low else pack_uints(vals))
+    return out
 
 
 def _outcome(apply: Callable[..., object], *args: object) -> str:
