@@ -3,13 +3,17 @@
 Theory of operation
 -------------------
 vLLM's common step repeats the last schedule: every scheduled request advances by
-its scheduled count, a few rows gain a block, and step-only fields (speculative
-tokens, structured-output flags, the extension slot) may change.
-:meth:`ReplicaState.apply` handles such a step with numpy scalar reads and writes
-(about 25 µs at 256 requests).  :class:`SteadyLane` runs the same checks and the
-same digest arithmetic on Python ints -- the scheduled rows' table lengths are a
-list per KV group -- and journals the appends; :meth:`SteadyLane.settle` writes
-the journal into the state with a few vectorised calls.
+its scheduled count, a few rows gain a block, some counts depart from the forecast
+(chunked prefill, accepted drafts) and step-only fields (speculative tokens,
+structured-output flags, the extension slot) may change.  :meth:`ReplicaState.apply`
+handles such a step with numpy calls and scalar reads and writes (25 µs at 256
+requests for a few appends, 100 µs and more for count exceptions).
+:class:`SteadyLane` runs the same checks and the same digest arithmetic on Python
+ints -- the scheduled rows' table lengths are a list per KV group -- and journals
+the step: appends, computed-count corrections by position, and the stretches of
+unchanged scheduled counts the requests advanced by.  :meth:`SteadyLane.settle`
+writes the journal into the state with a few vectorised calls.  It settles itself
+past ``MAX_ROWS`` appended rows or ``MAX_SEGMENTS`` count changes.
 
 Contract: between two settles nothing but the lane touches the state; a user
 calls :meth:`settle` before anything else reads or changes it (the vLLM adapter
