@@ -176,3 +176,18 @@ def block_unit_terms(handles: list[int], group: int, positions: list[int],
         out.append(z ^ (z >> 31))
     return out
 
+
+def row_terms(handles: list[int], group: int, starts: list[int], counts: list[int],
+              values: list[int]) -> list[int]:
+    """Each row's block-term sum: row ``i`` appends ``counts[i]`` of the flat ``values``
+    to handle ``handles[i]``'s table in ``group`` at ``starts[i]``.  Python ints; numpy
+    past :data:`SMALL` rows of one block each."""
+    if len(values) == len(handles) and 0 not in counts:  # one block per row: a term each
+        if len(values) > SMALL:
+            return block_terms_rows(handles, group, starts, values).tolist()  # type: ignore[no-any-return]
+        return block_unit_terms(handles, group, starts, values)
+    terms, at = [], 0
+    for h, start, n in zip(handles, starts, counts, strict=True):
+        terms.append(block_row_sums(h, group, start, values[at:at + n]))
+        at += n
+    return terms

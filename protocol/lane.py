@@ -101,10 +101,12 @@ class SteadyLane:
 
     def step(self, body: DeltaBody, appends: list[Appends],
              expected_digest: int | None = None) -> int | None:
-        """Apply a lane-shaped ``body`` whose block appends are ``appends`` (per KV group,
+        """Apply a :func:`lane_shaped` ``body`` whose block appends are ``appends`` (per KV group,
         batch positions; [] for none).  Returns the new digest, or None -- nothing done --
         when the lane cannot take the body (the state then decides).  Raises
         InvalidDelta, nothing done, when the digest differs from ``expected_digest``."""
+        if not lane_shaped(body):
+            return None
         if self.steps == 0 and self.version != self.state.version:
             self._open()
         if (appends and len(appends) != len(self.lengths)) or \
@@ -148,15 +150,7 @@ class SteadyLane:
             return None
         hs = list(map(self.handles.__getitem__, pos))
         starts = list(map(self.lengths[g].__getitem__, pos))
-        if len(values) == len(pos) > dg.SMALL:  # many rows of one block: numpy wins
-            terms = dg.block_terms_rows(hs, g, starts, values).tolist()
-        elif len(values) == len(pos):  # a few rows of one block: Python ints
-            terms = dg.block_unit_terms(hs, g, starts, values)
-        else:
-            terms, at = [], 0
-            for h, start, c in zip(hs, starts, counts, strict=True):
-                terms.append(dg.block_row_sums(h, g, start, values[at:at + c]))
-                at += c
+        terms = dg.row_terms(hs, g, starts, counts, values)
         return hs, starts, terms, sum(terms)
 
     def _plan_counts(self, body: DeltaBody,

@@ -141,13 +141,7 @@ class BlockPlanner:
             return _NO_EDIT
         lengths, block_sum = self.state.blocks[g].lengths, self.state.lazy_cols.block_sum
         starts = [lengths.item(h) for h in hs]  # live handles: installed, so inside
-        if len(values) == len(hs) and 0 not in counts:  # one block per row: a term each
-            sums = dg.block_unit_terms(hs, g, starts, values)
-        else:
-            at, sums = 0, []
-            for h, start, n in zip(hs, starts, counts, strict=True):
-                sums.append(dg.block_row_sums(h, g, start, values[at:at + n]))
-                at += n
+        sums = dg.row_terms(hs, g, starts, counts, values)
         self.digest = (self.digest + sum(sums)) & dg.MASK
         ends = [(block_sum.item(g, h) + s) & dg.MASK for h, s in zip(hs, sums, strict=True)]
         hs_a, counts_a = np.array(hs, dtype=np.int64), np.array(counts, dtype=np.int64)
@@ -208,13 +202,7 @@ def few_appends(state: ReplicaState, g: int, rows: Rows) -> FewAppends | None:
             or not all([live.item(h) for h in hs]) or len(set(hs)) != len(hs):
         return None
     starts = [state.blocks[g].lengths.item(h) for h in hs]  # live: installed, so inside
-    if len(values) == len(hs) and 0 not in counts:  # one block per row: a term each
-        terms = dg.block_unit_terms(hs, g, starts, values)
-    else:
-        terms, at = [], 0
-        for h, start, n in zip(hs, starts, counts, strict=True):
-            terms.append(dg.block_row_sums(h, g, start, values[at:at + n]))
-            at += n
+    terms = dg.row_terms(hs, g, starts, counts, values)
     block_sum = state.lazy_cols.block_sum
     ends = [(block_sum.item(g, h) + t) & dg.MASK for h, t in zip(hs, terms, strict=True)]
     return FewAppends(hs, starts, counts, values, ends, sum(terms))

@@ -7,34 +7,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from replica_bodies import first_body
 
-from engine_side.mirror import EngineMirror
 from protocol.errors import InvalidDelta, MalformedMessage
-from protocol.lane import MAX_ROWS, Appends, SteadyLane, lane_shaped
+from protocol.lane import MAX_ROWS, Appends, SteadyLane
 from protocol.messages import DeltaBody, Rows
 from protocol.packing import pack_sints, pack_uints
 from protocol.plan import STEADY_BODY
-from protocol.request import ExecuteModelRequest, Ragged, RequestSpec, request_differences
+from protocol.request import request_differences
 from protocol.state import ReplicaState
-
-
-def _first_body(n: int, groups: int) -> DeltaBody:
-    ids = [f"r{i}" for i in range(n)]
-    prompt = np.arange(8, dtype=np.int64)
-    prompt.flags.writeable = False
-    tables = tuple(Ragged.from_lists([[100 * g + i] * (i % 3) for i in range(n)])
-                   for g in range(groups))
-    request = ExecuteModelRequest(
-        req_ids=ids, specs=[RequestSpec(rid, prompt) for rid in ids],
-        num_scheduled_tokens=np.array([1 + i % 2 for i in range(n)], dtype=np.int64),
-        num_computed_tokens=np.full(n, 8, dtype=np.int64), block_tables=tables,
-        spec_token_ids=Ragged.empty(n), encoder_inputs=Ragged.empty(n))
-    # reversed handles: batch positions and handles differ
-    return EngineMirror(kv_groups=groups).diff(request).body
 
 
 @st.composite
@@ -113,7 +97,7 @@ def _outcome(apply: Callable[..., object], *args: object) -> str:
 def _lane_apply(lane: SteadyLane, state: ReplicaState, body: DeltaBody, appends: list[Appends],
                 expected: int | None) -> None:
     """The adapter's use: the lane when it takes the body, else settle and apply."""
-    if not lane_shaped(body) or lane.step(body, appends, expected) is None:
+    if lane.step(body, appends, expected) is None:  # (it refuses bodies not lane-shaped)
         lane.settle()
         state.apply(body, expected_digest=expected)
 
@@ -133,7 +117,7 @@ def _same_state(a: ReplicaState, b: ReplicaState) -> None:
 @given(st.integers(1, 48), st.integers(1, 2), st.data())
 def test_the_lane_equals_applying_every_body(n: int, groups: int, data: st.DataObject) -> None:
     laned, reference = ReplicaState(kv_groups=groups), ReplicaState(kv_groups=groups)
-    first = _first_body(n, groups)
+    first = first_body(n, groups)
     for state in (laned, reference):
         state.apply(first)
     lane = SteadyLane(laned)
@@ -155,7 +139,7 @@ def test_the_lane_equals_applying_every_body(n: int, groups: int, data: st.DataO
 def test_a_digest_mismatch_changes_nothing() -> None:
     state, reference = ReplicaState(), ReplicaState()
     for s in (state, reference):
-        s.apply(_first_body(4, 1))
+        s.apply(first_body(4, 1))
     lane = SteadyLane(state)
     appends = [([1], [1], [77])]
     body = _body(appends, state.schedule.tolist(), {})
@@ -173,7 +157,7 @@ def test_a_digest_mismatch_changes_nothing() -> None:
 
 def test_the_lane_settles_itself_before_its_journal_grows_unbounded() -> None:
     state = ReplicaState()
-    state.apply(_first_body(4, 1))
+    state.apply(first_body(4, 1))
     lane = SteadyLane(state)
     handles = state.schedule.tolist()
     appends = [([0, 1, 2, 3], [1, 1, 1, 1], [5, 6, 7, 8])]
@@ -190,7 +174,7 @@ def test_appends_to_rows_ending_at_one_offset_rebuild_in_batch_order() -> None:
     a row and to the empty row after it (both end at one offset) put the later row's
     block first when the body named it first."""
     state = ReplicaState()
-    state.apply(_first_body(4, 1))  # rows of 0, 1, 2 and 0 blocks
+    state.apply(first_body(4, 1))  # rows of 0, 1, 2 and 0 blocks
     state.rebuild()  # caches the flat table that appends then patch
     handles = state.schedule.tolist()
     state.apply(_body([([3, 2], [1, 1], [76, 97])], handles, {}))
@@ -203,7 +187,7 @@ def test_appends_to_rows_ending_at_one_offset_rebuild_in_batch_order() -> None:
 def test_a_block_id_past_int32_is_refused_and_changes_nothing(rows: int) -> None:
     """Found by the lane property test: the int32 tables silently truncated it."""
     state = ReplicaState()
-    state.apply(_first_body(40, 1))
+    state.apply(first_body(40, 1))
     before = state.digest
     pos = list(range(rows))
     body = _body([(pos, [1] * rows, [5] * (rows - 1) + [1 << 31])], state.schedule.tolist(), {})

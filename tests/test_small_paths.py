@@ -55,6 +55,13 @@ def test_digest_changes_match_the_numpy_terms(items: list[tuple[int, int, int, i
         assert dg.block_row_sums(hs[0], 1, pos[0], new) == dg.total(
             dg.block_terms(hs[0], 1, pos[0], new))
     assert dg.block_unit_terms(hs, 2, pos, new) == dg.block_terms_rows(hs, 2, pos, new).tolist()
+    for counts in ([1] * len(hs), [k % 3 for k in range(len(hs))]):  # numpy past dg.SMALL
+        flat = [v for v, c in zip(new, counts, strict=True) for _ in range(c)]
+        rows, at = [], 0
+        for h, p, c in zip(hs, pos, counts, strict=True):
+            rows.append(dg.total(dg.block_terms(h, 0, p, flat[at:at + c])) if c else 0)
+            at += c
+        assert dg.row_terms(hs, 0, pos, counts, flat) == rows
 
 
 def _request(n: int, computed: list[int], nsched: list[int],

@@ -4,16 +4,15 @@ digest, recomputed digest, rebuilt request and refusals (state unchanged)."""
 
 from __future__ import annotations
 
-import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from replica_bodies import first_body
 
-from engine_side.mirror import EngineMirror
 from protocol.errors import InvalidDelta, MalformedMessage
 from protocol.messages import DeltaBody, Rows
 from protocol.packing import pack_sints, pack_uints
 from protocol.plan import STEADY_BODY
-from protocol.request import ExecuteModelRequest, Ragged, RequestSpec, request_differences
+from protocol.request import request_differences
 from protocol.state import ReplicaState
 
 
@@ -24,18 +23,6 @@ class GeneralState(ReplicaState):
         return False
 
 
-def _first_body(n: int, groups: int) -> DeltaBody:
-    ids = [f"r{i}" for i in range(n)]
-    prompt = np.arange(8, dtype=np.int64)
-    prompt.flags.writeable = False
-    tables = tuple(Ragged.from_lists([[100 * g + i] * (i % 3) for i in range(n)])
-                   for g in range(groups))
-    request = ExecuteModelRequest(
-        req_ids=ids, specs=[RequestSpec(rid, prompt) for rid in ids],
-        num_scheduled_tokens=np.array([1 + i % 2 for i in range(n)], dtype=np.int64),
-        num_computed_tokens=np.full(n, 8, dtype=np.int64), block_tables=tables,
-        spec_token_ids=Ragged.empty(n), encoder_inputs=Ragged.empty(n))
-    return EngineMirror(kv_groups=groups).diff(request).body
 
 
 @st.composite
@@ -82,7 +69,7 @@ def _apply(state: ReplicaState, body: DeltaBody, expected: int | None) -> str:
 @given(st.integers(1, 50), st.integers(1, 2), st.data())
 def test_steady_appends_equal_the_general_path(n: int, groups: int, data: st.DataObject) -> None:
     fast, general = ReplicaState(kv_groups=groups), GeneralState(kv_groups=groups)
-    first = _first_body(n, groups)
+    first = first_body(n, groups)
     for state in (fast, general):
         state.apply(first)
     taken = 0
@@ -107,7 +94,7 @@ def test_steady_appends_equal_the_general_path(n: int, groups: int, data: st.Dat
 def test_a_decode_step_with_appends_keeps_the_lookahead() -> None:
     """The point of the path: a steady step with new blocks does not drop the table."""
     state = ReplicaState()
-    state.apply(_first_body(8, 1))
+    state.apply(first_body(8, 1))
     state.advance()
     ahead = state.lookahead()
     state.apply(DeltaBody(block_append=(Rows(handles=pack_uints([2, 5]),

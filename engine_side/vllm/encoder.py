@@ -54,7 +54,7 @@ from engine_side.vllm.schema import (
 from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import LocalProtocolError, MalformedMessage, RemoteProtocolError
-from protocol.lane import SteadyLane, lane_shaped
+from protocol.lane import SteadyLane
 from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
 from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
 from protocol.tensors import make_enc_hook, make_ext_hook
@@ -140,7 +140,7 @@ class SchedulerOutputEncoder:
             self.lane = SteadyLane(self.mirror.state)
         body = self.quick.body(so) if self.fast else None
         if body is not None:
-            digest = self.lane.step(body, self.quick.appends) if lane_shaped(body) else None
+            digest = self.lane.step(body, self.quick.appends)
             if digest is None:
                 self.lane.settle()
                 delta = self.mirror.apply_body(body)

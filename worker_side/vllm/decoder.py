@@ -44,7 +44,7 @@ from engine_side.vllm.schema import (
 from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import InvalidDelta, MalformedMessage
-from protocol.lane import SteadyLane, lane_shaped
+from protocol.lane import SteadyLane
 from protocol.messages import TOKEN_MODE_WORKER, Delta
 from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
 from protocol.request import ExecuteModelRequest, IntArray, Ragged
@@ -136,8 +136,7 @@ class SchedulerOutputDecoder:
         quick = self.quick
         plain = self.fast and quick.ready and plain_body(msg.body, ext)
         blocks = quick.blocks(msg.body) if plain else None
-        if blocks is None or not lane_shaped(msg.body) or \
-                self.lane.step(msg.body, blocks, msg.digest) is None:
+        if blocks is None or self.lane.step(msg.body, blocks, msg.digest) is None:
             self.lane.settle()
             if blocks is None and self._lengths_stale:
                 self._refresh_lengths()

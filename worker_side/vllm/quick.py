@@ -3,9 +3,9 @@
 A Delta body that keeps the schedule and carries nothing but count exceptions,
 block appends, speculative tokens and step flags -- with no vLLM departure but
 ``num_output_tokens`` -- is answered from the decoder's lists of the last step,
-after the replica state applied (and so validated) it: no rebuild, no numpy
-column per field.  The SchedulerOutput is equal to the general path's and made of
-fresh objects.
+after the steady lane (:mod:`protocol.lane`; the replica state when the lane
+refuses it) applied and so validated it: no rebuild, no numpy column per field.
+The SchedulerOutput is equal to the general path's and made of fresh objects.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 from engine_side.vllm.quick import Forecast
 from engine_side.vllm.schema import StepExt
+from protocol.lane import lane_shaped
 from protocol.messages import DeltaBody, Rows
 from protocol.packing import unpack_sint_list, unpack_uint_list
 
@@ -28,14 +29,11 @@ NO_EXT = StepExt()  # the extension of a step that carries none (shared: frozen)
 
 
 def plain_body(body: DeltaBody, ext: StepExt) -> bool:
-    """Whether ``body`` keeps the batch and ``ext`` departs only in output counts."""
+    """Whether ``body`` keeps the batch (:func:`protocol.lane.lane_shaped`) and ``ext``
+    departs only in output counts."""
     if ext is not NO_EXT and ext != StepExt(out_pos=ext.out_pos, out_delta=ext.out_delta):
         return False
-    return (not body.finished and not body.finished_unknown and not body.added
-            and not body.schedule_full and not body.schedule_drop and not body.schedule_append
-            and not body.block_replace and body.truncate is None and body.tokens is None
-            and body.encoder_inputs is None and not body.preempted and not body.resumed
-            and not body.free_encoder_mm_hashes and not body.blocks_to_zero)
+    return lane_shaped(body)
 
 
 @cache
