@@ -170,10 +170,9 @@ class SchedulerOutputEncoder:
         :meth:`_file_blocks` when the general path next reads them); the batch's
         Ragged is stale."""
         quick = self.quick
-        if quick.appends:
+        if quick.appends:  # our own lists, not the SchedulerOutput's
             self._unfiled.append((quick.batch, quick.appends))
             self._last_blocks = None
-        quick.entries = []  # the SchedulerOutput's own objects: keep no reference
 
     def _file_blocks(self) -> None:
         """The noted appends into our tables, in step order."""

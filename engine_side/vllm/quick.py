@@ -110,8 +110,6 @@ class QuickEncoder:
         self.pos: dict[str, int] = {}
         self.handles: list[int] = []
         self.index: list[int] = []  # 0..n-1, made once per batch (compress() without range())
-        self.grown: list[int] = []  # positions with new blocks in the last quick step
-        self.entries: list[Any] = []  # their new_block_ids entries (read before body returns)
         #: the last quick step's appends per KV group for the steady lane (positions,
         #: counts, ids; [] for none)
         self.appends: list[tuple[list[int], list[int], list[int]]] = []
@@ -195,14 +193,14 @@ class QuickEncoder:
 
     def _blocks(self, new_blocks: list[Any]) -> tuple[Rows, ...] | None:
         """block_append per KV group (() for none); None when the step needs the general path.
-        Keeps the grown positions and their entries (:attr:`grown`, :attr:`entries`)."""
-        grown = self.grown = list(compress(self.index, new_blocks))
+        Keeps the appends as our own lists (:attr:`appends`)."""
+        grown = list(compress(self.index, new_blocks))
         self.appends = []
         if not grown:
             return () if new_blocks.count(None) == len(new_blocks) else None
         if len(grown) + new_blocks.count(None) != len(new_blocks):
             return None  # a falsy entry that is not None
-        entries = self.entries = list(map(new_blocks.__getitem__, grown))
+        entries = list(map(new_blocks.__getitem__, grown))
         groups = self.kv_groups
         if groups == 1:  # the common case: C-level maps, no per-row Python
             if set(map(len, entries)) != {1}:
