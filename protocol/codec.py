@@ -42,15 +42,51 @@ def _encoder() -> tuple[msgspec.msgpack.Encoder, list[Any]]:
 
 def encode(msg: Message) -> list[Frame]:
     """Encode ``msg`` to frames; tensor frames alias the sender's memory (SPEC §11)."""
-    if type(msg) is Delta and msg.body is STEADY_BODY:  # header ints only: no tensor
-        return [_PLAIN_ENCODER.encode(msg)]
+    if type(msg) is Delta:
+        if msg.body is STEADY_BODY:  # header ints only: no tensor
+            return [compact_delta_map(_PLAIN_ENCODER.encode(msg))]
+        body, tensors = _encode(msg)
+        return [compact_delta_map(body), *tensors]
+    body, tensors = _encode(msg)
+    return [body, *tensors]
+
+
+def _encode(msg: Message) -> tuple[bytes, list[Frame]]:
+    """Frame 0 and the tensor frames of ``msg``."""
     encoder, aux = _encoder()
     aux.clear()
     try:
-        body = encoder.encode(msg)
-        return [body, *aux]
+        return encoder.encode(msg), list(aux)
     finally:
         aux.clear()
+
+
+# msgpack int header byte -> bytes the int takes (fixints are 1; 0xcc..0xd3 carry a payload)
+_LONG_INTS = {0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}
+_INT_SIZE = bytes(_LONG_INTS.get(b, 1) for b in range(0x100))
+COMPACT_LIMIT = 1024  # larger Delta frames keep msgspec's header: 2 bytes are noise there
+
+
+def compact_delta_map(frame: bytes) -> bytes:
+    """A Delta frame with its body map's header in the shortest form (SPEC §6.2).
+
+    DeltaBody has more than 15 fields, so msgspec writes a map16 header (3 bytes)
+    even for a body of 0..15 entries, where a fixmap (1 byte) says the same.  The
+    body is the last element of the Delta array ``[4, epoch, seq, digest, body]``,
+    after four msgpack ints.  Frames over :data:`COMPACT_LIMIT` bytes are returned
+    as they are (the rewrite copies the frame)."""
+    if len(frame) > COMPACT_LIMIT:
+        return frame
+    at = 1 + _INT_SIZE[frame[1]]  # fixarray header, then tag, epoch, seq, digest
+    at += _INT_SIZE[frame[at]]
+    at += _INT_SIZE[frame[at]]
+    at += _INT_SIZE[frame[at]]
+    if frame[at] != 0xDE or frame[at + 1] or frame[at + 2] > 15:
+        return frame
+    return frame[:at] + _FIXMAP[frame[at + 2]] + frame[at + 3:]
+
+
+_FIXMAP = [bytes((0x80 | n,)) for n in range(16)]
 
 
 def _as_buffer(frame: Any) -> Any:

@@ -26,11 +26,11 @@ the state :meth:`ReplicaState.apply` of the same bodies would hold, and
 from __future__ import annotations
 
 from operator import add
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from protocol import digest as dg
 from protocol.errors import InvalidDelta, MalformedMessage
-from protocol.messages import DeltaBody, Rows
+from protocol.messages import DeltaBody
 from protocol.packing import unpack_sint_list, unpack_uint_list
 
 if TYPE_CHECKING:
@@ -100,33 +100,40 @@ class SteadyLane:
         self.segments, self.extra, self.comp = [[self.nsched, 0]], {}, None
 
     def step(self, body: DeltaBody, appends: list[Appends],
-             expected_digest: int | None = None) -> int | None:
+             expected_digest: int | None = None, rows: LaneRows | None = None) -> int | None:
         """Apply a :func:`lane_shaped` ``body`` whose block appends are ``appends`` (per KV group,
         batch positions; [] for none).  Returns the new digest, or None -- nothing done --
         when the lane cannot take the body (the state then decides).  Raises
-        InvalidDelta, nothing done, when the digest differs from ``expected_digest``."""
-        if not lane_shaped(body):
+        InvalidDelta, nothing done, when the digest differs from ``expected_digest``.
+
+        ``rows``: the body's count and draft rows as lists when the caller has them
+        (:func:`lane_rows`, or the lists the body was packed from); the caller then
+        vouches that the body is lane-shaped.  Without them the lane checks and unpacks."""
+        if rows is None and not lane_shaped(body):
             return None
         if self.steps == 0 and self.version != self.state.version:
             self._open()
-        if (appends and len(appends) != len(self.lengths)) or \
-                not _aligned_ok(body.spec_tokens, len(self.handles)):
+        n = len(self.handles)
+        if rows is None:
+            rows = lane_rows(body, n)
+        if rows is None or (appends and len(appends) != len(self.lengths)) \
+                or not rows.fits(n):
             return None
-        counts = self._plan_counts(body)
+        counts = self._plan_counts(rows)
         if counts is None:
             return None
         planned = []
         digest = self.digest + self.advance + counts[0]
-        for g, rows in enumerate(appends):
-            if not rows[0]:
-                if rows[1] or rows[2]:
+        for g, added in enumerate(appends):
+            if not added[0]:
+                if added[1] or added[2]:
                     return None  # ids without rows: the state refuses the shape
                 continue
-            plan = self._plan(g, rows)
+            plan = self._plan(g, added)
             if plan is None:
                 return None
             digest += plan[-1]
-            planned.append((g, rows, plan))
+            planned.append((g, added, plan))
         digest &= dg.MASK
         if expected_digest is not None and digest != expected_digest:
             raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
@@ -153,20 +160,17 @@ class SteadyLane:
         terms = dg.row_terms(hs, g, starts, counts, values)
         return hs, starts, terms, sum(terms)
 
-    def _plan_counts(self, body: DeltaBody,
+    def _plan_counts(self, rows: LaneRows,
                      ) -> tuple[int, list[int], list[int], list[int] | None, int] | None:
         """(digest change, computed positions, their corrections, the new scheduled counts
         or None, the next advance term) of the count exceptions: the checks and terms of
         :mod:`protocol.plan` on an unchanged schedule; None when one fails (or a value is
         absurdly large: the state's path decides)."""
-        change, advance, n = 0, self.advance, len(self.handles)
+        change, advance = 0, self.advance
         at: list[int] = []
         moves: list[int] = []
-        if body.computed_tokens is not None:
-            pair = _exceptions(body.computed_tokens, n, signed=True)
-            if pair is None:
-                return None
-            at, moves = pair
+        if rows.computed is not None:
+            at, moves = rows.computed
             comp, ns = self._computed(), self.nsched
             for p, d in zip(at, moves, strict=True):
                 if not 0 <= comp[p] + ns[p] + d < _COUNT_LIMIT:
@@ -174,20 +178,20 @@ class SteadyLane:
             keys = self._keys()
             change = sum(d * keys[p] for p, d in zip(at, moves, strict=True)) & dg.MASK
         nsched = None
-        if body.scheduled_tokens is not None:
-            pair = _exceptions(body.scheduled_tokens, n, signed=False)
-            if pair is None or max(pair[1], default=0) >= _COUNT_LIMIT:
+        if rows.scheduled is not None:
+            if max(rows.scheduled[1], default=0) >= _COUNT_LIMIT:
                 return None
-            moved = [(p, v) for p, v in zip(*pair, strict=True) if self.nsched[p] != v]
+            old = self.nsched
+            moved = [(p, v) for p, v in zip(*rows.scheduled, strict=True) if old[p] != v]
             if moved:
                 pos = [p for p, _ in moved]
                 hs = [self.handles[p] for p in pos]
-                before, after = [self.nsched[p] for p in pos], [v for _, v in moved]
+                before, after = [old[p] for p in pos], [v for _, v in moved]
                 change += dg.schedule_change(hs, pos, before, after)
                 keys = self._keys()
                 advance = (advance + sum((b - a) * keys[p] for p, a, b in zip(
                     pos, before, after, strict=True))) & dg.MASK
-                nsched = list(self.nsched)
+                nsched = list(old)
                 for p, v in moved:
                     nsched[p] = v
         return change, at, moves, nsched, advance
@@ -246,28 +250,55 @@ class SteadyLane:
         self._restart()
 
 
-def _exceptions(rows: Rows, n: int, signed: bool) -> tuple[list[int], list[int]] | None:
-    """(positions, values) of count exceptions, or None unless distinct, inside the
-    schedule and as many as values (the checks of ``_Planner.exceptions``)."""
-    try:
-        pos = unpack_uint_list(rows.handles) if rows.handles else []
-        vals = (unpack_sint_list(rows.values) if signed
-                else unpack_uint_list(rows.values) if rows.values else [])
-    except MalformedMessage:  # the state's own path raises it again, typed
-        return None
-    if len(pos) != len(vals) or (pos and max(pos) >= n) or len(set(pos)) != len(pos):
-        return None
-    return pos, vals
+class LaneRows(NamedTuple):
+    """A lane body's count exceptions and speculative-token rows as Python lists."""
+
+    #: (positions, signed corrections) of ``computed_tokens``; None: absent
+    computed: tuple[list[int], list[int]] | None = None
+    #: (positions, counts) of ``scheduled_tokens``; None: absent
+    scheduled: tuple[list[int], list[int]] | None = None
+    #: ``spec_tokens``: tokens per scheduled position and the flat token ids (the wire
+    #: carries each plus one); None: absent
+    drafts: tuple[list[int], list[int]] | None = None
+
+    def fits(self, n: int) -> bool:
+        """The checks of ``_Planner.exceptions`` and ``_Planner.aligned`` on a schedule of
+        ``n``: exception positions distinct and scheduled, as many as values; one draft
+        count per position, as many values as they sum to."""
+        for pair in (self.computed, self.scheduled):
+            if pair is not None:
+                pos, vals = pair
+                if len(pos) != len(vals) or (pos and max(pos) >= n) or len(set(pos)) != len(pos):
+                    return False
+        return self.drafts is None or (
+            len(self.drafts[0]) == n and sum(self.drafts[0]) == len(self.drafts[1]))
 
 
-def _aligned_ok(rows: Rows | None, n: int) -> bool:
-    """The check :func:`protocol.plan` makes of schedule-aligned rows (speculative tokens)."""
-    if rows is None:
-        return True
-    if rows.handles:
-        return False
+NO_ROWS = LaneRows()  # a lane body without count exceptions or drafts
+
+
+def lane_rows(body: DeltaBody, n: int) -> LaneRows | None:
+    """The :class:`LaneRows` of a :func:`lane_shaped` ``body`` on a schedule of ``n``
+    (unpacked once); None when a field does not unpack (the state's own path raises it,
+    typed) or has handles where the lane takes schedule-aligned rows."""
+    computed, scheduled, spec = body.computed_tokens, body.scheduled_tokens, body.spec_tokens
+    if computed is None and scheduled is None and spec is None:
+        return NO_ROWS
     try:
-        counts = unpack_uint_list(rows.counts) if rows.counts else [1] * n
-        return len(counts) == n and sum(counts) == len(unpack_uint_list(rows.values))
-    except MalformedMessage:  # the state's own path raises it again, typed
-        return False
+        drafts = None
+        if spec is not None:
+            if spec.handles:
+                return None
+            drafts = (unpack_uint_list(spec.counts) if spec.counts else [1] * n,
+                      [t - 1 for t in unpack_uint_list(spec.values)])
+        return LaneRows(
+            None if computed is None else (_uints(computed.handles),
+                                           unpack_sint_list(computed.values)),
+            None if scheduled is None else (_uints(scheduled.handles), _uints(scheduled.values)),
+            drafts)
+    except MalformedMessage:
+        return None
+
+
+def _uints(packed: bytes) -> list[int]:
+    return unpack_uint_list(packed) if packed else []

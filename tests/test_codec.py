@@ -233,6 +233,21 @@ def test_roundtrip_every_message(msg: Message, copy: bool) -> None:
     as_bytes = [bytes(f) for f in frames]  # as a socket delivers them
     assert_same(msg, codec.decode(as_bytes, copy=copy))
     assert codec.encoded_size(frames) == sum(map(len, as_bytes))
+    if isinstance(msg, Delta) and not count_tensors(msg):
+        _check_delta_header(msg, bytes(frames[0]))
+
+
+def _check_delta_header(msg: Delta, frame: bytes) -> None:
+    """Frame 0 is msgspec's encoding with the body's map header shortened (SPEC §6.2),
+    and a receiver also takes msgspec's own longer header (any map header)."""
+    plain, body = msgspec.msgpack.encode(msg), msgspec.msgpack.encode(msg.body)
+    assert_same(msg, codec.decode([plain]))
+    entries = len(msgspec.msgpack.decode(body))
+    if entries > 15 or len(plain) > codec.COMPACT_LIMIT:
+        assert frame == plain
+        return
+    assert body[:3] == bytes((0xDE, 0, entries))  # msgspec: map16 for DeltaBody
+    assert frame == plain[:-len(body)] + bytes((0x80 | entries,)) + body[3:]
 
 
 ZOO: dict[str, Any] = {

@@ -140,7 +140,7 @@ class SchedulerOutputEncoder:
             self.lane = SteadyLane(self.mirror.state)
         body = self.quick.body(so) if self.fast else None
         if body is not None:
-            digest = self.lane.step(body, self.quick.appends)
+            digest = self.lane.step(body, self.quick.appends, rows=self.quick.rows)
             if digest is None:
                 self.lane.settle()
                 delta = self.mirror.apply_body(body)

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 from itertools import chain, compress, repeat
 from operator import add, attrgetter, itemgetter, sub
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
 
 from engine_side.vllm.schema import StepExt
+from protocol.lane import NO_ROWS, LaneRows
 from protocol.messages import DeltaBody, Rows
 from protocol.packing import pack_row_counts, pack_sints, pack_uints
 from protocol.plan import STEADY_BODY
@@ -113,6 +114,8 @@ class QuickEncoder:
         #: the last quick step's appends per KV group for the steady lane (positions,
         #: counts, ids; [] for none)
         self.appends: list[tuple[list[int], list[int], list[int]]] = []
+        #: the last quick step's count and draft rows, the lists its body was packed from
+        self.rows = NO_ROWS
         self.forecast = Forecast([])
         self.ready = False
 
@@ -142,13 +145,15 @@ class QuickEncoder:
         if blocks is None or spec is None:
             return None
         fields: dict[str, Any] = {}
-        counts = self._counts(cached, nsched, same_ns, fields)
+        lists: dict[str, tuple[list[int], list[int]]] = {}
+        counts = self._counts(cached, nsched, same_ns, fields, lists)
         if counts is None:
             return None
         if blocks:
             fields["block_append"] = blocks
         if spec is not True:
-            fields["spec_tokens"] = spec
+            fields["spec_tokens"], lists["drafts"] = spec
+        self.rows = LaneRows(**lists) if lists else NO_ROWS
         if so.has_structured_output_requests:
             fields["has_structured_output"] = True
         if so.pending_structured_output_tokens:
@@ -161,9 +166,9 @@ class QuickEncoder:
         return DeltaBody(**fields) if fields else STEADY_BODY
 
     def _counts(self, cached: Any, nsched: list[int], same_ns: bool, fields: dict[str, Any],
-                ) -> tuple[bytes, bytes] | None:
-        """Scheduled / computed exceptions into ``fields``; output departures returned
-        (positions and deltas, empty when there are none)."""
+                lists: dict[str, tuple[list[int], list[int]]]) -> tuple[bytes, bytes] | None:
+        """Scheduled / computed exceptions into ``fields`` (and as lists into ``lists``);
+        output departures returned (positions and deltas, empty when there are none)."""
         fc = self.forecast
         comp, comp_outs = fc.take()
         actual = cached.num_computed_tokens
@@ -173,13 +178,15 @@ class QuickEncoder:
             moved = changed(actual, comp)
             if min(actual[i] for i in moved) < 0:
                 return None  # the general path refuses it
-            fields["computed_tokens"] = Rows(
-                handles=pack_uints(moved), values=pack_sints([actual[i] - comp[i] for i in moved]))
+            moves = [actual[i] - comp[i] for i in moved]
+            fields["computed_tokens"] = Rows(handles=pack_uints(moved), values=pack_sints(moves))
+            lists["computed"] = (moved, moves)
             predicted = fc.outputs(actual)
         if not same_ns:
             moved = changed(nsched, fc.nsched)
-            fields["scheduled_tokens"] = Rows(handles=pack_uints(moved),
-                                              values=pack_uints([nsched[i] for i in moved]))
+            values = [nsched[i] for i in moved]
+            fields["scheduled_tokens"] = Rows(handles=pack_uints(moved), values=pack_uints(values))
+            lists["scheduled"] = (moved, values)
         ext = (b"", b"")
         outs = cached.num_output_tokens
         if outs != predicted:
@@ -230,8 +237,10 @@ class QuickEncoder:
                           values=pack_uints(values[g])) if rows[g] else _NO_ROWS
                      for g in range(groups))
 
-    def _spec(self, drafts: dict[str, list[int]]) -> Rows | bool | None:
-        """Speculative tokens as aligned rows (True: none); None unless in batch order."""
+    def _spec(self, drafts: dict[str, list[int]],
+              ) -> tuple[Rows, tuple[list[int], list[int]]] | Literal[True] | None:
+        """Speculative tokens as aligned rows and as (tokens per position, flat tokens)
+        (True: none); None unless in batch order."""
         if not drafts:
             return True
         pos, last = self.pos, -1
@@ -243,7 +252,8 @@ class QuickEncoder:
                 return None
             lengths[i], last = len(toks), i
             flat += toks
-        return Rows(counts=pack_uints(lengths), values=pack_uints([t + 1 for t in flat]))
+        rows = Rows(counts=pack_uints(lengths), values=pack_uints([t + 1 for t in flat]))
+        return rows, (lengths, flat)
 
 
 # A plain step's rare fields, read by one C call and compared with one tuple.

@@ -16,8 +16,8 @@ from typing import Any
 
 from engine_side.vllm.quick import Forecast
 from engine_side.vllm.schema import StepExt
-from protocol.lane import lane_shaped
-from protocol.messages import DeltaBody, Rows
+from protocol.lane import LaneRows, lane_shaped
+from protocol.messages import DeltaBody
 from protocol.packing import unpack_sint_list, unpack_uint_list
 
 
@@ -91,13 +91,15 @@ class QuickDecoder:
         return out
 
     def scheduler_output(self, body: DeltaBody, ext: StepExt,
-                         blocks: list[tuple[list[int], list[int], list[int]]]) -> Any:
-        """The step's SchedulerOutput (state already applied; ``blocks`` from :meth:`blocks`)."""
+                         blocks: list[tuple[list[int], list[int], list[int]]],
+                         rows: LaneRows) -> Any:
+        """The step's SchedulerOutput (state already applied; ``blocks`` from :meth:`blocks`,
+        ``rows`` the body's :func:`protocol.lane.lane_rows`)."""
         CachedRequestData, SchedulerOutput = _vllm_types()  # noqa: N806 - classes
         batch = self.batch
-        nsched = self._nsched(body.scheduled_tokens)
+        nsched = self._nsched(rows.scheduled)
         total = self.forecast.total if nsched is self.nsched else sum(nsched)
-        computed, outputs = self._counts(body.computed_tokens, nsched, ext)
+        computed, outputs = self._counts(rows.computed, nsched, ext)
         new_blocks = self._new_blocks(blocks)
         cached = made(CachedRequestData, {
             "req_ids": list(batch), "resumed_req_ids": set(), "new_token_ids": [],
@@ -107,7 +109,7 @@ class QuickDecoder:
             "scheduled_new_reqs": [], "scheduled_cached_reqs": cached,
             "num_scheduled_tokens": dict(self.nsched_map),
             "total_num_scheduled_tokens": total,
-            "scheduled_spec_decode_tokens": self._drafts(body.spec_tokens),
+            "scheduled_spec_decode_tokens": self._drafts(rows.drafts),
             "scheduled_encoder_inputs": {}, "finished_req_ids": set(),
             "free_encoder_mm_hashes": [], "scheduled_encoder_input_stats": None,
             "preempted_req_ids": set(),
@@ -121,23 +123,22 @@ class QuickDecoder:
             "num_spec_tokens_to_schedule": body.num_spec_tokens_to_schedule,
             "num_common_prefix_blocks": []})
 
-    def _nsched(self, rows: Rows | None) -> list[int]:
+    def _nsched(self, rows: tuple[list[int], list[int]] | None) -> list[int]:
         if rows is None:
             return self.nsched
         nsched, names = list(self.nsched), self.nsched_map
-        for i, v in zip(_ints(rows.handles), _ints(rows.values), strict=True):
+        for i, v in zip(*rows, strict=True):
             nsched[i] = names[self.batch[i]] = v
         return nsched
 
-    def _counts(self, rows: Rows | None, nsched: list[int], ext: StepExt,
-                ) -> tuple[list[int], list[int]]:
+    def _counts(self, rows: tuple[list[int], list[int]] | None, nsched: list[int],
+                ext: StepExt) -> tuple[list[int], list[int]]:
         """Fresh (computed, outputs) lists; advances the forecast."""
         fc = self.forecast
         comp, outs = fc.take()
         computed = list(comp)
         if rows is not None:
-            deltas = unpack_sint_list(rows.values)
-            for i, d in zip(_ints(rows.handles), deltas, strict=True):
+            for i, d in zip(*rows, strict=True):
                 computed[i] += d
             outputs = fc.outputs(computed)
         else:
@@ -172,14 +173,13 @@ class QuickDecoder:
                 start += c
         return out
 
-    def _drafts(self, rows: Rows | None) -> dict[str, list[int]]:
+    def _drafts(self, rows: tuple[list[int], list[int]] | None) -> dict[str, list[int]]:
         if rows is None:
             return {}
-        lengths = _ints(rows.counts) if rows.counts else [1] * len(self.batch)
-        flat = [t - 1 for t in _ints(rows.values)]
-        out, start = {}, 0
+        lengths, flat = rows
+        out, start, batch = {}, 0, self.batch
         for i in [i for i, n in enumerate(lengths) if n]:
             end = start + lengths[i]
-            out[self.batch[i]] = flat[start:end]
+            out[batch[i]] = flat[start:end]
             start = end
         return out
