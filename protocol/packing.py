@@ -52,7 +52,10 @@ def read_leb128(buf: bytes | memoryview, pos: int, what: str = "packed array") -
             return value, pos
 
 
-SMALL = 64  # lists up to this long are packed and unpacked with Python ints (no numpy call)
+# Lists up to this long are unpacked with Python ints (no numpy call), and packed up to
+# PACK_SMALL (one LEB128 count byte); measured crossovers with numpy: ~100 and ~200 items.
+SMALL = 64
+PACK_SMALL = 127
 
 
 def _pack_list(values: list[int]) -> bytes | None:
@@ -64,7 +67,7 @@ def _pack_list(values: list[int]) -> bytes | None:
     width = max(values).bit_length()
     if width > _MAX_WIDTH:
         return None
-    head = bytes((width, len(values)))  # one LEB128 byte: len(values) <= SMALL < 128
+    head = bytes((width, len(values)))  # one LEB128 byte: len(values) <= PACK_SMALL < 128
     if width == 0:
         return head
     acc = 0
@@ -75,7 +78,7 @@ def _pack_list(values: list[int]) -> bytes | None:
 
 def pack_uints(values: npt.ArrayLike) -> bytes:
     """Pack non-negative integers at the minimal common bit width."""
-    if type(values) is list and len(values) <= SMALL and all(type(v) is int for v in values):
+    if type(values) is list and len(values) <= PACK_SMALL and all(type(v) is int for v in values):
         packed = _pack_list(values)
         if packed is not None:
             return packed
@@ -168,7 +171,7 @@ def _unpack_raw(buf: bytes, limit: int) -> npt.NDArray[np.uint64] | npt.NDArray[
 
 def pack_sints(values: npt.ArrayLike) -> bytes:
     """Pack signed integers (zig-zag mapped) at the minimal bit width."""
-    if (type(values) is list and len(values) <= SMALL
+    if (type(values) is list and len(values) <= PACK_SMALL
             and all(type(v) is int and -_INT64_MAX - 1 <= v <= _INT64_MAX for v in values)):
         return pack_uints([v << 1 if v >= 0 else (-v << 1) - 1 for v in values])
     arr = np.asarray(values, dtype=np.int64).ravel()

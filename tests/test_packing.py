@@ -8,7 +8,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol.errors import MalformedMessage
-from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
+from protocol.packing import (
+    pack_sints,
+    pack_uints,
+    unpack_sint_list,
+    unpack_sints,
+    unpack_uint_list,
+    unpack_uints,
+)
 
 
 @st.composite
@@ -36,6 +43,19 @@ def test_uints_roundtrip_at_every_width(case: tuple[int, list[int]]) -> None:
     out = unpack_uints(buf)
     assert out.dtype == np.int64 and out.flags.writeable
     assert out.tolist() == values
+
+
+@given(st.integers(0, 64).flatmap(
+    lambda w: st.lists(st.integers(0, (1 << w) - 1), max_size=300)))
+def test_python_list_paths_equal_the_numpy_paths(values: list[int]) -> None:
+    """Short lists take Python-int paths (packing.SMALL, PACK_SMALL): the same bytes."""
+    buf = pack_uints(values)
+    assert buf == pack_uints(np.array(values, dtype=np.uint64))
+    if not values or max(values) < 2**63:
+        assert unpack_uint_list(buf) == unpack_uints(buf).tolist() == values
+    signed = [v - (1 << 62) for v in values if v < 2**63]
+    assert pack_sints(signed) == pack_sints(np.array(signed, dtype=np.int64))
+    assert unpack_sint_list(pack_sints(signed)) == signed
 
 
 @given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40))

@@ -90,7 +90,7 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_replay_document_from_a_recording(recording: Path) -> None:
     from engine_side.bench.vllm_streams import replay_all
 
-    doc = {"meta": {}, **replay_all({"tiny": recording}, [8])}
+    doc = {"meta": {}, **replay_all({"tiny": recording}, [8], churn=(8,))}
     tiny = doc["workloads"]["tiny"]
     assert tiny["steps"] == 40 and tiny["max_running"] == 8
     assert 0 < tiny["request"]["bytes"] < tiny["request"]["pickle_bytes"]
@@ -99,8 +99,31 @@ def test_replay_document_from_a_recording(recording: Path) -> None:
     assert tiny["steady"]["median_bytes"] == 14  # most steady steps: the header-only Delta
     assert sum(tiny["request_fields"].values()) == tiny["request"]["bytes"]  # exact accounting
     assert doc["synthetic"]["8"]["steps"] == 20
+    assert doc["synthetic"]["churn-8"]["steps"] == 20
+    assert "| synthetic-churn-8 | 20 |" in render(doc)
     assert doc["total"]["request"]["bytes"] == tiny["request"]["bytes"]
     assert "| tiny | 40 |" in render(doc)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_churn_stream_round_trips_and_every_step_is_general() -> None:
+    """The continuous-batching stream: one request leaves and one joins each step."""
+    from vllm_equal import assert_vllm_equal
+
+    from engine_side.bench.vllm_replay import synthetic_churn
+    from engine_side.vllm.encoder import SchedulerOutputEncoder
+    from worker_side.vllm.decoder import SchedulerOutputDecoder
+
+    enc, dec = SchedulerOutputEncoder(), SchedulerOutputDecoder()
+    stream = synthetic_churn(8, 6, prompt=64)
+    steps = [obj for kind, obj in stream if kind == "execute_model"]
+    for so in steps:
+        assert_vllm_equal(so, dec.decode([bytes(f) for f in enc.encode(so)]))
+        assert len(so.num_scheduled_tokens) == 8
+    assert [len(so.finished_req_ids) for so in steps] == [0] + [1] * 5
+    assert enc.quick_steps == dec.quick_steps == 0
+    assert [kind for kind, _ in stream].count("reply") == 5
 
 
 @pytest.mark.vllm

@@ -90,6 +90,47 @@ def synthetic_decode(running: int, steps: int, prompt: int = 500) -> list[tuple[
     return out
 
 
+def synthetic_churn(running: int, steps: int, prompt: int = 500) -> list[tuple[str, Any]]:
+    """Continuous batching at ``running`` requests: every step after the first, the
+    oldest request finishes and a new one (``prompt`` tokens, prefilled in one
+    chunk) joins at the end of the batch; the others decode one token each.  Every
+    step is a general one (a request leaves and one enters)."""
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    sp = SamplingParams(temperature=0, max_tokens=steps + 1)
+
+    def new(k: int) -> Any:
+        rid = f"chatcmpl-{k:016x}-{k * 7919 % 65536:08x}"[:34]
+        table = list(range(k * 64, k * 64 + prompt // 32 + 1))
+        return NewRequestData(rid, list(range(prompt)), [], sp, None, (table,), 0, None)
+
+    adds = [new(k) for k in range(running)]
+    live = {nr.req_id: [prompt, 0] for nr in adds}  # req id -> [computed, outputs]
+    out: list[tuple[str, Any]] = [("execute_model", SchedulerOutput(
+        adds, CachedRequestData.make_empty(), dict.fromkeys(live, prompt), prompt * running,
+        {}, {}, set(), [], preempted_req_ids=set()))]
+    for t in range(1, steps):
+        gone = next(iter(live))
+        del live[gone]
+        joined, ids = new(running + t - 1), list(live)
+        cached = CachedRequestData(ids, set(), [], {}, [None] * len(ids),
+                                   [live[r][0] for r in ids], [live[r][1] + 1 for r in ids])
+        nsched = {**dict.fromkeys(ids, 1), joined.req_id: prompt}
+        out.append(("execute_model", SchedulerOutput(
+            [joined], cached, nsched, len(ids) + prompt, {}, {}, {gone}, [],
+            preempted_req_ids=set())))
+        for r in ids:
+            live[r][0] += 1
+            live[r][1] += 1
+        live[joined.req_id] = [prompt, 0]
+        order = list(nsched)
+        out.append(("reply", ModelRunnerOutput(order, {r: i for i, r in enumerate(order)},
+                                               [[(t * 31 + k) % 500] for k in range(running)])))
+    return out
+
+
 # ---------------------------------------------------------------- step shapes
 def new_blocks(so: Any) -> int:
     """Block ids a step adds (new requests' tables and cached requests' new blocks)."""

@@ -33,7 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine_side.bench.vllm_replay import load_recording, pickled, replay, synthetic_decode
+from engine_side.bench.vllm_replay import (
+    load_recording,
+    pickled,
+    replay,
+    synthetic_churn,
+    synthetic_decode,
+)
 from engine_side.bench.vllm_scenarios import (
     ROOT,
     SCENARIOS,
@@ -175,8 +181,11 @@ def _meta(argv: list[str]) -> dict[str, Any]:
 
 
 def replay_all(paths: dict[str, Path], synthetic: list[int],
-               live: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The BENCHMARKS document: per workload and synthetic stream, then the totals."""
+               live: dict[str, dict[str, Any]] | None = None,
+               churn: tuple[int, ...] = ()) -> dict[str, Any]:
+    """The BENCHMARKS document: per workload and synthetic stream (steady decode at
+    each ``synthetic`` size, continuous batching at each ``churn`` size), then the
+    totals (recorded workloads only)."""
     doc: dict[str, Any] = {"workloads": {}, "synthetic": {}}
     for i, (name, path) in enumerate(paths.items(), 1):
         row = replay(load_recording(path), breakdown=True)
@@ -191,6 +200,8 @@ def replay_all(paths: dict[str, Path], synthetic: list[int],
               f"bytes", file=sys.stderr, flush=True)
     for n in synthetic:
         doc["synthetic"][str(n)] = replay(synthetic_decode(n, 20))
+    for n in churn:
+        doc["synthetic"][f"churn-{n}"] = replay(synthetic_churn(n, 20))
     doc["total"] = {path: {k: sum(w[path][k] for w in doc["workloads"].values())
                            for k in ("bytes", "pickle_bytes", "us", "pickle_us")}
                     for path in ("request", "reply")}
@@ -214,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
             directory = Path(args.record_dir)
             live = record_all(model, names, directory, args.check, args.reuse)
             paths = {n: directory / f"{n}.dcrec" for n in names}
-        doc = {"meta": _meta(sys.argv), **replay_all(paths, synthetic, live)}
+        churn = tuple(int(n) for n in args.churn)
+        doc = {"meta": _meta(sys.argv), **replay_all(paths, synthetic, live, churn)}
         if args.json:
             Path(args.json).write_text(json.dumps(doc, indent=1))
         print(render(doc))
@@ -243,6 +255,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replay", nargs="*", default=[], help="recordings to measure offline")
     parser.add_argument("--synthetic", nargs="*", default=["256", "4096"],
                         help="synthetic steady-decode batch sizes measured with the replay")
+    parser.add_argument("--churn", nargs="*", default=["16", "256"],
+                        help="synthetic continuous-batching sizes (a request leaves and one "
+                             "joins every step: every step takes the general path)")
     parser.add_argument("--json", default="", help="write the replay document (JSON) here")
     parser.add_argument("--render", default="", help="print the tables of a saved JSON document")
 

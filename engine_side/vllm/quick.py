@@ -49,7 +49,7 @@ class Forecast:
     """
 
     __slots__ = ("plen", "plen_np", "plen_less_one", "nsched", "total", "comp_rows", "out_rows",
-                 "next", "_last")
+                 "next", "_last", "_base")
 
     def __init__(self, plen: list[int]) -> None:
         self.plen = plen
@@ -61,16 +61,18 @@ class Forecast:
         self.out_rows: list[list[int]] = []
         self.next = 0
         self._last: Any = None  # numpy base of the next table (large batches)
+        self._base: list[int] = []  # the counts the first row advances from
 
     def restart(self, computed: list[int], nsched: list[int]) -> None:
-        """Predict from actual ``computed`` and ``nsched`` lists."""
+        """Predict from actual ``computed`` and ``nsched`` lists (the rows are made when
+        :meth:`take` first needs them: a general step that follows never pays for them)."""
         self.nsched, self.total, self._last = nsched, sum(nsched), None
-        self._build(computed)
+        self._base, self.comp_rows, self.out_rows, self.next = computed, [], [], 0
 
     def take(self) -> tuple[list[int], list[int]]:
         """(computed, outputs) predicted for the next step (shared lists: copy to keep)."""
         if self.next >= len(self.comp_rows):
-            self._build(self.comp_rows[-1])
+            self._build(self.comp_rows[-1] if self.comp_rows else self._base)
         return self.comp_rows[self.next], self.out_rows[self.next]
 
     def advanced(self) -> None:
