@@ -44,7 +44,7 @@ from engine_side.vllm.schema import (
 from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import InvalidDelta, MalformedMessage
-from protocol.lane import SteadyLane, lane_rows
+from protocol.lane import SteadyLane
 from protocol.messages import TOKEN_MODE_WORKER, Delta
 from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
 from protocol.request import ExecuteModelRequest, IntArray, Ragged
@@ -52,7 +52,7 @@ from protocol.state import ReplicaState
 from protocol.tensors import make_enc_hook, make_ext_hook
 from worker_side.shm_reader import ShmReader
 from worker_side.vllm.mm import StoreResolver, features_from_refs, fresh
-from worker_side.vllm.quick import NO_EXT, QuickDecoder, plain_body
+from worker_side.vllm.quick import NO_EXT, QuickDecoder
 
 HISTORY = 8
 _EXT = msgspec.msgpack.Decoder(StepExt)
@@ -134,24 +134,19 @@ class SchedulerOutputDecoder:
             self.state = ReplicaState(TOKEN_MODE_WORKER, ext.kv_groups or 1)
             self.lane = SteadyLane(self.state)
         quick = self.quick
-        plain = self.fast and quick.ready and plain_body(msg.body, ext)
-        blocks = quick.blocks(msg.body) if plain else None
-        rows = None if blocks is None else lane_rows(msg.body, len(quick.batch))
-        if blocks is None or rows is None:  # (a field that does not unpack: the state raises)
-            blocks = rows = None
-        if blocks is None or rows is None or \
-                self.lane.step(msg.body, blocks, msg.digest, rows) is None:
+        fast = quick.lane_inputs(msg.body, ext) if self.fast and quick.ready else None
+        if fast is None or self.lane.step(msg.body, fast[0], msg.digest, fast[1]) is None:
             self.lane.settle()
-            if blocks is None and self._lengths_stale:
+            if fast is None and self._lengths_stale:
                 self._refresh_lengths()
             self.state.apply(msg.body, expected_digest=msg.digest)
         self.seq = msg.seq
         self.batches.pop(msg.seq - HISTORY, None)
-        if blocks is not None and rows is not None:
+        if fast is not None:
             self.batches[msg.seq] = quick.batch
             self._lengths_stale |= bool(msg.body.block_append)
             self.quick_steps += 1
-            return quick.scheduler_output(msg.body, ext, blocks, rows)
+            return quick.scheduler_output(msg.body, ext, *fast)
         # A plain body adds, finishes and frees nothing: the store resolver has
         # nothing to do on the fast path above.
         request = self.state.rebuild()

@@ -16,7 +16,7 @@ from typing import Any
 
 from engine_side.vllm.quick import Forecast
 from engine_side.vllm.schema import StepExt
-from protocol.lane import LaneRows, lane_shaped
+from protocol.lane import LaneRows, lane_rows, lane_shaped
 from protocol.messages import DeltaBody
 from protocol.packing import unpack_sint_list, unpack_uint_list
 
@@ -77,6 +77,17 @@ class QuickDecoder:
         self.forecast = Forecast(plen)
         self.forecast.restart(computed, self.nsched)
         self.ready = True
+
+    def lane_inputs(self, body: DeltaBody, ext: StepExt,
+                    ) -> tuple[list[tuple[list[int], list[int], list[int]]], LaneRows] | None:
+        """(block appends, count and draft rows) of a same-batch body, unpacked once for the
+        steady lane and :meth:`scheduler_output`; None when the general path decides (a
+        field that does not unpack included: the state raises it, typed)."""
+        if not plain_body(body, ext):
+            return None
+        blocks = self.blocks(body)
+        rows = None if blocks is None else lane_rows(body, len(self.batch))
+        return None if blocks is None or rows is None else (blocks, rows)
 
     def blocks(self, body: DeltaBody) -> list[tuple[list[int], list[int], list[int]]] | None:
         """Per group (positions, counts, flat ids) of the appends; None if one is unscheduled."""
