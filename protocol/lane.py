@@ -25,7 +25,7 @@ the state :meth:`ReplicaState.apply` of the same bodies would hold, and
 
 from __future__ import annotations
 
-from operator import add
+from operator import add, attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from protocol import digest as dg
@@ -44,13 +44,27 @@ Journaled = tuple[list[int], list[int], list[int], list[int], list[int]]
 MAX_ROWS = 1 << 16
 #: ... or this many changes of the scheduled counts (bounds a computed count's lookup)
 MAX_SEGMENTS = 16
+_NONE: list[int] = []  # no count exceptions (shared, never extended)
+#: a step's planned counts: (digest change, computed positions, their corrections, the new
+#: scheduled counts or None, the next advance term)
+_Counts = tuple[int, list[int], list[int], list[int] | None, int]
 _COUNT_LIMIT = 1 << 62  # larger counts are left to the state's own checks
 _BLOCK_ID_LIMIT = 1 << 31  # the block table is int32
+
+
+#: the fields a lane body leaves empty, read by one C call (see lane_shaped)
+_SCHEDULE_FIELDS = attrgetter(
+    "finished", "finished_unknown", "added", "schedule_full", "schedule_drop",
+    "schedule_append", "block_replace", "truncate", "tokens", "encoder_inputs", "preempted",
+    "resumed", "free_encoder_mm_hashes", "blocks_to_zero")
+_UNSET = _SCHEDULE_FIELDS(DeltaBody())
 
 
 def lane_shaped(body: DeltaBody) -> bool:
     """Whether ``body`` keeps the schedule, changing only count exceptions, block appends
     and step-only fields (the lane's bodies)."""
+    if _SCHEDULE_FIELDS(body) == _UNSET:  # the common case, in one compare
+        return True
     return (not body.finished and not body.finished_unknown and not body.added
             and not body.schedule_full and not body.schedule_drop
             and not body.schedule_append and not body.block_replace
@@ -116,11 +130,15 @@ class SteadyLane:
         n = len(self.handles)
         if rows is None:
             rows = lane_rows(body, n)
-        if rows is None or (appends and len(appends) != len(self.lengths)) \
-                or not rows.fits(n):
+        if rows is NO_ROWS:  # the common step: nothing to check or plan for the counts
+            counts: _Counts | None = (0, _NONE, _NONE, None, self.advance)
+        elif rows is None or not rows.fits(n):
             return None
-        counts = self._plan_counts(rows)
+        else:
+            counts = self._plan_counts(rows)
         if counts is None:
+            return None
+        if appends and len(appends) != len(self.lengths):
             return None
         planned = []
         digest = self.digest + self.advance + counts[0]
@@ -151,17 +169,20 @@ class SteadyLane:
         unless positions are distinct and scheduled, counts >= 1 and ids fit."""
         pos, counts, values = rows
         n = len(self.handles)
-        if len(counts) != len(pos) or len(set(pos)) != len(pos) or min(pos) < 0 \
-                or max(pos) >= n or min(counts) < 1 or sum(counts) != len(values) \
-                or min(values) < 0 or max(values) >= _BLOCK_ID_LIMIT:
+        if len(pos) == 1:  # the common case: one row (the checks below, on scalars)
+            if len(counts) != 1 or not 0 <= pos[0] < n or not 1 <= counts[0] == len(values):
+                return None
+        elif len(counts) != len(pos) or len(set(pos)) != len(pos) or min(pos) < 0 \
+                or max(pos) >= n or min(counts) < 1 or sum(counts) != len(values):
+            return None
+        if min(values) < 0 or max(values) >= _BLOCK_ID_LIMIT:
             return None
         hs = list(map(self.handles.__getitem__, pos))
         starts = list(map(self.lengths[g].__getitem__, pos))
         terms = dg.row_terms(hs, g, starts, counts, values)
         return hs, starts, terms, sum(terms)
 
-    def _plan_counts(self, rows: LaneRows,
-                     ) -> tuple[int, list[int], list[int], list[int] | None, int] | None:
+    def _plan_counts(self, rows: LaneRows) -> _Counts | None:
         """(digest change, computed positions, their corrections, the new scheduled counts
         or None, the next advance term) of the count exceptions: the checks and terms of
         :mod:`protocol.plan` on an unchanged schedule; None when one fails (or a value is

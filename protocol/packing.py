@@ -21,6 +21,7 @@ UInts = npt.NDArray[np.uint64]
 _MAX_WIDTH = 64
 _INT64_MAX = (1 << 63) - 1
 _EMPTY = np.zeros(0, dtype=np.int64)
+_INT = {int}  # the element type of a list packed without numpy (bool is not int here)
 
 
 def leb128(value: int) -> bytes:
@@ -78,7 +79,7 @@ def _pack_list(values: list[int]) -> bytes | None:
 
 def pack_uints(values: npt.ArrayLike) -> bytes:
     """Pack non-negative integers at the minimal common bit width."""
-    if type(values) is list and len(values) <= PACK_SMALL and all(type(v) is int for v in values):
+    if type(values) is list and len(values) <= PACK_SMALL and set(map(type, values)) <= _INT:
         packed = _pack_list(values)
         if packed is not None:
             return packed
@@ -134,6 +135,8 @@ def _raw_list(buf: bytes) -> list[int] | None:
     if width == 0:
         return [0] * count
     acc, mask = int.from_bytes(buf[2:], "little"), (1 << width) - 1
+    if count == 1:  # the common single value (a row's handle or block)
+        return [acc & mask]
     return [(acc >> (i * width)) & mask for i in range(count)]
 
 

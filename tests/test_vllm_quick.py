@@ -26,6 +26,7 @@ from vllm_streams import scheduler_streams  # noqa: E402
 
 from engine_side.vllm import SchedulerOutputEncoder  # noqa: E402
 from engine_side.vllm.quick import Forecast  # noqa: E402
+from protocol.errors import LocalProtocolError  # noqa: E402
 from worker_side.vllm import SchedulerOutputDecoder  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -95,8 +96,25 @@ def test_departures_inside_the_batch_still_take_the_fast_path() -> None:
     assert _run(steps) == (4, 4)
 
 
+def test_drafts_for_every_request_and_rows_growing_several_blocks() -> None:
+    """Every request drafting (the positions 0..n-1 shortcut), rows growing by more than
+    one block, and more grown rows than the small-step loop takes."""
+    ids = [f"r{i}" for i in range(8)]
+    new = [NewRequestData(rid, list(range(PROMPT)), [], SamplingParams(temperature=0), None,
+                          ([k],), 0, None) for k, rid in enumerate(ids)]
+    first = SchedulerOutput(new, CachedRequestData.make_empty(), dict.fromkeys(ids, PROMPT),
+                            PROMPT * len(ids), {}, {}, set(), [], preempted_req_ids=set())
+    drafted = {rid: [k, k + 1][: 1 + k % 2] for k, rid in enumerate(ids)}
+    steps = [first, _step(1, ids=ids),
+             _step(2, ids=ids, blocks=[([90 + k, 190 + k],) for k in range(8)]),  # 8 rows
+             _step(3, ids=ids, blocks=[None, ([300, 301, 302],), None, ([303],)] + [None] * 4,
+                   nsched={rid: 1 + len(d) for rid, d in drafted.items()},
+                   scheduled_spec_decode_tokens=drafted, num_spec_tokens_to_schedule=2)]
+    assert _run(steps) == (3, 3)
+
+
 @pytest.mark.parametrize("name", ["order", "resumed", "empty_blocks", "preempted_none",
-                                  "spec_order", "finished", "zero"])
+                                  "spec_order", "spec_empty", "finished", "zero"])
 def test_steps_the_fast_path_must_leave_to_the_general_path(name: str) -> None:
     odd = {
         "order": lambda: _step(2, ids=["b", "a", "c"], nsched={"b": 1, "a": 1, "c": 1}),
@@ -106,11 +124,25 @@ def test_steps_the_fast_path_must_leave_to_the_general_path(name: str) -> None:
         "preempted_none": lambda: _step(2, preempted_req_ids=None),
         "spec_order": lambda: _step(2, scheduled_spec_decode_tokens={"c": [4], "a": [5]},
                                     nsched={"a": 2, "b": 1, "c": 2}),
+        "spec_empty": lambda: _step(2, scheduled_spec_decode_tokens={"a": [5], "b": []},
+                                    nsched={"a": 2, "b": 1, "c": 1}),
         "finished": lambda: _step(2, finished_req_ids={"zz"}),
         "zero": lambda: _step(2, new_block_ids_to_zero=[3]),
     }[name]()
     after = _step(3, ids=list(odd.num_scheduled_tokens))
     assert _run([_first(), _step(1), odd, after]) == (2, 2)  # steps 1 and 3 only
+
+
+def test_drafts_of_an_unscheduled_request_are_a_local_error() -> None:
+    """vLLM never drafts for a request it did not schedule: both paths refuse it, typed."""
+    odd = _step(2, scheduled_spec_decode_tokens={"a": [5], "zz": [1]},
+                nsched={"a": 2, "b": 1, "c": 1})
+    for fast in (True, False):
+        enc = SchedulerOutputEncoder(secret=SECRET, fast=fast)
+        enc.encode(_first())
+        enc.encode(_step(1))
+        with pytest.raises(LocalProtocolError, match="unscheduled request"):
+            enc.encode(odd)
 
 
 def test_more_kv_groups_grow_one_group_at_a_time() -> None:

@@ -76,7 +76,11 @@ def _dict_keys(d: dict[str, Any], batch: list[str], pos: dict[str, int]) -> byte
     predicted = [rid for rid in batch if d.get(rid)]
     if list(d) == predicted:
         return None
-    return pack_uints([pos[k] for k in d]) if d else b""
+    unknown = [k for k in d if k not in pos]
+    if unknown:
+        raise LocalProtocolError("a per-request field names an unscheduled request",
+                                 req_ids=unknown[:8])
+    return pack_uints([pos[k] for k in d])
 
 
 class SchedulerOutputEncoder:

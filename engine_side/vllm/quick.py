@@ -22,7 +22,7 @@ actual lists); :meth:`QuickEncoder.body` keeps no reference to the SchedulerOutp
 from __future__ import annotations
 
 from itertools import chain, compress, repeat
-from operator import add, attrgetter, itemgetter, sub
+from operator import add, attrgetter, itemgetter, lt, sub
 from typing import Any, Literal
 
 import msgspec
@@ -36,6 +36,7 @@ from protocol.plan import STEADY_BODY
 
 SMALL = 32  # batches up to this size predict with Python lists, larger ones with numpy
 ROWS = 8  # steps a numpy forecast covers
+FEW_ROWS = 4  # grown rows up to this many take a Python loop (measured: maps win past ~6)
 CONNECTOR_FIELDS = ("kv_connector_metadata", "ec_connector_metadata",
                     "aux_output_connector_metadata", "ec_manager_metadata")
 _NO_ROWS = Rows(handles=pack_uints(np.zeros(0, dtype=np.int64)))
@@ -45,7 +46,9 @@ class Forecast:
     """Predicted computed and output counts of one batch for its next steps.
 
     Rows ``j = 1..`` advance ``computed`` by ``j * nsched``; a row is valid while
-    every step before it matched its own row and kept ``nsched``.
+    every step before it matched its own row and kept ``nsched``.  The first row
+    after a restart is made alone; batches over :data:`SMALL` then get a numpy table
+    of :data:`ROWS` rows at a time.
     """
 
     __slots__ = ("plen", "plen_np", "plen_less_one", "nsched", "total", "comp_rows", "out_rows",
@@ -84,7 +87,9 @@ class Forecast:
 
     def _build(self, computed: list[int]) -> None:
         ns, self.next = self.nsched, 0
-        if self.plen_np is None:  # C-level maps: no per-item bytecode
+        # C-level maps, one row: small batches, and the first row after a restart (a
+        # batch whose counts keep changing would pay for a table it never uses)
+        if self.plen_np is None or not self.comp_rows:
             row = list(map(add, computed, ns))
             outs = list(map(sub, row, self.plen_less_one))
             if min(outs, default=0) < 0:
@@ -209,8 +214,10 @@ class QuickEncoder:
             return () if new_blocks.count(None) == len(new_blocks) else None
         if len(grown) + new_blocks.count(None) != len(new_blocks):
             return None  # a falsy entry that is not None
-        entries = list(map(new_blocks.__getitem__, grown))
         groups = self.kv_groups
+        if groups == 1 and len(grown) <= FEW_ROWS:
+            return self._few_blocks(grown, new_blocks)
+        entries = list(map(new_blocks.__getitem__, grown))
         if groups == 1:  # the common case: C-level maps, no per-row Python
             if set(map(len, entries)) != {1}:
                 return None
@@ -239,22 +246,42 @@ class QuickEncoder:
                           values=pack_uints(values[g])) if rows[g] else _NO_ROWS
                      for g in range(groups))
 
+    def _few_blocks(self, grown: list[int], new_blocks: list[Any]) -> tuple[Rows] | None:
+        """:meth:`_blocks` of one KV group for a few grown rows (a loop beats the maps)."""
+        lens: list[int] = []
+        flat: list[int] = []
+        for k in grown:
+            entry = new_blocks[k]
+            if len(entry) != 1 or not entry[0]:
+                return None
+            lens.append(len(entry[0]))
+            flat += entry[0]
+        self.appends = [(grown, lens, flat)]
+        handles = self.handles
+        return (Rows(handles=pack_uints([handles[k] for k in grown]),
+                     counts=pack_row_counts(lens), values=pack_uints(flat)),)
+
     def _spec(self, drafts: dict[str, list[int]],
               ) -> tuple[Rows, tuple[list[int], list[int]]] | Literal[True] | None:
         """Speculative tokens as aligned rows and as (tokens per position, flat tokens)
         (True: none); None unless in batch order."""
         if not drafts:
             return True
-        pos, last = self.pos, -1
-        lengths = [0] * len(self.batch)
-        flat: list[int] = []
-        for rid, toks in drafts.items():
-            i = pos.get(rid, -1)
-            if i <= last or not toks:
-                return None
-            lengths[i], last = len(toks), i
-            flat += toks
-        rows = Rows(counts=pack_uints(lengths), values=pack_uints([t + 1 for t in flat]))
+        at = list(map(self.pos.get, drafts, repeat(-1)))  # C-level maps and checks
+        try:
+            lens = list(map(len, drafts.values()))
+        except TypeError:
+            return None  # not lists: the general path decides
+        if -1 in at or 0 in lens or not all(map(lt, at, at[1:])):
+            return None  # an unknown request, an empty list, or out of batch order
+        if len(at) == len(self.batch):
+            lengths = lens  # every request drafted (positions 0..n-1, increasing)
+        else:
+            lengths = [0] * len(self.batch)
+            for i, k in zip(at, lens, strict=True):
+                lengths[i] = k
+        flat = list(chain.from_iterable(drafts.values()))
+        rows = Rows(counts=pack_uints(lengths), values=pack_uints(list(map(add, flat, repeat(1)))))
         return rows, (lengths, flat)
 
 

@@ -16,9 +16,10 @@ from typing import Any
 
 from engine_side.vllm.quick import Forecast
 from engine_side.vllm.schema import StepExt
-from protocol.lane import LaneRows, lane_rows, lane_shaped
+from protocol.lane import NO_ROWS, LaneRows, lane_rows, lane_shaped
 from protocol.messages import DeltaBody
 from protocol.packing import unpack_sint_list, unpack_uint_list
+from protocol.plan import STEADY_BODY
 
 
 def _ints(packed: bytes) -> list[int]:
@@ -83,6 +84,8 @@ class QuickDecoder:
         """(block appends, count and draft rows) of a same-batch body, unpacked once for the
         steady lane and :meth:`scheduler_output`; None when the general path decides (a
         field that does not unpack included: the state raises it, typed)."""
+        if body == STEADY_BODY:  # the common step (its extension is empty: ext is NO_EXT)
+            return [], NO_ROWS
         if not plain_body(body, ext):
             return None
         blocks = self.blocks(body)
