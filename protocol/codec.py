@@ -8,7 +8,7 @@ accepts ``bytes``, ``memoryview`` or ``zmq.Frame`` objects and raises
 
 Encoders and decoders are built once per thread (the tensor hook keeps per-call
 scratch, so one encoder must not be shared across threads).  Messages that cannot
-hold a tensor (the steady step's empty Delta) and single-frame decodes use shared
+hold a tensor (a Delta that adds no request) and single-frame decodes use shared
 hook-free codecs instead: no per-thread state to look up (the steady path's cost).
 """
 
@@ -43,8 +43,13 @@ def _encoder() -> tuple[msgspec.msgpack.Encoder, list[Any]]:
 def encode(msg: Message) -> list[Frame]:
     """Encode ``msg`` to frames; tensor frames alias the sender's memory (SPEC §11)."""
     if type(msg) is Delta:
-        if msg.body is STEADY_BODY:  # header ints only: no tensor
-            return [compact_delta_map(_PLAIN_ENCODER.encode(msg))]
+        if msg.body is STEADY_BODY:  # header ints and an empty map: [4, epoch, seq, digest, {}]
+            return [_PLAIN_ENCODER.encode((4, msg.epoch, msg.seq, msg.digest, _EMPTY_MAP))]
+        if not msg.body.added:  # only added requests hold tensors: no frame state needed
+            try:
+                return [compact_delta_map(_PLAIN_ENCODER.encode(msg))]
+            except TypeError:
+                pass  # something off-schema: the hooked encoder decides
         body, tensors = _encode(msg)
         return [compact_delta_map(body), *tensors]
     body, tensors = _encode(msg)
@@ -98,6 +103,7 @@ def _no_frames(code: int, data: memoryview) -> Any:
 
 
 _PLAIN_ENCODER = msgspec.msgpack.Encoder()  # stateless: shared by all threads
+_EMPTY_MAP: dict[str, Any] = {}  # the steady Delta's body as a fixmap (never filled)
 #: single-frame messages: a tensor reference is an error, so no per-thread frame state
 _SINGLE_FRAME_DECODER = msgspec.msgpack.Decoder(AnyMessage, ext_hook=_no_frames)
 _DECODE_ERRORS = (msgspec.DecodeError, ValueError, TypeError, OverflowError)

@@ -114,7 +114,8 @@ class SteadyLane:
         self.segments, self.extra, self.comp = [[self.nsched, 0]], {}, None
 
     def step(self, body: DeltaBody, appends: list[Appends],
-             expected_digest: int | None = None, rows: LaneRows | None = None) -> int | None:
+             expected_digest: int | None = None, rows: LaneRows | None = None,
+             own_appends: bool = False) -> int | None:
         """Apply a :func:`lane_shaped` ``body`` whose block appends are ``appends`` (per KV group,
         batch positions; [] for none).  Returns the new digest, or None -- nothing done --
         when the lane cannot take the body (the state then decides).  Raises
@@ -122,7 +123,11 @@ class SteadyLane:
 
         ``rows``: the body's count and draft rows as lists when the caller has them
         (:func:`lane_rows`, or the lists the body was packed from); the caller then
-        vouches that the body is lane-shaped.  Without them the lane checks and unpacks."""
+        vouches that the body is lane-shaped.  Without them the lane checks and unpacks.
+
+        ``own_appends``: the caller made ``appends`` itself from a valid step (positions
+        distinct, increasing and scheduled; counts >= 1 summing to the ids), so only the
+        ids are checked."""
         if rows is None and not lane_shaped(body):
             return None
         if self.steps == 0 and self.version != self.state.version:
@@ -147,7 +152,7 @@ class SteadyLane:
                 if added[1] or added[2]:
                     return None  # ids without rows: the state refuses the shape
                 continue
-            plan = self._plan(g, added)
+            plan = self._plan(g, added, own_appends)
             if plan is None:
                 return None
             digest += plan[-1]
@@ -164,16 +169,13 @@ class SteadyLane:
             self.settle()
         return digest
 
-    def _plan(self, g: int, rows: Appends) -> tuple[list[int], list[int], list[int], int] | None:
+    def _plan(self, g: int, rows: Appends, own: bool = False,
+              ) -> tuple[list[int], list[int], list[int], int] | None:
         """(handles, starts, per-row terms, their sum) of group ``g``'s appends; None
-        unless positions are distinct and scheduled, counts >= 1 and ids fit."""
+        unless positions are distinct and scheduled, counts >= 1 and ids fit (``own``:
+        only the ids are checked, see :meth:`step`)."""
         pos, counts, values = rows
-        n = len(self.handles)
-        if len(pos) == 1:  # the common case: one row (the checks below, on scalars)
-            if len(counts) != 1 or not 0 <= pos[0] < n or not 1 <= counts[0] == len(values):
-                return None
-        elif len(counts) != len(pos) or len(set(pos)) != len(pos) or min(pos) < 0 \
-                or max(pos) >= n or min(counts) < 1 or sum(counts) != len(values):
+        if not own and not _rows_fit(pos, counts, len(values), len(self.handles)):
             return None
         if min(values) < 0 or max(values) >= _BLOCK_ID_LIMIT:
             return None
@@ -269,6 +271,15 @@ class SteadyLane:
         self.journal = [[] for _ in self.lengths]
         self.version, self.rows = self.state.version, 0
         self._restart()
+
+
+def _rows_fit(pos: list[int], counts: list[int], ids: int, n: int) -> bool:
+    """Appended rows at distinct scheduled positions (``n`` scheduled), >= 1 id each,
+    ``ids`` in all."""
+    if len(pos) == 1:  # the common case: one row, on scalars
+        return len(counts) == 1 and 0 <= pos[0] < n and 1 <= counts[0] == ids
+    return len(counts) == len(pos) and len(set(pos)) == len(pos) and min(pos) >= 0 \
+        and max(pos) < n and min(counts) >= 1 and sum(counts) == ids
 
 
 class LaneRows(NamedTuple):

@@ -59,6 +59,7 @@ from protocol.params import (
     SamplingSpec,
     StructuredOutputsSpec,
 )
+from protocol.plan import STEADY_BODY
 from protocol.request import ExecuteModelRequest, Ragged, RequestSpec, requests_equal
 from protocol.tensors import tensors_equal
 from worker_side import events as ev
@@ -248,6 +249,19 @@ def _check_delta_header(msg: Delta, frame: bytes) -> None:
         return
     assert body[:3] == bytes((0xDE, 0, entries))  # msgspec: map16 for DeltaBody
     assert frame == plain[:-len(body)] + bytes((0x80 | entries,)) + body[3:]
+
+
+@given(st.integers(0, (1 << 64) - 1), st.integers(0, (1 << 64) - 1),
+       st.integers(0, (1 << 64) - 1))
+def test_the_steady_delta_shortcut_writes_the_general_bytes(epoch: int, seq: int,
+                                                           digest: int) -> None:
+    """The steady Delta (the shared empty body) is written without encoding the struct:
+    the same bytes as the general path, which decode back to it."""
+    msg = Delta(epoch, seq, digest, STEADY_BODY)
+    frames = codec.encode(msg)
+    assert len(frames) == 1
+    _check_delta_header(msg, bytes(frames[0]))
+    assert_same(msg, codec.decode(frames))
 
 
 ZOO: dict[str, Any] = {

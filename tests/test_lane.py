@@ -94,10 +94,18 @@ def _outcome(apply: Callable[..., object], *args: object) -> str:
     return ""
 
 
+def _well_formed(appends: list[Appends], n: int) -> bool:
+    """Appends as the engine makes them: increasing scheduled positions, >= 1 id each."""
+    return all(pos == sorted(set(pos)) and all(0 <= p < n for p in pos) and len(counts) == len(pos)
+               and all(c >= 1 for c in counts) and sum(counts) == len(values)
+               for pos, counts, values in appends)
+
+
 def _lane_apply(lane: SteadyLane, state: ReplicaState, body: DeltaBody, appends: list[Appends],
-                expected: int | None) -> None:
-    """The adapter's use: the lane when it takes the body, else settle and apply."""
-    if lane.step(body, appends, expected) is None:  # (it refuses bodies not lane-shaped)
+                expected: int | None, own: bool = False) -> None:
+    """The adapter's use: the lane when it takes the body, else settle and apply
+    (``own``: the appends are vouched for, as the engine's own)."""
+    if lane.step(body, appends, expected, own_appends=own) is None:  # not lane-shaped
         lane.settle()
         state.apply(body, expected_digest=expected)
 
@@ -126,7 +134,8 @@ def test_the_lane_equals_applying_every_body(n: int, groups: int, data: st.DataO
         body, appends = data.draw(_step(n, groups, handles))
         expected = None if data.draw(st.integers(0, 5)) else data.draw(
             st.sampled_from([reference.digest, 12345]))
-        error = _outcome(_lane_apply, lane, laned, body, appends, expected)
+        own = _well_formed(appends, n) and data.draw(st.booleans())
+        error = _outcome(_lane_apply, lane, laned, body, appends, expected, own)
         assert error == _outcome(reference.apply, body, expected)
         assert (lane.digest if lane.steps else laned.digest) == reference.digest
         if data.draw(st.integers(0, 3)) == 0:

@@ -144,7 +144,8 @@ class SchedulerOutputEncoder:
             self.lane = SteadyLane(self.mirror.state)
         body = self.quick.body(so) if self.fast else None
         if body is not None:
-            digest = self.lane.step(body, self.quick.appends, rows=self.quick.rows)
+            digest = self.lane.step(body, self.quick.appends, rows=self.quick.rows,
+                                    own_appends=True)
             if digest is None:
                 self.lane.settle()
                 delta = self.mirror.apply_body(body)

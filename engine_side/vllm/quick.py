@@ -36,7 +36,7 @@ from protocol.plan import STEADY_BODY
 
 SMALL = 32  # batches up to this size predict with Python lists, larger ones with numpy
 ROWS = 8  # steps a numpy forecast covers
-FEW_ROWS = 4  # grown rows up to this many take a Python loop (measured: maps win past ~6)
+FEW_ROWS = 16  # grown rows up to this many take a Python loop (measured ~1 µs faster to 16)
 CONNECTOR_FIELDS = ("kv_connector_metadata", "ec_connector_metadata",
                     "aux_output_connector_metadata", "ec_manager_metadata")
 _NO_ROWS = Rows(handles=pack_uints(np.zeros(0, dtype=np.int64)))
@@ -52,7 +52,7 @@ class Forecast:
     """
 
     __slots__ = ("plen", "plen_np", "plen_less_one", "nsched", "total", "comp_rows", "out_rows",
-                 "next", "_last", "_base")
+                 "next", "_last", "_base", "_decoding")
 
     def __init__(self, plen: list[int]) -> None:
         self.plen = plen
@@ -65,12 +65,16 @@ class Forecast:
         self.next = 0
         self._last: Any = None  # numpy base of the next table (large batches)
         self._base: list[int] = []  # the counts the first row advances from
+        #: every output count of the last row and every scheduled count is >= 0, so rows
+        #: advancing from it need no clamp (reset by restart)
+        self._decoding = False
 
     def restart(self, computed: list[int], nsched: list[int]) -> None:
         """Predict from actual ``computed`` and ``nsched`` lists (the rows are made when
         :meth:`take` first needs them: a general step that follows never pays for them)."""
         self.nsched, self.total, self._last = nsched, sum(nsched), None
         self._base, self.comp_rows, self.out_rows, self.next = computed, [], [], 0
+        self._decoding = False
 
     def take(self) -> tuple[list[int], list[int]]:
         """(computed, outputs) predicted for the next step (shared lists: copy to keep)."""
@@ -92,8 +96,11 @@ class Forecast:
         if self.plen_np is None or not self.comp_rows:
             row = list(map(add, computed, ns))
             outs = list(map(sub, row, self.plen_less_one))
-            if min(outs, default=0) < 0:
-                outs = list(map(max, outs, repeat(0)))
+            if not self._decoding:  # once no output count is negative, none becomes so
+                if min(outs, default=0) < 0:
+                    outs = list(map(max, outs, repeat(0)))
+                else:
+                    self._decoding = min(ns, default=0) >= 0
             self.comp_rows, self.out_rows = [row], [outs]
             return
         base = self._last if self._last is not None else np.array(computed, dtype=np.int64)
