@@ -194,11 +194,13 @@ def replay(messages: list[tuple[str, Any]], breakdown: bool = False) -> dict[str
     steps: list[_Step] = []
     fields: Counter[str] = Counter()
     prev: dict[str, int] = {}
-    for i, (kind, obj) in enumerate(messages):
+    seen: Counter[str] = Counter()  # alternate per kind: a step holds an even number of messages
+    for kind, obj in messages:
         if kind == "execute_model":
             steps.append(_Step(obj, prev))
             prev = dict(obj.num_scheduled_tokens)
-        theirs = pickled(kind, obj) if i % 2 else None
+        seen[kind] += 1
+        theirs = pickled(kind, obj) if seen[kind] % 2 else None
         ours, frames = _ours(kind, obj, route[kind])
         theirs = theirs or pickled(kind, obj)
         if steps:
