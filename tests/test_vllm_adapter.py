@@ -24,6 +24,7 @@ from vllm_streams import scheduler_streams  # noqa: E402
 
 from engine_side.vllm import BadSeal, SchedulerOutputEncoder, SchemaMismatch, TokenLedger  # noqa: E402
 from engine_side.vllm.schema import check_schema, vllm_classes  # noqa: E402
+from protocol.errors import MalformedMessage  # noqa: E402
 from worker_side.vllm import SchedulerOutputDecoder  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -125,6 +126,16 @@ def test_sparse_grammar_bitmask_is_deflated_and_exact() -> None:
     decoded = dec.decode_grammar(frames)
     assert_vllm_equal(grammar, decoded)
     decoded.grammar_bitmask[0, 0] = 1  # a fresh, writable array like pickle's
+
+
+def test_a_grammar_message_without_its_bitmask_frame_is_malformed() -> None:
+    enc, dec = _pair()
+    ids = list(_first(enc, dec).num_scheduled_tokens)
+    dense = np.arange(len(ids) * 4, dtype=np.int32).reshape(len(ids), 4)  # sent as a frame
+    frames = _wire(enc.encode_grammar(GrammarOutput(ids, dense, None)))
+    assert len(frames) == 2
+    with pytest.raises(MalformedMessage, match="tensor frame"):
+        dec.decode_grammar(frames[:1])
 
 
 def test_model_runner_output_round_trips() -> None:

@@ -58,6 +58,15 @@ HISTORY = 8
 _EXT = msgspec.msgpack.Decoder(StepExt)
 
 
+def _no_frames(code: int, data: memoryview) -> Any:
+    raise MalformedMessage("grammar message references a tensor frame it does not have",
+                           code=code)
+
+
+#: a single-frame GrammarMsg (the bitmask deflated or absent): nothing for a hook to resolve
+_GRAMMAR = msgspec.msgpack.Decoder(GrammarMsg, ext_hook=_no_frames)
+
+
 def _ints(packed: bytes) -> list[int]:
     return unpack_uints(packed).tolist() if packed else []
 
@@ -327,7 +336,8 @@ class SchedulerOutputDecoder:
             return None
         from vllm.v1.core.sched.output import GrammarOutput
 
-        dec = msgspec.msgpack.Decoder(GrammarMsg, ext_hook=make_ext_hook(frames[1:], copy=True))
+        dec = _GRAMMAR if len(frames) == 1 else \
+            msgspec.msgpack.Decoder(GrammarMsg, ext_hook=make_ext_hook(frames[1:], copy=True))
         try:
             msg = dec.decode(frames[0])
         except (msgspec.DecodeError, ValueError, TypeError) as exc:
