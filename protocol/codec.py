@@ -98,14 +98,15 @@ def _as_buffer(frame: Any) -> Any:
     return frame.buffer if hasattr(frame, "buffer") else frame
 
 
-def _no_frames(code: int, data: memoryview) -> Any:
+def no_tensor_frames(code: int, data: memoryview) -> Any:
+    """The ext hook of a single-frame message: any tensor reference is malformed."""
     raise MalformedMessage("message references a tensor frame it does not have", code=code)
 
 
 _PLAIN_ENCODER = msgspec.msgpack.Encoder()  # stateless: shared by all threads
 _EMPTY_MAP: dict[str, Any] = {}  # the steady Delta's body as a fixmap (never filled)
 #: single-frame messages: a tensor reference is an error, so no per-thread frame state
-_SINGLE_FRAME_DECODER = msgspec.msgpack.Decoder(AnyMessage, ext_hook=_no_frames)
+_SINGLE_FRAME_DECODER = msgspec.msgpack.Decoder(AnyMessage, ext_hook=no_tensor_frames)
 _DECODE_ERRORS = (msgspec.DecodeError, ValueError, TypeError, OverflowError)
 
 

@@ -182,14 +182,6 @@ def row_terms(handles: list[int], group: int, starts: list[int], counts: list[in
     """Each row's block-term sum: row ``i`` appends ``counts[i]`` of the flat ``values``
     to handle ``handles[i]``'s table in ``group`` at ``starts[i]``.  Python ints; numpy
     past :data:`SMALL` rows of one block each."""
-    if len(values) == 1 == len(handles) and counts[0] == 1:  # the common single block
-        z = (values[0] * _SPEC_I + starts[0] * _POS_I + handles[0] * _HANDLE_I
-             + ((group * _GROUP_I) & MASK)) & MASK
-        z ^= z >> 30
-        z = (z * _M1I) & MASK
-        z ^= z >> 27
-        z = (z * _M2I) & MASK
-        return [z ^ (z >> 31)]
     if len(values) == len(handles) and 0 not in counts:  # one block per row: a term each
         if len(values) > SMALL:
             return block_terms_rows(handles, group, starts, values).tolist()  # type: ignore[no-any-return]

@@ -58,13 +58,8 @@ HISTORY = 8
 _EXT = msgspec.msgpack.Decoder(StepExt)
 
 
-def _no_frames(code: int, data: memoryview) -> Any:
-    raise MalformedMessage("grammar message references a tensor frame it does not have",
-                           code=code)
-
-
 #: a single-frame GrammarMsg (the bitmask deflated or absent): nothing for a hook to resolve
-_GRAMMAR = msgspec.msgpack.Decoder(GrammarMsg, ext_hook=_no_frames)
+_GRAMMAR = msgspec.msgpack.Decoder(GrammarMsg, ext_hook=codec.no_tensor_frames)
 
 
 def _ints(packed: bytes) -> list[int]:
