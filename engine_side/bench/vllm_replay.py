@@ -6,8 +6,9 @@ SchedulerOutput / GrammarOutput / ModelRunnerOutput objects by fresh decoders;
 the same loop, through vLLM's own message: protocol-5 pickle of the
 MultiprocExecutor RPC tuple ``(method, (obj,), {}, 0)`` or the reply
 ``(SUCCESS, output)``, out-of-band buffers counted.  The side timed first
-alternates from message to message: the first to touch a recorded object pays
-for its cache misses (15-20 % of a small step), so neither side always does.
+alternates per message kind (a step holds an even number of messages): the first
+to touch a recorded object pays for its cache misses (15-25 % of a small step),
+so neither side always does.
 
 A **step** opens at each ``execute_model``: the request path is its message plus
 the ``sample_tokens`` message, the reply path their two replies.  µs are
