@@ -222,19 +222,15 @@ class QuickEncoder:
         if len(grown) + new_blocks.count(None) != len(new_blocks):
             return None  # a falsy entry that is not None
         groups = self.kv_groups
-        if groups == 1 and len(grown) <= FEW_ROWS:
-            return self._few_blocks(grown, new_blocks)
-        entries = list(map(new_blocks.__getitem__, grown))
-        if groups == 1:  # the common case: C-level maps, no per-row Python
-            if set(map(len, entries)) != {1}:
+        if groups == 1:  # the common case
+            lists = _one_block_group(grown, new_blocks)
+            if lists is None:
                 return None
-            ids = list(map(itemgetter(0), entries))
-            if not all(ids):
-                return None
-            lens, flat = list(map(len, ids)), list(chain.from_iterable(ids))
+            lens, flat = lists
             self.appends = [(grown, lens, flat)]
             return (Rows(handles=pack_uints(list(map(self.handles.__getitem__, grown))),
                          counts=pack_row_counts(lens), values=pack_uints(flat)),)
+        entries = list(map(new_blocks.__getitem__, grown))
         rows: list[list[int]] = [[] for _ in range(groups)]
         at: list[list[int]] = [[] for _ in range(groups)]
         counts: list[list[int]] = [[] for _ in range(groups)]
@@ -252,21 +248,6 @@ class QuickEncoder:
         return tuple(Rows(handles=pack_uints(rows[g]), counts=pack_row_counts(counts[g]),
                           values=pack_uints(values[g])) if rows[g] else _NO_ROWS
                      for g in range(groups))
-
-    def _few_blocks(self, grown: list[int], new_blocks: list[Any]) -> tuple[Rows] | None:
-        """:meth:`_blocks` of one KV group for a few grown rows (a loop beats the maps)."""
-        lens: list[int] = []
-        flat: list[int] = []
-        for k in grown:
-            entry = new_blocks[k]
-            if len(entry) != 1 or not entry[0]:
-                return None
-            lens.append(len(entry[0]))
-            flat += entry[0]
-        self.appends = [(grown, lens, flat)]
-        handles = self.handles
-        return (Rows(handles=pack_uints([handles[k] for k in grown]),
-                     counts=pack_row_counts(lens), values=pack_uints(flat)),)
 
     def _spec(self, drafts: dict[str, list[int]],
               ) -> tuple[Rows, tuple[list[int], list[int]]] | Literal[True] | None:
@@ -290,6 +271,30 @@ class QuickEncoder:
         flat = list(chain.from_iterable(drafts.values()))
         rows = Rows(counts=pack_uints(lengths), values=pack_uints(list(map(add, flat, repeat(1)))))
         return rows, (lengths, flat)
+
+
+def _one_block_group(grown: list[int], new_blocks: list[Any],
+                     ) -> tuple[list[int], list[int]] | None:
+    """(ids per grown row, flat ids) of a one-group step's ``new_blocks`` at ``grown``;
+    None unless every grown entry is one non-empty group.  A loop for a few rows,
+    C-level maps past :data:`FEW_ROWS` (no per-row bytecode)."""
+    if len(grown) <= FEW_ROWS:
+        lens: list[int] = []
+        flat: list[int] = []
+        for k in grown:
+            entry = new_blocks[k]
+            if len(entry) != 1 or not entry[0]:
+                return None
+            lens.append(len(entry[0]))
+            flat += entry[0]
+        return lens, flat
+    entries = list(map(new_blocks.__getitem__, grown))
+    if set(map(len, entries)) != {1}:
+        return None
+    ids = list(map(itemgetter(0), entries))
+    if not all(ids):
+        return None
+    return list(map(len, ids)), list(chain.from_iterable(ids))
 
 
 # A plain step's rare fields, read by one C call and compared with one tuple.
