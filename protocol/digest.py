@@ -3,9 +3,11 @@
 digest = Σ spec terms + Σ computed-token terms + Σ block terms + Σ token terms
          + schedule term   (all mod 2**64)
 
-Each term is a splitmix64 mix of an item keyed by its handle and position, so a
-change anywhere changes the digest with overwhelming probability, and adding or
-removing one item changes only its own term.  No Python ``hash()`` is used, so
+Each term is a splitmix64 mix of an item keyed by its handle and position, or (the
+computed and scheduled counts) the count times such a mixed odd key, so a change
+anywhere changes the digest with overwhelming probability, and adding or removing
+one item changes only its own term.  The linear terms make a count change one
+product (the steady lane's count exceptions and advances).  No Python ``hash()`` is used, so
 digests are stable across processes and PYTHONHASHSEED values.
 """
 
@@ -94,10 +96,18 @@ def token_terms(handles: npt.ArrayLike, positions: npt.ArrayLike, tokens: npt.Ar
     return mix64(_u64(tokens) * _K_TOKEN + _u64(positions) * _K_POS + _u64(handles) * _K_SPEC)
 
 
-def schedule_term(handles: npt.ArrayLike, num_scheduled: npt.ArrayLike) -> int:
+def schedule_keys(handles: npt.ArrayLike, positions: npt.ArrayLike | None = None) -> U64:
+    """Odd multipliers of the scheduled counts, per (handle, position); positions
+    ``0..`` by default."""
     h = _u64(handles)
-    pos = np.arange(h.size, dtype=np.uint64)
-    return total(mix64(h * _K_SCHED + pos * _K_POS + _u64(num_scheduled) * _K_TOKEN))
+    pos = np.arange(h.size, dtype=np.uint64) if positions is None else _u64(positions)
+    return mix64(h * _K_SCHED + pos * _K_POS) | np.uint64(1)
+
+
+def schedule_term(handles: npt.ArrayLike, num_scheduled: npt.ArrayLike) -> int:
+    """``(count + 1) * skey(handle, position)`` summed: linear in the counts, so a count
+    change costs one product; the ``+ 1`` keeps a zero count's place in the term."""
+    return total((_u64(num_scheduled) + np.uint64(1)) * schedule_keys(handles))
 
 
 # -- the same terms on Python ints, for the few items of a common step ---------------------
@@ -107,7 +117,7 @@ SMALL = 16  # at most this many items: Python ints (numpy costs ~15 µs a call c
 _M1I, _M2I = int(_M1), int(_M2)
 _SPEC_I, _COMP_I, _POS_I = int(_K_SPEC), int(_K_COMP), int(_K_POS)
 _HANDLE_I, _GROUP_I = int(_K_HANDLE), int(_K_GROUP)
-_SCHED_I, _TOKEN_I = int(_K_SCHED), int(_K_TOKEN)
+_SCHED_I = int(_K_SCHED)
 
 
 def mix64_int(z: int) -> int:
@@ -131,18 +141,19 @@ def computed_change(handles: list[int], deltas: list[int]) -> int:
     return sum(d * handle_key_int(h) for h, d in zip(handles, deltas, strict=True)) & MASK
 
 
+def schedule_key_int(h: int, position: int) -> int:
+    """:func:`schedule_keys` of one (handle, position)."""
+    return mix64_int((h * _SCHED_I + position * _POS_I) & MASK) | 1
+
+
 def schedule_change(handles: list[int], positions: list[int], old: list[int],
                     new: list[int]) -> int:
     """Digest change of the scheduled counts at ``positions`` going from ``old`` to ``new``."""
     if len(handles) > SMALL:
-        keyed = _u64(handles) * _K_SCHED + _u64(positions) * _K_POS
-        return (total(mix64(keyed + _u64(new) * _K_TOKEN))
-                - total(mix64(keyed + _u64(old) * _K_TOKEN))) & MASK
-    out = 0
-    for h, p, a, b in zip(handles, positions, old, new, strict=True):
-        key = h * _SCHED_I + p * _POS_I
-        out += mix64_int((key + b * _TOKEN_I) & MASK) - mix64_int((key + a * _TOKEN_I) & MASK)
-    return out & MASK
+        moved = np.asarray(new, dtype=np.int64) - np.asarray(old, dtype=np.int64)
+        return total(moved.astype(np.uint64) * schedule_keys(handles, positions))
+    return sum((b - a) * schedule_key_int(h, p)
+               for h, p, a, b in zip(handles, positions, old, new, strict=True)) & MASK
 
 
 def block_row_sums(handle: int, group: int, start: int, blocks: list[int]) -> int:

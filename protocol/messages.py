@@ -20,7 +20,7 @@ import msgspec
 
 from protocol.params import LoRASpec, MMFeatureRef, PoolingSpec, SamplingSpec
 
-PROTOCOL_MAJOR = 1
+PROTOCOL_MAJOR = 2  # 2: the schedule digest term is linear in the counts (SPEC §12)
 PROTOCOL_MINOR = 0
 
 # Feature bits offered in Hello.  A bit, once assigned, keeps its meaning.

@@ -22,7 +22,8 @@ from typing import Any, BinaryIO
 
 import msgspec
 
-from protocol.errors import LocalProtocolError
+from protocol.errors import IncompatibleVersion, LocalProtocolError
+from protocol.messages import PROTOCOL_MAJOR
 
 MAGIC = b"DELTACAST-REC\x00\x01\n"
 KINDS = {"execute_model": 1, "sample_tokens": 2, "reply": 3, "sample_reply": 4}
@@ -34,6 +35,9 @@ class RecordHeader(msgspec.Struct, frozen=True, omit_defaults=True):
     vllm_version: str = ""
     kv_groups: int = 1
     meta: dict[str, str] = msgspec.field(default_factory=dict)
+    #: the protocol major the frames were made with (absent in files of protocol 1);
+    #: its Deltas carry that major's digests, so another major cannot replay them
+    protocol: int = 1
 
 
 class NotARecording(LocalProtocolError):
@@ -46,7 +50,8 @@ class RecordWriter:
     def __init__(self, path: str | Path, meta: dict[str, str] | None = None,
                  vllm_version: str = "", kv_groups: int = 1) -> None:
         self._f: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed in close()
-        header = msgspec.msgpack.encode(RecordHeader(1, vllm_version, kv_groups, meta or {}))
+        header = msgspec.msgpack.encode(RecordHeader(1, vllm_version, kv_groups, meta or {},
+                                                     PROTOCOL_MAJOR))
         self._f.write(MAGIC + struct.pack("<I", len(header)) + header)
 
     def write(self, kind: str, frames: list[Any]) -> None:
@@ -81,6 +86,11 @@ class RecordReader:
             self.header = msgspec.msgpack.decode(self.data[start:start + n], type=RecordHeader)
         except msgspec.DecodeError as exc:
             raise NotARecording(f"{path}: corrupt header", cause=str(exc)) from exc
+        if self.header.protocol != PROTOCOL_MAJOR:
+            raise IncompatibleVersion(
+                f"{path} was recorded with deltacast protocol {self.header.protocol}; this "
+                f"version reads protocol {PROTOCOL_MAJOR} recordings: record it again",
+                ours=PROTOCOL_MAJOR, theirs=self.header.protocol)
         self.meta = self.header.meta
         self._start = start + n
 

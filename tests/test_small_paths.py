@@ -44,9 +44,9 @@ def test_short_signed_lists_pack_like_arrays(values: list[int]) -> None:
                           st.integers(0, 999)), max_size=2 * dg.SMALL))
 def test_digest_changes_match_the_numpy_terms(items: list[tuple[int, int, int, int]]) -> None:
     hs, pos, old, new = (list(c) for c in zip(*items, strict=True)) if items else ([],) * 4
-    keyed = dg._u64(hs) * dg._K_SCHED + dg._u64(pos) * dg._K_POS
-    expected = (dg.total(dg.mix64(keyed + dg._u64(new) * dg._K_TOKEN))
-                - dg.total(dg.mix64(keyed + dg._u64(old) * dg._K_TOKEN))) & dg.MASK
+    keys = dg.mix64(dg._u64(hs) * dg._K_SCHED + dg._u64(pos) * dg._K_POS) | np.uint64(1)
+    expected = (dg.total((dg._u64(new) + np.uint64(1)) * keys)
+                - dg.total((dg._u64(old) + np.uint64(1)) * keys)) & dg.MASK
     assert dg.schedule_change(hs, pos, old, new) == (expected if items else 0)
     deltas = [b - a for a, b in zip(old, new, strict=True)]
     expected = (dg.total(dg.computed_terms(hs, new)) - dg.total(dg.computed_terms(hs, old)))

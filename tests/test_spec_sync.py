@@ -202,7 +202,7 @@ def _spec_digest(state: ReplicaState) -> int:
                     & _MASK
                 )
     for i, (h, n) in enumerate(zip(state.schedule.tolist(), state.nsched.tolist(), strict=True)):
-        total += _mix64((h * k["K_SCHED"] + i * k["K_POS"] + n * k["K_TOKEN"]) & _MASK)
+        total += (n + 1) * (_mix64((h * k["K_SCHED"] + i * k["K_POS"]) & _MASK) | 1)
     return total & _MASK
 
 

@@ -160,7 +160,7 @@ def test_bad_mac_is_refused_before_unpickling() -> None:
     from vllm.v1.core.sched.output import SchedulerOutput
 
     so = SchedulerOutput.make_empty()
-    so.kv_connector_metadata = OpaqueMeta("kv", [1])
+    so.kv_connector_metadata = OpaqueMeta("kv", [1])  # type: ignore[assignment]  # any object
     with pytest.raises(BadSeal):
         dec.decode(_wire(enc.encode(so)))
     assert dec.seq == 0 and dec.state is None  # refused before anything changed
@@ -196,6 +196,27 @@ def test_record_file_round_trips_and_refuses_other_files(tmp_path: Path) -> None
     evil.write_bytes(pickle.dumps({"x": 1}))
     with pytest.raises(NotARecording):
         RecordReader(evil)
+
+
+def test_recording_of_another_protocol_major_is_refused(tmp_path: Path) -> None:
+    """A protocol-1 file (no ``protocol`` in its header) carries protocol-1 digests:
+    refused up front, naming both majors, rather than failing mid-replay."""
+    import struct
+
+    import msgspec
+
+    from engine_side.vllm.record import RecordReader
+    from protocol.errors import IncompatibleVersion
+    from protocol.messages import PROTOCOL_MAJOR
+    from protocol.recording import MAGIC, RecordHeader
+
+    old = tmp_path / "old.dcrec"
+    header = msgspec.msgpack.encode(RecordHeader(1, "0.32.0", 1, {}, protocol=1))
+    assert b"protocol" not in header  # how every protocol-1 file looks
+    old.write_bytes(MAGIC + struct.pack("<I", len(header)) + header)
+    with pytest.raises(IncompatibleVersion, match="record it again") as caught:
+        RecordReader(old)
+    assert (caught.value.ours, caught.value.theirs) == (PROTOCOL_MAJOR, 1) and PROTOCOL_MAJOR > 1
 
 
 # ---------------------------------------------------------------- a real vLLM (CPU)

@@ -351,6 +351,7 @@ def test_stale_handle_is_refused(local: Local) -> None:
 
 def test_unsupported_item_is_refused_before_sending() -> None:
     enc = SchedulerOutputEncoder(1, secret=SECRET)
-    bad = MultiModalKwargsItem({"x": MultiModalFieldElem("text", MultiModalBatchedField())})
+    bad = MultiModalKwargsItem({"x": MultiModalFieldElem(
+        "text", MultiModalBatchedField())})  # type: ignore[arg-type]  # deliberately no tensor
     with pytest.raises(UnsupportedItem):
         enc.encode(step([new_req("a", [("X", bad)])]))

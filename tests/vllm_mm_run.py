@@ -18,7 +18,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 AUDIO_PROMPT = "the <|audio_bos|><|AUDIO|><|audio_eos|> quick brown"
 HIDDEN = 128
@@ -47,15 +47,16 @@ def build_tiny_audio_model(path: Path) -> Path:
     tok.add_special_tokens({"additional_special_tokens": ["<|AUDIO|>", "<|audio_bos|>",
                                                           "<|audio_eos|>"]})
     torch.manual_seed(0)
+    audio_token = tok.convert_tokens_to_ids("<|AUDIO|>")
+    assert isinstance(audio_token, int)  # one token, one id
     audio = Qwen2AudioEncoderConfig(d_model=64, encoder_layers=1, encoder_attention_heads=2,
                                     encoder_ffn_dim=128, num_mel_bins=128)
     text = Qwen2Config(hidden_size=HIDDEN, intermediate_size=256, num_attention_heads=2,
                        num_key_value_heads=2, num_hidden_layers=2, vocab_size=len(tok),
                        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
     config = Qwen2AudioConfig(audio_config=audio.to_dict(), text_config=text.to_dict(),
-                              audio_token_index=tok.convert_tokens_to_ids("<|AUDIO|>"),
-                              torch_dtype="bfloat16")
-    Qwen2AudioForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(path)
+                              audio_token_index=audio_token, dtype="bfloat16")
+    Qwen2AudioForConditionalGeneration(config).bfloat16().save_pretrained(path)
     weights = path / "model.safetensors"  # transformers 5 doubles "model." in the legacy names
     renamed = {k.replace("language_model.model.model.", "language_model.model."): v
                for k, v in load_file(weights).items()}
@@ -143,7 +144,7 @@ def _run(model: str, delta: bool) -> dict[str, Any]:
     llm = LLM(model=model, enforce_eager=True, block_size=32, max_model_len=256, seed=0,
               dtype="bfloat16", max_num_batched_tokens=256, enable_prompt_embeds=True,
               limit_mm_per_prompt={"audio": 1}, **kw)
-    ex = llm.llm_engine.engine_core.engine_core.model_executor
+    ex = cast(Any, llm.llm_engine.engine_core).engine_core.model_executor  # in-process client
     ex.collective_rpc(_install_recorder)
     out: dict[str, Any] = {"outputs": [_outputs(llm.generate(*_requests(r))) for r in (0, 1)]}
     out["seen"] = ex.collective_rpc(_seen)[0]

@@ -34,7 +34,7 @@ def pickled(kind: str, obj: Any) -> tuple[int, float, float]:
     """Bytes, dumps s, loads s of vLLM's own message for ``obj``."""
     from vllm.v1.executor.multiproc_executor import WorkerProc
 
-    msg = (_RPC[kind], (obj,), {}, 0) if kind in _RPC else \
+    msg: tuple[Any, ...] = (_RPC[kind], (obj,), {}, 0) if kind in _RPC else \
         (WorkerProc.ResponseStatus.SUCCESS, obj)
     bufs: list[Any] = []
     t0 = time.perf_counter()

@@ -43,8 +43,8 @@ def build_tiny_model(path: Path) -> Path:
     config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2,
                          num_key_value_heads=2, num_hidden_layers=2, vocab_size=VOCAB,
                          max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
-                         torch_dtype="bfloat16")
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+                         dtype="bfloat16")
+    LlamaForCausalLM(config).bfloat16().save_pretrained(path)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     corpus = [" ".join(WORDS[(i * 7) % len(WORDS):] + WORDS[:i % 5]) for i in range(400)]

@@ -5,6 +5,8 @@ decodes the workers' ModelRunnerOutput replies); its worker-side peer is
 ``worker_side.vllm.SchedulerOutputDecoder``.
 """
 
+from typing import Any
+
 from engine_side.vllm.convert import BadSeal, TokenLedger
 from engine_side.vllm.encoder import SchedulerOutputEncoder
 from engine_side.vllm.schema import SUPPORTED_VLLM, SchemaMismatch, check_schema
@@ -13,7 +15,7 @@ __all__ = ["SUPPORTED_VLLM", "BadSeal", "SchedulerOutputEncoder", "SchemaMismatc
            "TokenLedger", "check_schema", "DeltaExecutor"]
 
 
-def __getattr__(name: str) -> object:
+def __getattr__(name: str) -> Any:
     if name == "DeltaExecutor":  # lazily: it imports vLLM's executor machinery
         from engine_side.vllm.executor import DeltaExecutor
 

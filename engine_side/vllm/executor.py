@@ -116,7 +116,8 @@ class DeltaExecutor(Executor):
         self.divergent: list[RankDiverged] = []
         self._divergence_callbacks: list[Callable[[RankDiverged], None]] = []
         self.secret = secrets.token_bytes(32)
-        extra = self.vllm_config.additional_config or {}
+        extra: dict[str, Any] = self.vllm_config.additional_config \
+            if isinstance(self.vllm_config.additional_config, dict) else {}
         store_mb = extra.get("deltacast_mm_store_mb", 0)
         self.spin_s = float(extra.get("deltacast_spin_ms", self.spin_ms)) / 1e3
         self._replied = 0.0  # monotonic time of the last message from a rank

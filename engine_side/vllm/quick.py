@@ -22,7 +22,7 @@ actual lists); :meth:`QuickEncoder.body` keeps no reference to the SchedulerOutp
 from __future__ import annotations
 
 from itertools import chain, compress, repeat
-from operator import add, attrgetter, itemgetter, lt, sub
+from operator import add, attrgetter, itemgetter, lt, ne, sub
 from typing import Any, Literal
 
 import msgspec
@@ -87,7 +87,9 @@ class Forecast:
         self.next += 1
 
     def outputs(self, computed: list[int]) -> list[int]:
-        return [c - p + 1 if c >= p else 0 for c, p in zip(computed, self.plen, strict=True)]
+        """``max(computed - plen + 1, 0)`` per request (C-level maps)."""
+        outs = list(map(sub, computed, self.plen_less_one))
+        return list(map(max, outs, repeat(0))) if min(outs, default=0) < 0 else outs
 
     def _build(self, computed: list[int]) -> None:
         ns, self.next = self.nsched, 0
@@ -112,8 +114,9 @@ class Forecast:
 
 
 def changed(new: list[int], old: list[int]) -> list[int]:
-    """Positions where two equally long lists differ."""
-    return [i for i, (a, b) in enumerate(zip(new, old, strict=True)) if a != b]
+    """Positions where two equally long lists differ (C-level maps; the caller checks
+    the lengths)."""
+    return list(compress(range(len(new)), map(ne, new, old)))
 
 
 class QuickEncoder:
@@ -185,27 +188,30 @@ class QuickEncoder:
         output departures returned (positions and deltas, empty when there are none)."""
         fc = self.forecast
         comp, comp_outs = fc.take()
-        actual = cached.num_computed_tokens
+        actual, outs = cached.num_computed_tokens, cached.num_output_tokens
+        if len(actual) != len(comp) or len(outs) != len(comp):
+            return None  # the general path refuses it
         if actual == comp:
             predicted = comp_outs
         else:
             moved = changed(actual, comp)
-            if min(actual[i] for i in moved) < 0:
+            now = list(map(actual.__getitem__, moved))
+            if min(now) < 0:
                 return None  # the general path refuses it
-            moves = [actual[i] - comp[i] for i in moved]
+            moves = list(map(sub, now, map(comp.__getitem__, moved)))
             fields["computed_tokens"] = Rows(handles=pack_uints(moved), values=pack_sints(moves))
             lists["computed"] = (moved, moves)
             predicted = fc.outputs(actual)
         if not same_ns:
             moved = changed(nsched, fc.nsched)
-            values = [nsched[i] for i in moved]
+            values = list(map(nsched.__getitem__, moved))
             fields["scheduled_tokens"] = Rows(handles=pack_uints(moved), values=pack_uints(values))
             lists["scheduled"] = (moved, values)
         ext = (b"", b"")
-        outs = cached.num_output_tokens
         if outs != predicted:
             off = changed(outs, predicted)
-            ext = (pack_uints(off), pack_sints([outs[i] - predicted[i] for i in off]))
+            ext = (pack_uints(off), pack_sints(list(map(
+                sub, map(outs.__getitem__, off), map(predicted.__getitem__, off)))))
         if same_ns and "computed_tokens" not in fields:
             fc.advanced()
         else:
