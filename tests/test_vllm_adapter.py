@@ -150,6 +150,10 @@ def test_model_runner_output_round_trips() -> None:
         kv_connector_output=KVConnectorOutput(finished_sending={"gone"}, expected_finished_count=2))
     assert_vllm_equal(out, enc.decode_reply(_wire(dec.encode_reply(out))))
     assert enc.decode_reply(_wire(dec.encode_reply(None))) is None
+    frames = _wire(dec.encode_reply(out))
+    assert len(frames) > 1  # the logprobs arrays travel as frames
+    with pytest.raises(MalformedMessage, match="tensor frame"):
+        enc.decode_reply(frames[:1])  # the shared single-frame decoder refuses the refs
 
 
 def test_bad_mac_is_refused_before_unpickling() -> None:

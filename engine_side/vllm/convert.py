@@ -273,9 +273,14 @@ class StepMemory:
             self._plen_col = np.fromiter((self.plen[rid] for rid in ids), np.int64, len(ids))
         return np.maximum(0, computed - self._plen_col + 1)
 
-    def record_sampled(self, rid: str, tokens: list[int]) -> None:
-        if self.ledger is not None and rid in self.known:
-            self.ledger.extend(rid, tokens)
+    def record_output(self, out: Any) -> None:
+        """A ModelRunnerOutput's sampled tokens into the ledger (nothing without one)."""
+        ledger, known = self.ledger, self.known
+        if ledger is None:
+            return
+        for rid, tokens in zip(out.req_ids, out.sampled_token_ids, strict=False):
+            if rid in known:
+                ledger.extend(rid, tokens)
 
 
 def cached_order(positions: list[int], batch: list[str], resumed: set[str]) -> list[int]:

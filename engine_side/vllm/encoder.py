@@ -60,6 +60,9 @@ from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
 from protocol.tensors import make_enc_hook, make_ext_hook
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+#: single-frame replies (the common ones): a tensor reference is malformed, so one shared
+#: decoder serves them (the others need a hook over their own frames)
+_REPLY = msgspec.msgpack.Decoder(ReplyMsg, ext_hook=codec.no_tensor_frames)
 CONNECTOR_FIELDS = ("kv_connector_metadata", "ec_connector_metadata",
                     "aux_output_connector_metadata", "ec_manager_metadata")
 HISTORY = 8  # steps whose batch order replies may still reference
@@ -395,8 +398,7 @@ class SchedulerOutputEncoder:
         """The worker's ModelRunnerOutput (fresh objects); feeds the token ledger."""
         out = decode_reply(frames, self.batches, self.secret)
         if out is not None:
-            for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=False):
-                self.mem.record_sampled(rid, toks)
+            self.mem.record_output(out)
         return out
 
 
@@ -449,7 +451,8 @@ def decode_reply(frames: list[Any], batches: dict[int, list[str]], secret: bytes
     """ModelRunnerOutput (or None) from a worker's reply frames."""
     from vllm.v1.outputs import ModelRunnerOutput, SamplingMaskLists
 
-    decoder = msgspec.msgpack.Decoder(ReplyMsg, ext_hook=make_ext_hook(frames[1:], copy=True))
+    decoder = _REPLY if len(frames) == 1 else \
+        msgspec.msgpack.Decoder(ReplyMsg, ext_hook=make_ext_hook(frames[1:], copy=True))
     try:
         msg = decoder.decode(frames[0])
     except (msgspec.DecodeError, ValueError, TypeError) as exc:

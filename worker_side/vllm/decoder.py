@@ -348,8 +348,7 @@ class SchedulerOutputDecoder:
         """Frames of a ModelRunnerOutput (or None) answering the newest decoded step."""
         msg = ReplyMsg(seq=self.seq, none=True) if out is None else self._reply(out)
         if out is not None:
-            for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=False):
-                self.mem.record_sampled(rid, toks)
+            self.mem.record_output(out)
         self._aux.clear()
         try:
             return [self._reply_enc.encode(msg), *self._aux]
