@@ -7,8 +7,8 @@ Each term is a splitmix64 mix of an item keyed by its handle and position, or (t
 computed and scheduled counts) the count times such a mixed odd key, so a change
 anywhere changes the digest with overwhelming probability, and adding or removing
 one item changes only its own term.  The linear terms make a count change one
-product (the steady lane's count exceptions and advances).  No Python ``hash()`` is used, so
-digests are stable across processes and PYTHONHASHSEED values.
+product (the steady lane's count exceptions and advances).  No Python ``hash()`` is
+used, so digests are stable across processes and PYTHONHASHSEED values.
 """
 
 from __future__ import annotations
