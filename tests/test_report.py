@@ -6,8 +6,10 @@ import argparse
 import itertools
 import json
 import pickle
+import struct
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from engine_side.bench import baselines
@@ -17,6 +19,7 @@ from engine_side.report.accounting import CATEGORIES, delta_breakdown, pickle_v1
 from engine_side.report.replay import FORMATS, replay
 from engine_side.report.workloads import BUILTIN, load_workload
 from protocol import codec
+from protocol.recording import MAGIC, RecordHeader
 from protocol.request import request_differences
 
 
@@ -82,6 +85,10 @@ def test_report_refuses_unknown_workloads_and_foreign_files(tmp_path: Path) -> N
     foreign = tmp_path / "stream.pkl"
     foreign.write_bytes(pickle.dumps({"not": "a recording"}))
     assert cli.run(parser.parse_args([str(foreign), "--quick", "--out", str(tmp_path)])) == 2
+    old = tmp_path / "old.dcrec"  # a protocol-1 recording: its header names no major
+    header = msgspec.msgpack.encode(RecordHeader(protocol=1))
+    old.write_bytes(MAGIC + struct.pack("<I", len(header)) + header)
+    assert cli.run(parser.parse_args([str(old), "--quick", "--out", str(tmp_path)])) == 2
 
 
 def test_report_replays_a_recording(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from engine_side.workloads import SCENARIOS, Scenario, Workload
 from protocol import codec
-from protocol.errors import ProtocolError
+from protocol.errors import IncompatibleVersion, ProtocolError
 from protocol.messages import TOKEN_MODE_WORKER, Delta
 from protocol.params import MMFeatureRef
 from protocol.recording import NotARecording, RecordReader
@@ -166,11 +166,12 @@ def load_workload(name: str, *, steps: int, batch: int | None, seed: int,
 def _recording(path: Path, steps: int) -> Source:
     """The engine's full requests of a ``deltacast record`` file, rebuilt from its Deltas.
 
-    Raises ValueError for a file that is not a recording (it is never unpickled).
+    Raises ValueError for a file that is not a recording (it is never unpickled) or
+    that another protocol major made (its digests differ).
     """
     try:
         reader = RecordReader(path)
-    except NotARecording as exc:
+    except (NotARecording, IncompatibleVersion) as exc:
         raise ValueError(str(exc)) from exc
     deltas = [frames for kind, frames in reader if kind == "execute_model"]
     if not deltas:
