@@ -67,9 +67,35 @@ def spec_terms(handles: npt.ArrayLike, hashes: npt.ArrayLike) -> U64:
     return mix64(np.asarray(hashes, dtype=np.uint64) ^ (_u64(handles) * _K_SPEC))
 
 
-def handle_keys(handles: npt.ArrayLike) -> U64:
-    """Odd 64-bit per-handle multipliers for the linear computed-token terms."""
+def spec_term_int(handle: int, spec_hash: int) -> int:
+    """:func:`spec_terms` of one handle."""
+    return mix64_int(spec_hash ^ ((handle * _SPEC_I) & MASK))
+
+
+#: handle_keys of handles 0..size-1, grown on demand up to KEY_CACHE_LIMIT handles (a key
+#: depends on the handle alone, so one table serves every state in the process)
+KEY_CACHE_LIMIT = 1 << 20
+_key_cache: U64 = np.zeros(0, dtype=np.uint64)
+
+
+def _handle_keys_uncached(handles: npt.ArrayLike) -> U64:
     return mix64(_u64(handles) * _K_COMP + _K_HANDLE) | np.uint64(1)
+
+
+def handle_keys(handles: npt.ArrayLike) -> U64:
+    """Odd 64-bit per-handle multipliers for the linear computed-token terms (from a
+    process-wide table: one gather instead of a chain of numpy calls)."""
+    global _key_cache
+    h = np.asarray(handles, dtype=np.int64)
+    if not h.size:
+        return np.zeros(0, dtype=np.uint64)
+    top = int(h.max())
+    if int(h.min()) < 0 or top >= KEY_CACHE_LIMIT:
+        return _handle_keys_uncached(h)
+    if top >= _key_cache.size:
+        size = min(max(2 * top, 1024), KEY_CACHE_LIMIT)
+        _key_cache = _handle_keys_uncached(np.arange(size, dtype=np.int64))
+    return _key_cache[h]
 
 
 def computed_terms(handles: npt.ArrayLike, computed: npt.ArrayLike) -> U64:

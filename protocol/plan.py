@@ -65,6 +65,8 @@ class _Planner(BlockPlanner):
         self.appended: dict[int, tuple[IntArray, IntArray, IntArray]] = {}  # group -> rows
         self.digest = state.digest
         self.advance: int | None = None  # advance term of a changed nsched (same schedule)
+        #: (schedule, nsched, schedule term) of a new schedule (the state caches it)
+        self.schedule_term: tuple[IntArray, IntArray, int] | None = None
 
     def _own_live(self) -> None:
         if not self._live_owned:
@@ -84,7 +86,7 @@ class _Planner(BlockPlanner):
         """Subtract every digest term of live handle ``h`` (finish or replace)."""
         cols = self.state.cols
         lost = int(cols.spec_term[h]) + int(cols.token_sum[h]) + int(cols.block_sum[:, h].sum())
-        lost += dg.total(dg.computed_terms([h], [cols.computed[h]]))
+        lost += dg.handle_key_int(h) * int(cols.computed[h])
         self.digest = (self.digest - lost) & dg.MASK
 
     def finishes(self) -> IntArray:
@@ -121,13 +123,12 @@ class _Planner(BlockPlanner):
         for a in added:
             self.live[a.handle] = True
             self.reset.add(a.handle)
-            terms = dg.spec_terms([a.handle], [a.spec_hash])
-            terms = np.concatenate([terms, dg.computed_terms([a.handle], [a.computed])])
+            gained = dg.spec_term_int(a.handle, a.spec_hash) + \
+                dg.handle_key_int(a.handle) * a.computed
             if a.tokens is not None:
                 pos = np.arange(a.tokens.size)
-                terms = np.concatenate([terms, dg.token_terms(np.full(pos.size, a.handle), pos,
-                                                              a.tokens)])
-            self.digest = (self.digest + dg.total(terms)) & dg.MASK
+                gained += dg.total(dg.token_terms(np.full(pos.size, a.handle), pos, a.tokens))
+            self.digest = (self.digest + gained) & dg.MASK
 
     def _resolve_add(self, new: NewRequest) -> Added:
         prompt: IntArray | None = None
@@ -308,9 +309,9 @@ class _Planner(BlockPlanner):
         changed = np.unique(np.concatenate([advanced, sched[pos]])) if pos.size else advanced
         if changed.size and new[changed].min() < 0:
             raise self.fail("computed tokens would become negative")
-        old_t = dg.total(dg.computed_terms(changed, base[changed]))
-        new_t = dg.total(dg.computed_terms(changed, new[changed]))
-        self.digest = (self.digest - old_t + new_t) & dg.MASK
+        # linear terms: the change is the moved counts times the handles' keys
+        moved = dg.total(dg.computed_terms(changed, new[changed] - base[changed]))
+        self.digest = (self.digest + moved) & dg.MASK
         return changed, new[changed]
 
     def _move_computed(self, new: IntArray, sched: IntArray, at: list[int],
@@ -350,9 +351,9 @@ class _Planner(BlockPlanner):
         pred[pos] = vals
         pred.flags.writeable = False  # installed as the state's nsched, shared by rebuild
         if sched is not state.schedule or not np.array_equal(pred, state.nsched):
-            old_t = dg.schedule_term(state.schedule, state.nsched)
             new_t = dg.schedule_term(sched, pred)
-            self.digest = (self.digest - old_t + new_t) & dg.MASK
+            self.digest = (self.digest - state.schedule_term() + new_t) & dg.MASK
+            self.schedule_term = (sched, pred, new_t)
         return pred
 
     def _changed_nsched(self, sched: IntArray) -> IntArray:
@@ -467,4 +468,5 @@ def prepare(state: ReplicaState, body: DeltaBody) -> Plan:
     plan.appended = p.appended if not p.reset and not body.block_replace else {}  # type: ignore[attr-defined]
     plan.truncated_sums = p.truncated_sums  # type: ignore[attr-defined]
     plan.advance = p.advance  # type: ignore[attr-defined]
+    plan.schedule_term = p.schedule_term  # type: ignore[attr-defined]
     return plan

@@ -62,12 +62,74 @@ class BlockPlanner:
                 for g, rows in enumerate(self.body.block_append)]
         edits = []
         for g in range(groups):
-            rep = self._block_rows(self.body.block_replace[g] if self.body.block_replace
-                                   else None, sched, g)
-            app = self._block_rows(self.body.block_append[g] if self.body.block_append
-                                   else None, sched, g)
-            edits.append(self._block_edit(g, rep, app))
+            rep_rows = self.body.block_replace[g] if self.body.block_replace else None
+            app_rows = self.body.block_append[g] if self.body.block_append else None
+            edit = self._few_edit(g, rep_rows, app_rows)
+            if edit is None:
+                edit = self._block_edit(g, self._block_rows(rep_rows, sched, g),
+                                        self._block_rows(app_rows, sched, g))
+            edits.append(edit)
         return edits
+
+    def _few_rows(self, rows: Rows | None, g: int) -> tuple[list[int], list[int],
+                                                          list[int]] | None:
+        """:meth:`_block_rows` of a few named rows on Python ints (the same checks, in the
+        same order); None when they are not a few (the numpy path decides)."""
+        if rows is None:
+            return [], [], []
+        hb, vb = rows.handles, rows.values
+        if len(hb) < 2 or not 0 < hb[1] <= dg.SMALL or len(vb) < 2 or vb[1] >= 0x80:
+            return None  # byte 1 is the count (one LEB128 byte below 128)
+        hs, values = unpack_uint_list(hb), unpack_uint_list(vb)
+        counts = unpack_uint_list(rows.counts) if rows.counts else [1] * len(hs)
+        if len(counts) != len(hs) or sum(counts) != len(values):
+            raise self.fail("rows shape mismatch", rows=len(hs), counts=len(counts),
+                            values=len(values))
+        live = self.live
+        if max(hs) >= live.size or not all([live.item(h) for h in hs]):
+            raise self.fail("blocks names a handle that is not live", handles=hs[:8])
+        if len(set(hs)) != len(hs):
+            raise self.fail("block rows repeat a handle", group=g)
+        if values and max(values) >> 31:  # the tables are int32 (SPEC.md §8)
+            raise self.fail("block id does not fit 31 bits", group=g, id=max(values))
+        return hs, counts, values
+
+    def _few_current(self, g: int, hs: list[int]) -> tuple[list[int], list[int]]:
+        """:meth:`_current` on Python ints."""
+        table, cols = self.state.blocks[g], self.state.lazy_cols
+        inside, reset = min(table.lengths.size, cols.capacity), self.reset
+        lens = [0 if h >= inside or h in reset else table.lengths.item(h) for h in hs]
+        sums = [0 if h >= inside or h in reset else cols.block_sum.item(g, h) for h in hs]
+        return lens, sums
+
+    def _few_edit(self, g: int, rep_rows: Rows | None, app_rows: Rows | None,
+                  ) -> BlockEdit | None:
+        """:meth:`_block_edit` of a few named rows (replacements and appends, reset handles
+        allowed) on Python ints; None when they are not a few."""
+        rep = self._few_rows(rep_rows, g)
+        app = None if rep is None else self._few_rows(app_rows, g)
+        if rep is None or app is None:
+            return None
+        (rep_hs, rep_counts, rep_values), (app_hs, app_counts, app_values) = rep, app
+        _, rep_old = self._few_current(g, rep_hs)
+        rep_new = dg.row_terms(rep_hs, g, [0] * len(rep_hs), rep_counts, rep_values)
+        starts, app_base = self._few_current(g, app_hs)
+        where = {h: i for i, h in enumerate(rep_hs)}
+        for i, h in enumerate(app_hs):  # appends after a replacement in the same delta
+            if h in where:
+                starts[i], app_base[i] = rep_counts[where[h]], rep_new[where[h]]
+        added = dg.row_terms(app_hs, g, starts, app_counts, app_values)
+        app_new = [(b + a) & dg.MASK for b, a in zip(app_base, added, strict=True)]
+        self.digest = (self.digest + sum(rep_new) - sum(rep_old) + sum(added)) & dg.MASK
+        app_a = _array(app_hs), _array(app_counts), _array(app_values)
+        if app_hs:
+            self.appended[g] = app_a
+        also_appended = set(app_hs)
+        kept = [i for i, h in enumerate(rep_hs) if h not in also_appended]
+        return BlockEdit(_array(rep_hs), _array(rep_counts), _array(rep_values), app_a[0],
+                         _array(starts), app_a[1], app_a[2],
+                         _array([rep_hs[i] for i in kept] + app_hs),
+                         np.array([rep_new[i] for i in kept] + app_new, dtype=np.uint64))
 
     def _block_rows(self, rows: Rows | None, sched: IntArray,
                     g: int) -> tuple[IntArray, IntArray, IntArray]:
@@ -172,6 +234,10 @@ class BlockPlanner:
             self.digest = (self.digest + sum(sums)) & dg.MASK
         self.appended[g] = (hs, counts, values)
         return BlockEdit(_EMPTY, _EMPTY, _EMPTY, hs, starts, counts, values, hs, base + added)
+
+
+def _array(values: list[int]) -> IntArray:
+    return np.array(values, dtype=np.int64) if values else _EMPTY
 
 
 class FewAppends(NamedTuple):

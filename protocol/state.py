@@ -82,6 +82,8 @@ class ReplicaState:
         self.step = StepInfo()
         self.version = 0  # counts changes (a :class:`protocol.lane.SteadyLane` checks it)
         self._rebuild_cache: dict[object, object] = {}
+        #: (schedule, nsched, their schedule term): see :meth:`schedule_term`
+        self._schedule_term: tuple[IntArray, IntArray, int] = (self.schedule, self.nsched, 0)
 
     # -- applying deltas ------------------------------------------------------------
     def apply(self, body: DeltaBody, expected_digest: int | None = None) -> Plan | None:
@@ -304,6 +306,9 @@ class ReplicaState:
                 cols.in_sched[plan.schedule] = True
             cols.last_nsched[plan.schedule] = plan.nsched
             self.schedule, self.nsched = plan.schedule, plan.nsched
+        term = getattr(plan, "schedule_term", None)
+        if term is not None:
+            self._schedule_term = term
         advance = getattr(plan, "advance", None)
         if advance is not None:  # the next steady advance, known from the changed counts
             self._rebuild_cache["advance"] = (self.schedule, self.nsched, advance)
@@ -339,7 +344,7 @@ class ReplicaState:
         cols.live[h] = True
         cols.in_sched[h] = False
         self.specs[h] = spec
-        cols.spec_term[h] = dg.spec_terms([h], [spec_hash])[0]
+        cols.spec_term[h] = dg.spec_term_int(h, spec_hash)
         cols.computed[h] = computed
         if tokens is not None:
             self.tokens[h] = TokenBuffer(tokens)
@@ -457,6 +462,15 @@ class ReplicaState:
                                                  toks))
         total += dg.schedule_term(self.schedule, self.nsched)
         return total & dg.MASK
+
+    def schedule_term(self) -> int:
+        """``dg.schedule_term`` of the current schedule and counts (cached per pair of
+        arrays: both are replaced on change, never edited)."""
+        cached = self._schedule_term
+        if cached[0] is not self.schedule or cached[1] is not self.nsched:
+            cached = (self.schedule, self.nsched, dg.schedule_term(self.schedule, self.nsched))
+            self._schedule_term = cached
+        return cached[2]
 
     def rebuild(self) -> ExecuteModelRequest:
         """The full request of the last applied step, made of fresh containers."""

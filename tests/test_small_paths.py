@@ -3,6 +3,8 @@ short packed arrays, digest changes, and same-schedule deltas applied to a state
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -156,3 +158,80 @@ def test_absent_counts_mean_one_value_per_row() -> None:
     assert state.digest == state.recompute_digest()
     assert state.blocks[0][2].tolist() == [2, 9] and state.blocks[0][0].tolist() == [0, 11]
     assert state.rebuild().spec_token_ids.to_lists() == [[4], [5], [6]]
+
+
+@given(st.lists(st.integers(0, (1 << 20) + 64), max_size=40))
+def test_cached_handle_keys_match_the_mixed_ones(handles: list[int]) -> None:
+    """The process-wide key table (grown on demand, bypassed past its limit) gives the
+    keys the mixing function gives; one handle's spec term likewise on Python ints."""
+    expected = dg._handle_keys_uncached(handles) if handles else np.zeros(0, np.uint64)
+    assert dg.handle_keys(handles).tolist() == expected.tolist()
+    assert [dg.handle_key_int(h) for h in handles] == expected.tolist()
+    for h in handles[:4]:
+        assert dg.spec_term_int(h, h * 7919) == int(dg.spec_terms([h], [h * 7919])[0])
+
+
+def _general_bodies(state: ReplicaState) -> list[DeltaBody]:
+    """Bodies that finish handle 0, add handle 5 and edit tables, some of them refused."""
+    from protocol.messages import NewRequest
+
+    add = NewRequest(handle=5, req_id="r5", prompt=pack_uints(list(range(8))))
+    sched = state.schedule.tolist()
+    common: dict[str, Any] = {"finished": pack_uints([0]), "added": (add,),
+              "schedule_drop": pack_uints([0]), "schedule_append": pack_uints([5])}
+    replace = Rows(handles=pack_uints([5, 1]), counts=pack_uints([3, 0]),
+                   values=pack_uints([40, 41, 42]))
+    append = Rows(handles=pack_uints([2, 5]), counts=pack_uints([2, 1]),
+                  values=pack_uints([50, 51, 52]))
+    bad = [Rows(handles=pack_uints([0]), values=pack_uints([1])),  # finished: not live
+           Rows(handles=pack_uints([2, 2]), values=pack_uints([1, 2])),  # repeated
+           Rows(handles=pack_uints([2]), counts=pack_uints([2]), values=pack_uints([1])),
+           Rows(handles=pack_uints([2]), values=pack_uints([1 << 31]))]  # over 31 bits
+    assert sched == [0, 1, 2]
+    bodies = [DeltaBody(**common, block_replace=(replace,)),
+              DeltaBody(**common, block_append=(append,)),
+              DeltaBody(**common, block_replace=(replace,), block_append=(append,))]
+    bodies += [DeltaBody(**common, block_append=(rows,)) for rows in bad]
+    return bodies + [DeltaBody(**common, block_replace=(rows,)) for rows in bad]
+
+
+def test_few_block_edits_of_general_steps_match_the_numpy_path() -> None:
+    """Replacements and appends of a step that also finishes and adds (Python ints for a
+    few rows) give the numpy path's tables and digest, and refuse what it refuses with
+    the same error, leaving the state unchanged."""
+    import pytest
+
+    from protocol.plan_blocks import BlockPlanner
+
+    def outcome(body: DeltaBody) -> tuple[object, ...]:
+        mirror = EngineMirror()
+        mirror.diff(_request(3, [8] * 3, [1] * 3, [[0], [1, 2], [3]]))
+        state: ReplicaState = mirror.state
+        before = state.digest
+        try:
+            state.apply(body)
+        except Exception as exc:  # noqa: BLE001 - compared below
+            assert state.digest == before == state.recompute_digest()
+            return type(exc).__name__, str(exc)
+        assert state.digest == state.recompute_digest()
+        return state.digest, [state.blocks[0][h].tolist() for h in (1, 2, 5)]
+
+    mirror = EngineMirror()
+    mirror.diff(_request(3, [8] * 3, [1] * 3, [[0], [1, 2], [3]]))
+    few_edit, taken = BlockPlanner._few_edit, []
+
+    def spy(self: BlockPlanner, *args: object) -> object:
+        edit = few_edit(self, *args)  # type: ignore[arg-type]
+        taken.append(edit is not None)
+        return edit
+
+    refused = 0
+    for body in _general_bodies(mirror.state):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(BlockPlanner, "_few_edit", spy)
+            fast = outcome(body)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(BlockPlanner, "_few_edit", lambda *args: None)
+            assert outcome(body) == fast
+        refused += fast[0] == "InvalidDelta"
+    assert refused == 8 and taken[:3] == [True] * 3

@@ -9,10 +9,12 @@ is checked with ``hmac.compare_digest`` before anything is unpickled).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import pickle
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -34,6 +36,10 @@ from protocol.request import IntArray, RequestSpec
 _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
                  "top_p", "min_p")
 _SPEC_FIELDS = SamplingSpec.__struct_fields__
+#: SamplingSpec fields whose type admits a list (a decoded spec holds its declared types,
+#: so no other field can hold one)
+_LIST_FIELDS = frozenset(f.name for f in msgspec.structs.fields(SamplingSpec)
+                         if "list" in repr(f.type))
 _MAC_BYTES = 32
 
 
@@ -77,11 +83,28 @@ def _structured_from_spec(spec: StructuredOutputsSpec | None) -> Any:
     return _bare(StructuredOutputsParams, **values)
 
 
+@functools.cache
+def _sampling_reader(cls: Any) -> attrgetter[Any]:
+    """One C call reading a SamplingParams class's values in ``SamplingSpec`` field order
+    (vLLM keeps some of them private: ``_all_stop_token_ids`` ...)."""
+    return attrgetter(*(name if hasattr(cls, name) else "_" + name for name in _SPEC_FIELDS))
+
+
+@functools.cache
+def _spec_reader() -> tuple[tuple[str, ...], attrgetter[Any], tuple[str, ...]]:
+    """SamplingParams' fields, one C call reading them from a ``SamplingSpec``, and
+    those that may hold a list."""
+    from vllm.sampling_params import SamplingParams
+
+    names = SamplingParams.__struct_fields__
+    lists = tuple(name for name in names if name.lstrip("_") in _LIST_FIELDS)
+    return names, attrgetter(*(name.lstrip("_") for name in names)), lists
+
+
 def sampling_to_spec(sp: Any) -> tuple[SamplingSpec, tuple[str, ...], str]:
     """(spec, float fields holding ints, dtype of an ndarray prompt_logprob_token_ids)."""
-    values: dict[str, Any] = {}
-    for name in _SPEC_FIELDS:
-        values[name] = getattr(sp, name if hasattr(type(sp), name) else "_" + name)
+    cls: Any = type(sp)
+    values = dict(zip(_SPEC_FIELDS, _sampling_reader(cls)(sp), strict=True))
     int_floats = tuple(f for f in _FLOAT_FIELDS if type(values[f]) is int)
     for f in int_floats:
         values[f] = float(values[f])
@@ -103,10 +126,12 @@ def spec_to_sampling(spec: SamplingSpec, int_floats: Iterable[str] = (), dtype: 
     """A fresh ``SamplingParams`` equal in every field (private ones included)."""
     from vllm.sampling_params import RepetitionDetectionParams, RequestOutputKind, SamplingParams
 
-    values: dict[str, Any] = {}
-    for name in SamplingParams.__struct_fields__:
-        v = getattr(spec, name.lstrip("_"))
-        values[name] = list(v) if isinstance(v, list) else v
+    names, read, lists = _spec_reader()
+    values = dict(zip(names, read(spec), strict=True))
+    for name in lists:  # the caller's lists are its own: fresh ones
+        v = values[name]
+        if isinstance(v, list):
+            values[name] = list(v)
     for f in int_floats:
         values[f] = int(values[f])
     values["output_kind"] = RequestOutputKind(values["output_kind"])
