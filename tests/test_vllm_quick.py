@@ -195,3 +195,50 @@ def test_quick_outputs_are_built_like_the_constructor_builds_them() -> None:
         assert "__slots__" not in vars(cls)
         assert list(vars(obj)) == [f.name for f in dataclasses.fields(cls)]
     assert got == _step(1, blocks=[([90],), None, None])
+
+
+def _tables_made_afresh(enc: SchedulerOutputEncoder, so: SchedulerOutput) -> None:
+    """The encoder's last tables equal tables made from its lists for ``so``'s batch."""
+    from protocol.request import Ragged
+
+    batch = list(so.num_scheduled_tokens)
+    groups = enc.kv_groups or 1
+    fresh = [Ragged.from_lists([enc.tables[rid][g] for rid in batch]) for g in range(groups)]
+    assert enc._last_blocks is not None and len(enc._last_blocks) == groups
+    for got, want in zip(enc._last_blocks, fresh, strict=True):
+        assert got.lengths.tolist() == want.lengths.tolist()
+        assert got.values.tolist() == want.values.tolist()
+
+
+@settings(max_examples=30, deadline=None)
+@given(stream=scheduler_streams())
+def test_carried_block_tables_equal_tables_made_afresh(stream: dict[str, Any]) -> None:
+    """The general path carries last step's tables (rows that left dropped, appends
+    patched in, joining rows made from its lists): always the tables made afresh."""
+    enc = SchedulerOutputEncoder(stream["kv_groups"], secret=SECRET, fast=False)
+    for so in stream["steps"]:
+        enc.encode(so)
+        _tables_made_afresh(enc, so)
+        event("a request joined or left" if so.scheduled_new_reqs or so.finished_req_ids
+              else "same batch")
+
+
+def test_carried_tables_take_appends_and_drop_a_re_added_request() -> None:
+    """A request leaves while another grows a block and one joins; then a request that
+    finished joins again under the same id (its old table must not be carried)."""
+    def joined(rid: str, block: int) -> NewRequestData:
+        return NewRequestData(rid, list(range(PROMPT)), [], SamplingParams(temperature=0),
+                              None, ([block],), 0, None)
+
+    grow = _step(1, ids=["a", "b"], blocks=[None, ([77],)], finished_req_ids={"c"},
+                 nsched={"a": 1, "b": 1, "d": PROMPT})
+    grow.scheduled_new_reqs = [joined("d", 40)]
+    again = _step(2, ids=["b", "d"], computed=[PROMPT + 1, PROMPT], outputs=[2, 1],
+                  finished_req_ids={"a"}, nsched={"b": 1, "d": 1, "a": PROMPT})
+    again.scheduled_new_reqs = [joined("a", 50)]
+    enc = SchedulerOutputEncoder(secret=SECRET, fast=False)
+    for so in (_first(), grow, again):
+        enc.encode(so)
+        _tables_made_afresh(enc, so)
+    assert enc._last_blocks is not None
+    assert enc._last_blocks[0].values.tolist() == [10, 77, 40, 50]

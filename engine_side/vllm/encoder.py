@@ -22,7 +22,7 @@ decoder in order; the transport adds sequencing and resync.
 
 from __future__ import annotations
 
-from itertools import accumulate, chain
+from itertools import accumulate, chain, compress
 from typing import Any
 
 import msgspec
@@ -232,21 +232,51 @@ class SchedulerOutputEncoder:
             self.tables.pop(rid, None)
 
     def _block_tables(self, batch: list[str], so: Any) -> tuple[Ragged, ...]:
-        """Whole tables in batch order: last step's, patched with appends when the batch repeats."""
+        """Whole tables in batch order: last step's with its rows that left dropped, this
+        step's appends patched in and rows joining at the end made from our lists; all
+        made from our lists when last step's are unknown or a request resumed."""
         cached = so.scheduled_cached_reqs
         last = self._last_blocks
-        if last is None or so.scheduled_new_reqs or cached.resumed_req_ids \
-                or batch != self._last_batch:
-            last = tuple(self._ragged([self.tables[rid][g] for rid in batch])
-                         for g in range(self.kv_groups or 1))
+        carried = None if last is None or cached.resumed_req_ids else \
+            self._carried(last, batch, {nr.req_id for nr in so.scheduled_new_reqs})
+        if carried is None:
+            tables = tuple(self._ragged([self.tables[rid][g] for rid in batch])
+                           for g in range(self.kv_groups or 1))
         else:
-            grown = [k for k, nb in enumerate(cached.new_block_ids) if nb is not None]
+            tables, kept = carried
+            pos = self._pos
+            grown = [k for k, nb in enumerate(cached.new_block_ids)
+                     if nb is not None and pos[cached.req_ids[k]] < kept]
             if grown:
-                rows = [self._pos[cached.req_ids[k]] for k in grown]
-                last = tuple(_append_rows(t, rows, [cached.new_block_ids[k][g] for k in grown])
-                             for g, t in enumerate(last))
-        self._last_blocks, self._last_batch = last, batch
-        return last
+                rows = [pos[cached.req_ids[k]] for k in grown]
+                tables = tuple(_append_rows(t, rows, [cached.new_block_ids[k][g] for k in grown])
+                               for g, t in enumerate(tables))
+        self._last_blocks, self._last_batch = tables, batch
+        return tables
+
+    def _carried(self, last: tuple[Ragged, ...], batch: list[str], new: set[str],
+                 ) -> tuple[tuple[Ragged, ...], int] | None:
+        """(last step's tables without the rows that left, with the rows past them made
+        from our lists; how many rows were carried) when ``batch`` is last step's batch
+        less some requests, in the same order, plus requests it did not hold at the end
+        (``new``: requests whose tables start afresh this step, never carried); else
+        None.  The carried rows still lack this step's appends."""
+        prev = self._last_batch
+        if batch == prev and not new:
+            return last, len(batch)
+        pos = self._pos
+        keep = [rid in pos and rid not in new for rid in prev]
+        kept = keep.count(True)
+        if list(compress(prev, keep)) != batch[:kept]:
+            return None  # reordered: the general rebuild
+        mask = np.array(keep, dtype=bool)
+        tables = []
+        for g, table in enumerate(last):
+            rows = self._ragged([self.tables[rid][g] for rid in batch[kept:]])
+            values = table.values[np.repeat(mask, table.lengths)]
+            tables.append(Ragged(np.concatenate([table.lengths[mask], rows.lengths]),
+                                 np.concatenate([values, rows.values])))
+        return tuple(tables), kept
 
     @staticmethod
     def _ragged(rows: list[list[int]]) -> Ragged:
