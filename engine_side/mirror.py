@@ -26,7 +26,7 @@ from operator import is_not
 
 import numpy as np
 
-from engine_side.diffing import DiffContext, _same_specs
+from engine_side.diffing import BlockHint, DiffContext, _same_specs
 from protocol.errors import LocalProtocolError
 from protocol.messages import TOKEN_MODE_WORKER, Delta, DeltaBody, Snapshot
 from protocol.plan import STEADY_BODY
@@ -102,15 +102,16 @@ class EngineMirror:
         self._steady_ok = token_mode == TOKEN_MODE_WORKER  # engine tokens: never empty
         self._nsched: tuple[IntArray, bytes] = (self.state.nsched, b"")  # and its bytes
 
-    def diff(self, request: ExecuteModelRequest) -> Delta:
+    def diff(self, request: ExecuteModelRequest, hint: BlockHint | None = None) -> Delta:
         """The delta from the workers' state to ``request``; advances the mirror.
+        ``hint``: the caller's word on which block-table rows changed (see BlockHint).
 
         Raises LocalProtocolError for an inconsistent request (the mirror is then
         unchanged).
         """
         if self._steady_ok and self._is_steady(request):
             return self._advance(request)
-        return self._diff(request)
+        return self._diff(request, hint)
 
     def apply_body(self, body: DeltaBody) -> Delta:
         """The Delta of a body the caller built against the current schedule itself (an
@@ -135,8 +136,8 @@ class EngineMirror:
         self.seq += 1
         return Delta(self.epoch, self.seq, digest, body)
 
-    def _diff(self, request: ExecuteModelRequest) -> Delta:
-        ctx = DiffContext(self, request)
+    def _diff(self, request: ExecuteModelRequest, hint: BlockHint | None = None) -> Delta:
+        ctx = DiffContext(self, request, hint)
         try:
             body = ctx.build()
         except LocalProtocolError:

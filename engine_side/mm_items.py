@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from engine_side.diffing import BlockHint
 from engine_side.mirror import EngineMirror
 from engine_side.shm_store import ShmStore
 from protocol.messages import Delta, Snapshot
@@ -98,8 +99,8 @@ class MultimodalEngine:
     def snapshot(self) -> Snapshot:
         return self.mirror.snapshot()
 
-    def diff(self, request: ExecuteModelRequest) -> Delta:
-        """``mirror.diff`` of ``request`` with its items stored and referenced.
+    def diff(self, request: ExecuteModelRequest, hint: BlockHint | None = None) -> Delta:
+        """``mirror.diff`` of ``request`` (and ``hint``) with its items stored and referenced.
 
         Raises what ``mirror.diff`` raises (LocalProtocolError), and
         LocalProtocolError for an encoder input index outside a request's
@@ -107,12 +108,12 @@ class MultimodalEngine:
         """
         if self.store is None:
             self.stats.inline += sum(len(s.mm_features) for s in self._new_specs(request))
-            return self.mirror.diff(request)
+            return self.mirror.diff(request, hint)
         step = _Step()
         try:
             wire = self._rewrite(request, step)
             plan = self.lifetimes.plan(wire)
-            delta = self.mirror.diff(wire)
+            delta = self.mirror.diff(wire, hint)
         except BaseException:
             for key in step.puts:
                 self.store.unref(key)

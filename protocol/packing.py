@@ -83,6 +83,10 @@ def pack_uints(values: npt.ArrayLike) -> bytes:
         packed = _pack_list(values)
         if packed is not None:
             return packed
+    elif type(values) is np.ndarray and values.size <= PACK_SMALL and values.dtype.kind in "iu":
+        packed = _pack_list(values.ravel().tolist())  # Python ints beat numpy's fixed costs
+        if packed is not None:
+            return packed
     arr = np.asarray(values)
     if arr.size and arr.min() < 0:
         raise ValueError("pack_uints takes non-negative values; use pack_sints")

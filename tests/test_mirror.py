@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from engine_side.diffing import BlockHint
 from engine_side.mirror import PREFIX_MIN_TOKENS, EngineMirror
 from protocol import codec
 from protocol.errors import LocalProtocolError
@@ -251,3 +252,39 @@ def test_output_token_rows_are_read_only_views() -> None:
         r.tokens = [5, 6, 7]
     pair.step(rows)
     assert [row.tolist() for row in out] == [[5, 6], [5, 6]]  # earlier views never change
+
+
+# ---------------------------------------------------------------- block hints
+
+
+def _hinted_and_plain(steps: list[tuple[ExecuteModelRequest, BlockHint | None]]) -> None:
+    """Each step diffed by two mirrors, one given the hint: the same bodies, and the
+    hinted mirror's state rebuilds the request (verify)."""
+    hinted, plain = EngineMirror(verify=True), EngineMirror(verify=True)
+    for request, hint in steps:
+        assert hinted.diff(request, hint).body == plain.diff(request).body
+
+
+def test_block_hints_give_the_bodies_of_a_whole_table_diff() -> None:
+    """Rows that left, a kept row growing, rows joining at the end (new, and one the
+    mirror holds that grew while away), and a hint whose kept row restarts (ignored)."""
+    rows = prefill(4)
+    steps: list[tuple[ExecuteModelRequest, BlockHint | None]] = [(batch(rows), None)]
+    decode_step(rows)
+    away = rows.pop(1)  # scheduled again later, its table grown meanwhile
+    rows[1].blocks = [*rows[1].blocks, 70, 71]
+    steps.append((batch(rows), BlockHint(3, ([1],), ([2],))))
+    decode_step(rows)
+    away.blocks, away.computed, away.scheduled = [*away.blocks, 80], away.computed + 1, 1
+    joined = Row(spec("new", [5, 6, 7]), 3, 0, [90, 91])
+    rows[0].blocks = [*rows[0].blocks, 72]
+    steps.append((batch([*rows, away, joined]), BlockHint(3, ([0],), ([1],))))
+    decode_step([*rows, away, joined])
+    rows[2].spec = spec(rows[2].spec.req_id, [1, 2, 3], max_tokens=7)  # an update: restarts
+    rows[2].blocks = [*rows[2].blocks, 73]
+    steps.append((batch([*rows, away, joined]), BlockHint(5, ([2],), ([1],))))
+    decode_step([*rows, away, joined])
+    rows[0].blocks, rows[1].blocks = [*rows[0].blocks, 74, 75], [*rows[1].blocks, 76]
+    away.blocks = [98, 99]  # replaced while away: a replacement past the kept rows
+    steps.append((batch([rows[0], rows[1], away, joined]), BlockHint(2, ([0, 1],), ([2, 1],))))
+    _hinted_and_plain(steps)

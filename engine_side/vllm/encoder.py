@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from engine_side.diffing import BlockHint
 from engine_side.mirror import EngineMirror
 from engine_side.shm_store import ShmStore
 from engine_side.vllm.convert import (
@@ -124,6 +125,8 @@ class SchedulerOutputEncoder:
         self._last_batch: list[str] = []
         self._pos: dict[str, int] = {}
         self._last_blocks: tuple[Ragged, ...] | None = None
+        #: how this step's tables differ from the mirror's, when they were carried
+        self._hint: BlockHint | None = None
         self._aux: list[Any] = []
         self._grammar_enc = msgspec.msgpack.Encoder(enc_hook=make_enc_hook(self._aux))
 
@@ -162,8 +165,8 @@ class SchedulerOutputEncoder:
             self._file_blocks()
             ext: dict[str, Any] = {"kv_groups": self.kv_groups} if self.mirror.seq == 0 else {}
             request = self._request(so, ext)
-            delta = self.mirror.diff(request) if self.items is None else \
-                self.items.diff(self.mirror, request)
+            delta = self.mirror.diff(request, self._hint) if self.items is None else \
+                self.items.diff(self.mirror, request, self._hint)
             batch = request.req_ids
             self.quick.reset(batch, self.mirror.state.schedule.tolist(),
                              request.num_computed_tokens.tolist(),
@@ -239,18 +242,21 @@ class SchedulerOutputEncoder:
         last = self._last_blocks
         carried = None if last is None or cached.resumed_req_ids else \
             self._carried(last, batch, {nr.req_id for nr in so.scheduled_new_reqs})
+        self._hint = None
         if carried is None:
             tables = tuple(self._ragged([self.tables[rid][g] for rid in batch])
                            for g in range(self.kv_groups or 1))
         else:
             tables, kept = carried
             pos = self._pos
-            grown = [k for k, nb in enumerate(cached.new_block_ids)
-                     if nb is not None and pos[cached.req_ids[k]] < kept]
+            grown = sorted((pos[rid], k) for k, (rid, nb) in
+                           enumerate(zip(cached.req_ids, cached.new_block_ids, strict=True))
+                           if nb is not None and pos[rid] < kept)
+            rows = [p for p, _ in grown]
+            new = [[cached.new_block_ids[k][g] for _, k in grown] for g in range(len(tables))]
             if grown:
-                rows = [pos[cached.req_ids[k]] for k in grown]
-                tables = tuple(_append_rows(t, rows, [cached.new_block_ids[k][g] for k in grown])
-                               for g, t in enumerate(tables))
+                tables = tuple(_append_rows(t, rows, new[g]) for g, t in enumerate(tables))
+            self._hint = _hint(kept, rows, new)
         self._last_blocks, self._last_batch = tables, batch
         return tables
 
@@ -442,6 +448,17 @@ def _append_rows(table: Ragged, rows: list[int], new: list[list[int]]) -> Ragged
     lengths = table.lengths.copy()
     np.add.at(lengths, np.asarray(rows, dtype=np.int64), counts)
     return Ragged(lengths, np.insert(table.values, np.repeat(ends, counts), flat))
+
+
+def _hint(kept: int, rows: list[int], new: list[list[list[int]]]) -> BlockHint:
+    """The BlockHint of carried tables: ``kept`` rows, ``new[g][j]`` appended to row
+    ``rows[j]`` (ascending) in group ``g`` (rows gaining nothing in a group left out)."""
+    grown, added = [], []
+    for ids in new:
+        counts = [len(b) for b in ids]
+        grown.append([r for r, c in zip(rows, counts, strict=True) if c])
+        added.append([c for c in counts if c])
+    return BlockHint(kept, tuple(grown), tuple(added))
 
 
 def _same_spec(a: RequestSpec, b: RequestSpec) -> bool:

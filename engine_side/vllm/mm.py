@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from engine_side.diffing import BlockHint
 from engine_side.mirror import EngineMirror
 from engine_side.mm_items import MultimodalEngine
 from engine_side.shm_store import ShmStore
@@ -175,11 +176,12 @@ class StoreChannel:
         self._wire: dict[str, tuple[RequestSpec, RequestSpec]] = {}  # id -> (spec, wire spec)
         self._last: tuple[list[RequestSpec], list[RequestSpec]] = ([], [])
 
-    def diff(self, mirror: EngineMirror, request: ExecuteModelRequest) -> Delta:
+    def diff(self, mirror: EngineMirror, request: ExecuteModelRequest,
+             hint: BlockHint | None = None) -> Delta:
         if self.engine is None or self.engine.mirror is not mirror:
             self.engine = MultimodalEngine(mirror, self.store)
         wire = self._embeds_as_features(request)
-        delta = self.engine.diff(wire)
+        delta = self.engine.diff(wire, hint)
         self._last = (request.specs, wire.specs)
         return delta
 
