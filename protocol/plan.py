@@ -47,6 +47,10 @@ __all__ = ["STEADY_BODY", "Added", "BlockEdit", "Plan", "StepInfo", "TokenRows",
            "FewAppends", "few_appends", "lane_step"]
 
 
+#: changed schedules up to this many rows take the Python-int paths of the counts
+FEW_ROWS = 64
+
+
 def _ints(buf: bytes) -> IntArray:
     return unpack_uints(buf) if buf else _EMPTY
 
@@ -297,6 +301,8 @@ class _Planner(BlockPlanner):
                     hs = self._move_computed(new, sched, at, moves)
                     self.digest = (self.digest + dg.computed_change(hs, moves)) & dg.MASK
             return sched, new
+        if sched.size <= FEW_ROWS and prev.size <= FEW_ROWS:
+            return self._few_computed(sched, added)
         base = np.zeros(self.live.size, dtype=np.int64)
         base[: cols.capacity] = cols.computed[: self.live.size]
         for a in added:
@@ -313,6 +319,35 @@ class _Planner(BlockPlanner):
         moved = dg.total(dg.computed_terms(changed, new[changed] - base[changed]))
         self.digest = (self.digest + moved) & dg.MASK
         return changed, new[changed]
+
+    def _few_computed(self, sched: IntArray, added: list[Added]) -> tuple[IntArray, IntArray]:
+        """:meth:`computed` of a changed schedule of a few rows on Python ints (the same
+        checks and result; a count past int64 is refused as the numpy path's wrapped
+        negative one is)."""
+        cols, reset = self.state.cols, self.reset
+        computed, last, inside = cols.computed, cols.last_nsched, min(cols.capacity,
+                                                                      self.live.size)
+        fresh = {a.handle: a.computed for a in added}
+
+        def base(h: int) -> int:
+            return fresh[h] if h in fresh else computed.item(h) if h < inside else 0
+
+        prev = self.state.schedule.tolist()
+        advanced = [h for h in prev if h not in reset] if reset else prev
+        new = {h: base(h) + last.item(h) for h in advanced}
+        rows = self.body.computed_tokens
+        at, moves = self.exceptions(rows, sched.size, True) if rows is not None else ([], [])
+        for p, d in zip(at, moves, strict=True):
+            h = sched.item(p)
+            new[h] = new.get(h, base(h)) + d
+        changed = sorted(new)  # (any order: the handles are scattered and summed)
+        after = [new[h] for h in changed]
+        if after and (min(after) < 0 or max(after) >> 63):
+            raise self.fail("computed tokens would become negative")
+        moved = dg.computed_change(changed, [v - base(h) for h, v in zip(changed, after,
+                                                                         strict=True)])
+        self.digest = (self.digest + moved) & dg.MASK
+        return np.array(changed, dtype=np.int64), np.array(after, dtype=np.int64)
 
     def _move_computed(self, new: IntArray, sched: IntArray, at: list[int],
                        moves: list[int]) -> list[int]:
@@ -339,6 +374,8 @@ class _Planner(BlockPlanner):
             if self.body.scheduled_tokens is None:
                 return state.nsched  # repeats: same object, schedule term unchanged
             return self._changed_nsched(sched)
+        if sched.size <= FEW_ROWS:
+            return self._few_nsched(sched)
         cap = cols.capacity
         known = np.zeros(sched.size, dtype=bool)
         inside = sched < cap
@@ -355,6 +392,25 @@ class _Planner(BlockPlanner):
             self.digest = (self.digest - state.schedule_term() + new_t) & dg.MASK
             self.schedule_term = (sched, pred, new_t)
         return pred
+
+    def _few_nsched(self, sched: IntArray) -> IntArray:
+        """:meth:`nsched` of a changed schedule of a few rows on Python ints (the same
+        checks and result)."""
+        state, cols, reset = self.state, self.state.cols, self.reset
+        cap, in_sched, last = cols.capacity, cols.in_sched, cols.last_nsched
+        pred = [last.item(h) if h < cap and in_sched.item(h) and h not in reset else 1
+                for h in sched.tolist()]
+        rows = self.body.scheduled_tokens
+        if rows is not None:
+            for p, v in zip(*self.exceptions(rows, sched.size, False), strict=True):
+                pred[p] = v
+        out = np.array(pred, dtype=np.int64)
+        out.flags.writeable = False  # installed as the state's nsched, shared by rebuild
+        if sched is not state.schedule or pred != state.nsched.tolist():
+            new_t = dg.schedule_term(sched, out)
+            self.digest = (self.digest - state.schedule_term() + new_t) & dg.MASK
+            self.schedule_term = (sched, out, new_t)
+        return out
 
     def _changed_nsched(self, sched: IntArray) -> IntArray:
         """Scheduled counts with exceptions on an unchanged schedule: only the changed
