@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from engine_side.bench.vllm_table import render, targets
+from engine_side.bench.vllm_table import kinds, render, targets
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed")
@@ -58,6 +58,7 @@ def test_targets_judge_each_limit() -> None:
 
 def test_render_has_one_row_per_stream_and_the_totals() -> None:
     text = render(_doc())
+    assert "by step kind" in text  # documents without step kinds: a table without rows
     for name in ("decode", "chunked", "prefix", "**all recorded**"):
         assert text.count(f"| {name} |") == 2  # request and reply tables
     assert "**8.0×**" in text and "**not met**" in text
@@ -103,6 +104,12 @@ def test_replay_document_from_a_recording(recording: Path) -> None:
     assert "| synthetic-churn-8 | 20 |" in render(doc)
     assert doc["total"]["request"]["bytes"] == tiny["request"]["bytes"]
     assert "| tiny | 40 |" in render(doc)
+    churn = doc["synthetic"]["churn-8"]
+    assert churn["churn"]["steps"] == 20 and churn["same_batch"]["steps"] == 0
+    assert tiny["churn"]["steps"] == 1 and tiny["same_batch"]["steps"] == 39
+    assert sum(tiny[k]["us"] for k in ("churn", "same_batch")) == \
+        pytest.approx(tiny["request"]["us"])
+    assert "| synthetic-churn-8 | 20 |" in kinds(doc) and "| 0 | – | – | – |" in kinds(doc)
 
 
 @pytest.mark.vllm

@@ -148,12 +148,20 @@ def is_steady(so: Any, prev: dict[str, int]) -> bool:
             and set(prev.values()) == {1})
 
 
+def changes_batch(so: Any) -> bool:
+    """A request joins, leaves (finished or preempted) or resumes in this step."""
+    c = so.scheduled_cached_reqs
+    return bool(so.scheduled_new_reqs or so.finished_req_ids or so.preempted_req_ids
+                or c.resumed_req_ids)
+
+
 class _Step:
     """Accumulated figures of one step (request and reply paths)."""
 
     def __init__(self, so: Any, prev: dict[str, int]) -> None:
         self.running = len(so.num_scheduled_tokens)
         self.steady = is_steady(so, prev)
+        self.churn = changes_batch(so)
         self.blocks = new_blocks(so)
         self.figures: dict[str, list[float]] = {p: [0, 0, 0, 0] for p in ("request", "reply")}
         self.grammar = False
@@ -235,6 +243,11 @@ def summarise(steps: list[_Step]) -> dict[str, Any]:
                      "within_32": sum(1 for o in over if o <= 32),
                      "median_bytes": statistics.median([s.figures["request"][0] for s in steady])
                      if steady else None}
+    for kind, chosen in (("churn", [s for s in steps if s.churn]),
+                         ("same_batch", [s for s in steps if not s.churn])):
+        out[kind] = {"steps": len(chosen),  # request-path µs summed over these steps
+                     "us": sum(s.figures["request"][2] for s in chosen),
+                     "pickle_us": sum(s.figures["request"][3] for s in chosen)}
     full = [s for s in steps if s.running == out["max_running"]]
     out["reply_at_max_running"] = {
         "steps": len(full),

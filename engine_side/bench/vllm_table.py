@@ -51,6 +51,30 @@ def table(doc: dict[str, Any], path: str) -> str:
     return "\n".join(head + _rows(doc, path))
 
 
+def kinds(doc: dict[str, Any]) -> str:
+    """Request-path µs by step kind: steps where a request joins, leaves or resumes (the
+    general path) against the others (same batch), means over the steps of each kind."""
+    head = ["| stream | join/leave steps | mean µs | pickle mean µs | µs ÷ pickle | "
+            "same-batch steps | mean µs | pickle mean µs | µs ÷ pickle |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = []
+    streams = [*doc["workloads"].items(),
+               *((f"synthetic-{k}", v) for k, v in doc.get("synthetic", {}).items())]
+    for name, w in streams:
+        if "churn" not in w:
+            continue  # a document written before step kinds were recorded
+        cells = []
+        for kind in ("churn", "same_batch"):
+            k = w[kind]
+            if not k["steps"]:
+                cells.append("0 | – | – | –")
+                continue
+            cells.append(f"{k['steps']} | {_n(k['us'] / k['steps'])} | "
+                         f"{_n(k['pickle_us'] / k['steps'])} | {k['us'] / k['pickle_us']:.2f}")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(head + rows)
+
+
 def _verdict(name: str, value: float, limit: str, met: bool) -> dict[str, Any]:
     return {"target": name, "value": value, "limit": limit, "met": bool(met)}
 
@@ -113,6 +137,7 @@ def render(doc: dict[str, Any]) -> str:
     parts = [f"Run {meta.get('date', '?')} at commit `{meta.get('commit', '?')}` "
              f"(load average {meta.get('load', 0):.1f}).",
              "Request path (execute_model + sample_tokens):", table(doc, "request"),
+             "Request path by step kind (means):", kinds(doc),
              "Reply path (the two ModelRunnerOutput replies):", table(doc, "reply"),
              "Targets:", "\n".join(verdicts),
              "Where our request bytes go:", "\n".join(_fields(doc))]
