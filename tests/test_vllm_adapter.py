@@ -288,3 +288,30 @@ def test_recorded_real_stream_replays_exactly(real_runs: dict[str, Any], name: s
             assert_vllm_equal(dec.decode_grammar(frames), dec2.decode_grammar(
                 _wire(enc.encode_grammar(dec.decode_grammar(frames)))))
     assert steps > 10
+
+
+def test_sampling_params_from_equal_specs_are_exact_and_share_nothing() -> None:
+    """The worker copies its last SamplingParams for a spec encoding to the same bytes:
+    still equal in every field (an int temperature stays an int, -0.0 stays -0.0), and
+    no list or set is shared with an earlier request's."""
+    from vllm import SamplingParams
+
+    from engine_side.vllm.convert import SamplingMaker, sampling_to_spec
+
+    params = [SamplingParams(temperature=0.0, max_tokens=8, stop=["x"], stop_token_ids=[3]),
+              SamplingParams(temperature=0.0, max_tokens=8, stop=["x"], stop_token_ids=[3]),
+              SamplingParams(temperature=0, max_tokens=8, stop=["x"], stop_token_ids=[3]),
+              SamplingParams(temperature=-0.0, max_tokens=8, stop=["x"], stop_token_ids=[3])]
+    maker = SamplingMaker()
+    made = []
+    for sp in params:
+        made.append(maker.make(*sampling_to_spec(sp)))
+        assert_vllm_equal(sp, made[-1])
+    assert type(made[2].temperature) is int and str(made[3].temperature) == "-0.0"
+    first = maker.make(*sampling_to_spec(params[0]))  # made afresh: the last spec differs
+    copied = maker.make(*sampling_to_spec(params[0]))  # a copy of the last one made
+    for sp in (first, copied):  # the runner's own edits stay in its own object
+        sp.stop.append("y")
+        sp._all_stop_token_ids.add(99)
+    assert_vllm_equal(params[0], maker.make(*sampling_to_spec(params[0])))
+    assert_vllm_equal(params[1], made[1])

@@ -22,6 +22,7 @@ import numpy as np
 
 from engine_side.vllm.convert import (
     RefTable,
+    SamplingMaker,
     StepMemory,
     TokenLedger,
     cached_order,
@@ -29,7 +30,6 @@ from engine_side.vllm.convert import (
     seal,
     spec_to_lora,
     spec_to_pooling,
-    spec_to_sampling,
     unseal,
 )
 from engine_side.vllm.schema import (
@@ -114,6 +114,7 @@ class SchedulerOutputDecoder:
         self.lane = SteadyLane(ReplicaState())  # replaced with the state's own lane
         self.seq = 0
         self.mem = StepMemory(ledger)
+        self._sampling = SamplingMaker()
         self.batches: dict[int, list[str]] = {}
         self._last_batch: list[str] = []
         self._last_lengths: list[IntArray] = []
@@ -251,7 +252,7 @@ class SchedulerOutputDecoder:
                 req_id=spec.req_id, prompt_token_ids=None if prompt is None else prompt.tolist(),
                 mm_features=features_from_refs(spec.mm_features, self.copy),
                 sampling_params=None if spec.sampling is None
-                else spec_to_sampling(spec.sampling, fix.int_floats, fix.logprob_ids_dtype),
+                else self._sampling.make(spec.sampling, fix.int_floats, fix.logprob_ids_dtype),
                 pooling_params=spec_to_pooling(spec.pooling),
                 block_ids=tuple(tables.row(g, i) for g in groups),
                 num_computed_tokens=int(computed[i]),
