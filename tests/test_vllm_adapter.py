@@ -296,7 +296,7 @@ def test_sampling_params_from_equal_specs_are_exact_and_share_nothing() -> None:
     no list or set is shared with an earlier request's."""
     from vllm import SamplingParams
 
-    from engine_side.vllm.convert import SamplingMaker, sampling_to_spec
+    from engine_side.vllm.convert import SamplingMaker, SpecReader, sampling_to_spec
 
     params = [SamplingParams(temperature=0.0, max_tokens=8, stop=["x"], stop_token_ids=[3]),
               SamplingParams(temperature=0.0, max_tokens=8, stop=["x"], stop_token_ids=[3]),
@@ -315,3 +315,8 @@ def test_sampling_params_from_equal_specs_are_exact_and_share_nothing() -> None:
         sp._all_stop_token_ids.add(99)
     assert_vllm_equal(params[0], maker.make(*sampling_to_spec(params[0])))
     assert_vllm_equal(params[1], made[1])
+    reader = SpecReader()  # the engine's side: the last SamplingSpec again for equal bytes
+    read = [reader.read(sp) for sp in params]
+    assert read[1] is read[0] and read[2] is not read[1] and read[3] is not read[2]
+    assert read == [sampling_to_spec(sp) for sp in params]
+    assert read[2][1] == ("temperature",) and str(read[3][0].temperature) == "-0.0"

@@ -227,10 +227,35 @@ def spec_to_lora(spec: LoRASpec | None, is_3d: bool | None) -> Any:
                  load_inplace=spec.load_inplace, is_3d_lora_weight=bool(is_3d))
 
 
-def new_request_spec(nr: Any, index: int) -> tuple[RequestSpec, NewFix | None]:
+class SpecReader:
+    """:func:`sampling_to_spec` that returns its last result again for SamplingParams
+    encoding to the same msgpack bytes (SamplingSpec is frozen: sharing it is safe; an
+    int and a float, or 0.0 and -0.0, encode differently).  Parameters msgspec cannot
+    encode (an ndarray field, say) are converted every time."""
+
+    _encode = msgspec.msgpack.Encoder().encode
+
+    def __init__(self) -> None:
+        self._last: tuple[bytes, tuple[SamplingSpec, tuple[str, ...], str]] | None = None
+
+    def read(self, sp: Any) -> tuple[SamplingSpec, tuple[str, ...], str]:
+        try:
+            key = self._encode(sp)
+        except (TypeError, ValueError, msgspec.EncodeError):
+            return sampling_to_spec(sp)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        out = sampling_to_spec(sp)
+        self._last = (key, out)
+        return out
+
+
+def new_request_spec(nr: Any, index: int, reader: SpecReader | None = None,
+                     ) -> tuple[RequestSpec, NewFix | None]:
     """The RequestSpec of a NewRequestData and, if needed, its exactness fixes."""
+    read = sampling_to_spec if reader is None else reader.read
     sampling, int_floats, dtype = (None, (), "") if nr.sampling_params is None else \
-        sampling_to_spec(nr.sampling_params)
+        read(nr.sampling_params)
     lora, is_3d = lora_to_spec(nr.lora_request)
     prompt = None
     if nr.prompt_token_ids is not None:

@@ -33,6 +33,7 @@ from engine_side.mirror import EngineMirror
 from engine_side.shm_store import ShmStore
 from engine_side.vllm.convert import (
     RefTable,
+    SpecReader,
     StepMemory,
     TokenLedger,
     cached_order,
@@ -117,6 +118,7 @@ class SchedulerOutputEncoder:
         self.lane: SteadyLane | None = None  # the mirror's steady steps (protocol.lane)
         self.items = None if store is None else StoreChannel(store)
         self.mem = StepMemory(ledger)
+        self._specs = SpecReader()
         self.specs: dict[str, RequestSpec] = {}
         self.tables: dict[str, list[list[int]]] = {}  # our own lists (extended in place)
         #: same-batch steps' appends not yet in ``tables``: (batch, per-group appends)
@@ -310,7 +312,7 @@ class SchedulerOutputEncoder:
             ext["new_order"] = pack_uints(sorted(range(len(new_pos)), key=new_pos.__getitem__))
         fixes, prefill = [], []
         for k, nr in enumerate(new_reqs):
-            spec, fix = new_request_spec(nr, k)
+            spec, fix = new_request_spec(nr, k, self._specs)
             old = self.specs.get(nr.req_id)
             self.specs[nr.req_id] = old if old is not None and _same_spec(old, spec) else spec
             self.mem.remember(spec)
