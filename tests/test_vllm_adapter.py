@@ -308,9 +308,8 @@ def test_sampling_params_from_equal_specs_are_exact_and_share_nothing() -> None:
         made.append(maker.make(*sampling_to_spec(sp)))
         assert_vllm_equal(sp, made[-1])
     assert type(made[2].temperature) is int and str(made[3].temperature) == "-0.0"
-    first = maker.make(*sampling_to_spec(params[0]))  # made afresh: the last spec differs
-    copied = maker.make(*sampling_to_spec(params[0]))  # a copy of the last one made
-    for sp in (first, copied):  # the runner's own edits stay in its own object
+    copied = maker.make(*sampling_to_spec(params[0]))  # a copy of the one remembered
+    for sp in (made[0], copied):  # the runner's own edits stay in its own object
         sp.stop.append("y")
         sp._all_stop_token_ids.add(99)
     assert_vllm_equal(params[0], maker.make(*sampling_to_spec(params[0])))

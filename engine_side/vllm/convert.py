@@ -147,29 +147,34 @@ def spec_to_sampling(spec: SamplingSpec, int_floats: Iterable[str] = (), dtype: 
     return _bare(SamplingParams, **values)
 
 
+#: distinct sampling parameters the engine and worker conversions remember (then forget all)
+SAMPLING_CACHE = 64
+
+
 class SamplingMaker:
-    """:func:`spec_to_sampling` that copies its last result when a spec encodes to the
-    same bytes (requests of a burst mostly share their parameters): a C-level copy with
-    fresh lists and sets, instead of ~40 field writes.  Specs holding nested objects,
-    dicts or lists of lists are always made afresh, so no two results share a mutable
-    object."""
+    """:func:`spec_to_sampling` that copies an earlier result when a spec encodes to the
+    same bytes (requests mostly share a few parameter sets): a C-level copy with fresh
+    lists and sets, instead of ~40 field writes.  Specs holding nested objects, dicts or
+    lists of lists are always made afresh, so no two results share a mutable object."""
 
     _NESTED = ("structured_outputs", "logit_bias", "extra_args", "repetition_detection",
                "prompt_logprob_token_ids", "bad_words_token_ids")
     _encode = msgspec.msgpack.Encoder().encode
 
     def __init__(self) -> None:
-        self._last: tuple[bytes, tuple[str, ...], str, Any] | None = None
+        self._made: dict[tuple[bytes, tuple[str, ...]], Any] = {}
 
     def make(self, spec: SamplingSpec, int_floats: tuple[str, ...] = (), dtype: str = "") -> Any:
         if any(getattr(spec, name) is not None for name in self._NESTED) or dtype:
             return spec_to_sampling(spec, int_floats, dtype)
-        key = self._encode(spec)
-        last = self._last
-        if last is not None and last[0] == key and last[1] == tuple(int_floats):
-            return _own_containers(last[3].__copy__())  # runs no __init__ or __post_init__
+        key = (self._encode(spec), tuple(int_floats))
+        template = self._made.get(key)
+        if template is not None:
+            return _own_containers(template.__copy__())  # runs no __init__ or __post_init__
         made = spec_to_sampling(spec, int_floats, dtype)
-        self._last = (key, tuple(int_floats), dtype, _own_containers(made.__copy__()))
+        if len(self._made) >= SAMPLING_CACHE:
+            self._made.clear()
+        self._made[key] = _own_containers(made.__copy__())
         return made
 
 
@@ -228,7 +233,7 @@ def spec_to_lora(spec: LoRASpec | None, is_3d: bool | None) -> Any:
 
 
 class SpecReader:
-    """:func:`sampling_to_spec` that returns its last result again for SamplingParams
+    """:func:`sampling_to_spec` that returns an earlier result again for SamplingParams
     encoding to the same msgpack bytes (SamplingSpec is frozen: sharing it is safe; an
     int and a float, or 0.0 and -0.0, encode differently).  Parameters msgspec cannot
     encode (an ndarray field, say) are converted every time."""
@@ -236,17 +241,19 @@ class SpecReader:
     _encode = msgspec.msgpack.Encoder().encode
 
     def __init__(self) -> None:
-        self._last: tuple[bytes, tuple[SamplingSpec, tuple[str, ...], str]] | None = None
+        self._read: dict[bytes, tuple[SamplingSpec, tuple[str, ...], str]] = {}
 
     def read(self, sp: Any) -> tuple[SamplingSpec, tuple[str, ...], str]:
         try:
             key = self._encode(sp)
         except (TypeError, ValueError, msgspec.EncodeError):
             return sampling_to_spec(sp)
-        if self._last is not None and self._last[0] == key:
-            return self._last[1]
-        out = sampling_to_spec(sp)
-        self._last = (key, out)
+        out = self._read.get(key)
+        if out is None:
+            out = sampling_to_spec(sp)
+            if len(self._read) >= SAMPLING_CACHE:
+                self._read.clear()
+            self._read[key] = out
         return out
 
 
