@@ -92,10 +92,13 @@ def handle_keys(handles: npt.ArrayLike) -> U64:
     top = int(h.max())
     if int(h.min()) < 0 or top >= KEY_CACHE_LIMIT:
         return _handle_keys_uncached(h)
-    if top >= _key_cache.size:
-        size = min(max(2 * top, 1024), KEY_CACHE_LIMIT)
-        _key_cache = _handle_keys_uncached(np.arange(size, dtype=np.int64))
-    return _key_cache[h]
+    keys = _key_cache  # one read: a thread growing the table swaps in a whole new one
+    if top >= keys.size:
+        keys = _handle_keys_uncached(np.arange(min(max(2 * top, 1024), KEY_CACHE_LIMIT),
+                                               dtype=np.int64))
+        if keys.size > _key_cache.size:
+            _key_cache = keys
+    return keys[h]
 
 
 def computed_terms(handles: npt.ArrayLike, computed: npt.ArrayLike) -> U64:

@@ -184,23 +184,13 @@ class BlockPlanner:
     def _few_appends(self, g: int, rows: Rows) -> BlockEdit | None:
         """:meth:`_append_only` of a few named rows, checked and summed on Python ints
         (the same checks as :meth:`_block_rows`); None when they are not a few."""
-        hb, vb = rows.handles, rows.values
-        if len(hb) < 2 or hb[1] > dg.SMALL or len(vb) < 2 or vb[1] > dg.SMALL:
+        vb = rows.values
+        if len(vb) < 2 or vb[1] > dg.SMALL:
             return None  # byte 1 is the count (one LEB128 byte below 128)
-        hs, values = unpack_uint_list(hb), unpack_uint_list(vb)
-        counts = unpack_uint_list(rows.counts) if rows.counts else [1] * len(hs)
-        if len(counts) != len(hs) or sum(counts) != len(values):
-            raise self.fail("rows shape mismatch", rows=len(hs), counts=len(counts),
-                            values=len(values))
-        live = self.live
-        if hs and (max(hs) >= live.size or not all([live.item(h) for h in hs])):
-            raise self.fail("blocks names a handle that is not live", handles=hs[:8])
-        if len(set(hs)) != len(hs):
-            raise self.fail("block rows repeat a handle", group=g)
-        if values and max(values) >> 31:  # the tables are int32 (SPEC.md §8)
-            raise self.fail("block id does not fit 31 bits", group=g, id=max(values))
-        if not hs:
-            return _NO_EDIT
+        few = self._few_rows(rows, g)
+        if few is None:
+            return None
+        hs, counts, values = few
         lengths, block_sum = self.state.blocks[g].lengths, self.state.lazy_cols.block_sum
         starts = [lengths.item(h) for h in hs]  # live handles: installed, so inside
         sums = dg.row_terms(hs, g, starts, counts, values)
