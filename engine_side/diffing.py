@@ -96,6 +96,8 @@ class DiffContext:
         self._schedule_handles()
         self._schedule()
         self._tokens()
+        if not self._hint_holds():  # decided once for every KV group
+            self.hint = None
         for g in range(self.state.kv_groups):
             self._blocks(g)
         self._computed()
@@ -278,7 +280,7 @@ class DiffContext:
         last = self.mirror._last_tables
         if g < len(last) and new is last[g] and self.handles is self.state.schedule:
             return  # the very table of the last step, for the same batch: unchanged
-        edits = self._hinted_edits(g, new) if self._hint_holds() else None
+        edits = None if self.hint is None else self._hinted_edits(g, new)
         if edits is None:
             old = self._old_tables(g)
             if _same_table(old, new):
@@ -310,7 +312,7 @@ class DiffContext:
         diffed against the mirror (the same rows, in the same order, as a diff of whole
         tables finds when the hint is true)."""
         hint = self.hint
-        assert hint is not None  # noqa: S101 - checked by _hint_holds
+        assert hint is not None  # noqa: S101 - checked by the caller
         kept, grown = hint.kept, np.array(hint.grown[g], dtype=np.int64)
         starts = new.lengths[grown] - np.array(hint.added[g], dtype=np.int64)
         if kept == self.handles.size:
