@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from protocol.speedups import C as _C
+
 MASK = (1 << 64) - 1
 U64 = npt.NDArray[np.uint64]
 
@@ -206,6 +208,18 @@ def block_unit_terms(handles: list[int], group: int, positions: list[int],
     """:func:`block_terms_rows` of one block per row (aligned lists, Python ints;
     :func:`mix64_int` inlined)."""
     g = (group * _GROUP_I) & MASK
+    if _C is not None:
+        terms: list[int] | None = _C.unit_terms(handles, positions, blocks, g, _SPEC_I,
+                                                _POS_I, _HANDLE_I)
+        if terms is not None:
+            return terms
+    return unit_terms_py(handles, g, positions, blocks)
+
+
+def unit_terms_py(handles: list[int], g: int, positions: list[int],
+                  blocks: list[int]) -> list[int]:
+    """:func:`block_unit_terms` without the speedups (the reference; ``g`` the group's
+    salt)."""
     out = []
     for h, p, b in zip(handles, positions, blocks, strict=True):
         z = (b * _SPEC_I + p * _POS_I + h * _HANDLE_I + g) & MASK
@@ -220,10 +234,10 @@ def block_unit_terms(handles: list[int], group: int, positions: list[int],
 def row_terms(handles: list[int], group: int, starts: list[int], counts: list[int],
               values: list[int]) -> list[int]:
     """Each row's block-term sum: row ``i`` appends ``counts[i]`` of the flat ``values``
-    to handle ``handles[i]``'s table in ``group`` at ``starts[i]``.  Python ints; numpy
-    past :data:`SMALL` rows of one block each."""
+    to handle ``handles[i]``'s table in ``group`` at ``starts[i]``.  Python ints; rows
+    of one block each in C (:mod:`protocol.speedups`), else with numpy past :data:`SMALL`."""
     if len(values) == len(handles) and 0 not in counts:  # one block per row: a term each
-        if len(values) > SMALL:
+        if len(values) > SMALL and _C is None:
             return block_terms_rows(handles, group, starts, values).tolist()  # type: ignore[no-any-return]
         return block_unit_terms(handles, group, starts, values)
     terms, at = [], 0

@@ -32,6 +32,7 @@ from protocol import digest as dg
 from protocol.errors import InvalidDelta, MalformedMessage
 from protocol.messages import DeltaBody
 from protocol.packing import unpack_sint_list, unpack_uint_list
+from protocol.speedups import C as _C
 
 if TYPE_CHECKING:
     from protocol.state import ReplicaState
@@ -283,8 +284,9 @@ class SteadyLane:
     def _commit(self, g: int, pos: list[int], counts: list[int], values: list[int],
                 hs: list[int], starts: list[int], terms: list[int]) -> None:
         lengths = self.lengths[g]
-        for p, c in zip(pos, counts, strict=True):
-            lengths[p] += c
+        if _C is None or _C.add_at(lengths, pos, counts) is None:  # None: nothing done
+            for p, c in zip(pos, counts, strict=True):
+                lengths[p] += c
         self.journal[g].append((hs, starts, counts, values, terms))
         self.rows += len(hs)
 

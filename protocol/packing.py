@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from protocol.errors import MalformedMessage
+from protocol.speedups import C as _C
 
 UInts = npt.NDArray[np.uint64]
 _MAX_WIDTH = 64
@@ -77,14 +78,26 @@ def _pack_list(values: list[int]) -> bytes | None:
     return head + acc.to_bytes((len(values) * width + 7) // 8, "little")
 
 
+def _pack_short(values: list[int]) -> bytes | None:
+    """:func:`_pack_list` of a short list, in C when the speedups are built (None:
+    the C version does not take it -- a negative or huge value -- so Python decides)."""
+    if _C is not None:
+        packed: bytes | None = _C.pack_list(values)
+        if packed is not None:
+            return packed
+    return _pack_list(values)
+
+
 def pack_uints(values: npt.ArrayLike) -> bytes:
     """Pack non-negative integers at the minimal common bit width."""
-    if type(values) is list and len(values) <= PACK_SMALL and set(map(type, values)) <= _INT:
-        packed = _pack_list(values)
+    if type(values) is list:
+        packed = _C.pack_list(values) if _C is not None else None  # any length
+        if packed is None and len(values) <= PACK_SMALL and set(map(type, values)) <= _INT:
+            packed = _pack_list(values)
         if packed is not None:
             return packed
     elif type(values) is np.ndarray and values.size <= PACK_SMALL and values.dtype.kind in "iu":
-        packed = _pack_list(values.ravel().tolist())  # Python ints beat numpy's fixed costs
+        packed = _pack_short(values.ravel().tolist())  # Python ints beat numpy's fixed costs
         if packed is not None:
             return packed
     arr = np.asarray(values)
@@ -130,6 +143,15 @@ def unpack_uints(buf: bytes, *, limit: int = 1 << 26) -> npt.NDArray[np.int64]:
 
 def _raw_list(buf: bytes) -> list[int] | None:
     """The raw values of a short packed array as Python ints (None: not short)."""
+    if _C is not None and len(buf) >= 2 and buf[1] <= SMALL:
+        out: list[int] | None = _C.raw_list(buf)
+        if out is not None:
+            return out
+    return _raw_list_py(buf)  # not taken, or malformed: Python decides and raises
+
+
+def _raw_list_py(buf: bytes) -> list[int] | None:
+    """:func:`_raw_list` without the speedups (the reference)."""
     if len(buf) < 2 or buf[1] > SMALL or buf[0] > _MAX_WIDTH:
         return None
     width, count = buf[0], buf[1]
@@ -146,7 +168,9 @@ def _raw_list(buf: bytes) -> list[int] | None:
 
 def unpack_uint_list(buf: bytes, *, limit: int = 1 << 26) -> list[int]:
     """:func:`unpack_uints` as a list of Python ints (short arrays without numpy)."""
-    out = _raw_list(buf)
+    out = _C.raw_list(buf, limit) if _C is not None else None  # any length, or None
+    if out is None:
+        out = _raw_list_py(buf)
     if out is None:
         return unpack_uints(buf, limit=limit).tolist()  # type: ignore[no-any-return]
     if out and buf[0] == 64 and max(out) > _INT64_MAX:
@@ -178,9 +202,13 @@ def _unpack_raw(buf: bytes, limit: int) -> npt.NDArray[np.uint64] | npt.NDArray[
 
 def pack_sints(values: npt.ArrayLike) -> bytes:
     """Pack signed integers (zig-zag mapped) at the minimal bit width."""
-    if (type(values) is list and len(values) <= PACK_SMALL
-            and all(type(v) is int and -_INT64_MAX - 1 <= v <= _INT64_MAX for v in values)):
-        return pack_uints([v << 1 if v >= 0 else (-v << 1) - 1 for v in values])
+    if type(values) is list:
+        packed = _C.pack_signed_list(values) if _C is not None else None  # any length
+        if packed is not None:
+            return packed
+        if len(values) <= PACK_SMALL and all(
+                type(v) is int and -_INT64_MAX - 1 <= v <= _INT64_MAX for v in values):
+            return pack_uints([v << 1 if v >= 0 else (-v << 1) - 1 for v in values])
     arr = np.asarray(values, dtype=np.int64).ravel()
     return pack_uints(((arr << 1) ^ (arr >> 63)).view(np.uint64))
 
@@ -195,7 +223,11 @@ def unpack_sints(buf: bytes) -> npt.NDArray[np.int64]:
 
 def unpack_sint_list(buf: bytes) -> list[int]:
     """:func:`unpack_sints` as a list of Python ints."""
-    raw = _raw_list(buf)
+    if _C is not None:
+        out: list[int] | None = _C.raw_signed_list(buf)  # any length, or None
+        if out is not None:
+            return out
+    raw = _raw_list_py(buf)
     if raw is None:
         return _unpack_sints(buf).tolist()  # type: ignore[no-any-return]
     return [v >> 1 if not v & 1 else -(v >> 1) - 1 for v in raw]

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import copy
 from typing import Any
+from unittest import mock
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
-from hypothesis import event, given, settings  # noqa: E402
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.output import (  # noqa: E402
     CachedRequestData,
@@ -24,9 +26,14 @@ from vllm.v1.core.sched.output import (  # noqa: E402
 from vllm_equal import assert_vllm_equal  # noqa: E402
 from vllm_streams import scheduler_streams  # noqa: E402
 
-from engine_side.vllm import SchedulerOutputEncoder  # noqa: E402
+from engine_side.vllm import (
+    SchedulerOutputEncoder,  # noqa: E402
+    quick,  # noqa: E402
+)
 from engine_side.vllm.quick import Forecast  # noqa: E402
+from protocol import digest, lane, packing  # noqa: E402
 from protocol.errors import LocalProtocolError  # noqa: E402
+from protocol.speedups import C  # noqa: E402
 from worker_side.vllm import SchedulerOutputDecoder  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -52,6 +59,17 @@ def _run(steps: list[Any], kv_groups: int | None = None) -> tuple[int, int]:
                 for ids in entry or ():
                     ids.append(-5)
     return fast.quick_steps, decoders[0].quick_steps
+
+
+@pytest.fixture(params=["c", "pure"])
+def speedups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the C speedups and again on the pure-Python paths."""
+    if request.param == "pure":
+        for module in (packing, digest, lane, quick):
+            monkeypatch.setattr(module, "_C", None)
+    elif C is None:
+        pytest.skip("C speedups not built")
+    return str(request.param)
 
 
 def _first(groups: int = 1) -> SchedulerOutput:
@@ -150,15 +168,39 @@ def test_more_kv_groups_grow_one_group_at_a_time() -> None:
     assert _run(steps, kv_groups=2) == (2, 2)
 
 
-def test_large_batches_forecast_with_numpy() -> None:
-    ids = [f"r{i}" for i in range(70)]
+def _first_large(ids: list[str]) -> SchedulerOutput:
     new = [NewRequestData(rid, list(range(PROMPT)), [], SamplingParams(temperature=0), None,
                           ([k],), 0, None) for k, rid in enumerate(ids)]
-    first = SchedulerOutput(new, CachedRequestData.make_empty(), dict.fromkeys(ids, PROMPT),
-                            PROMPT * len(ids), {}, {}, set(), [], preempted_req_ids=set())
-    steps = [first] + [_step(t, ids=ids) for t in range(1, 12)]  # past one forecast table
+    return SchedulerOutput(new, CachedRequestData.make_empty(), dict.fromkeys(ids, PROMPT),
+                           PROMPT * len(ids), {}, {}, set(), [], preempted_req_ids=set())
+
+
+def test_large_batches_forecast_with_numpy(speedups: str) -> None:
+    ids = [f"r{i}" for i in range(70)]
+    steps = [_first_large(ids)] + [_step(t, ids=ids) for t in range(1, 12)]  # past a table
     steps.append(_step(12, ids=ids, computed=[PROMPT + 11] * 69 + [3]))
     assert _run(steps) == (12, 12)
+
+
+def test_large_batch_departures_take_the_fast_path(speedups: str) -> None:
+    """Past quick.SMALL requests (C compares without building the forecast rows): a
+    rollback, output departures, changed scheduled counts, grown rows, then steps
+    that match the forecast again."""
+    ids = [f"r{i}" for i in range(70)]
+    n = len(ids)
+    wide = {rid: 3 if k % 5 == 0 else 1 for k, rid in enumerate(ids)}
+    c3 = [PROMPT + 2] * (n - 1) + [PROMPT - 2]
+    c4 = [c + wide[rid] for c, rid in zip(c3, ids, strict=True)]
+    c5 = [c + wide[rid] for c, rid in zip(c4, ids, strict=True)]
+    steps = [_first_large(ids), _step(1, ids=ids),
+             _step(2, ids=ids, computed=[PROMPT + 1] * (n - 1) + [PROMPT - 3]),
+             _step(3, ids=ids, computed=c3, outputs=[3] * (n - 2) + [9, 1], nsched=wide,
+                   blocks=[([500 + k],) if k % 7 == 0 else None for k in range(n)]),
+             _step(4, ids=ids, computed=c4, outputs=[4] * n, nsched=wide),
+             _step(5, ids=ids, computed=c5, outputs=[5] * n, nsched=wide,
+                   blocks=[([600 + k, 700 + k],) if k % 9 == 0 else None for k in range(n)]),
+             _step(6, ids=ids, computed=[c + 1 for c in c5], outputs=[6] * n)]
+    assert _run(steps) == (6, 6)
 
 
 def test_forecast_lists_match_python_and_numpy() -> None:
@@ -174,11 +216,15 @@ def test_forecast_lists_match_python_and_numpy() -> None:
         large.advanced()
 
 
-@settings(max_examples=30, deadline=None)
-@given(stream=scheduler_streams())
-def test_generated_streams_give_the_general_paths_frames(stream: dict[str, Any]) -> None:
-    quick = _run(stream["steps"], kv_groups=stream["kv_groups"])
-    event(f"fast path taken: {'yes' if quick[0] else 'no'}")
+@settings(max_examples=30, deadline=None,  # the fixture only patches modules: shared is fine
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stream=scheduler_streams(), large=st.booleans())
+def test_generated_streams_give_the_general_paths_frames(stream: dict[str, Any],
+                                                       speedups: str, large: bool) -> None:
+    # large: every batch takes the large-batch forecast (numpy tables; C comparisons)
+    with mock.patch.object(quick, "SMALL", 0 if large else quick.SMALL):
+        fast_steps = _run(stream["steps"], kv_groups=stream["kv_groups"])
+    event(f"fast path taken: {'yes' if fast_steps[0] else 'no'}")
 
 
 def test_quick_outputs_are_built_like_the_constructor_builds_them() -> None:

@@ -33,6 +33,7 @@ from protocol.lane import NO_ROWS, LaneRows
 from protocol.messages import DeltaBody, Rows
 from protocol.packing import pack_row_counts, pack_sints, pack_uints
 from protocol.plan import STEADY_BODY
+from protocol.speedups import C as _C
 
 SMALL = 32  # batches up to this size predict with Python lists, larger ones with numpy
 ROWS = 8  # steps a numpy forecast covers
@@ -85,6 +86,17 @@ class Forecast:
     def advanced(self) -> None:
         """The step just taken matched its prediction and kept ``nsched``."""
         self.next += 1
+
+    def basis(self) -> list[int]:
+        """The computed counts the next step's prediction advances from by ``nsched``."""
+        return self.comp_rows[self.next - 1] if self.next else self._base
+
+    def rebase(self, computed: list[int], nsched: list[int], same_ns: bool) -> None:
+        """:meth:`restart`, keeping the total when ``nsched`` is unchanged."""
+        if not same_ns:
+            self.nsched, self.total = nsched, sum(nsched)
+        self._base, self.comp_rows, self.out_rows, self.next = computed, [], [], 0
+        self._last, self._decoding = None, False
 
     def outputs(self, computed: list[int]) -> list[int]:
         """``max(computed - plen + 1, 0)`` per request (C-level maps)."""
@@ -187,8 +199,12 @@ class QuickEncoder:
         """Scheduled / computed exceptions into ``fields`` (and as lists into ``lists``);
         output departures returned (positions and deltas, empty when there are none)."""
         fc = self.forecast
-        comp, comp_outs = fc.take()
         actual, outs = cached.num_computed_tokens, cached.num_output_tokens
+        if fc.plen_np is not None and _C is not None:
+            done = self._counts_c(actual, outs, nsched, same_ns, fields, lists)
+            if done is not False:
+                return done  # type: ignore[return-value]
+        comp, comp_outs = fc.take()
         if len(actual) != len(comp) or len(outs) != len(comp):
             return None  # the general path refuses it
         if actual == comp:
@@ -203,10 +219,7 @@ class QuickEncoder:
             lists["computed"] = (moved, moves)
             predicted = fc.outputs(actual)
         if not same_ns:
-            moved = changed(nsched, fc.nsched)
-            values = list(map(nsched.__getitem__, moved))
-            fields["scheduled_tokens"] = Rows(handles=pack_uints(moved), values=pack_uints(values))
-            lists["scheduled"] = (moved, values)
+            self._scheduled(nsched, fields, lists)
         ext = (b"", b"")
         if outs != predicted:
             off = changed(outs, predicted)
@@ -218,9 +231,52 @@ class QuickEncoder:
             fc.restart(list(actual), nsched)
         return ext
 
+    def _counts_c(self, actual: Any, outs: Any, nsched: list[int], same_ns: bool,
+                  fields: dict[str, Any], lists: dict[str, tuple[list[int], list[int]]],
+                  ) -> tuple[bytes, bytes] | None | bool:
+        """:meth:`_counts` of a large batch with the C speedups: the departures are found
+        without building the predicted rows (the forecast then restarts from ``actual``).
+        False: C did not take the lists, the Python path decides."""
+        fc, c = self.forecast, _C
+        if c is None:
+            return False
+        base, ns, plm1 = fc.basis(), fc.nsched, fc.plen_less_one
+        moved = c.advance_departures(actual, base, ns)
+        off = None if moved is None else c.output_departures(outs, actual, plm1)
+        if off is None:
+            return False
+        if moved:
+            now = list(map(actual.__getitem__, moved))
+            if min(now) < 0:
+                return None  # the general path refuses it
+            was = map(add, map(base.__getitem__, moved), map(ns.__getitem__, moved))
+            moves = list(map(sub, now, was))
+            fields["computed_tokens"] = Rows(handles=pack_uints(moved), values=pack_sints(moves))
+            lists["computed"] = (moved, moves)
+        if not same_ns:
+            self._scheduled(nsched, fields, lists)
+        ext = (b"", b"")
+        if off:
+            want = [max(actual[i] - plm1[i], 0) for i in off]
+            ext = (pack_uints(off), pack_sints(list(map(sub, map(outs.__getitem__, off), want))))
+        fc.rebase(list(actual), nsched, same_ns)
+        return ext
+
+    def _scheduled(self, nsched: list[int], fields: dict[str, Any],
+                   lists: dict[str, tuple[list[int], list[int]]]) -> None:
+        """The scheduled counts that changed, into ``fields`` and ``lists``."""
+        moved = changed(nsched, self.forecast.nsched)
+        values = list(map(nsched.__getitem__, moved))
+        fields["scheduled_tokens"] = Rows(handles=pack_uints(moved), values=pack_uints(values))
+        lists["scheduled"] = (moved, values)
+
     def _blocks(self, new_blocks: list[Any]) -> tuple[Rows, ...] | None:
         """block_append per KV group (() for none); None when the step needs the general path.
         Keeps the appends as our own lists (:attr:`appends`)."""
+        if self.kv_groups == 1 and _C is not None and len(new_blocks) == len(self.index):
+            got = _C.one_group_appends(new_blocks)  # None: Python decides below
+            if got is not None:
+                return self._one_group_rows(*got)
         grown = list(compress(self.index, new_blocks))
         self.appends = []
         if not grown:
@@ -232,10 +288,7 @@ class QuickEncoder:
             lists = _one_block_group(grown, new_blocks)
             if lists is None:
                 return None
-            lens, flat = lists
-            self.appends = [(grown, lens, flat)]
-            return (Rows(handles=pack_uints(list(map(self.handles.__getitem__, grown))),
-                         counts=pack_row_counts(lens), values=pack_uints(flat)),)
+            return self._one_group_rows(grown, *lists)
         entries = list(map(new_blocks.__getitem__, grown))
         rows: list[list[int]] = [[] for _ in range(groups)]
         at: list[list[int]] = [[] for _ in range(groups)]
@@ -254,6 +307,17 @@ class QuickEncoder:
         return tuple(Rows(handles=pack_uints(rows[g]), counts=pack_row_counts(counts[g]),
                           values=pack_uints(values[g])) if rows[g] else _NO_ROWS
                      for g in range(groups))
+
+    def _one_group_rows(self, grown: list[int], lens: list[int], flat: list[int],
+                        ) -> tuple[Rows, ...]:
+        """The block_append of one KV group's appends (() for none), kept as
+        :attr:`appends`."""
+        if not grown:
+            self.appends = []
+            return ()
+        self.appends = [(grown, lens, flat)]
+        return (Rows(handles=pack_uints(list(map(self.handles.__getitem__, grown))),
+                     counts=pack_row_counts(lens), values=pack_uints(flat)),)
 
     def _spec(self, drafts: dict[str, list[int]],
               ) -> tuple[Rows, tuple[list[int], list[int]]] | Literal[True] | None:

@@ -1,0 +1,537 @@
+/* Optional C versions of the packers, the digest's per-row block terms and the
+ * same-batch forecast's comparisons.
+ *
+ * Contract: each function returns exactly what its Python reference in
+ * protocol/packing.py or protocol/digest.py returns for the inputs it accepts, and
+ * None for every input it does not accept (the caller then runs the Python path,
+ * which decides, errors included).  tests/test_speedups.py holds the two together
+ * on generated and hostile inputs.  Nothing here raises for bad data.
+ *
+ * Packed array layout (SPEC §7.3): byte 0 the width in bits (0..64), then the count
+ * (canonical unsigned LEB128), then ceil(count * width / 8) bytes, value i at bits
+ * [i * width, (i + 1) * width) in little-endian bit order.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#define STACK_VALUES 128 /* lists up to this long need no heap scratch */
+
+/* 0 and the value for an exact non-negative int below 2**64; -1 otherwise. */
+static int
+as_u64(PyObject *item, uint64_t *out)
+{
+    if (!PyLong_CheckExact(item)) {
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow == 0) {
+        if (v == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return -1;
+        }
+        if (v < 0) {
+            return -1;
+        }
+        *out = (uint64_t)v;
+        return 0;
+    }
+    if (overflow < 0) {
+        return -1;
+    }
+    unsigned long long u = PyLong_AsUnsignedLongLong(item);
+    if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear(); /* 2**64 or more */
+        return -1;
+    }
+    *out = (uint64_t)u;
+    return 0;
+}
+
+/* 0 and the zig-zag image of an exact int in the int64 range; -1 otherwise. */
+static int
+as_zigzag(PyObject *item, uint64_t *out)
+{
+    if (!PyLong_CheckExact(item)) {
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return -1;
+    }
+    *out = v >= 0 ? (uint64_t)v << 1 : (((uint64_t)(-(v + 1))) << 1) + 1;
+    return 0;
+}
+
+static int
+bit_length(uint64_t v)
+{
+    return v ? 64 - __builtin_clzll(v) : 0;
+}
+
+/* The packed bytes of n values: width byte, LEB128 count, bit-packed payload. */
+static PyObject *
+pack_values(const uint64_t *values, Py_ssize_t n)
+{
+    uint64_t top = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        top |= values[i];
+    }
+    int width = bit_length(top); /* the width of the largest value */
+    unsigned char head[11];
+    Py_ssize_t hlen = 1;
+    head[0] = (unsigned char)width;
+    for (uint64_t count = (uint64_t)n;; count >>= 7) {
+        head[hlen++] = (unsigned char)((count & 0x7F) | (count > 0x7F ? 0x80 : 0));
+        if (count <= 0x7F) {
+            break;
+        }
+    }
+    Py_ssize_t size = hlen + (Py_ssize_t)(((uint64_t)n * (uint64_t)width + 7) / 8);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, size);
+    if (out == NULL) {
+        return NULL;
+    }
+    unsigned char *p = (unsigned char *)PyBytes_AS_STRING(out);
+    memcpy(p, head, (size_t)hlen);
+    p += hlen;
+    unsigned __int128 acc = 0; /* at most 7 + 64 bits pending */
+    int bits = 0;
+    for (Py_ssize_t i = 0; i < n && width; i++) {
+        acc |= (unsigned __int128)values[i] << bits;
+        bits += width;
+        while (bits >= 8) {
+            *p++ = (unsigned char)acc;
+            acc >>= 8;
+            bits -= 8;
+        }
+    }
+    if (bits > 0) {
+        *p = (unsigned char)acc;
+    }
+    return out;
+}
+
+/* Pack a list through ``convert`` (None when one item is refused). */
+static PyObject *
+pack_with(PyObject *arg, int (*convert)(PyObject *, uint64_t *))
+{
+    uint64_t stack[STACK_VALUES];
+    if (!PyList_CheckExact(arg)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(arg);
+    uint64_t *values = n <= STACK_VALUES ? stack : PyMem_Malloc(sizeof(uint64_t) * (size_t)n);
+    if (values == NULL) {
+        return PyErr_NoMemory();
+    }
+    PyObject *out = Py_None;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (convert(PyList_GET_ITEM(arg, i), &values[i]) < 0) {
+            goto done; /* None: Python decides */
+        }
+    }
+    out = pack_values(values, n);
+done:
+    if (values != stack) {
+        PyMem_Free(values);
+    }
+    if (out == Py_None) {
+        Py_RETURN_NONE;
+    }
+    return out;
+}
+
+/* pack_list(values: list) -> bytes | None: protocol.packing.pack_uints of a list of
+ * exact ints in [0, 2**64). */
+static PyObject *
+pack_list(PyObject *self, PyObject *arg)
+{
+    return pack_with(arg, as_u64);
+}
+
+/* pack_signed_list(values: list) -> bytes | None: protocol.packing.pack_sints of a list
+ * of exact ints in the int64 range. */
+static PyObject *
+pack_signed_list(PyObject *self, PyObject *arg)
+{
+    return pack_with(arg, as_zigzag);
+}
+
+/* Width, count and payload offset of a well-formed packed array of at most ``limit``
+ * values (the checks of protocol.packing.read_leb128 and _unpack_raw); -1 otherwise. */
+static int
+read_header(const unsigned char *buf, Py_ssize_t len, uint64_t limit, int *width,
+            uint64_t *count, Py_ssize_t *pos)
+{
+    if (len < 1 || buf[0] > 64) {
+        return -1;
+    }
+    uint64_t value = 0;
+    int shift = 0;
+    Py_ssize_t at = 1;
+    for (;;) {
+        if (at >= len || shift > 56) {
+            return -1; /* truncated or overlong */
+        }
+        unsigned char byte = buf[at++];
+        value |= (uint64_t)(byte & 0x7F) << shift;
+        shift += 7;
+        if (!(byte & 0x80)) {
+            if (byte == 0 && shift > 7) {
+                return -1; /* non-canonical */
+            }
+            break;
+        }
+    }
+    if (value > limit) {
+        return -1;
+    }
+    uint64_t need = (value * (uint64_t)buf[0] + 7) / 8; /* value <= limit < 2**57 */
+    if ((uint64_t)(len - at) != need) {
+        return -1;
+    }
+    *width = buf[0];
+    *count = value;
+    *pos = at;
+    return 0;
+}
+
+static PyObject *
+unpacked(PyObject *args, int zigzag)
+{
+    Py_buffer view;
+    unsigned long long limit = 1ULL << 26;
+    if (!PyArg_ParseTuple(args, "y*|K", &view, &limit)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    int width;
+    uint64_t count;
+    Py_ssize_t pos;
+    if (limit > (1ULL << 56)
+            || read_header((const unsigned char *)view.buf, view.len, limit, &width, &count,
+                           &pos) < 0) {
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE; /* malformed or too long: Python decides (and raises) */
+    }
+    PyObject *out = PyList_New((Py_ssize_t)count);
+    if (out == NULL) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    const unsigned char *p = (const unsigned char *)view.buf + pos;
+    uint64_t mask = width == 64 ? UINT64_MAX : (((uint64_t)1 << width) - 1);
+    unsigned __int128 acc = 0;
+    int bits = 0;
+    for (Py_ssize_t i = 0; i < (Py_ssize_t)count; i++) {
+        while (bits < width) { /* never past the payload: its length was checked */
+            acc |= (unsigned __int128)(*p++) << bits;
+            bits += 8;
+        }
+        uint64_t z = width ? (uint64_t)acc & mask : 0;
+        acc >>= width;
+        bits -= width;
+        PyObject *item = !zigzag ? PyLong_FromUnsignedLongLong(z)
+            : (z & 1) ? PyLong_FromLongLong(-(long long)(z >> 1) - 1)
+                      : PyLong_FromLongLong((long long)(z >> 1));
+        if (item == NULL) {
+            Py_DECREF(out);
+            PyBuffer_Release(&view);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    PyBuffer_Release(&view);
+    return out;
+}
+
+/* raw_list(buf, limit=2**26) -> list | None: the raw values of a well-formed packed
+ * array of at most ``limit`` values (None: anything else, which Python decides). */
+static PyObject *
+raw_list(PyObject *self, PyObject *args)
+{
+    return unpacked(args, 0);
+}
+
+/* raw_signed_list(buf, limit=2**26) -> list | None: raw_list, zig-zag decoded. */
+static PyObject *
+raw_signed_list(PyObject *self, PyObject *args)
+{
+    return unpacked(args, 1);
+}
+
+/* The int64 two's-complement bits of an exact int (what ``& MASK`` keeps); -1 when it
+ * is not one. */
+static int
+as_bits(PyObject *item, uint64_t *out)
+{
+    if (!PyLong_CheckExact(item)) {
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+static uint64_t
+mix64(uint64_t z)
+{
+    z ^= z >> 30;
+    z *= 0xBF58476D1CE4E5B9ULL;
+    z ^= z >> 27;
+    z *= 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+/* unit_terms(handles, positions, blocks, salt, k_block, k_pos, k_handle) -> list | None:
+ * protocol.digest.block_unit_terms, mix64((b*k_block + p*k_pos + h*k_handle + salt)
+ * mod 2**64) per row, for equally long lists of int64-range ints (the constants are
+ * the caller's). */
+static PyObject *
+unit_terms(PyObject *self, PyObject *args)
+{
+    PyObject *handles, *positions, *blocks;
+    unsigned long long salt, k_block, k_pos, k_handle;
+    if (!PyArg_ParseTuple(args, "OOOKKKK", &handles, &positions, &blocks, &salt, &k_block,
+                          &k_pos, &k_handle)) {
+        return NULL;
+    }
+    if (!PyList_CheckExact(handles) || !PyList_CheckExact(positions)
+            || !PyList_CheckExact(blocks)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(handles);
+    if (PyList_GET_SIZE(positions) != n || PyList_GET_SIZE(blocks) != n) {
+        Py_RETURN_NONE;
+    }
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t h, p, b;
+        if (as_bits(PyList_GET_ITEM(handles, i), &h) < 0
+                || as_bits(PyList_GET_ITEM(positions, i), &p) < 0
+                || as_bits(PyList_GET_ITEM(blocks, i), &b) < 0) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        PyObject *term = PyLong_FromUnsignedLongLong(
+            mix64(b * k_block + p * k_pos + h * k_handle + salt));
+        if (term == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, term);
+    }
+    return out;
+}
+
+/* 0 and the value of an exact int in the int64 range; -1 otherwise. */
+static int
+as_i64(PyObject *item, long long *out)
+{
+    if (!PyLong_CheckExact(item)) {
+        return -1;
+    }
+    int overflow = 0;
+    *out = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow || (*out == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return -1;
+    }
+    return 0;
+}
+
+/* Positions i where have[i] != predict(i, b[i], c[i]) over three equally long lists of
+ * int64-range ints; None when the lists are not such lists. */
+static PyObject *
+departures(PyObject *args, int clamp)
+{
+    PyObject *have, *b, *c;
+    if (!PyArg_ParseTuple(args, "OOO", &have, &b, &c)) {
+        return NULL;
+    }
+    if (!PyList_CheckExact(have) || !PyList_CheckExact(b) || !PyList_CheckExact(c)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(have);
+    if (PyList_GET_SIZE(b) != n || PyList_GET_SIZE(c) != n) {
+        Py_RETURN_NONE;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long x, y, z;
+        if (as_i64(PyList_GET_ITEM(have, i), &x) < 0 || as_i64(PyList_GET_ITEM(b, i), &y) < 0
+                || as_i64(PyList_GET_ITEM(c, i), &z) < 0) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        __int128 want = clamp ? (__int128)y - z : (__int128)y + z;
+        if (clamp && want < 0) {
+            want = 0;
+        }
+        if ((__int128)x != want) {
+            PyObject *at = PyLong_FromSsize_t(i);
+            if (at == NULL || PyList_Append(out, at) < 0) {
+                Py_XDECREF(at);
+                Py_DECREF(out);
+                return NULL;
+            }
+            Py_DECREF(at);
+        }
+    }
+    return out;
+}
+
+/* advance_departures(computed, base, nsched) -> list | None: the positions where
+ * computed[i] != base[i] + nsched[i] (engine_side.vllm.quick.changed of the advanced
+ * row, which is never built). */
+static PyObject *
+advance_departures(PyObject *self, PyObject *args)
+{
+    return departures(args, 0);
+}
+
+/* output_departures(outputs, computed, plen_less_one) -> list | None: the positions
+ * where outputs[i] != max(computed[i] - plen_less_one[i], 0). */
+static PyObject *
+output_departures(PyObject *self, PyObject *args)
+{
+    return departures(args, 1);
+}
+
+/* one_group_appends(new_block_ids: list) -> (positions, counts, flat ids) | None: a
+ * one-KV-group step's new blocks -- each entry None or a one-element tuple or list
+ * holding a non-empty list -- as the rows that grew, how many ids each, and the ids
+ * in order; None for any other entry (engine_side.vllm.quick decides in Python). */
+static PyObject *
+one_group_appends(PyObject *self, PyObject *arg)
+{
+    if (!PyList_CheckExact(arg)) {
+        Py_RETURN_NONE;
+    }
+    PyObject *pos = PyList_New(0), *counts = PyList_New(0), *flat = PyList_New(0);
+    if (pos == NULL || counts == NULL || flat == NULL) {
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(arg); i++) {
+        PyObject *entry = PyList_GET_ITEM(arg, i), *ids;
+        if (entry == Py_None) {
+            continue;
+        }
+        if (PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 1) {
+            ids = PyTuple_GET_ITEM(entry, 0);
+        } else if (PyList_CheckExact(entry) && PyList_GET_SIZE(entry) == 1) {
+            ids = PyList_GET_ITEM(entry, 0);
+        } else {
+            goto refuse;
+        }
+        if (!PyList_CheckExact(ids) || PyList_GET_SIZE(ids) == 0) {
+            goto refuse;
+        }
+        PyObject *at = PyLong_FromSsize_t(i), *n = PyLong_FromSsize_t(PyList_GET_SIZE(ids));
+        int bad = at == NULL || n == NULL || PyList_Append(pos, at) < 0
+                  || PyList_Append(counts, n) < 0;
+        Py_XDECREF(at);
+        Py_XDECREF(n);
+        Py_ssize_t end = PyList_GET_SIZE(flat);
+        if (bad || PyList_SetSlice(flat, end, end, ids) < 0) { /* flat.extend(ids) */
+            goto fail;
+        }
+    }
+    return Py_BuildValue("(NNN)", pos, counts, flat);
+refuse:
+    Py_DECREF(pos);
+    Py_DECREF(counts);
+    Py_DECREF(flat);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(pos);
+    Py_XDECREF(counts);
+    Py_XDECREF(flat);
+    return NULL;
+}
+
+/* add_at(target: list, positions: list, counts: list) -> True | None: target[p] += c
+ * for each aligned pair, all or nothing; None (target untouched) unless every
+ * position is in range, every count in [0, 2**31) and every target value at most
+ * 2**62 in size (so no sum overflows, positions repeated or not). */
+static PyObject *
+add_at(PyObject *self, PyObject *args)
+{
+    PyObject *target, *positions, *counts;
+    if (!PyArg_ParseTuple(args, "OOO", &target, &positions, &counts)) {
+        return NULL;
+    }
+    if (!PyList_CheckExact(target) || !PyList_CheckExact(positions)
+            || !PyList_CheckExact(counts)
+            || PyList_GET_SIZE(positions) != PyList_GET_SIZE(counts)) {
+        Py_RETURN_NONE;
+    }
+    const long long big = 1LL << 62;
+    Py_ssize_t n = PyList_GET_SIZE(positions), size = PyList_GET_SIZE(target);
+    for (Py_ssize_t i = 0; i < n; i++) { /* check everything before changing anything */
+        long long p, c, v;
+        if (as_i64(PyList_GET_ITEM(positions, i), &p) < 0 || p < 0 || p >= size
+                || as_i64(PyList_GET_ITEM(counts, i), &c) < 0 || c < 0 || c > INT32_MAX
+                || as_i64(PyList_GET_ITEM(target, p), &v) < 0 || v > big || v < -big) {
+            Py_RETURN_NONE;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* |v| <= 2**62 + n * 2**31 < 2**63 */
+        long long p, c, v;
+        as_i64(PyList_GET_ITEM(positions, i), &p);
+        as_i64(PyList_GET_ITEM(counts, i), &c);
+        as_i64(PyList_GET_ITEM(target, p), &v);
+        PyObject *sum = PyLong_FromLongLong(v + c);
+        if (sum == NULL) {
+            return NULL;
+        }
+        PyList_SetItem(target, p, sum); /* steals sum, releases the old item */
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef methods[] = {
+    {"pack_list", pack_list, METH_O, "protocol.packing.pack_uints of a list (None: not taken)."},
+    {"pack_signed_list", pack_signed_list, METH_O,
+     "protocol.packing.pack_sints of a list (None: not taken)."},
+    {"raw_list", raw_list, METH_VARARGS,
+     "The raw values of a well-formed packed array (None: anything else)."},
+    {"raw_signed_list", raw_signed_list, METH_VARARGS, "raw_list, zig-zag decoded."},
+    {"advance_departures", advance_departures, METH_VARARGS,
+     "Positions where computed != base + nsched (None: not taken)."},
+    {"output_departures", output_departures, METH_VARARGS,
+     "Positions where outputs != max(computed - plen_less_one, 0) (None: not taken)."},
+    {"one_group_appends", one_group_appends, METH_O,
+     "A one-group step's new blocks as (positions, counts, flat ids) (None: not taken)."},
+    {"add_at", add_at, METH_VARARGS, "target[p] += c for aligned pairs, all or nothing."},
+    {"unit_terms", unit_terms, METH_VARARGS,
+     "protocol.digest.block_unit_terms in C (None: not taken)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "protocol._speedups",
+    "Optional C versions of deltacast's small-list packers and block digest terms.", -1,
+    methods,
+};
+
+PyMODINIT_FUNC
+PyInit__speedups(void)
+{
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,45 @@
+"""The optional C speedups, or None when deltacast runs on its pure-Python paths.
+
+``protocol/_speedups.c`` (built by ``setup.py`` at install, where a C compiler is
+found) holds C versions of the small-list packers (:mod:`protocol.packing`) and of
+the digest's per-row block terms (:mod:`protocol.digest`).  Each returns exactly
+what its Python reference returns, or None for an input it does not take (the
+Python path then decides, errors included); ``tests/test_speedups.py`` holds the
+two together.  The bytes on the wire never depend on which one ran.
+
+``DELTACAST_PURE_PYTHON=1`` in the environment selects the pure-Python paths (the
+A/B benchmark and the fallback tests).  ``python -m protocol.speedups`` says which
+is in use.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+PURE_ENV = "DELTACAST_PURE_PYTHON"
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get(PURE_ENV) == "1":
+        return None
+    try:
+        import protocol._speedups as _speedups
+    except ImportError:  # built without a C compiler: the Python paths
+        return None
+    return _speedups
+
+
+C = _load()
+
+
+def status() -> str:
+    """One line: which paths this process uses."""
+    if C is not None:
+        return f"C speedups in use ({C.__file__})"
+    why = f"{PURE_ENV}=1" if os.environ.get(PURE_ENV) == "1" else "not built (no C compiler?)"
+    return f"pure Python: C speedups {why}"
+
+
+if __name__ == "__main__":
+    print(status())

@@ -1,0 +1,12 @@
+"""Build hook for the optional C speedups (everything else is in pyproject.toml).
+
+``protocol._speedups`` holds C versions of the small-list packers and the digest's
+block terms.  ``optional=True``: where no C compiler is found, the install goes on
+and deltacast runs on its pure-Python paths (same bytes, slower);
+``python -m protocol.speedups`` says which one is in use.
+"""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("protocol._speedups", ["protocol/_speedups.c"],
+                             extra_compile_args=["-O2"], optional=True)])

@@ -1,0 +1,292 @@
+"""The optional C speedups (protocol/_speedups.c) against their Python references.
+
+Every C function must return exactly what its reference returns for the inputs it
+takes, and None (False: a malformed packed array) for the rest, so the Python path
+decides.  Hostile bytes are generated too: the unpackers read the network's data.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from protocol import digest as dg
+from protocol import packing
+from protocol.errors import MalformedMessage
+from protocol.speedups import C
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_c = pytest.mark.skipif(C is None, reason="C speedups not built (no C compiler)")
+
+U64 = st.integers(0, (1 << 64) - 1)
+I64 = st.integers(-(1 << 63), (1 << 63) - 1)
+#: what a list handed to the packers may hold: ints of any size and a few impostors
+ITEMS = st.one_of(U64, I64, st.integers(-(1 << 70), 1 << 70), st.booleans(),
+                  st.floats(allow_nan=False), st.none())
+
+
+def test_ci_builds_the_speedups() -> None:
+    """CI installs with a C compiler, so the C paths are the ones its tests exercise."""
+    if os.environ.get("CI") == "true" and os.environ.get("DELTACAST_PURE_PYTHON") != "1":
+        assert C is not None, "setup.py did not build protocol._speedups"
+
+
+def _pure_pack(values: list[object]) -> bytes | None:
+    """What pack_uints makes of ``values`` without the speedups (None: C must refuse them
+    -- an item that is not an exact int in [0, 2**64) -- so Python decides)."""
+    if not all(type(v) is int and 0 <= v < 1 << 64 for v in values):  # type: ignore[operator]
+        return None
+    if len(values) <= packing.PACK_SMALL:
+        return packing._pack_list(values)  # type: ignore[arg-type]
+    return packing.pack_uints(np.array(values, dtype=np.uint64))  # the numpy path
+
+
+def _zigzag(values: list[int]) -> list[int]:
+    return [v << 1 if v >= 0 else (-v << 1) - 1 for v in values]
+
+
+LONG = st.lists(st.integers(0, 5000), min_size=120, max_size=600)
+
+
+@needs_c
+@given(st.one_of(st.lists(U64, max_size=200), st.lists(st.integers(0, 300), max_size=200),
+                 LONG, st.lists(ITEMS, max_size=8)))
+def test_pack_list_matches_the_reference(values: list[object]) -> None:
+    assert C is not None
+    assert C.pack_list(values) == _pure_pack(values)
+
+
+@needs_c
+def test_pack_list_refuses_what_is_not_a_list() -> None:
+    assert C is not None
+    assert C.pack_list((1, 2)) is None
+    assert C.pack_list(bytearray(b"\x01")) is None
+    assert C.pack_list([1 << 64]) is None
+
+
+@needs_c
+@given(st.one_of(st.lists(I64, max_size=200), st.lists(st.integers(-40, 40), max_size=300),
+                 st.lists(ITEMS, max_size=8)))
+def test_pack_signed_list_matches_the_reference(values: list[object]) -> None:
+    assert C is not None
+    taken = all(type(v) is int and -(1 << 63) <= v < 1 << 63 for v in values)  # type: ignore[operator]
+    expected = _pure_pack(_zigzag(values)) if taken else None  # type: ignore[arg-type]
+    assert C.pack_signed_list(values) == expected
+
+
+def _pure_raw(buf: bytes, limit: int = 1 << 26) -> list[int] | None:
+    """The raw values unpack_uint_list reads from ``buf`` without the speedups (before its
+    int64 check); None where it raises."""
+    try:
+        short = packing._raw_list_py(buf)
+        return short if short is not None else packing._unpack_raw(buf, limit).tolist()
+    except MalformedMessage:
+        return None
+
+
+@st.composite
+def packed_or_hostile(draw: st.DrawFn) -> bytes:
+    """A packed array (short or long), one with a damaged header or length, or random
+    bytes."""
+    kind = draw(st.sampled_from(["packed", "header", "length", "random"]))
+    if kind == "random":
+        return draw(st.binary(max_size=80))
+    values = draw(st.one_of(st.lists(U64, max_size=70), LONG))
+    buf = bytearray(C.pack_list(values) if C is not None else b"")
+    if kind == "header":
+        buf[draw(st.integers(0, min(2, len(buf) - 1)))] = draw(st.integers(0, 255))
+    elif kind == "length":
+        buf = buf[:-1] if draw(st.booleans()) and len(buf) > 2 else buf + b"\x00"
+    return bytes(buf)
+
+
+@needs_c
+@given(packed_or_hostile())
+@example(b"")
+@example(b"\x08")
+@example(b"\x00")
+@example(b"\x41\x00")
+@example(b"\x00\x80\x00")  # a non-canonical count
+@example(b"\x00" + b"\xff" * 9 + b"\x01")  # an overlong count
+@example(b"\x08\x41" + bytes(65))
+@example(b"\x40\x01" + bytes(8))
+def test_raw_list_matches_the_reference_on_any_bytes(buf: bytes) -> None:
+    assert C is not None
+    expected = _pure_raw(buf)
+    assert C.raw_list(buf) == expected
+    assert C.raw_list(memoryview(buf)) == expected
+    signed = C.raw_signed_list(buf)
+    if expected is None:
+        assert signed is None
+    else:
+        assert signed == [v >> 1 if not v & 1 else -(v >> 1) - 1 for v in expected]
+
+
+@needs_c
+@given(st.lists(st.integers(0, 99), min_size=65, max_size=300), st.integers(0, 400))
+def test_raw_list_keeps_the_count_limit(values: list[int], limit: int) -> None:
+    assert C is not None
+    buf = packing.pack_uints(values)
+    assert C.raw_list(buf, limit) == (values if len(values) <= limit else None)
+    if len(values) > limit:
+        with pytest.raises(MalformedMessage, match="out of bounds"):
+            packing.unpack_uint_list(buf, limit=limit)
+
+
+@needs_c
+def test_unpackers_refuse_what_is_not_a_buffer() -> None:
+    assert C is not None
+    assert C.raw_list("ab") is None
+    assert C.raw_signed_list(12) is None
+
+
+@needs_c
+@given(st.data())
+def test_unit_terms_match_the_reference(data: st.DataObject) -> None:
+    assert C is not None
+    n = data.draw(st.integers(0, 40))
+    rows = [data.draw(st.lists(I64, min_size=n, max_size=n)) for _ in range(3)]
+    group = data.draw(st.integers(0, 7))
+    g = (group * dg._GROUP_I) & dg.MASK
+    got = C.unit_terms(*rows, g, dg._SPEC_I, dg._POS_I, dg._HANDLE_I)
+    assert got == dg.unit_terms_py(rows[0], g, rows[1], rows[2])
+    assert dg.block_unit_terms(rows[0], group, rows[1], rows[2]) == got
+
+
+@needs_c
+def test_unit_terms_refuse_what_they_cannot_take() -> None:
+    assert C is not None
+    args = (0, dg._SPEC_I, dg._POS_I, dg._HANDLE_I)
+    assert C.unit_terms([1], [2], [3, 4], *args) is None  # lengths differ
+    assert C.unit_terms((1,), [2], [3], *args) is None  # not a list
+    assert C.unit_terms([1 << 64], [2], [3], *args) is None  # past int64: Python's arithmetic
+    with pytest.raises(ValueError):  # the reference refuses unequal lengths
+        dg.block_unit_terms([1], 0, [2], [3, 4])
+
+
+def test_public_packers_take_the_same_inputs_either_way() -> None:
+    """Refusals go through the Python path: the same errors as without the speedups."""
+    with pytest.raises(ValueError, match="non-negative"):
+        packing.pack_uints([1, -1])
+    with pytest.raises(MalformedMessage, match="length mismatch"):
+        packing.unpack_uint_list(b"\x08\x02\x01")
+    with pytest.raises(MalformedMessage, match="length mismatch"):
+        packing.unpack_sint_list(b"\x08\x02\x01")
+    with pytest.raises(MalformedMessage, match="non-canonical"):
+        packing.unpack_uint_list(b"\x00\x80\x00")
+    with pytest.raises(ValueError, match="non-negative"):
+        packing.pack_uints([*range(300), -1])
+    assert packing.pack_uints([True, 2]) == packing.pack_uints(packing.np.array([1, 2]))
+
+
+_SAMPLES = ("[[], [0], [5, 1, 300], list(range(127)), list(range(3000)), [2**64 - 1, 3], "
+            "[2**63, 1]]")
+_SCRIPT = f"""
+import sys
+from protocol import digest as dg, packing
+from protocol.speedups import C
+out = [C is None]
+for v in {_SAMPLES}:
+    b = packing.pack_uints(v)
+    out += [b.hex(), packing.unpack_uint_list(b) if max(v, default=0) < 2**63 else None]
+for v in [[-1, 0, 1], [-(2**63), 2**63 - 1], list(range(-600, 600))]:
+    b = packing.pack_sints(v)
+    out += [b.hex(), packing.unpack_sint_list(b)]
+out.append(dg.block_unit_terms([1, 2, 2**40], 3, [0, 7, 9], [5, 2**31, 1]))
+print(repr(out))
+"""
+
+
+def _run(pure: bool) -> list[object]:
+    env = {**os.environ, "DELTACAST_PURE_PYTHON": "1" if pure else "0"}
+    done = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, check=True,
+                          capture_output=True, text=True, timeout=120)
+    return eval(done.stdout)  # type: ignore[no-any-return]  # noqa: S307 - our own repr
+
+
+def test_bytes_and_terms_do_not_depend_on_the_speedups() -> None:
+    """The pure-Python process and the default one agree on every byte and term."""
+    pure, default = _run(pure=True), _run(pure=False)
+    built = importlib.util.find_spec("protocol._speedups") is not None
+    assert pure[0] is True and default[0] is not built
+    assert pure[1:] == default[1:]
+
+
+I64_SMALL = st.integers(-(1 << 40), 1 << 40)
+
+
+@needs_c
+@given(st.data())
+def test_departures_match_the_forecast_comparisons(data: st.DataObject) -> None:
+    """advance_departures and output_departures are quick.changed of the rows the
+    Python forecast builds (Forecast.take and Forecast.outputs)."""
+    assert C is not None
+    n = data.draw(st.integers(0, 50))
+    base, nsched = (data.draw(st.lists(I64_SMALL, min_size=n, max_size=n)) for _ in range(2))
+    row = [b + s for b, s in zip(base, nsched, strict=True)]
+    actual = [v + data.draw(st.sampled_from([0, 0, 0, 1, -2])) for v in row]
+    # prompt lengths less one around the computed counts: outputs 0 (clamped), 0, 1, 2
+    plm1 = [a + data.draw(st.integers(-2, 2)) for a in actual]
+    outs_want = [max(a - p, 0) for a, p in zip(actual, plm1, strict=True)]
+    outs = [v + data.draw(st.sampled_from([0, 0, 3])) for v in outs_want]
+    assert C.advance_departures(actual, base, nsched) == [
+        i for i in range(n) if actual[i] != row[i]]
+    assert C.output_departures(outs, actual, plm1) == [
+        i for i in range(n) if outs[i] != outs_want[i]]
+
+
+@needs_c
+def test_departures_refuse_what_they_cannot_compare() -> None:
+    assert C is not None
+    assert C.advance_departures([1], [1, 2], [0, 0]) is None  # lengths differ
+    assert C.advance_departures((1,), [1], [0]) is None  # not a list
+    assert C.advance_departures([1 << 63], [1], [0]) is None  # past int64
+    assert C.output_departures([True], [1], [0]) is None  # not an exact int
+    assert C.advance_departures([(1 << 63) - 1], [(1 << 63) - 1], [1]) == [0]  # no overflow
+
+
+#: entries of a one-group new_block_ids list: the shapes vLLM sends and impostors
+ENTRIES = st.one_of(st.none(), st.lists(st.integers(0, 9), min_size=1, max_size=3).map(
+    lambda ids: (ids,)), st.lists(st.integers(0, 9), min_size=1, max_size=3).map(
+    lambda ids: [ids]), st.sampled_from([(), ([],), ([1], [2]), 0, ((1,),), [[]], ([1],) * 2]))
+
+
+@needs_c
+@given(st.lists(ENTRIES, max_size=12))
+def test_one_group_appends_match_the_python_path(entries: list[object]) -> None:
+    assert C is not None
+    plain = all(e is None or (type(e) in (tuple, list) and len(e) == 1  # type: ignore[arg-type]
+                              and type(e[0]) is list and e[0])  # type: ignore[index]
+                for e in entries)
+    got = C.one_group_appends(entries)
+    if not plain:
+        assert got is None
+        return
+    grown = [i for i, e in enumerate(entries) if e is not None]
+    rows = [entries[i][0] for i in grown]  # type: ignore[index]
+    assert got == (grown, [len(r) for r in rows], [v for r in rows for v in r])
+
+
+@needs_c
+@given(st.lists(st.integers(-(1 << 62), 1 << 62), min_size=1, max_size=20), st.data())
+def test_add_at_adds_in_place_all_or_nothing(target: list[int], data: st.DataObject) -> None:
+    assert C is not None
+    k = data.draw(st.integers(0, 10))
+    pos = data.draw(st.lists(st.integers(-2, len(target) + 1), min_size=k, max_size=k))
+    counts = data.draw(st.lists(st.integers(-1, 1 << 31), min_size=k, max_size=k))
+    expected = list(target)
+    taken = all(0 <= p < len(target) for p in pos) and all(0 <= c < 1 << 31 for c in counts)
+    if taken:
+        for p, c in zip(pos, counts, strict=True):
+            expected[p] += c
+    before = list(target)
+    assert C.add_at(target, pos, counts) is (True if taken else None)
+    assert target == (expected if taken else before)
