@@ -505,6 +505,40 @@ add_at(PyObject *self, PyObject *args)
     Py_RETURN_TRUE;
 }
 
+/* dot(values, keys, at=None) -> int | None: sum(values[j] * keys[at[j]]) mod 2**64
+ * (keys[j] without ``at``): the digest's linear count terms.  values are int64-range
+ * ints, keys ints in [0, 2**64), at positions in range; None for anything else. */
+static PyObject *
+dot(PyObject *self, PyObject *args)
+{
+    PyObject *values, *keys, *at = Py_None;
+    if (!PyArg_ParseTuple(args, "OO|O", &values, &keys, &at)) {
+        return NULL;
+    }
+    if (!PyList_CheckExact(values) || !PyList_CheckExact(keys)
+            || (at != Py_None && !PyList_CheckExact(at))) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(values), size = PyList_GET_SIZE(keys);
+    if (at == Py_None ? n != size : PyList_GET_SIZE(at) != n) {
+        Py_RETURN_NONE;
+    }
+    uint64_t total = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        long long v, k = (long long)j;
+        uint64_t key;
+        if (at != Py_None && (as_i64(PyList_GET_ITEM(at, j), &k) < 0 || k < 0 || k >= size)) {
+            Py_RETURN_NONE;
+        }
+        if (as_i64(PyList_GET_ITEM(values, j), &v) < 0
+                || as_u64(PyList_GET_ITEM(keys, (Py_ssize_t)k), &key) < 0) {
+            Py_RETURN_NONE;
+        }
+        total += (uint64_t)v * key; /* wraps: the sum mod 2**64 */
+    }
+    return PyLong_FromUnsignedLongLong(total);
+}
+
 static PyMethodDef methods[] = {
     {"pack_list", pack_list, METH_O, "protocol.packing.pack_uints of a list (None: not taken)."},
     {"pack_signed_list", pack_signed_list, METH_O,
@@ -519,6 +553,7 @@ static PyMethodDef methods[] = {
     {"one_group_appends", one_group_appends, METH_O,
      "A one-group step's new blocks as (positions, counts, flat ids) (None: not taken)."},
     {"add_at", add_at, METH_VARARGS, "target[p] += c for aligned pairs, all or nothing."},
+    {"dot", dot, METH_VARARGS, "sum(values[j] * keys[at[j]]) mod 2**64 (None: not taken)."},
     {"unit_terms", unit_terms, METH_VARARGS,
      "protocol.digest.block_unit_terms in C (None: not taken)."},
     {NULL, NULL, 0, NULL},

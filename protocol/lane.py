@@ -119,7 +119,7 @@ class SteadyLane:
         # on Python ints from the cached keys, a large one from the state's numpy term
         if len(self.handles) <= FEW_KEYS:
             self.keys = self._small_keys(self.handles)
-            self.advance = sum(map(mul, self.nsched, self.keys)) & dg.MASK
+            self.advance = _dot(self.nsched, self.keys) & dg.MASK
         else:
             self.advance = state.steady_advance_term()
 
@@ -223,7 +223,7 @@ class SteadyLane:
             after = list(map(add, after, moves))
             if min(after) < 0 or max(after) >= _COUNT_LIMIT:
                 return None
-            change = sum(map(mul, moves, map(self._keys().__getitem__, at)))
+            change = _dot(moves, self._keys(), at)
         nsched = None
         if rows.scheduled is not None:
             pos, values = rows.scheduled
@@ -233,9 +233,8 @@ class SteadyLane:
             before = list(map(old.__getitem__, pos))
             if before != values:  # unchanged positions add zero terms below
                 deltas = list(map(sub, values, before))
-                change += sum(map(mul, deltas, map(self._schedule_keys().__getitem__, pos)))
-                advance = (advance + sum(map(mul, deltas, map(self._keys().__getitem__, pos)))
-                           ) & dg.MASK
+                change += _dot(deltas, self._schedule_keys(), pos)
+                advance = (advance + _dot(deltas, self._keys(), pos)) & dg.MASK
                 nsched = list(old)
                 for p, v in zip(pos, values, strict=True):
                     nsched[p] = v
@@ -301,6 +300,16 @@ class SteadyLane:
         self.journal = [[] for _ in self.lengths]
         self.version, self.rows = self.state.version, 0
         self._restart()
+
+
+def _dot(values: list[int], keys: list[int], at: list[int] | None = None) -> int:
+    """``sum(values[j] * keys[at[j]])`` (``keys[j]`` without ``at``), equal mod 2**64 --
+    all the digest keeps of it -- in C or in Python."""
+    if _C is not None:
+        total: int | None = _C.dot(values, keys, at)
+        if total is not None:
+            return total
+    return sum(map(mul, values, keys if at is None else map(keys.__getitem__, at)))
 
 
 def _rows_fit(pos: list[int], counts: list[int], ids: int, n: int) -> bool:

@@ -19,7 +19,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from protocol import digest as dg
-from protocol import packing
+from protocol import lane, packing
 from protocol.errors import MalformedMessage
 from protocol.speedups import C
 
@@ -290,3 +290,30 @@ def test_add_at_adds_in_place_all_or_nothing(target: list[int], data: st.DataObj
     before = list(target)
     assert C.add_at(target, pos, counts) is (True if taken else None)
     assert target == (expected if taken else before)
+
+
+@needs_c
+@given(st.data())
+def test_dot_is_the_digest_sum_mod_2_64(data: st.DataObject) -> None:
+    assert C is not None
+    keys = data.draw(st.lists(U64, max_size=30))
+    n = data.draw(st.integers(0, 30))
+    values = data.draw(st.lists(I64, min_size=n, max_size=n))
+    at = data.draw(st.lists(st.integers(0, max(len(keys) - 1, 0)), min_size=n, max_size=n))
+    if keys:
+        want = sum(v * keys[k] for v, k in zip(values, at, strict=True)) & dg.MASK
+        assert C.dot(values, keys, at) == want
+        assert lane._dot(values, keys, at) & dg.MASK == want
+    same = values[: len(keys)] + [0] * (len(keys) - len(values[: len(keys)]))
+    assert C.dot(same, keys) == sum(v * k for v, k in zip(same, keys, strict=True)) & dg.MASK
+
+
+@needs_c
+def test_dot_refuses_what_it_cannot_take() -> None:
+    assert C is not None
+    assert C.dot([1, 2], [3]) is None  # lengths differ without positions
+    assert C.dot([1], [3], [1]) is None  # a position out of range
+    assert C.dot([1], [3], [-1]) is None  # negative: Python's wrap-around decides
+    assert C.dot([1 << 63], [3]) is None  # past int64
+    assert C.dot([1], [1 << 64]) is None  # a key past 2**64
+    assert lane._dot([1], [3], [-1]) == 3
