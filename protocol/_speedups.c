@@ -17,32 +17,53 @@
 
 #define STACK_VALUES 128 /* lists up to this long need no heap scratch */
 
-/* 0 and the value for an exact non-negative int below 2**64; -1 otherwise. */
-static int
-as_u64(PyObject *item, uint64_t *out)
+/* 0 and the value of an exact int in the int64 range; -1 otherwise.  Ints of one
+ * internal digit (the counts and ids of a step) are read inline. */
+static inline int
+as_i64(PyObject *item, long long *out)
 {
     if (!PyLong_CheckExact(item)) {
         return -1;
     }
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)item)) {
+        *out = (long long)PyUnstable_Long_CompactValue((PyLongObject *)item);
+        return 0;
+    }
+#else
+    Py_ssize_t digits = Py_SIZE(item);
+    if (digits >= -1 && digits <= 1) { /* 3.11's layout: the sign is the size's */
+        *out = digits == 0 ? 0 : digits * (long long)((PyLongObject *)item)->ob_digit[0];
+        return 0;
+    }
+#endif
     int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
-    if (overflow == 0) {
-        if (v == -1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            return -1;
-        }
+    *out = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow || (*out == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return -1;
+    }
+    return 0;
+}
+
+/* 0 and the value for an exact non-negative int below 2**64; -1 otherwise. */
+static int
+as_u64(PyObject *item, uint64_t *out)
+{
+    long long v;
+    if (as_i64(item, &v) == 0) {
         if (v < 0) {
             return -1;
         }
         *out = (uint64_t)v;
         return 0;
     }
-    if (overflow < 0) {
+    if (!PyLong_CheckExact(item)) {
         return -1;
     }
-    unsigned long long u = PyLong_AsUnsignedLongLong(item);
+    unsigned long long u = PyLong_AsUnsignedLongLong(item); /* 2**63 and up */
     if (u == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear(); /* 2**64 or more */
+        PyErr_Clear(); /* negative, or 2**64 or more */
         return -1;
     }
     *out = (uint64_t)u;
@@ -53,13 +74,8 @@ as_u64(PyObject *item, uint64_t *out)
 static int
 as_zigzag(PyObject *item, uint64_t *out)
 {
-    if (!PyLong_CheckExact(item)) {
-        return -1;
-    }
-    int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
-    if (overflow || (v == -1 && PyErr_Occurred())) {
-        PyErr_Clear();
+    long long v;
+    if (as_i64(item, &v) < 0) {
         return -1;
     }
     *out = v >= 0 ? (uint64_t)v << 1 : (((uint64_t)(-(v + 1))) << 1) + 1;
@@ -264,24 +280,6 @@ raw_signed_list(PyObject *self, PyObject *args)
     return unpacked(args, 1);
 }
 
-/* The int64 two's-complement bits of an exact int (what ``& MASK`` keeps); -1 when it
- * is not one. */
-static int
-as_bits(PyObject *item, uint64_t *out)
-{
-    if (!PyLong_CheckExact(item)) {
-        return -1;
-    }
-    int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
-    if (overflow || (v == -1 && PyErr_Occurred())) {
-        PyErr_Clear();
-        return -1;
-    }
-    *out = (uint64_t)v;
-    return 0;
-}
-
 static uint64_t
 mix64(uint64_t z)
 {
@@ -318,15 +316,15 @@ unit_terms(PyObject *self, PyObject *args)
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t h, p, b;
-        if (as_bits(PyList_GET_ITEM(handles, i), &h) < 0
-                || as_bits(PyList_GET_ITEM(positions, i), &p) < 0
-                || as_bits(PyList_GET_ITEM(blocks, i), &b) < 0) {
+        long long h, p, b; /* & MASK of an int64: its two's-complement bits */
+        if (as_i64(PyList_GET_ITEM(handles, i), &h) < 0
+                || as_i64(PyList_GET_ITEM(positions, i), &p) < 0
+                || as_i64(PyList_GET_ITEM(blocks, i), &b) < 0) {
             Py_DECREF(out);
             Py_RETURN_NONE;
         }
         PyObject *term = PyLong_FromUnsignedLongLong(
-            mix64(b * k_block + p * k_pos + h * k_handle + salt));
+            mix64((uint64_t)b * k_block + (uint64_t)p * k_pos + (uint64_t)h * k_handle + salt));
         if (term == NULL) {
             Py_DECREF(out);
             return NULL;
@@ -334,22 +332,6 @@ unit_terms(PyObject *self, PyObject *args)
         PyList_SET_ITEM(out, i, term);
     }
     return out;
-}
-
-/* 0 and the value of an exact int in the int64 range; -1 otherwise. */
-static int
-as_i64(PyObject *item, long long *out)
-{
-    if (!PyLong_CheckExact(item)) {
-        return -1;
-    }
-    int overflow = 0;
-    *out = PyLong_AsLongLongAndOverflow(item, &overflow);
-    if (overflow || (*out == -1 && PyErr_Occurred())) {
-        PyErr_Clear();
-        return -1;
-    }
-    return 0;
 }
 
 /* Positions i where have[i] != predict(i, b[i], c[i]) over three equally long lists of
@@ -492,7 +474,7 @@ add_at(PyObject *self, PyObject *args)
         }
     }
     for (Py_ssize_t i = 0; i < n; i++) { /* |v| <= 2**62 + n * 2**31 < 2**63 */
-        long long p, c, v;
+        long long p = 0, c = 0, v = 0; /* read again: checked by the loop above */
         as_i64(PyList_GET_ITEM(positions, i), &p);
         as_i64(PyList_GET_ITEM(counts, i), &c);
         as_i64(PyList_GET_ITEM(target, p), &v);
