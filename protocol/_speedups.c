@@ -521,6 +521,63 @@ dot(PyObject *self, PyObject *args)
     return PyLong_FromUnsignedLongLong(total);
 }
 
+/* dict_matches(d: dict, keys: list, values: list) -> 0 | 1 | 2 | None: 0 when d's keys
+ * in order are not ``keys``, 1 when they are but its values are not ``values``, 2 when
+ * both match (list(d) == keys and list(d.values()) == values, without building
+ * either list); None unless d is an exact dict and keys and values are lists. */
+static PyObject *
+dict_matches(PyObject *self, PyObject *args)
+{
+    PyObject *d, *keys, *values;
+    if (!PyArg_ParseTuple(args, "OOO", &d, &keys, &values)) {
+        return NULL;
+    }
+    if (!PyDict_CheckExact(d) || !PyList_CheckExact(keys) || !PyList_CheckExact(values)) {
+        Py_RETURN_NONE;
+    }
+    if (PyDict_GET_SIZE(d) != PyList_GET_SIZE(keys)) {
+        return PyLong_FromLong(0);
+    }
+    int same_values = PyList_GET_SIZE(values) == PyList_GET_SIZE(keys);
+    Py_ssize_t pos = 0, i = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(d, &pos, &key, &value)) {
+        if (i >= PyList_GET_SIZE(keys)) { /* only if an __eq__ below grew the dict */
+            return PyLong_FromLong(0);
+        }
+        PyObject *want = PyList_GET_ITEM(keys, i);
+        if (key != want) { /* hold both: an __eq__ may change the dict or the list */
+            Py_INCREF(key);
+            Py_INCREF(want);
+            int eq = PyObject_RichCompareBool(key, want, Py_EQ);
+            Py_DECREF(want);
+            Py_DECREF(key);
+            if (eq < 0) {
+                return NULL;
+            }
+            if (!eq) {
+                return PyLong_FromLong(0);
+            }
+        }
+        if (same_values && i < PyList_GET_SIZE(values)) {
+            PyObject *v = PyList_GET_ITEM(values, i);
+            if (value != v) {
+                Py_INCREF(value);
+                Py_INCREF(v);
+                int eq = PyObject_RichCompareBool(value, v, Py_EQ);
+                Py_DECREF(v);
+                Py_DECREF(value);
+                if (eq < 0) {
+                    return NULL;
+                }
+                same_values = eq;
+            }
+        }
+        i++;
+    }
+    return PyLong_FromLong(i != PyList_GET_SIZE(keys) ? 0 : same_values ? 2 : 1);
+}
+
 static PyMethodDef methods[] = {
     {"pack_list", pack_list, METH_O, "protocol.packing.pack_uints of a list (None: not taken)."},
     {"pack_signed_list", pack_signed_list, METH_O,
@@ -535,6 +592,8 @@ static PyMethodDef methods[] = {
     {"one_group_appends", one_group_appends, METH_O,
      "A one-group step's new blocks as (positions, counts, flat ids) (None: not taken)."},
     {"add_at", add_at, METH_VARARGS, "target[p] += c for aligned pairs, all or nothing."},
+    {"dict_matches", dict_matches, METH_VARARGS,
+     "0: keys differ, 1: values differ, 2: both match a dict's (None: not taken)."},
     {"dot", dot, METH_VARARGS, "sum(values[j] * keys[at[j]]) mod 2**64 (None: not taken)."},
     {"unit_terms", unit_terms, METH_VARARGS,
      "protocol.digest.block_unit_terms in C (None: not taken)."},

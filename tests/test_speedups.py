@@ -317,3 +317,30 @@ def test_dot_refuses_what_it_cannot_take() -> None:
     assert C.dot([1 << 63], [3]) is None  # past int64
     assert C.dot([1], [1 << 64]) is None  # a key past 2**64
     assert lane._dot([1], [3], [-1]) == 3
+
+
+KEYS = st.lists(st.sampled_from(["a", "b", "c", "d", "e"]), unique=True, max_size=5)
+
+
+@needs_c
+@given(KEYS, KEYS, st.lists(st.integers(0, 2), max_size=6), st.lists(st.integers(0, 2),
+                                                                     max_size=6))
+def test_dict_matches_is_the_list_comparisons(keys: list[str], other: list[str],
+                                              values: list[int], want: list[int]) -> None:
+    assert C is not None
+    d = dict(zip(keys, values + [0] * len(keys), strict=False))
+    for names in (keys, other):
+        got = C.dict_matches(d, names, want)
+        expected = 0 if list(d) != names else 2 if list(d.values()) == want else 1
+        assert got == expected
+
+
+@needs_c
+def test_dict_matches_refuses_what_it_cannot_take() -> None:
+    from collections import OrderedDict
+
+    assert C is not None
+    assert C.dict_matches(OrderedDict(a=1), ["a"], [1]) is None  # its own order
+    assert C.dict_matches({"a": 1}, ("a",), [1]) is None
+    assert C.dict_matches({"a": 1}, ["a"], [1]) == 2
+    assert C.dict_matches({"a": 1}, ["a"], [1.0]) == 2  # == as Python compares

@@ -163,10 +163,11 @@ class QuickEncoder:
         if not self.ready or not _plain(so):
             return None
         cached, batch = so.scheduled_cached_reqs, self.batch
-        if cached.req_ids != batch or list(so.num_scheduled_tokens) != batch:
+        if cached.req_ids != batch:
             return None
-        nsched = list(so.num_scheduled_tokens.values())
-        same_ns = nsched == self.forecast.nsched
+        nsched, same_ns = self._nsched(so.num_scheduled_tokens)
+        if nsched is None:
+            return None
         if so.total_num_scheduled_tokens != (self.forecast.total if same_ns else sum(nsched)):
             return None
         blocks = self._blocks(cached.new_block_ids)
@@ -193,6 +194,18 @@ class QuickEncoder:
             fields["extension"] = {"v": msgspec.msgpack.encode(StepExt(out_pos=counts[0],
                                                                        out_delta=counts[1]))}
         return DeltaBody(**fields) if fields else STEADY_BODY
+
+    def _nsched(self, counts: Any) -> tuple[list[int] | None, bool]:
+        """(this step's scheduled counts, whether they are the forecast's); None when the
+        requests are not the batch in its order."""
+        known = self.forecast.nsched
+        match = _C.dict_matches(counts, self.batch, known) if _C is not None else None
+        if match == 2:  # builds no list
+            return known, True
+        if match == 0 or (match is None and list(counts) != self.batch):
+            return None, False
+        nsched = list(counts.values())
+        return nsched, nsched == known
 
     def _counts(self, cached: Any, nsched: list[int], same_ns: bool, fields: dict[str, Any],
                 lists: dict[str, tuple[list[int], list[int]]]) -> tuple[bytes, bytes] | None:
