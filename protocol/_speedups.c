@@ -578,6 +578,91 @@ dict_matches(PyObject *self, PyObject *args)
     return PyLong_FromLong(i != PyList_GET_SIZE(keys) ? 0 : same_values ? 2 : 1);
 }
 
+/* plan_rows(positions, counts, ids, handles, lengths, salt, k_block, k_pos, k_handle,
+ * check) -> (row handles, row starts, row terms, their sum mod 2**64) | None: the
+ * steady lane's plan of one KV group's appends (protocol.lane.SteadyLane._plan).
+ * Row i appends counts[i] of the flat ids to handles[positions[i]]'s table at
+ * lengths[positions[i]]; its term is the sum of mix64(id * k_block + at * k_pos +
+ * handle * k_handle + salt) over its blocks (protocol.digest.block_row_sums).  None
+ * unless every check passes (then the Python path decides): ids in [0, 2**31); with
+ * ``check`` also positions distinct and scheduled and counts >= 1 summing to the ids
+ * (without it those are trusted, but never read past a list). */
+static PyObject *
+plan_rows(PyObject *self, PyObject *args)
+{
+    PyObject *pos, *counts, *ids, *handles, *lengths;
+    unsigned long long salt, k_block, k_pos, k_handle;
+    int check;
+    if (!PyArg_ParseTuple(args, "OOOOOKKKKp", &pos, &counts, &ids, &handles, &lengths, &salt,
+                          &k_block, &k_pos, &k_handle, &check)) {
+        return NULL;
+    }
+    if (!PyList_CheckExact(pos) || !PyList_CheckExact(counts) || !PyList_CheckExact(ids)
+            || !PyList_CheckExact(handles) || !PyList_CheckExact(lengths)
+            || PyList_GET_SIZE(pos) != PyList_GET_SIZE(counts) || PyList_GET_SIZE(pos) == 0
+            || PyList_GET_SIZE(handles) != PyList_GET_SIZE(lengths)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t rows = PyList_GET_SIZE(pos), sched = PyList_GET_SIZE(handles);
+    Py_ssize_t nids = PyList_GET_SIZE(ids), at = 0;
+    unsigned char *seen = check ? PyMem_Calloc((size_t)sched, 1) : NULL;
+    if (check && seen == NULL) {
+        return PyErr_NoMemory();
+    }
+    PyObject *hs = PyList_New(rows), *starts = PyList_New(rows), *terms = PyList_New(rows);
+    uint64_t total = 0;
+    if (hs == NULL || starts == NULL || terms == NULL) {
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        long long p, c, h, start;
+        if (as_i64(PyList_GET_ITEM(pos, i), &p) < 0 || p < 0 || p >= sched
+                || as_i64(PyList_GET_ITEM(counts, i), &c) < 0 || c < 1 || c > nids - at
+                || (check && seen[p]++)) {
+            goto refuse;
+        }
+        PyObject *handle = PyList_GET_ITEM(handles, p), *length = PyList_GET_ITEM(lengths, p);
+        if (as_i64(handle, &h) < 0 || as_i64(length, &start) < 0) {
+            goto refuse;
+        }
+        uint64_t row_salt = (uint64_t)h * k_handle + salt, term = 0;
+        for (long long j = 0; j < c; j++, at++) {
+            long long b;
+            if (as_i64(PyList_GET_ITEM(ids, at), &b) < 0 || b < 0 || b >= (1LL << 31)) {
+                goto refuse;
+            }
+            term += mix64((uint64_t)b * k_block + (uint64_t)(start + j) * k_pos + row_salt);
+        }
+        PyObject *t = PyLong_FromUnsignedLongLong(term);
+        if (t == NULL) {
+            goto fail;
+        }
+        Py_INCREF(handle);
+        Py_INCREF(length);
+        PyList_SET_ITEM(hs, i, handle);
+        PyList_SET_ITEM(starts, i, length);
+        PyList_SET_ITEM(terms, i, t);
+        total += term;
+    }
+    if (at != nids) {
+        goto refuse; /* ids left over */
+    }
+    PyMem_Free(seen);
+    return Py_BuildValue("(NNNK)", hs, starts, terms, (unsigned long long)total);
+refuse:
+    PyMem_Free(seen);
+    Py_DECREF(hs);
+    Py_DECREF(starts);
+    Py_DECREF(terms);
+    Py_RETURN_NONE;
+fail:
+    PyMem_Free(seen);
+    Py_XDECREF(hs);
+    Py_XDECREF(starts);
+    Py_XDECREF(terms);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"pack_list", pack_list, METH_O, "protocol.packing.pack_uints of a list (None: not taken)."},
     {"pack_signed_list", pack_signed_list, METH_O,
@@ -594,6 +679,8 @@ static PyMethodDef methods[] = {
     {"add_at", add_at, METH_VARARGS, "target[p] += c for aligned pairs, all or nothing."},
     {"dict_matches", dict_matches, METH_VARARGS,
      "0: keys differ, 1: values differ, 2: both match a dict's (None: not taken)."},
+    {"plan_rows", plan_rows, METH_VARARGS,
+     "The steady lane's plan of one group's appends (None: not taken)."},
     {"dot", dot, METH_VARARGS, "sum(values[j] * keys[at[j]]) mod 2**64 (None: not taken)."},
     {"unit_terms", unit_terms, METH_VARARGS,
      "protocol.digest.block_unit_terms in C (None: not taken)."},

@@ -203,6 +203,15 @@ def block_row_sums(handle: int, group: int, start: int, blocks: list[int]) -> in
     return total & MASK
 
 
+def group_salt(group: int) -> int:
+    """The KV group's share of every block term of that group."""
+    return (group * _GROUP_I) & MASK
+
+
+#: a block term's multipliers: (block id, position in the table, handle)
+BLOCK_KEYS = (_SPEC_I, _POS_I, _HANDLE_I)
+
+
 def block_unit_terms(handles: list[int], group: int, positions: list[int],
                      blocks: list[int]) -> list[int]:
     """:func:`block_terms_rows` of one block per row (aligned lists, Python ints;

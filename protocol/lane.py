@@ -200,6 +200,12 @@ class SteadyLane:
         unless positions are distinct and scheduled, counts >= 1 and ids fit (``own``:
         only the ids are checked, see :meth:`step`)."""
         pos, counts, values = rows
+        if _C is not None:  # the same checks and plan in C; None: Python decides below
+            plan: tuple[list[int], list[int], list[int], int] | None = _C.plan_rows(
+                pos, counts, values, self.handles, self.lengths[g], dg.group_salt(g),
+                *dg.BLOCK_KEYS, not own)
+            if plan is not None:
+                return plan
         if not own and not _rows_fit(pos, counts, len(values), len(self.handles)):
             return None
         if min(values) < 0 or max(values) >= _BLOCK_ID_LIMIT:

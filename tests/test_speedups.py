@@ -344,3 +344,57 @@ def test_dict_matches_refuses_what_it_cannot_take() -> None:
     assert C.dict_matches({"a": 1}, ("a",), [1]) is None
     assert C.dict_matches({"a": 1}, ["a"], [1]) == 2
     assert C.dict_matches({"a": 1}, ["a"], [1.0]) == 2  # == as Python compares
+
+
+def _reference_plan(pos: list[int], counts: list[int], ids: list[int], handles: list[int],
+                    lengths: list[int], group: int, check: bool) -> object:
+    """protocol.lane.SteadyLane._plan on Python ints (None: the lane refuses the rows)."""
+    if check and not lane._rows_fit(pos, counts, len(ids), len(handles)):
+        return None
+    if not ids or min(ids) < 0 or max(ids) >= 1 << 31:
+        return None
+    hs = [handles[p] for p in pos]
+    starts = [lengths[p] for p in pos]
+    terms, at = [], 0
+    for h, start, n in zip(hs, starts, counts, strict=True):
+        terms.append(dg.block_row_sums(h, group, start, ids[at:at + n]))
+        at += n
+    return hs, starts, terms, sum(terms) & dg.MASK
+
+
+@needs_c
+@given(st.data())
+def test_plan_rows_is_the_lanes_plan(data: st.DataObject) -> None:
+    assert C is not None
+    n = data.draw(st.integers(1, 12))
+    handles = data.draw(st.lists(st.integers(0, 5000), min_size=n, max_size=n))
+    lengths = data.draw(st.lists(st.integers(0, 60), min_size=n, max_size=n))
+    k = data.draw(st.integers(1, n))
+    pos = data.draw(st.permutations(range(n)))[:k]  # valid rows, then maybe one flaw
+    counts = data.draw(st.lists(st.integers(1, 3), min_size=k, max_size=k))
+    ids = data.draw(st.lists(st.integers(0, (1 << 31) - 1), min_size=sum(counts),
+                             max_size=sum(counts)))
+    flaw = data.draw(st.sampled_from(["none", "none", "none", "position", "repeat", "count",
+                                      "id", "extra id", "missing id"]))
+    if flaw == "position":
+        pos[-1] = data.draw(st.sampled_from([-1, n]))
+    elif flaw == "repeat":
+        pos.append(pos[0])
+        counts.append(1)
+        ids.append(7)
+    elif flaw == "count":
+        counts[-1] = 0
+    elif flaw == "id":
+        ids[-1] = data.draw(st.sampled_from([-1, 1 << 31]))
+    elif flaw == "extra id":
+        ids.append(3)
+    elif flaw == "missing id":
+        ids.pop()
+    group = data.draw(st.integers(0, 3))
+    check = data.draw(st.booleans())
+    got = C.plan_rows(pos, counts, ids, handles, lengths, dg.group_salt(group),
+                      *dg.BLOCK_KEYS, check)
+    if check:
+        assert got == _reference_plan(pos, counts, ids, handles, lengths, group, True)
+    elif got is not None:  # unchecked rows: C takes a subset, and agrees on it
+        assert got == _reference_plan(pos, counts, ids, handles, lengths, group, False)
