@@ -48,6 +48,7 @@ from engine_side.bench.vllm_scenarios import (
     build_tiny_model,
     run_child,
 )
+from protocol import speedups
 
 __all__ = ["build_tiny_model", "record_scenario", "record_all", "replay_all"]
 DEFAULT_MODEL = Path("/tmp/deltacast-tiny-llama")
@@ -177,7 +178,7 @@ def _meta(argv: list[str]) -> dict[str, Any]:
                            capture_output=True, text=True).stdout.strip()
     return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": commit + ("+dirty" if dirty else ""), "argv": argv,
-            "load": os.getloadavg()[0]}
+            "load": os.getloadavg()[0], "speedups": speedups.status()}
 
 
 def replay_all(paths: dict[str, Path], synthetic: list[int],

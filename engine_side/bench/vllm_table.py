@@ -135,7 +135,7 @@ def render(doc: dict[str, Any]) -> str:
         f"| {t['target']} | {t['value']} | {t['limit']} | {'met' if t['met'] else '**not met**'} |"
         for t in targets(doc)]
     parts = [f"Run {meta.get('date', '?')} at commit `{meta.get('commit', '?')}` "
-             f"(load average {meta.get('load', 0):.1f}).",
+             f"(load average {meta.get('load', 0):.1f}; {meta.get('speedups', 'speedups ?')}).",
              "Request path (execute_model + sample_tokens):", table(doc, "request"),
              "Request path by step kind (means):", kinds(doc),
              "Reply path (the two ModelRunnerOutput replies):", table(doc, "reply"),
