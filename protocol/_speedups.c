@@ -663,6 +663,100 @@ fail:
     return NULL;
 }
 
+/* sparse_scan(buf, rows, itemsize): an integer array's rows against their background
+ * words, for engine_side.vllm.schema.sparse_words.  ``buf``: a C-contiguous buffer of
+ * native-order words of ``itemsize`` bytes (1, 2, 4 or 8), ``rows`` equal rows.  Row r's
+ * background is all-one words when more than half its words are all ones, else zero
+ * words.  Returns (background: one byte 0/1 per row, gaps: int64 per word that differs
+ * from its row's background -- its flat position minus the previous one's minus 1, the
+ * first counted from -1 --, values: those words' bytes), as scan_py does; None when not
+ * taken (an unaligned buffer included). */
+#define SCAN_COUNT(T)                                                              \
+    {                                                                              \
+        const T *w = (const T *)view.buf;                                          \
+        for (Py_ssize_t r = 0; r < rows; r++) {                                    \
+            Py_ssize_t ones = 0, zeros = 0;                                        \
+            for (Py_ssize_t j = 0; j < words; j++) {                               \
+                T v = w[r * words + j];                                            \
+                ones += v == (T)~(T)0;                                             \
+                zeros += v == 0;                                                   \
+            }                                                                      \
+            bg[r] = 2 * ones > words;                                              \
+            total += words - (bg[r] ? ones : zeros);                               \
+        }                                                                          \
+    }
+#define SCAN_EMIT(T)                                                               \
+    {                                                                              \
+        const T *w = (const T *)view.buf;                                          \
+        T *vals = (T *)PyBytes_AS_STRING(values);                                  \
+        for (Py_ssize_t r = 0; r < rows; r++) {                                    \
+            T back = bg[r] ? (T)~(T)0 : 0;                                         \
+            for (Py_ssize_t j = 0; j < words; j++) {                               \
+                Py_ssize_t at = r * words + j;                                     \
+                if (w[at] != back) {                                               \
+                    gaps[k] = (int64_t)(at - last - 1);                            \
+                    vals[k++] = w[at];                                             \
+                    last = at;                                                     \
+                }                                                                  \
+            }                                                                      \
+        }                                                                          \
+    }
+
+static PyObject *
+sparse_scan(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    Py_ssize_t rows, itemsize;
+    if (!PyArg_ParseTuple(args, "Onn", &obj, &rows, &itemsize)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *background = NULL, *gap_bytes = NULL, *values = NULL;
+    Py_ssize_t n = itemsize > 0 ? view.len / itemsize : 0;
+    if (rows <= 0 || (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8)
+        || view.len % itemsize || n % rows || (uintptr_t)view.buf % itemsize) {
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t words = n / rows, total = 0, k = 0, last = -1;
+    background = PyBytes_FromStringAndSize(NULL, rows);
+    if (background == NULL) {
+        goto fail;
+    }
+    unsigned char *bg = (unsigned char *)PyBytes_AS_STRING(background);
+    switch (itemsize) {
+    case 1: SCAN_COUNT(uint8_t) break;
+    case 2: SCAN_COUNT(uint16_t) break;
+    case 4: SCAN_COUNT(uint32_t) break;
+    default: SCAN_COUNT(uint64_t) break;
+    }
+    gap_bytes = PyBytes_FromStringAndSize(NULL, total * (Py_ssize_t)sizeof(int64_t));
+    values = PyBytes_FromStringAndSize(NULL, total * itemsize);
+    if (gap_bytes == NULL || values == NULL) {
+        goto fail;
+    }
+    int64_t *gaps = (int64_t *)PyBytes_AS_STRING(gap_bytes);
+    switch (itemsize) {
+    case 1: SCAN_EMIT(uint8_t) break;
+    case 2: SCAN_EMIT(uint16_t) break;
+    case 4: SCAN_EMIT(uint32_t) break;
+    default: SCAN_EMIT(uint64_t) break;
+    }
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(NNN)", background, gap_bytes, values);
+fail:
+    PyBuffer_Release(&view);
+    Py_XDECREF(background);
+    Py_XDECREF(gap_bytes);
+    Py_XDECREF(values);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"pack_list", pack_list, METH_O, "protocol.packing.pack_uints of a list (None: not taken)."},
     {"pack_signed_list", pack_signed_list, METH_O,
@@ -684,6 +778,8 @@ static PyMethodDef methods[] = {
     {"dot", dot, METH_VARARGS, "sum(values[j] * keys[at[j]]) mod 2**64 (None: not taken)."},
     {"unit_terms", unit_terms, METH_VARARGS,
      "protocol.digest.block_unit_terms in C (None: not taken)."},
+    {"sparse_scan", sparse_scan, METH_VARARGS,
+     "An integer array's rows against their background words (None: not taken)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -398,3 +398,39 @@ def test_plan_rows_is_the_lanes_plan(data: st.DataObject) -> None:
         assert got == _reference_plan(pos, counts, ids, handles, lengths, group, True)
     elif got is not None:  # unchecked rows: C takes a subset, and agrees on it
         assert got == _reference_plan(pos, counts, ids, handles, lengths, group, False)
+
+
+@st.composite
+def _word_rows(draw: st.DrawFn) -> np.ndarray:
+    """Rows of words of every width, mostly all-zero or all-one words (and ties)."""
+    dtype = np.dtype(draw(st.sampled_from([np.uint8, np.int16, np.int32, np.uint32,
+                                           np.int64])))
+    rows, words = draw(st.integers(1, 12)), draw(st.integers(0, 24))
+    pick = st.sampled_from([0, -1, -1, 0, 5, 1 << 6]) if dtype.kind == "i" \
+        else st.sampled_from([0, int(np.iinfo(dtype).max), 7])
+    cells = draw(st.lists(pick, min_size=rows * words, max_size=rows * words))
+    return np.array(cells, dtype=np.int64).astype(dtype).reshape(rows, words)
+
+
+@needs_c
+@given(_word_rows())
+def test_sparse_scan_matches_the_reference(rows: np.ndarray) -> None:
+    from engine_side.vllm.schema import scan_py
+
+    assert C is not None
+    assert C.sparse_scan(rows, rows.shape[0], rows.itemsize) == scan_py(rows)
+
+
+@needs_c
+def test_sparse_scan_refuses_what_it_cannot_take() -> None:
+    assert C is not None
+    words = np.zeros((4, 6), np.int32)
+    assert C.sparse_scan(words, 0, 4) is None  # no rows
+    assert C.sparse_scan(words, -1, 4) is None
+    assert C.sparse_scan(words, 5, 4) is None  # 24 words in 5 rows
+    assert C.sparse_scan(words, 4, 3) is None  # no such word size
+    assert C.sparse_scan(bytes(10), 1, 4) is None  # not whole words
+    assert C.sparse_scan(words[:, ::2], 4, 4) is None  # not contiguous
+    assert C.sparse_scan(memoryview(bytes(17))[1:], 1, 8) is None  # not aligned
+    assert C.sparse_scan([0, 0], 1, 4) is None  # not a buffer
+    assert C.sparse_scan(words, "4", 4) is None  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -23,7 +24,13 @@ from vllm_equal import assert_vllm_equal  # noqa: E402
 from vllm_streams import scheduler_streams  # noqa: E402
 
 from engine_side.vllm import BadSeal, SchedulerOutputEncoder, SchemaMismatch, TokenLedger  # noqa: E402
-from engine_side.vllm.schema import check_schema, vllm_classes  # noqa: E402
+from engine_side.vllm.schema import (  # noqa: E402
+    DEFLATE_MAX,
+    GrammarMsg,
+    check_schema,
+    sparse_words,
+    vllm_classes,
+)
 from protocol.errors import MalformedMessage  # noqa: E402
 from worker_side.vllm import SchedulerOutputDecoder  # noqa: E402
 
@@ -126,6 +133,32 @@ def test_sparse_grammar_bitmask_is_deflated_and_exact() -> None:
     decoded = dec.decode_grammar(frames)
     assert_vllm_equal(grammar, decoded)
     decoded.grammar_bitmask[0, 0] = 1  # a fresh, writable array like pickle's
+
+
+def test_a_real_vocabulary_bitmask_travels_as_sparse_words() -> None:
+    enc, dec = _pair()
+    ids = list(_first(enc, dec).num_scheduled_tokens)
+    mask = np.full((len(ids), 128256 // 32 + 1), -1, dtype=np.int32)  # Llama 3's vocabulary
+    mask[0] = 0
+    mask[:, 4000] = 0x00FF00FF
+    assert mask.nbytes > DEFLATE_MAX
+    frames = _wire(enc.encode_grammar(GrammarOutput(ids, mask, None)))
+    msg = msgspec.msgpack.decode(frames[0], type=GrammarMsg)
+    assert msg.sparse is not None and msg.deflated is None and msg.bitmask is None
+    assert sum(map(len, frames)) < 200
+    assert_vllm_equal(GrammarOutput(ids, mask, None), dec.decode_grammar(frames))
+
+
+def test_a_bitmask_sent_two_ways_is_malformed() -> None:
+    enc, dec = _pair()
+    ids = list(_first(enc, dec).num_scheduled_tokens)
+    mask = np.zeros((len(ids), 512), dtype=np.int32)
+    msg = msgspec.msgpack.decode(_wire(enc.encode_grammar(GrammarOutput(ids, mask, None)))[0],
+                                 type=GrammarMsg)
+    assert msg.deflated is not None
+    twice = msgspec.structs.replace(msg, sparse=sparse_words(mask))
+    with pytest.raises(MalformedMessage, match="more than one way"):
+        dec.decode_grammar([msgspec.msgpack.encode(twice)])
 
 
 def test_a_grammar_message_without_its_bitmask_frame_is_malformed() -> None:

@@ -45,6 +45,7 @@ from engine_side.vllm.convert import (
 from engine_side.vllm.mm import StoreChannel
 from engine_side.vllm.quick import QuickEncoder
 from engine_side.vllm.schema import (
+    DEFLATE_MAX,
     GrammarMsg,
     LogprobsWire,
     ReplyMsg,
@@ -52,6 +53,7 @@ from engine_side.vllm.schema import (
     TokenRef,
     check_schema,
     deflate_sparse,
+    sparse_words,
 )
 from protocol import codec
 from protocol.codec import Frame
@@ -420,16 +422,33 @@ class SchedulerOutputEncoder:
             return [b""]
         batch = self.batches.get(self.seq, [])
         refs = RefTable(batch, [])
-        positions = refs.pack(grammar.structured_output_request_ids)
-        deflated = deflate_sparse(grammar.grammar_bitmask)
-        bitmask = None if deflated is not None else grammar.grammar_bitmask
+        positions = self._positions(grammar.structured_output_request_ids, batch)
+        if positions is None:
+            positions = refs.pack(grammar.structured_output_request_ids)
+        bitmask, deflated, sparse = grammar.grammar_bitmask, None, None
+        if getattr(bitmask, "nbytes", 0) > DEFLATE_MAX:
+            sparse = sparse_words(bitmask)
+        else:
+            deflated = deflate_sparse(bitmask)
+        if deflated is not None or sparse is not None:
+            bitmask = None
         msg = GrammarMsg(self.seq, positions, tuple(refs.names), bitmask,
-                         grammar.num_acceptable_drafts, deflated)
+                         grammar.num_acceptable_drafts, deflated, sparse)
         self._aux.clear()
         try:
             return [self._grammar_enc.encode(msg), *self._aux]
         finally:
             self._aux.clear()
+
+    def _positions(self, ids: Any, batch: list[str]) -> bytes | None:
+        """``ids`` packed as positions in ``batch`` through the quick encoder's map of it
+        (kept for the batch of every step); None when one is not in it."""
+        if self.quick.batch is not batch or not isinstance(ids, list):
+            return None
+        try:
+            return pack_uints(list(map(self.quick.pos.__getitem__, ids)))
+        except KeyError:
+            return None
 
     # ------------------------------------------------------------ replies
     def decode_reply(self, frames: list[Any]) -> Any:

@@ -39,6 +39,7 @@ from engine_side.vllm.schema import (
     NewFix,
     ReplyMsg,
     StepExt,
+    expand,
     inflate,
 )
 from protocol import codec
@@ -46,7 +47,7 @@ from protocol.codec import Frame
 from protocol.errors import InvalidDelta, MalformedMessage
 from protocol.lane import SteadyLane
 from protocol.messages import TOKEN_MODE_WORKER, Delta
-from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
+from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uint_list, unpack_uints
 from protocol.request import ExecuteModelRequest, IntArray, Ragged
 from protocol.state import ReplicaState
 from protocol.tensors import make_enc_hook, make_ext_hook
@@ -60,6 +61,25 @@ _EXT = msgspec.msgpack.Decoder(StepExt)
 
 #: a single-frame GrammarMsg (the bitmask deflated or absent): nothing for a hook to resolve
 _GRAMMAR = msgspec.msgpack.Decoder(GrammarMsg, ext_hook=codec.no_tensor_frames)
+
+
+def _grammar_ids(batch: list[str], msg: GrammarMsg) -> list[str]:
+    """The request ids of a GrammarMsg: positions in ``batch``, then its own names."""
+    if not msg.names:  # the common case: every id is in the batch
+        refs = unpack_uint_list(msg.positions, limit=len(batch))
+        if max(refs, default=-1) < len(batch):
+            return list(map(batch.__getitem__, refs))
+    return RefTable(batch, list(msg.names)).resolve(msg.positions)
+
+
+def _bitmask(msg: GrammarMsg) -> Any:
+    """The message's bitmask (a frame, deflated or sparse words: exactly one, or none)."""
+    ways = (msg.bitmask is not None) + (msg.deflated is not None) + (msg.sparse is not None)
+    if ways > 1:
+        raise MalformedMessage("grammar bitmask sent more than one way")
+    if msg.deflated is not None:
+        return inflate(msg.deflated)
+    return msg.bitmask if msg.sparse is None else expand(msg.sparse)
 
 
 def _ints(packed: bytes) -> list[int]:
@@ -340,8 +360,8 @@ class SchedulerOutputDecoder:
             raise MalformedMessage("grammar frames do not decode", cause=str(exc)[:200]) from exc
         if msg.seq not in self.batches:
             raise InvalidDelta("grammar output for an unknown step", seq=msg.seq)
-        ids = RefTable(self.batches[msg.seq], list(msg.names)).resolve(msg.positions)
-        bitmask = msg.bitmask if msg.deflated is None else inflate(msg.deflated)
+        ids = _grammar_ids(self.batches[msg.seq], msg)
+        bitmask = _bitmask(msg)
         return GrammarOutput(ids, bitmask, msg.drafts)
 
     # ------------------------------------------------------------ replies

@@ -1,0 +1,107 @@
+"""Structured-output bitmasks: ``sample_tokens`` messages at real vocabulary sizes.
+
+vLLM sends each step's GrammarOutput bitmask (int32, one row per structured request,
+``ceil(vocab / 32)`` words a row) to the workers.  This benchmark builds bitmasks
+shaped like xgrammar's -- rows that allow almost every token (-1 words) or almost
+none (0 words), a few mixed words each, requests at the same grammar state sharing
+a row -- and measures, side by side in one loop (alternating which side runs first):
+
+* ours: ``SchedulerOutputEncoder.encode_grammar`` + ``SchedulerOutputDecoder.decode_grammar``
+  (deflated up to ``DEFLATE_MAX`` bytes, sparse words above: ``engine_side.vllm.schema``);
+* vLLM's: protocol-5 pickle of the MultiprocExecutor RPC tuple, out-of-band buffers
+  counted (``engine_side.bench.vllm_replay.pickled``).
+
+Run: ``python -m engine_side.bench.bitmask [--reps N] [--json FILE]`` (needs vLLM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+CASES = ((32, 512), (256, 512), (32, 128256), (256, 128256))  # (requests, vocabulary)
+
+
+def bitmask(rows: int, vocab: int, seed: int = 0) -> np.ndarray:
+    """An xgrammar-like bitmask: 8 distinct grammar states shared by the rows; a state
+    allows most tokens (-1 words) or few (0 words), with 1 in 64 words mixed."""
+    rng = np.random.default_rng(seed)
+    words = -(-vocab // 32)
+    states = np.where(rng.random((8, 1)) < 0.5, np.int32(-1), np.int32(0)) * np.ones(
+        (8, words), np.int32)
+    mixed = rng.random((8, words)) < 1 / 64
+    states[mixed] = rng.integers(1, 2**31 - 1, int(mixed.sum()), dtype=np.int32)
+    return states[rng.integers(0, 8, rows)]
+
+
+def _pair(rows: int) -> tuple[Any, Any, list[str]]:
+    """An encoder and a decoder that agree on a first step of ``rows`` requests."""
+    from engine_side.bench.vllm_replay import synthetic_decode
+    from engine_side.vllm.encoder import SchedulerOutputEncoder
+    from worker_side.vllm.decoder import SchedulerOutputDecoder
+
+    enc, dec = SchedulerOutputEncoder(), SchedulerOutputDecoder()
+    first = synthetic_decode(rows, 1)[0][1]
+    dec.decode([bytes(f) for f in enc.encode(first)])
+    return enc, dec, list(first.num_scheduled_tokens)
+
+
+def measure(rows: int, vocab: int, reps: int) -> dict[str, Any]:
+    """Bytes and median µs per message, ours and pickle's; the decoded bitmask checked."""
+    from vllm.v1.core.sched.output import GrammarOutput
+
+    from engine_side.bench.vllm_replay import pickled
+
+    enc, dec, ids = _pair(rows)
+    grammar = GrammarOutput(ids, bitmask(rows, vocab), None)
+    ours, theirs, size, pickle_size = [], [], 0, 0
+    for k in range(reps):  # the side timed first alternates
+        first = pickled("sample_tokens", grammar) if k % 2 else None
+        t0 = time.perf_counter()
+        frames = [bytes(f) for f in enc.encode_grammar(grammar)]
+        out = dec.decode_grammar(frames)
+        ours.append(time.perf_counter() - t0)
+        pickle_size, dumps_s, loads_s = first or pickled("sample_tokens", grammar)
+        theirs.append(dumps_s + loads_s)
+        size = sum(map(len, frames))
+    if not np.array_equal(out.grammar_bitmask, grammar.grammar_bitmask):
+        raise AssertionError("the decoded bitmask differs")
+    us, pickle_us = statistics.median(ours) * 1e6, statistics.median(theirs) * 1e6
+    return {"requests": rows, "vocab": vocab, "raw_bytes": grammar.grammar_bitmask.nbytes,
+            "bytes": size, "pickle_bytes": pickle_size, "us": us, "pickle_us": pickle_us,
+            "bytes_ratio": pickle_size / size, "us_ratio": us / pickle_us}
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    head = ("| requests | vocabulary | bitmask bytes | ours bytes | pickle bytes | × fewer bytes "
+            "| ours µs | pickle µs | µs ÷ pickle |\n| ---: | ---: | ---: | ---: | ---: | ---: "
+            "| ---: | ---: | ---: |")
+    rows = [f"| {r['requests']} | {r['vocab']:,} | {r['raw_bytes']:,} | {r['bytes']:,} | "
+            f"{r['pickle_bytes']:,} | {r['bytes_ratio']:.1f} | {r['us']:,.1f} | "
+            f"{r['pickle_us']:,.1f} | {r['us_ratio']:.2f} |" for r in results]
+    return "\n".join([head, *rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=21, help="messages timed per case (odd)")
+    parser.add_argument("--json", default="", help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error("--reps must be at least 1")
+    results = [measure(rows, vocab, args.reps) for rows, vocab in CASES]
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
