@@ -32,6 +32,7 @@ from protocol import digest as dg
 from protocol.errors import InvalidDelta, MalformedMessage
 from protocol.messages import DeltaBody
 from protocol.packing import unpack_sint_list, unpack_uint_list
+from protocol.planned import STEADY_BODY
 from protocol.speedups import C as _C
 
 if TYPE_CHECKING:
@@ -155,12 +156,14 @@ class SteadyLane:
         ids are checked."""
         if rows is None and not lane_shaped(body):
             return None
+        if not appends and (body is STEADY_BODY or (rows is NO_ROWS and body == STEADY_BODY)):
+            return self.steady(expected_digest)
         if self.steps == 0 and self.version != self.state.version:
             self._open()
         n = len(self.handles)
         if rows is None:
             rows = lane_rows(body, n)
-        if rows is NO_ROWS:  # the common step: nothing to check or plan for the counts
+        if rows is NO_ROWS:  # nothing to check or plan for the counts
             counts: _Counts | None = (0, _NONE, _NONE, None, self.advance)
         elif rows is None or not rows.fits(n):
             return None
@@ -189,6 +192,24 @@ class SteadyLane:
             self._commit(g, pos, rows_n, values, hs, starts, terms)
         self._commit_counts(*counts[1:])
         self.digest, self.last = digest, body
+        self.steps += 1
+        if self.rows > MAX_ROWS or len(self.segments) > MAX_SEGMENTS:
+            self.settle()
+        return digest
+
+    def steady(self, expected_digest: int | None = None) -> int:
+        """:meth:`step` of the empty body (the steady decode step: every scheduled request
+        advances by its scheduled count, nothing else changes); always taken.  Raises
+        InvalidDelta, nothing done, when the digest differs from ``expected_digest``."""
+        if self.steps == 0 and self.version != self.state.version:
+            self._open()
+        digest = (self.digest + self.advance) & dg.MASK
+        if expected_digest is not None and digest != expected_digest:
+            raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
+        self.segments[-1][1] += 1  # _commit_counts of no exceptions
+        if self.comp is not None:
+            self.comp = list(map(add, self.comp, self.nsched))
+        self.digest, self.last = digest, STEADY_BODY
         self.steps += 1
         if self.rows > MAX_ROWS or len(self.segments) > MAX_SEGMENTS:
             self.settle()

@@ -114,6 +114,19 @@ def test_departures_inside_the_batch_still_take_the_fast_path() -> None:
     assert _run(steps) == (4, 4)
 
 
+def test_a_count_departure_alone_leaves_the_plain_step(speedups: str) -> None:
+    """A computed count off the prediction with outputs that agree with it, then an
+    output count alone off it: the steps look plain but for those counts."""
+    p = PROMPT
+    steps = [_first(), _step(1),
+             _step(2, computed=[p + 1, p - 3, p + 1], outputs=[2, 0, 2]),
+             _step(3, computed=[p + 2, p - 2, p + 2], outputs=[3, 0, 3]),
+             _step(4, computed=[p + 3, p - 1, p + 3], outputs=[4, 7, 4]),
+             _step(5, computed=[p + 4, p, p + 4], outputs=[5, 8, 5],
+                   blocks=[None, ([55],), None])]
+    assert _run(steps) == (5, 5)
+
+
 def test_drafts_for_every_request_and_rows_growing_several_blocks() -> None:
     """Every request drafting (the positions 0..n-1 shortcut), rows growing by more than
     one block, and more grown rows than the small-step loop takes."""

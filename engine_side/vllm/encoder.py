@@ -60,6 +60,7 @@ from protocol.codec import Frame
 from protocol.errors import LocalProtocolError, MalformedMessage, RemoteProtocolError
 from protocol.lane import SteadyLane
 from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
+from protocol.plan import STEADY_BODY
 from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
 from protocol.tensors import make_enc_hook, make_ext_hook
 
@@ -152,7 +153,15 @@ class SchedulerOutputEncoder:
             self.mirror = EngineMirror(self.epoch, kv_groups=self.kv_groups, verify=self.verify)
         if self.lane is None or self.lane.state is not self.mirror.state:
             self.lane = SteadyLane(self.mirror.state)
-        body = self.quick.body(so) if self.fast else None
+        body = self.quick.plain_step(so) if self.fast else None
+        if body is STEADY_BODY:  # the steady decode step: the empty body
+            delta = self.mirror.lane_delta(STEADY_BODY, self.lane.steady())
+            self.quick_steps += 1
+            self.batches[delta.seq] = self.quick.batch
+            self.batches.pop(delta.seq - HISTORY, None)
+            return codec.encode(delta)
+        if body is None and self.fast:
+            body = self.quick.body(so)
         if body is not None:
             digest = self.lane.step(body, self.quick.appends, rows=self.quick.rows,
                                     own_appends=True)

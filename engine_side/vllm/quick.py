@@ -195,6 +195,36 @@ class QuickEncoder:
                                                                        out_delta=counts[1]))}
         return DeltaBody(**fields) if fields else STEADY_BODY
 
+    def plain_step(self, so: Any) -> DeltaBody | None:
+        """The body of ``so`` when it is exactly the forecast step but for one KV group's
+        block appends -- :data:`STEADY_BODY` when it has none -- found with C comparisons
+        alone (the forecast then advances, :attr:`appends` and :attr:`rows` are set as
+        :meth:`body` sets them); None, nothing changed, for any other step (:meth:`body`
+        decides)."""
+        cached, batch, fc = so.scheduled_cached_reqs, self.batch, self.forecast
+        new_blocks = cached.new_block_ids
+        appends = new_blocks.count(None) != len(batch)
+        # the checks that most often fail first: a step that is not plain pays little
+        if (not self.ready or _C is None or (appends and self.kv_groups != 1)
+                or so.scheduled_spec_decode_tokens or cached.req_ids != batch
+                or so.total_num_scheduled_tokens != fc.total or not _plain(so)
+                or so.has_structured_output_requests or so.pending_structured_output_tokens
+                or so.num_spec_tokens_to_schedule
+                or _C.dict_matches(so.num_scheduled_tokens, batch, fc.nsched) != 2):
+            return None
+        got = _C.one_group_appends(new_blocks) if appends else None
+        actual = cached.num_computed_tokens
+        if (appends and got is None) or _C.advance_departures(actual, fc.basis(), fc.nsched) \
+                != [] or _C.output_departures(cached.num_output_tokens, actual,
+                                              fc.plen_less_one) != []:
+            return None  # a departure, or lists C does not take
+        fc.rebase(list(actual), fc.nsched, True)
+        self.rows = NO_ROWS
+        if got is None:
+            self.appends = []
+            return STEADY_BODY
+        return DeltaBody(block_append=self._one_group_rows(*got))
+
     def _nsched(self, counts: Any) -> tuple[list[int] | None, bool]:
         """(this step's scheduled counts, whether they are the forecast's); None when the
         requests are not the batch in its order."""
@@ -213,7 +243,7 @@ class QuickEncoder:
         output departures returned (positions and deltas, empty when there are none)."""
         fc = self.forecast
         actual, outs = cached.num_computed_tokens, cached.num_output_tokens
-        if fc.plen_np is not None and _C is not None:
+        if _C is not None:
             done = self._counts_c(actual, outs, nsched, same_ns, fields, lists)
             if done is not False:
                 return done  # type: ignore[return-value]
@@ -247,9 +277,9 @@ class QuickEncoder:
     def _counts_c(self, actual: Any, outs: Any, nsched: list[int], same_ns: bool,
                   fields: dict[str, Any], lists: dict[str, tuple[list[int], list[int]]],
                   ) -> tuple[bytes, bytes] | None | bool:
-        """:meth:`_counts` of a large batch with the C speedups: the departures are found
-        without building the predicted rows (the forecast then restarts from ``actual``).
-        False: C did not take the lists, the Python path decides."""
+        """:meth:`_counts` with the C speedups: the departures are found without building
+        the predicted rows (the forecast then restarts from ``actual``).  False: C did not
+        take the lists, the Python path decides."""
         fc, c = self.forecast, _C
         if c is None:
             return False

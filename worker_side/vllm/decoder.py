@@ -45,15 +45,16 @@ from engine_side.vllm.schema import (
 from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import InvalidDelta, MalformedMessage
-from protocol.lane import SteadyLane
-from protocol.messages import TOKEN_MODE_WORKER, Delta
+from protocol.lane import NO_ROWS, SteadyLane
+from protocol.messages import TOKEN_MODE_WORKER, Delta, DeltaBody
 from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uint_list, unpack_uints
+from protocol.plan import STEADY_BODY
 from protocol.request import ExecuteModelRequest, IntArray, Ragged
 from protocol.state import ReplicaState
 from protocol.tensors import make_enc_hook, make_ext_hook
 from worker_side.shm_reader import ShmReader
 from worker_side.vllm.mm import StoreResolver, features_from_refs, fresh
-from worker_side.vllm.quick import NO_EXT, QuickDecoder
+from worker_side.vllm.quick import NO_EXT, QuickDecoder, appends_only
 
 HISTORY = 8
 _EXT = msgspec.msgpack.Decoder(StepExt)
@@ -149,7 +150,12 @@ class SchedulerOutputDecoder:
             raise MalformedMessage("expected a Delta", got=type(msg).__name__)
         if msg.seq != self.seq + 1:
             raise InvalidDelta("step out of order", expected=self.seq + 1, got=msg.seq)
-        raw = msg.body.extension.get("v")
+        body, quick = msg.body, self.quick
+        if quick.ready and self.fast:
+            so = self._plain_step(msg, body, quick)
+            if so is not None:
+                return so
+        raw = body.extension.get("v")
         try:
             ext = _EXT.decode(raw) if raw else NO_EXT
         except msgspec.DecodeError as exc:
@@ -158,9 +164,8 @@ class SchedulerOutputDecoder:
         if self.state is None:
             self.state = ReplicaState(TOKEN_MODE_WORKER, ext.kv_groups or 1)
             self.lane = SteadyLane(self.state)
-        quick = self.quick
-        fast = quick.lane_inputs(msg.body, ext) if self.fast and quick.ready else None
-        if fast is None or self.lane.step(msg.body, fast[0], msg.digest, fast[1]) is None:
+        fast = quick.lane_inputs(body, ext) if self.fast and quick.ready else None
+        if fast is None or self.lane.step(body, fast[0], msg.digest, fast[1]) is None:
             self.lane.settle()
             if fast is None and self._lengths_stale:
                 self._refresh_lengths()
@@ -183,6 +188,25 @@ class SchedulerOutputDecoder:
                     request.num_computed_tokens.tolist(), so.num_scheduled_tokens,
                     [self.mem.plen[rid] for rid in request.req_ids], len(request.block_tables))
         return so
+
+    def _plain_step(self, msg: Delta, body: DeltaBody, quick: QuickDecoder) -> Any:
+        """The SchedulerOutput of the forecast step (the empty body) or of one that only
+        appends blocks, answered without the extension, the count rows or the general
+        checks (the lane still checks the appends and the digest); None, nothing
+        changed, for any other body."""
+        if body == STEADY_BODY:
+            self.lane.steady(msg.digest)
+            blocks = None
+        else:
+            blocks = quick.blocks(body) if appends_only(body) else None
+            if blocks is None or self.lane.step(body, blocks, msg.digest, NO_ROWS) is None:
+                return None
+            self._lengths_stale = True
+        self.seq = msg.seq
+        self.batches.pop(msg.seq - HISTORY, None)
+        self.batches[msg.seq] = quick.batch
+        self.quick_steps += 1
+        return quick.steady_output(blocks)
 
     def _refresh_lengths(self) -> None:
         """The last batch's table lengths after same-batch steps appended blocks (read

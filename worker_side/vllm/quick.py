@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from functools import cache
 from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 from engine_side.vllm.quick import Forecast
@@ -35,6 +36,16 @@ def plain_body(body: DeltaBody, ext: StepExt) -> bool:
     if ext is not NO_EXT and ext != StepExt(out_pos=ext.out_pos, out_delta=ext.out_delta):
         return False
     return lane_shaped(body)
+
+
+#: every DeltaBody field but block_append, read by one C call (see appends_only)
+_BUT_APPENDS = attrgetter(*(f for f in DeltaBody.__struct_fields__ if f != "block_append"))
+_NO_FIELDS = _BUT_APPENDS(STEADY_BODY)
+
+
+def appends_only(body: DeltaBody) -> bool:
+    """Whether ``body`` carries block appends and nothing else (no extension either)."""
+    return bool(body.block_append) and _BUT_APPENDS(body) == _NO_FIELDS
 
 
 @cache
@@ -109,21 +120,37 @@ class QuickDecoder:
                          rows: LaneRows) -> Any:
         """The step's SchedulerOutput (state already applied; ``blocks`` from :meth:`blocks`,
         ``rows`` the body's :func:`protocol.lane.lane_rows`)."""
-        CachedRequestData, SchedulerOutput = _vllm_types()  # noqa: N806 - classes
-        batch = self.batch
         nsched = self._nsched(rows.scheduled)
         total = self.forecast.total if nsched is self.nsched else sum(nsched)
         computed, outputs = self._counts(rows.computed, nsched, ext)
-        new_blocks = self._new_blocks(blocks)
+        return self._assemble(computed, outputs, self._new_blocks(blocks), total,
+                              self._drafts(rows.drafts), body)
+
+    def steady_output(self, blocks: list[tuple[list[int], list[int], list[int]]] | None = None,
+                      ) -> Any:
+        """:meth:`scheduler_output` of the empty body (the steady decode step), or of a
+        body of nothing but ``blocks`` (:meth:`blocks`; see :func:`appends_only`)."""
+        fc = self.forecast
+        computed, outputs = fc.take()  # _counts of no exceptions
+        fc.advanced()
+        new_blocks = [None] * len(self.batch) if blocks is None else self._new_blocks(blocks)
+        # the forecast predicts from its computed rows (copied: vLLM owns what it gets);
+        # an output row is read once, by this take
+        return self._assemble(list(computed), outputs, new_blocks, fc.total, {}, STEADY_BODY)
+
+    def _assemble(self, computed: list[int], outputs: list[int], new_blocks: list[Any],
+                  total: int, drafts: dict[str, list[int]], body: DeltaBody) -> Any:
+        """The step's objects, all fresh, from this step's lists."""
+        CachedRequestData, SchedulerOutput = _vllm_types()  # noqa: N806 - classes
         cached = made(CachedRequestData, {
-            "req_ids": list(batch), "resumed_req_ids": set(), "new_token_ids": [],
+            "req_ids": list(self.batch), "resumed_req_ids": set(), "new_token_ids": [],
             "all_token_ids": {}, "new_block_ids": new_blocks, "num_computed_tokens": computed,
             "num_output_tokens": outputs})
         return made(SchedulerOutput, {
             "scheduled_new_reqs": [], "scheduled_cached_reqs": cached,
             "num_scheduled_tokens": dict(self.nsched_map),
             "total_num_scheduled_tokens": total,
-            "scheduled_spec_decode_tokens": self._drafts(rows.drafts),
+            "scheduled_spec_decode_tokens": drafts,
             "scheduled_encoder_inputs": {}, "finished_req_ids": set(),
             "free_encoder_mm_hashes": [], "scheduled_encoder_input_stats": None,
             "preempted_req_ids": set(),
