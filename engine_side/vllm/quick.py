@@ -201,22 +201,27 @@ class QuickEncoder:
         alone (the forecast then advances, :attr:`appends` and :attr:`rows` are set as
         :meth:`body` sets them); None, nothing changed, for any other step (:meth:`body`
         decides)."""
+        if not self.ready or _C is None:
+            return None
         cached, batch, fc = so.scheduled_cached_reqs, self.batch, self.forecast
         new_blocks = cached.new_block_ids
+        if type(new_blocks) is not list:
+            return None
         appends = new_blocks.count(None) != len(batch)
         # the checks that most often fail first: a step that is not plain pays little
-        if (not self.ready or _C is None or (appends and self.kv_groups != 1)
-                or so.scheduled_spec_decode_tokens or cached.req_ids != batch
-                or so.total_num_scheduled_tokens != fc.total or not _plain(so)
-                or so.has_structured_output_requests or so.pending_structured_output_tokens
-                or so.num_spec_tokens_to_schedule
+        if ((appends and self.kv_groups != 1) or so.scheduled_spec_decode_tokens
+                or cached.req_ids != batch or so.total_num_scheduled_tokens != fc.total
+                or not _plain(so) or so.has_structured_output_requests
+                or so.pending_structured_output_tokens or so.num_spec_tokens_to_schedule
                 or _C.dict_matches(so.num_scheduled_tokens, batch, fc.nsched) != 2):
             return None
         got = _C.one_group_appends(new_blocks) if appends else None
+        if appends and got is None:
+            return None  # not one group's lists of ids: body() decides
         actual = cached.num_computed_tokens
-        if (appends and got is None) or _C.advance_departures(actual, fc.basis(), fc.nsched) \
-                != [] or _C.output_departures(cached.num_output_tokens, actual,
-                                              fc.plen_less_one) != []:
+        if (_C.advance_departures(actual, fc.basis(), fc.nsched) != []
+                or _C.output_departures(cached.num_output_tokens, actual, fc.plen_less_one)
+                != []):
             return None  # a departure, or lists C does not take
         fc.rebase(list(actual), fc.nsched, True)
         self.rows = NO_ROWS
