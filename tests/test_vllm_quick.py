@@ -127,6 +127,18 @@ def test_a_count_departure_alone_leaves_the_plain_step(speedups: str) -> None:
     assert _run(steps) == (5, 5)
 
 
+def test_structured_output_flags_keep_the_plain_step(speedups: str) -> None:
+    """Forecast steps that set the structured-output flags, with and without appends,
+    and one that drops them again."""
+    steps = [_first(), _step(1),
+             _step(2, has_structured_output_requests=True),
+             _step(3, has_structured_output_requests=True, pending_structured_output_tokens=True,
+                   blocks=[([61],), None, None]),
+             _step(4, pending_structured_output_tokens=True),
+             _step(5)]
+    assert _run(steps) == (5, 5)
+
+
 def test_drafts_for_every_request_and_rows_growing_several_blocks() -> None:
     """Every request drafting (the positions 0..n-1 shortcut), rows growing by more than
     one block, and more grown rows than the small-step loop takes."""

@@ -197,10 +197,10 @@ class QuickEncoder:
 
     def plain_step(self, so: Any) -> DeltaBody | None:
         """The body of ``so`` when it is exactly the forecast step but for one KV group's
-        block appends -- :data:`STEADY_BODY` when it has none -- found with C comparisons
-        alone (the forecast then advances, :attr:`appends` and :attr:`rows` are set as
-        :meth:`body` sets them); None, nothing changed, for any other step (:meth:`body`
-        decides)."""
+        block appends and the structured-output flags -- :data:`STEADY_BODY` when it has
+        none -- found with C comparisons alone (the forecast then advances,
+        :attr:`appends` and :attr:`rows` are set as :meth:`body` sets them); None,
+        nothing changed, for any other step (:meth:`body` decides)."""
         if not self.ready or _C is None:
             return None
         cached, batch, fc = so.scheduled_cached_reqs, self.batch, self.forecast
@@ -211,8 +211,7 @@ class QuickEncoder:
         # the checks that most often fail first: a step that is not plain pays little
         if ((appends and self.kv_groups != 1) or so.scheduled_spec_decode_tokens
                 or cached.req_ids != batch or so.total_num_scheduled_tokens != fc.total
-                or not _plain(so) or so.has_structured_output_requests
-                or so.pending_structured_output_tokens or so.num_spec_tokens_to_schedule
+                or not _plain(so) or so.num_spec_tokens_to_schedule
                 or _C.dict_matches(so.num_scheduled_tokens, batch, fc.nsched) != 2):
             return None
         got = _C.one_group_appends(new_blocks) if appends else None
@@ -225,10 +224,15 @@ class QuickEncoder:
             return None  # a departure, or lists C does not take
         fc.rebase(list(actual), fc.nsched, True)
         self.rows = NO_ROWS
+        structured = bool(so.has_structured_output_requests)  # the flags, as body() sets them
+        pending = bool(so.pending_structured_output_tokens)
         if got is None:
             self.appends = []
-            return STEADY_BODY
-        return DeltaBody(block_append=self._one_group_rows(*got))
+            if not structured and not pending:
+                return STEADY_BODY
+            return DeltaBody(has_structured_output=structured, pending_structured_output=pending)
+        return DeltaBody(block_append=self._one_group_rows(*got),
+                         has_structured_output=structured, pending_structured_output=pending)
 
     def _nsched(self, counts: Any) -> tuple[list[int] | None, bool]:
         """(this step's scheduled counts, whether they are the forecast's); None when the

@@ -14,6 +14,7 @@ does not verify; in all three cases before anything changed (nothing unpickled).
 
 from __future__ import annotations
 
+from functools import cache
 from itertools import accumulate, chain
 from typing import Any
 
@@ -54,7 +55,7 @@ from protocol.state import ReplicaState
 from protocol.tensors import make_enc_hook, make_ext_hook
 from worker_side.shm_reader import ShmReader
 from worker_side.vllm.mm import StoreResolver, features_from_refs, fresh
-from worker_side.vllm.quick import NO_EXT, QuickDecoder, appends_only
+from worker_side.vllm.quick import NO_EXT, QuickDecoder, plain
 
 HISTORY = 8
 _EXT = msgspec.msgpack.Decoder(StepExt)
@@ -62,6 +63,14 @@ _EXT = msgspec.msgpack.Decoder(StepExt)
 
 #: a single-frame GrammarMsg (the bitmask deflated or absent): nothing for a hook to resolve
 _GRAMMAR = msgspec.msgpack.Decoder(GrammarMsg, ext_hook=codec.no_tensor_frames)
+
+
+@cache
+def _grammar_output() -> Any:
+    """vLLM's GrammarOutput class, imported once (an import statement costs ~1 µs a step)."""
+    from vllm.v1.core.sched.output import GrammarOutput
+
+    return GrammarOutput
 
 
 def _grammar_ids(batch: list[str], msg: GrammarMsg) -> list[str]:
@@ -191,22 +200,22 @@ class SchedulerOutputDecoder:
 
     def _plain_step(self, msg: Delta, body: DeltaBody, quick: QuickDecoder) -> Any:
         """The SchedulerOutput of the forecast step (the empty body) or of one that only
-        appends blocks, answered without the extension, the count rows or the general
-        checks (the lane still checks the appends and the digest); None, nothing
-        changed, for any other body."""
+        appends blocks and sets the structured-output flags, answered without the
+        extension, the count rows or the general checks (the lane still checks the appends
+        and the digest); None, nothing changed, for any other body."""
         if body == STEADY_BODY:
             self.lane.steady(msg.digest)
             blocks = None
         else:
-            blocks = quick.blocks(body) if appends_only(body) else None
+            blocks = quick.blocks(body) if plain(body) else None
             if blocks is None or self.lane.step(body, blocks, msg.digest, NO_ROWS) is None:
                 return None
-            self._lengths_stale = True
+            self._lengths_stale |= bool(blocks)
         self.seq = msg.seq
         self.batches.pop(msg.seq - HISTORY, None)
         self.batches[msg.seq] = quick.batch
         self.quick_steps += 1
-        return quick.steady_output(blocks)
+        return quick.steady_output(blocks or None, body)
 
     def _refresh_lengths(self) -> None:
         """The last batch's table lengths after same-batch steps appended blocks (read
@@ -374,8 +383,6 @@ class SchedulerOutputDecoder:
         """The GrammarOutput sent with the step just decoded (None stays None)."""
         if len(frames) == 1 and not bytes(frames[0]):
             return None
-        from vllm.v1.core.sched.output import GrammarOutput
-
         dec = _GRAMMAR if len(frames) == 1 else \
             msgspec.msgpack.Decoder(GrammarMsg, ext_hook=make_ext_hook(frames[1:], copy=True))
         try:
@@ -386,7 +393,7 @@ class SchedulerOutputDecoder:
             raise InvalidDelta("grammar output for an unknown step", seq=msg.seq)
         ids = _grammar_ids(self.batches[msg.seq], msg)
         bitmask = _bitmask(msg)
-        return GrammarOutput(ids, bitmask, msg.drafts)
+        return _grammar_output()(ids, bitmask, msg.drafts)
 
     # ------------------------------------------------------------ replies
     def encode_reply(self, out: Any) -> list[Frame]:

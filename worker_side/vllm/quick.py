@@ -38,14 +38,16 @@ def plain_body(body: DeltaBody, ext: StepExt) -> bool:
     return lane_shaped(body)
 
 
-#: every DeltaBody field but block_append, read by one C call (see appends_only)
-_BUT_APPENDS = attrgetter(*(f for f in DeltaBody.__struct_fields__ if f != "block_append"))
-_NO_FIELDS = _BUT_APPENDS(STEADY_BODY)
+#: the DeltaBody fields of a plain step, and the others, read by one C call (see plain)
+_PLAIN_FIELDS = ("block_append", "has_structured_output", "pending_structured_output")
+_OTHERS = attrgetter(*(f for f in DeltaBody.__struct_fields__ if f not in _PLAIN_FIELDS))
+_NO_FIELDS = _OTHERS(STEADY_BODY)
 
 
-def appends_only(body: DeltaBody) -> bool:
-    """Whether ``body`` carries block appends and nothing else (no extension either)."""
-    return bool(body.block_append) and _BUT_APPENDS(body) == _NO_FIELDS
+def plain(body: DeltaBody) -> bool:
+    """Whether ``body`` carries nothing but block appends and the structured-output
+    flags (no extension either): the forecast step with those."""
+    return _OTHERS(body) == _NO_FIELDS
 
 
 @cache
@@ -127,16 +129,16 @@ class QuickDecoder:
                               self._drafts(rows.drafts), body)
 
     def steady_output(self, blocks: list[tuple[list[int], list[int], list[int]]] | None = None,
-                      ) -> Any:
+                      body: DeltaBody = STEADY_BODY) -> Any:
         """:meth:`scheduler_output` of the empty body (the steady decode step), or of a
-        body of nothing but ``blocks`` (:meth:`blocks`; see :func:`appends_only`)."""
+        :func:`plain` ``body`` whose appends are ``blocks`` (:meth:`blocks`; None: none)."""
         fc = self.forecast
         computed, outputs = fc.take()  # _counts of no exceptions
         fc.advanced()
         new_blocks = [None] * len(self.batch) if blocks is None else self._new_blocks(blocks)
         # the forecast predicts from its computed rows (copied: vLLM owns what it gets);
         # an output row is read once, by this take
-        return self._assemble(list(computed), outputs, new_blocks, fc.total, {}, STEADY_BODY)
+        return self._assemble(list(computed), outputs, new_blocks, fc.total, {}, body)
 
     def _assemble(self, computed: list[int], outputs: list[int], new_blocks: list[Any],
                   total: int, drafts: dict[str, list[int]], body: DeltaBody) -> Any:
