@@ -153,15 +153,13 @@ class SchedulerOutputEncoder:
             self.mirror = EngineMirror(self.epoch, kv_groups=self.kv_groups, verify=self.verify)
         if self.lane is None or self.lane.state is not self.mirror.state:
             self.lane = SteadyLane(self.mirror.state)
-        body = self.quick.plain_step(so) if self.fast else None
+        body = self.quick.body(so) if self.fast else None
         if body is STEADY_BODY:  # the steady decode step: the empty body
             delta = self.mirror.lane_delta(STEADY_BODY, self.lane.steady())
             self.quick_steps += 1
             self.batches[delta.seq] = self.quick.batch
             self.batches.pop(delta.seq - HISTORY, None)
             return codec.encode(delta)
-        if body is None and self.fast:
-            body = self.quick.body(so)
         if body is not None:
             digest = self.lane.step(body, self.quick.appends, rows=self.quick.rows,
                                     own_appends=True)
@@ -430,10 +428,12 @@ class SchedulerOutputEncoder:
         if grammar is None:
             return [b""]
         batch = self.batches.get(self.seq, [])
-        refs = RefTable(batch, [])
-        positions = self._positions(grammar.structured_output_request_ids, batch)
-        if positions is None:
-            positions = refs.pack(grammar.structured_output_request_ids)
+        ids = grammar.structured_output_request_ids
+        names: tuple[str, ...] = ()
+        positions = self._positions(ids, batch)
+        if positions is None:  # an id outside the batch: named
+            refs = RefTable(batch, [])
+            positions, names = refs.pack(ids), tuple(refs.names)
         bitmask, deflated, sparse = grammar.grammar_bitmask, None, None
         if getattr(bitmask, "nbytes", 0) > DEFLATE_MAX:
             sparse = sparse_words(bitmask)
@@ -441,7 +441,7 @@ class SchedulerOutputEncoder:
             deflated = deflate_sparse(bitmask)
         if deflated is not None or sparse is not None:
             bitmask = None
-        msg = GrammarMsg(self.seq, positions, tuple(refs.names), bitmask,
+        msg = GrammarMsg(self.seq, positions, names, bitmask,
                          grammar.num_acceptable_drafts, deflated, sparse)
         self._aux.clear()
         try:

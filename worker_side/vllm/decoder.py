@@ -14,7 +14,6 @@ does not verify; in all three cases before anything changed (nothing unpickled).
 
 from __future__ import annotations
 
-from functools import cache
 from itertools import accumulate, chain
 from typing import Any
 
@@ -55,7 +54,7 @@ from protocol.state import ReplicaState
 from protocol.tensors import make_enc_hook, make_ext_hook
 from worker_side.shm_reader import ShmReader
 from worker_side.vllm.mm import StoreResolver, features_from_refs, fresh
-from worker_side.vllm.quick import NO_EXT, QuickDecoder, plain
+from worker_side.vllm.quick import NO_EXT, QuickDecoder, plain, vllm_types
 
 HISTORY = 8
 _EXT = msgspec.msgpack.Decoder(StepExt)
@@ -63,14 +62,6 @@ _EXT = msgspec.msgpack.Decoder(StepExt)
 
 #: a single-frame GrammarMsg (the bitmask deflated or absent): nothing for a hook to resolve
 _GRAMMAR = msgspec.msgpack.Decoder(GrammarMsg, ext_hook=codec.no_tensor_frames)
-
-
-@cache
-def _grammar_output() -> Any:
-    """vLLM's GrammarOutput class, imported once (an import statement costs ~1 µs a step)."""
-    from vllm.v1.core.sched.output import GrammarOutput
-
-    return GrammarOutput
 
 
 def _grammar_ids(batch: list[str], msg: GrammarMsg) -> list[str]:
@@ -393,7 +384,7 @@ class SchedulerOutputDecoder:
             raise InvalidDelta("grammar output for an unknown step", seq=msg.seq)
         ids = _grammar_ids(self.batches[msg.seq], msg)
         bitmask = _bitmask(msg)
-        return _grammar_output()(ids, bitmask, msg.drafts)
+        return vllm_types()[2](ids, bitmask, msg.drafts)
 
     # ------------------------------------------------------------ replies
     def encode_reply(self, out: Any) -> list[Frame]:

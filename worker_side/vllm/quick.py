@@ -17,7 +17,7 @@ from typing import Any
 
 from engine_side.vllm.quick import Forecast
 from engine_side.vllm.schema import StepExt
-from protocol.lane import NO_ROWS, LaneRows, lane_rows, lane_shaped
+from protocol.lane import LaneRows, lane_rows, lane_shaped
 from protocol.messages import DeltaBody
 from protocol.packing import unpack_sint_list, unpack_uint_list
 from protocol.plan import STEADY_BODY
@@ -51,11 +51,12 @@ def plain(body: DeltaBody) -> bool:
 
 
 @cache
-def _vllm_types() -> tuple[Any, Any]:
-    """vLLM's step classes, imported once (an import statement costs ~1 µs a step)."""
-    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+def vllm_types() -> tuple[Any, Any, Any]:
+    """vLLM's CachedRequestData, SchedulerOutput and GrammarOutput, imported once (an
+    import statement costs ~1 µs a step)."""
+    from vllm.v1.core.sched.output import CachedRequestData, GrammarOutput, SchedulerOutput
 
-    return CachedRequestData, SchedulerOutput
+    return CachedRequestData, SchedulerOutput, GrammarOutput
 
 
 def made(cls: Any, fields: dict[str, Any]) -> Any:
@@ -97,8 +98,6 @@ class QuickDecoder:
         """(block appends, count and draft rows) of a same-batch body, unpacked once for the
         steady lane and :meth:`scheduler_output`; None when the general path decides (a
         field that does not unpack included: the state raises it, typed)."""
-        if body == STEADY_BODY:  # the common step (its extension is empty: ext is NO_EXT)
-            return [], NO_ROWS
         if not plain_body(body, ext):
             return None
         blocks = self.blocks(body)
@@ -143,7 +142,7 @@ class QuickDecoder:
     def _assemble(self, computed: list[int], outputs: list[int], new_blocks: list[Any],
                   total: int, drafts: dict[str, list[int]], body: DeltaBody) -> Any:
         """The step's objects, all fresh, from this step's lists."""
-        CachedRequestData, SchedulerOutput = _vllm_types()  # noqa: N806 - classes
+        CachedRequestData, SchedulerOutput, _ = vllm_types()  # noqa: N806 - classes
         cached = made(CachedRequestData, {
             "req_ids": list(self.batch), "resumed_req_ids": set(), "new_token_ids": [],
             "all_token_ids": {}, "new_block_ids": new_blocks, "num_computed_tokens": computed,
