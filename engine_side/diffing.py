@@ -10,8 +10,8 @@ repeats; only departures are sent.
 
 from __future__ import annotations
 
-from itertools import repeat
-from operator import attrgetter, is_
+from itertools import compress, repeat
+from operator import attrgetter, gt, is_
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
@@ -129,7 +129,7 @@ class DiffContext:
             return
         adds: list[NewRequest] = []
         hs = self._known_handles()
-        for i in [i for i, h in enumerate(hs) if h < 0]:  # new, updated or reset: in order
+        for i in list(compress(range(len(hs)), map(gt, repeat(0), hs))):  # new, updated, reset
             hs[i] = self._handle_for(i, r.req_ids[i], r.specs[i], adds)
         handles = np.array(hs, dtype=np.int64)
         if has_duplicates(handles):

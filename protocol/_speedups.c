@@ -521,6 +521,40 @@ dot(PyObject *self, PyObject *args)
     return PyLong_FromUnsignedLongLong(total);
 }
 
+/* keyed_sum(handles, values, k_handle, k_add, k_pos, plus) -> int | None:
+ * sum((values[i] + plus) * (mix64(handles[i]*k_handle + i*k_pos + k_add) | 1)) mod 2**64
+ * over two equally long lists of int64-range ints: the digest's linear count terms
+ * (protocol.digest.computed_change with k_pos = 0 and plus = 0, schedule_term with
+ * k_add = 0 and plus = 1).  None for anything else. */
+static PyObject *
+keyed_sum(PyObject *self, PyObject *args)
+{
+    PyObject *handles, *values;
+    unsigned long long k_handle, k_add, k_pos, plus;
+    if (!PyArg_ParseTuple(args, "OOKKKK", &handles, &values, &k_handle, &k_add, &k_pos,
+                          &plus)) {
+        return NULL;
+    }
+    if (!PyList_CheckExact(handles) || !PyList_CheckExact(values)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(handles);
+    if (PyList_GET_SIZE(values) != n) {
+        Py_RETURN_NONE;
+    }
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long h, v;
+        if (as_i64(PyList_GET_ITEM(handles, i), &h) < 0
+                || as_i64(PyList_GET_ITEM(values, i), &v) < 0) {
+            Py_RETURN_NONE;
+        }
+        uint64_t key = mix64((uint64_t)h * k_handle + (uint64_t)i * k_pos + k_add) | 1ULL;
+        total += ((uint64_t)v + plus) * key; /* wraps: the sum mod 2**64 */
+    }
+    return PyLong_FromUnsignedLongLong(total);
+}
+
 /* dict_matches(d: dict, keys: list, values: list) -> 0 | 1 | 2 | None: 0 when d's keys
  * in order are not ``keys``, 1 when they are but its values are not ``values``, 2 when
  * both match (list(d) == keys and list(d.values()) == values, without building
@@ -771,6 +805,8 @@ static PyMethodDef methods[] = {
     {"one_group_appends", one_group_appends, METH_O,
      "A one-group step's new blocks as (positions, counts, flat ids) (None: not taken)."},
     {"add_at", add_at, METH_VARARGS, "target[p] += c for aligned pairs, all or nothing."},
+    {"keyed_sum", keyed_sum, METH_VARARGS,
+     "The digest's linear count terms summed over two lists (None: not taken)."},
     {"dict_matches", dict_matches, METH_VARARGS,
      "0: keys differ, 1: values differ, 2: both match a dict's (None: not taken)."},
     {"plan_rows", plan_rows, METH_VARARGS,

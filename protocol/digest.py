@@ -138,7 +138,18 @@ def schedule_keys(handles: npt.ArrayLike, positions: npt.ArrayLike | None = None
 def schedule_term(handles: npt.ArrayLike, num_scheduled: npt.ArrayLike) -> int:
     """``(count + 1) * skey(handle, position)`` summed: linear in the counts, so a count
     change costs one product; the ``+ 1`` keeps a zero count's place in the term."""
+    if _C is not None:  # one C loop instead of a chain of numpy calls
+        got: int | None = _C.keyed_sum(_as_list(handles), _as_list(num_scheduled),
+                                       int(_K_SCHED), 0, int(_K_POS), 1)
+        if got is not None:
+            return got
     return total((_u64(num_scheduled) + np.uint64(1)) * schedule_keys(handles))
+
+
+def _as_list(values: npt.ArrayLike) -> object:
+    """An array's items as Python ints for the C loops (anything else passes through:
+    C refuses what is not a list of ints, and the numpy path decides)."""
+    return values.tolist() if isinstance(values, np.ndarray) and values.ndim == 1 else values
 
 
 # -- the same terms on Python ints, for the few items of a common step ---------------------
@@ -166,6 +177,10 @@ def handle_key_int(h: int) -> int:
 
 def computed_change(handles: list[int], deltas: list[int]) -> int:
     """Digest change of adding ``deltas`` to the computed counts of ``handles``."""
+    if _C is not None:
+        got: int | None = _C.keyed_sum(handles, deltas, _COMP_I, _HANDLE_I, 0, 0)
+        if got is not None:
+            return got
     if len(handles) > SMALL:
         d = np.asarray(deltas, dtype=np.int64).astype(np.uint64)
         return total(d * handle_keys(handles))

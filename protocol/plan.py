@@ -37,7 +37,7 @@ from protocol.planned import (  # re-exported: the plan's parts live in protocol
     encode_spec_for_hash,
     steady_step,
 )
-from protocol.request import IntArray, Ragged, RequestSpec, has_duplicates
+from protocol.request import IntArray, Ragged, RequestSpec, has_duplicates, member_mask
 
 if TYPE_CHECKING:
     from protocol.state import ReplicaState
@@ -308,7 +308,7 @@ class _Planner(BlockPlanner):
         for a in added:
             base[a.handle] = a.computed
         new = base.copy()
-        advanced = prev[[h not in self.reset for h in prev.tolist()]] if self.reset else prev
+        advanced = prev[~member_mask(prev, self.reset)] if self.reset else prev
         new[advanced] += cols.last_nsched[advanced]
         pos, deltas = self.positions(self.body.computed_tokens, sched, signed=True)
         new[sched[pos]] += deltas
@@ -316,7 +316,7 @@ class _Planner(BlockPlanner):
         if changed.size and new[changed].min() < 0:
             raise self.fail("computed tokens would become negative")
         # linear terms: the change is the moved counts times the handles' keys
-        moved = dg.total(dg.computed_terms(changed, new[changed] - base[changed]))
+        moved = dg.computed_change(changed.tolist(), (new[changed] - base[changed]).tolist())
         self.digest = (self.digest + moved) & dg.MASK
         return changed, new[changed]
 
@@ -381,7 +381,7 @@ class _Planner(BlockPlanner):
         inside = sched < cap
         known[inside] = cols.in_sched[sched[inside]]
         if self.reset:
-            known &= np.array([h not in self.reset for h in sched.tolist()], dtype=bool)
+            known &= ~member_mask(sched, self.reset)
         pred = np.ones(sched.size, dtype=np.int64)
         pred[known] = cols.last_nsched[sched[known]]
         pos, vals = self.positions(self.body.scheduled_tokens, sched, signed=False)

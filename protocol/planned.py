@@ -150,7 +150,7 @@ def advance_delta(state: ReplicaState) -> int:
     """Digest change of advancing every scheduled request by its scheduled count (cached)."""
     key = state._rebuild_cache.get("advance")
     if key is None or key[0] is not state.schedule or key[1] is not state.nsched:  # type: ignore[index]
-        delta = dg.total(dg.computed_terms(state.schedule, state.nsched))
+        delta = dg.computed_change(state.schedule.tolist(), state.nsched.tolist())
         key = (state.schedule, state.nsched, delta)
         state._rebuild_cache["advance"] = key
     return key[2]  # type: ignore[index,no-any-return]

@@ -9,6 +9,7 @@ so a consumer can neither corrupt the replica nor see a handed-out array change.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from protocol.messages import TOKEN_MODE_ENGINE
 from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_REQ_ID = attrgetter("req_id")
 
 if TYPE_CHECKING:
     from protocol.state import ReplicaState
@@ -26,8 +28,8 @@ if TYPE_CHECKING:
 def _ids_and_specs(state: ReplicaState) -> tuple[list[str], list[RequestSpec]]:
     cached: Any = state._rebuild_cache.get("schedule")
     if cached is None:
-        specs = [state.specs[h] for h in state.schedule.tolist()]
-        cached = ([s.req_id for s in specs], specs)  # type: ignore[union-attr]
+        specs = list(map(state.specs.__getitem__, state.schedule.tolist()))
+        cached = (list(map(_REQ_ID, specs)), specs)
         state._rebuild_cache["schedule"] = cached
     ids, specs = cached
     return list(ids), list(specs)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from protocol import digest as dg
@@ -317,6 +317,38 @@ def test_dot_refuses_what_it_cannot_take() -> None:
     assert C.dot([1 << 63], [3]) is None  # past int64
     assert C.dot([1], [1 << 64]) is None  # a key past 2**64
     assert lane._dot([1], [3], [-1]) == 3
+
+
+@needs_c
+@settings(max_examples=200)
+@given(st.data())
+def test_keyed_sum_is_the_linear_count_terms(data: st.DataObject) -> None:
+    """C's keyed sums are the numpy references: computed_change and schedule_term."""
+    assert C is not None
+    n = data.draw(st.integers(0, 40))
+    handles = data.draw(st.lists(st.integers(0, 1 << 40), min_size=n, max_size=n))
+    values = data.draw(st.lists(st.integers(-(1 << 40), 1 << 40), min_size=n, max_size=n))
+    want_change = dg.total(dg.computed_terms(handles, values))
+    want_term = dg.total((dg._u64(values) + np.uint64(1)) * dg.schedule_keys(handles))
+    assert C.keyed_sum(handles, values, dg._COMP_I, dg._HANDLE_I, 0, 0) == want_change
+    assert dg.computed_change(handles, values) == want_change
+    assert dg.schedule_term(np.array(handles, dtype=np.int64),
+                            np.array(values, dtype=np.int64)) == want_term
+    assert dg.schedule_term(handles, values) == want_term
+
+
+@needs_c
+def test_keyed_sum_refuses_what_it_cannot_take() -> None:
+    assert C is not None
+    args = (dg._COMP_I, dg._HANDLE_I, 0, 0)
+    assert C.keyed_sum([1, 2], [3], *args) is None  # lengths differ
+    assert C.keyed_sum((1,), [3], *args) is None  # not a list
+    assert C.keyed_sum([1], [1 << 63], *args) is None  # past int64: Python decides
+    assert C.keyed_sum([1], [2.0], *args) is None  # not an int
+    # the Python paths take what C refuses, with their own arithmetic and errors
+    assert dg.computed_change([1], [1 << 63]) == ((1 << 63) * dg.handle_key_int(1)) & dg.MASK
+    with pytest.raises(OverflowError):
+        dg.schedule_term([1], [1 << 63])
 
 
 KEYS = st.lists(st.sampled_from(["a", "b", "c", "d", "e"]), unique=True, max_size=5)

@@ -188,6 +188,27 @@ def test_drafts_of_an_unscheduled_request_are_a_local_error() -> None:
             enc.encode(odd)
 
 
+@pytest.mark.parametrize("general", [False, True])
+@pytest.mark.parametrize("field", ["blocks", "computed", "outputs"])
+def test_cached_lists_of_another_length_are_a_local_error(field: str, general: bool) -> None:
+    """A CachedRequestData list that is not one entry per request is refused by name on
+    both paths (the fast path leaves it to the general one), not misread."""
+    short = {"blocks": [None, None], "computed": [PROMPT + 1] * 2, "outputs": [2, 2]}[field]
+    changes: dict[str, Any] = {field: short}
+    if general:
+        changes["finished_req_ids"] = {"zz"}
+    odd = _step(2, None, **changes)
+    name = {"blocks": "new_block_ids", "computed": "num_computed_tokens",
+            "outputs": "num_output_tokens"}[field]
+    for fast in (True, False):
+        enc = SchedulerOutputEncoder(secret=SECRET, fast=fast)
+        enc.encode(_first())
+        enc.encode(_step(1))
+        with pytest.raises(LocalProtocolError, match="one entry per request") as info:
+            enc.encode(odd)
+        assert info.value.fields["field"] == name
+
+
 def test_more_kv_groups_grow_one_group_at_a_time() -> None:
     steps = [_first(2), _step(1, blocks=[([50], []), None, ([51], [52])]), _step(2)]
     assert _run(steps, kv_groups=2) == (2, 2)

@@ -362,7 +362,7 @@ class StepMemory:
         """num_output_tokens of cached requests: tokens past the prompt, last one uncomputed."""
         if ids != self._plen_ids:  # steady decode repeats the list: reuse the column
             self._plen_ids = list(ids)
-            self._plen_col = np.fromiter((self.plen[rid] for rid in ids), np.int64, len(ids))
+            self._plen_col = np.fromiter(map(self.plen.__getitem__, ids), np.int64, len(ids))
         return np.maximum(0, computed - self._plen_col + 1)
 
     def record_output(self, out: Any) -> None:

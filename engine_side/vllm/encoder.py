@@ -22,7 +22,8 @@ decoder in order; the transport adds sequencing and resync.
 
 from __future__ import annotations
 
-from itertools import accumulate, chain, compress
+from itertools import accumulate, chain, compress, filterfalse, repeat
+from operator import is_not, not_
 from typing import Any
 
 import msgspec
@@ -75,6 +76,11 @@ HISTORY = 8  # steps whose batch order replies may still reference
 
 def _packed(values: list[int]) -> bytes:
     return pack_uints(values) if values else b""
+
+
+def _not_none(values: list[Any]) -> list[int]:
+    """Positions of the entries that are not None (C-level maps: no per-row bytecode)."""
+    return list(compress(range(len(values)), map(is_not, values, repeat(None))))
 
 
 def _dict_keys(d: dict[str, Any], batch: list[str], pos: dict[str, int]) -> bytes | None:
@@ -182,7 +188,7 @@ class SchedulerOutputEncoder:
             self.quick.reset(batch, self.mirror.state.schedule.tolist(),
                              request.num_computed_tokens.tolist(),
                              list(so.num_scheduled_tokens.values()),
-                             [self.mem.plen[rid] for rid in batch], self.kv_groups or 1)
+                             list(map(self.mem.plen.__getitem__, batch)), self.kv_groups or 1)
         self.batches[delta.seq] = batch
         self.batches.pop(delta.seq - HISTORY, None)
         return codec.encode(delta)
@@ -211,8 +217,8 @@ class SchedulerOutputEncoder:
         mem, cached = self.mem, so.scheduled_cached_reqs
         self._finish(so.finished_req_ids)
         batch = list(so.num_scheduled_tokens)
-        pos = self._pos = {rid: i for i, rid in enumerate(batch)}
         n = len(batch)
+        pos = self._pos = dict(zip(batch, range(n), strict=True))
         computed = np.zeros(n, dtype=np.int64)
         self._new_requests(so.scheduled_new_reqs, batch, pos, computed, ext)
         self._cached_requests(cached, batch, pos, computed, ext)
@@ -223,7 +229,7 @@ class SchedulerOutputEncoder:
         blocks = self._block_tables(batch, so)
         wire = StepExt(**ext)
         return ExecuteModelRequest(
-            req_ids=batch, specs=[self.specs[rid] for rid in batch],
+            req_ids=batch, specs=list(map(self.specs.__getitem__, batch)),
             num_scheduled_tokens=np.fromiter(so.num_scheduled_tokens.values(), np.int64, n),
             num_computed_tokens=computed, block_tables=blocks,
             spec_token_ids=self._rows(so.scheduled_spec_decode_tokens, batch, shift=1),
@@ -260,9 +266,8 @@ class SchedulerOutputEncoder:
         else:
             tables, kept = carried
             pos = self._pos
-            grown = sorted((pos[rid], k) for k, (rid, nb) in
-                           enumerate(zip(cached.req_ids, cached.new_block_ids, strict=True))
-                           if nb is not None and pos[rid] < kept)
+            ids, nbs = cached.req_ids, cached.new_block_ids
+            grown = sorted((pos[ids[k]], k) for k in _not_none(nbs) if pos[ids[k]] < kept)
             rows = [p for p, _ in grown]
             new = [[cached.new_block_ids[k][g] for _, k in grown] for g in range(len(tables))]
             if grown:
@@ -282,7 +287,9 @@ class SchedulerOutputEncoder:
         if batch == prev and not new:
             return last, len(batch)
         pos = self._pos
-        keep = [rid in pos and rid not in new for rid in prev]
+        keep = list(map(pos.__contains__, prev))
+        if not new.isdisjoint(prev):
+            keep = [k and rid not in new for k, rid in zip(keep, prev, strict=True)]
         kept = keep.count(True)
         if list(compress(prev, keep)) != batch[:kept]:
             return None  # reordered: the general rebuild
@@ -314,7 +321,8 @@ class SchedulerOutputEncoder:
                       computed: IntArray, ext: dict[str, Any]) -> None:
         known = self.mem.known
         new_pos = [pos[nr.req_id] for nr in new_reqs]
-        flips = sorted(set(new_pos) ^ {i for i, rid in enumerate(batch) if rid not in known})
+        unknown = compress(range(len(batch)), map(not_, map(known.__contains__, batch)))
+        flips = sorted(set(new_pos).symmetric_difference(unknown))
         if flips:
             ext["new_flip"] = pack_uints(flips)
         if new_pos != sorted(new_pos):
@@ -340,7 +348,12 @@ class SchedulerOutputEncoder:
     def _cached_requests(self, cached: Any, batch: list[str], pos: dict[str, int],
                          computed: IntArray, ext: dict[str, Any]) -> None:
         resumed, ids = cached.resumed_req_ids, cached.req_ids
-        cpos = [pos[rid] for rid in ids]
+        for name in ("new_block_ids", "num_computed_tokens", "num_output_tokens"):
+            if len(getattr(cached, name)) != len(ids):
+                raise LocalProtocolError("a CachedRequestData list is not one entry per request",
+                                         field=name, entries=len(getattr(cached, name)),
+                                         requests=len(ids))
+        cpos = list(map(pos.__getitem__, ids))
         if cpos != cached_order(sorted(cpos), batch, resumed):
             ext["cached_order"] = pack_uints(cpos)
         unknown = set(ids) - self.specs.keys()
@@ -360,7 +373,7 @@ class SchedulerOutputEncoder:
     def _cached_blocks(self, ids: list[str], blocks: list[Any], resumed: set[str]) -> list[int]:
         """Apply new_block_ids (replacing for resumed ids); positions sending () not None."""
         none_flip = []
-        for k in [k for k, nb in enumerate(blocks) if nb is not None]:
+        for k in _not_none(blocks):
             rid, new = ids[k], blocks[k]
             if not any(new):
                 none_flip.append(k)
@@ -378,11 +391,11 @@ class SchedulerOutputEncoder:
             lists = cached.new_token_ids
             flat = [t for row in lists for t in row]
             ext["new_tokens"] = (pack_uints([len(r) for r in lists]), pack_sints(flat))
-        index = {rid: k for k, rid in enumerate(cached.req_ids)}
         predicted = [] if self.mem.mrv2 else \
-            [rid for rid in cached.req_ids if rid not in self.mem.prev_batch]
+            list(filterfalse(self.mem.prev_batch.__contains__, cached.req_ids))
         keys = list(cached.all_token_ids)
         if keys != predicted:
+            index = dict(zip(cached.req_ids, range(len(cached.req_ids)), strict=True))
             ext["all_keys"] = _packed([index[k] for k in keys])
         if keys:
             ext["all_tokens"] = tuple(self._ref(rid, toks)

@@ -58,7 +58,8 @@ class Forecast:
     def __init__(self, plen: list[int]) -> None:
         self.plen = plen
         self.plen_np = np.array(plen, dtype=np.int64) if len(plen) > SMALL else None
-        self.plen_less_one = [p - 1 for p in plen]  # outputs = max(computed - plen + 1, 0)
+        # outputs = max(computed - plen + 1, 0)
+        self.plen_less_one = list(map(sub, plen, repeat(1)))
         self.nsched: list[int] = []
         self.total = 0  # sum(nsched)
         self.comp_rows: list[list[int]] = []
@@ -152,7 +153,7 @@ class QuickEncoder:
               nsched: list[int], plen: list[int], kv_groups: int) -> None:
         """After a general step: that step's batch, handles and actual counts."""
         self.batch, self.handles, self.kv_groups = batch, handles, kv_groups
-        self.pos = {rid: i for i, rid in enumerate(batch)}
+        self.pos = dict(zip(batch, range(len(batch)), strict=True))
         self.index = list(range(len(batch)))
         self.forecast = Forecast(plen)
         self.forecast.restart(computed, nsched)
@@ -167,7 +168,7 @@ class QuickEncoder:
         if not self.ready or not _plain(so):
             return None
         cached, batch = so.scheduled_cached_reqs, self.batch
-        if cached.req_ids != batch:
+        if cached.req_ids != batch or len(cached.new_block_ids) != len(batch):
             return None
         nsched, same_ns = self._nsched(so.num_scheduled_tokens)
         if nsched is None:
@@ -209,8 +210,8 @@ class QuickEncoder:
             return None
         cached, batch, fc = so.scheduled_cached_reqs, self.batch, self.forecast
         new_blocks = cached.new_block_ids
-        if type(new_blocks) is not list:
-            return None
+        if type(new_blocks) is not list or len(new_blocks) != len(batch):
+            return None  # the general path decides (and refuses a list of another length)
         appends = new_blocks.count(None) != len(batch)
         # the checks that most often fail first: a step that is not plain pays little
         if ((appends and self.kv_groups != 1) or so.scheduled_spec_decode_tokens

@@ -14,7 +14,8 @@ does not verify; in all three cases before anything changed (nothing unpickled).
 
 from __future__ import annotations
 
-from itertools import accumulate, chain
+from itertools import accumulate, chain, compress, filterfalse, repeat
+from operator import not_
 from typing import Any
 
 import msgspec
@@ -186,7 +187,8 @@ class SchedulerOutputDecoder:
         so = self._scheduler_output(request, ext, opaque)
         quick.reset(request.req_ids, self.state.schedule.tolist(),
                     request.num_computed_tokens.tolist(), so.num_scheduled_tokens,
-                    [self.mem.plen[rid] for rid in request.req_ids], len(request.block_tables))
+                    list(map(self.mem.plen.__getitem__, request.req_ids)),
+                    len(request.block_tables))
         return so
 
     def _plain_step(self, msg: Delta, body: DeltaBody, quick: QuickDecoder) -> Any:
@@ -225,12 +227,13 @@ class SchedulerOutputDecoder:
 
         mem, batch = self.mem, r.req_ids
         mem.finish(r.finished_req_ids)
-        is_new = [rid not in mem.known for rid in batch]
+        is_new = list(map(not_, map(mem.known.__contains__, batch)))
         for i in _ints(x.new_flip):
             is_new[i] = not is_new[i]
         tables = _Tables(r.block_tables)
-        new_reqs = self._new_requests(r, x, [i for i, v in enumerate(is_new) if v], tables)
-        cached = self._cached(r, x, [i for i, v in enumerate(is_new) if not v], tables)
+        rows = range(len(batch))
+        new_reqs = self._new_requests(r, x, list(compress(rows, is_new)), tables)
+        cached = self._cached(r, x, list(compress(rows, map(not_, is_new))), tables)
         zero = None if r.blocks_to_zero is None else r.blocks_to_zero.tolist()
         nsched = dict(zip(batch, r.num_scheduled_tokens.tolist(), strict=True))
         so = SchedulerOutput(
@@ -316,7 +319,7 @@ class SchedulerOutputDecoder:
         batch, resumed = r.req_ids, set(r.resumed_req_ids)
         positions = _ints(x.cached_order) if x.cached_order else \
             cached_order(positions, batch, resumed)
-        ids = [batch[i] for i in positions]
+        ids = list(map(batch.__getitem__, positions))
         at = np.array(positions, dtype=np.int64)
         comp = r.num_computed_tokens[at]
         outputs = self.mem.predicted_outputs(ids, comp)
@@ -336,10 +339,10 @@ class SchedulerOutputDecoder:
         if ids == self._last_batch:  # steady decode: last step's lengths, same order
             prev = [lens.copy() for lens in self._last_lengths]
         else:
-            prev = [np.fromiter((lens.get(rid, 0) for rid in ids), np.int64, n)
+            prev = [np.fromiter(map(lens.get, ids, repeat(0, n)), np.int64, n)
                     for lens in self.mem.table_len]
         if resumed:
-            mask = np.fromiter((rid in resumed for rid in ids), bool, n)
+            mask = np.fromiter(map(resumed.__contains__, ids), bool, n)
             for p in prev:
                 p[mask] = 0
         grown = np.zeros(n, dtype=bool)
@@ -365,7 +368,7 @@ class SchedulerOutputDecoder:
         if x.all_keys is not None:
             keys = [ids[k] for k in _ints(x.all_keys)]
         else:
-            keys = [] if mem.mrv2 else [rid for rid in ids if rid not in mem.prev_batch]
+            keys = [] if mem.mrv2 else list(filterfalse(mem.prev_batch.__contains__, ids))
         return {rid: resolve_ref(ref, mem.prompt.get(rid), mem.held(rid))
                 for rid, ref in zip(keys, x.all_tokens, strict=True)}
 

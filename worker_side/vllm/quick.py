@@ -86,7 +86,7 @@ class QuickDecoder:
               nsched: dict[str, int], plen: list[int], kv_groups: int) -> None:
         """After a general step: its batch, handles and counts (``nsched`` is copied)."""
         self.batch, self.kv_groups = batch, kv_groups
-        self.at = {h: i for i, h in enumerate(handles)}
+        self.at = dict(zip(handles, range(len(handles)), strict=True))
         self.nsched_map = dict(nsched)
         self.nsched = list(nsched.values())
         self.forecast = Forecast(plen)
@@ -199,12 +199,17 @@ class QuickDecoder:
                     ) -> list[tuple[list[int], ...] | None]:
         out: list[Any] = [None] * len(self.batch)
         groups = self.kv_groups
-        if groups == 1 and blocks:
+        if groups == 1 and blocks:  # (the lane refused a row named twice)
             pos, counts, values = blocks[0]
             if len(values) == len(pos):  # one block per row (counts are >= 1)
                 for i, v in zip(pos, values, strict=True):
                     out[i] = ([v],)
                 return out
+            start = 0
+            for i, c in zip(pos, counts, strict=True):
+                out[i] = (values[start:start + c],)
+                start += c
+            return out
         for g, (pos, counts, values) in enumerate(blocks):
             start = 0
             for i, c in zip(pos, counts, strict=True):
