@@ -14,6 +14,8 @@ exceptions, scheduled-token prediction and exceptions, step-only fields.
 from __future__ import annotations
 
 import dataclasses
+from itertools import filterfalse
+from operator import add, sub
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -333,19 +335,23 @@ class _Planner(BlockPlanner):
             return fresh[h] if h in fresh else computed.item(h) if h < inside else 0
 
         prev = self.state.schedule.tolist()
-        advanced = [h for h in prev if h not in reset] if reset else prev
-        new = {h: base(h) + last.item(h) for h in advanced}
+        advanced = list(filterfalse(reset.__contains__, prev)) if reset else prev
+        # C-level maps over the rows that advance: live, not reset, so not fresh and inside
+        old = dict(zip(advanced, map(computed.item, advanced), strict=True))
+        new = dict(zip(advanced, map(add, old.values(), map(last.item, advanced)),
+                       strict=True))
         rows = self.body.computed_tokens
         at, moves = self.exceptions(rows, sched.size, True) if rows is not None else ([], [])
         for p, d in zip(at, moves, strict=True):
             h = sched.item(p)
-            new[h] = new.get(h, base(h)) + d
+            if h not in new:
+                old[h] = new[h] = base(h)
+            new[h] += d
         changed = sorted(new)  # (any order: the handles are scattered and summed)
-        after = [new[h] for h in changed]
+        after = list(map(new.__getitem__, changed))
         if after and (min(after) < 0 or max(after) >> 63):
             raise self.fail("computed tokens would become negative")
-        moved = dg.computed_change(changed, [v - base(h) for h, v in zip(changed, after,
-                                                                         strict=True)])
+        moved = dg.computed_change(changed, list(map(sub, after, map(old.__getitem__, changed))))
         self.digest = (self.digest + moved) & dg.MASK
         return np.array(changed, dtype=np.int64), np.array(after, dtype=np.int64)
 
