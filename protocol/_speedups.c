@@ -555,6 +555,60 @@ keyed_sum(PyObject *self, PyObject *args)
     return PyLong_FromUnsignedLongLong(total);
 }
 
+/* single_items(rows: list) -> list | None: [row[0] for row in rows] when every row is
+ * a list of exactly one item (a step's sampled tokens, one per request); None for
+ * anything else (the caller's general path decides). */
+static PyObject *
+single_items(PyObject *self, PyObject *rows)
+{
+    if (!PyList_CheckExact(rows)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(rows);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = PyList_GET_ITEM(rows, i);
+        if (!PyList_CheckExact(row) || PyList_GET_SIZE(row) != 1) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        PyObject *item = PyList_GET_ITEM(row, 0);
+        Py_INCREF(item);
+        PyList_SET_ITEM(out, i, item);
+    }
+    return out;
+}
+
+/* singletons(items: list) -> list: [[item] for item in items] (fresh one-item lists);
+ * None when items is not a list. */
+static PyObject *
+singletons(PyObject *self, PyObject *items)
+{
+    if (!PyList_CheckExact(items)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = PyList_New(1);
+        if (row == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyObject *item = PyList_GET_ITEM(items, i);
+        Py_INCREF(item);
+        PyList_SET_ITEM(row, 0, item);
+        PyList_SET_ITEM(out, i, row);
+    }
+    return out;
+}
+
 /* dict_matches(d: dict, keys: list, values: list) -> 0 | 1 | 2 | None: 0 when d's keys
  * in order are not ``keys``, 1 when they are but its values are not ``values``, 2 when
  * both match (list(d) == keys and list(d.values()) == values, without building
@@ -805,6 +859,9 @@ static PyMethodDef methods[] = {
     {"one_group_appends", one_group_appends, METH_O,
      "A one-group step's new blocks as (positions, counts, flat ids) (None: not taken)."},
     {"add_at", add_at, METH_VARARGS, "target[p] += c for aligned pairs, all or nothing."},
+    {"single_items", single_items, METH_O,
+     "[row[0] for row in rows] when every row is a one-item list (None: not taken)."},
+    {"singletons", singletons, METH_O, "[[item] for item in items] (None: not a list)."},
     {"keyed_sum", keyed_sum, METH_VARARGS,
      "The digest's linear count terms summed over two lists (None: not taken)."},
     {"dict_matches", dict_matches, METH_VARARGS,

@@ -351,6 +351,35 @@ def test_keyed_sum_refuses_what_it_cannot_take() -> None:
         dg.schedule_term([1], [1 << 63])
 
 
+ROWS = st.lists(st.one_of(st.lists(st.integers(), min_size=1, max_size=1),
+                         st.lists(st.integers(), max_size=3),
+                         st.tuples(st.integers()), st.integers()), max_size=12)
+
+
+@needs_c
+@given(ROWS)
+def test_single_items_is_its_reference(rows: list[object]) -> None:
+    """A list of one-item lists gives its items; anything else None, like the reference."""
+    from engine_side.vllm.convert import single_items_py
+
+    assert C is not None
+    assert C.single_items(rows) == single_items_py(rows)
+    items = C.single_items(rows)
+    if items is not None:
+        assert items == [r[0] for r in rows]  # type: ignore[index]
+    assert C.single_items(tuple(rows)) is None and single_items_py(tuple(rows)) is None
+
+
+@needs_c
+@given(st.lists(st.one_of(st.integers(), st.text(max_size=3), st.none()), max_size=12))
+def test_singletons_are_fresh_one_item_lists(items: list[object]) -> None:
+    assert C is not None
+    made = C.singletons(items)
+    assert made == [[item] for item in items]
+    assert made is not None and len({id(row) for row in made}) == len(made)  # all distinct
+    assert C.singletons(tuple(items)) is None
+
+
 KEYS = st.lists(st.sampled_from(["a", "b", "c", "d", "e"]), unique=True, max_size=5)
 
 

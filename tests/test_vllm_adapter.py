@@ -189,6 +189,31 @@ def test_model_runner_output_round_trips() -> None:
         enc.decode_reply(frames[:1])  # the shared single-frame decoder refuses the refs
 
 
+def test_one_token_replies_are_fresh_objects_every_time() -> None:
+    """vLLM's common reply (one token per request, index = batch positions) takes the
+    engine's shortcuts; each decoded reply is still made of fresh objects: a consumer
+    that edits one cannot change the next."""
+    enc, dec = _pair()
+    ids = list(_first(enc, dec).num_scheduled_tokens)
+
+    def reply(token: int) -> ModelRunnerOutput:
+        return ModelRunnerOutput(req_ids=list(ids), req_id_to_index={r: i for i, r in
+                                                                   enumerate(ids)},
+                                 sampled_token_ids=[[token + i] for i in range(len(ids))])
+
+    first = enc.decode_reply(_wire(dec.encode_reply(reply(5))))
+    assert_vllm_equal(reply(5), first)
+    first.req_id_to_index[ids[0]] = 99
+    first.req_id_to_index["extra"] = 1
+    first.sampled_token_ids[0].append(7)
+    first.req_ids.append("extra")
+    second = enc.decode_reply(_wire(dec.encode_reply(reply(9))))
+    assert_vllm_equal(reply(9), second)
+    two = reply(3)
+    two.sampled_token_ids[1] = [1, 2]  # one request with two tokens: the general lists
+    assert_vllm_equal(two, enc.decode_reply(_wire(dec.encode_reply(two))))
+
+
 def test_bad_mac_is_refused_before_unpickling() -> None:
     from vllm_streams import OpaqueMeta
 

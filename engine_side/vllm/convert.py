@@ -23,7 +23,7 @@ import numpy as np
 from engine_side.vllm.mm import features_to_refs
 from engine_side.vllm.schema import NewFix, TokenRef
 from protocol.errors import LocalProtocolError, RemoteProtocolError
-from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
+from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uint_list
 from protocol.params import (
     LoRASpec,
     PoolingSpec,
@@ -32,6 +32,7 @@ from protocol.params import (
     StructuredOutputsSpec,
 )
 from protocol.request import IntArray, RequestSpec
+from protocol.speedups import C as _C
 
 _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
                  "top_p", "min_p")
@@ -383,6 +384,38 @@ def cached_order(positions: list[int], batch: list[str], resumed: set[str]) -> l
             + [i for i in positions if batch[i] in resumed])
 
 
+# ---------------------------------------------------------------- replies' lists
+def single_items(rows: Any) -> list[Any] | None:
+    """``[row[0] for row in rows]`` when ``rows`` is a list of one-item lists (a step's
+    sampled tokens, one per request), else None (C when built)."""
+    if _C is not None:
+        return _C.single_items(rows)
+    return single_items_py(rows)
+
+
+def single_items_py(rows: Any) -> list[Any] | None:
+    """:func:`single_items` without the speedups (the reference)."""
+    if type(rows) is not list or any(type(r) is not list or len(r) != 1 for r in rows):
+        return None
+    return [r[0] for r in rows]
+
+
+def singletons(items: list[Any]) -> list[list[Any]]:
+    """``[[item] for item in items]``: fresh one-item lists (C when built)."""
+    made = _C.singletons(items) if _C is not None else None
+    return made if made is not None else [[item] for item in items]
+
+
+def index_is_positions(index: dict[str, int], req_ids: list[str]) -> bool:
+    """``list(index) == req_ids`` and its values are ``0..n-1`` (vLLM's usual
+    req_id_to_index), without building the lists when C is built."""
+    if _C is not None:
+        got = _C.dict_matches(index, req_ids, list(range(len(req_ids))))
+        if got is not None:
+            return got == 2
+    return list(index) == req_ids and list(index.values()) == list(range(len(index)))
+
+
 # ---------------------------------------------------------------- sealing
 def seal(objects: dict[str, Any], secret: bytes | None) -> bytes:
     """HMAC-SHA256-authenticated pickle of opaque connector objects (``b""`` if none)."""
@@ -416,18 +449,24 @@ class RefTable:
         self.names = names
         self._pos: dict[str, int] | None = None
 
-    def ref(self, rid: str) -> int:
+    def _positions(self) -> dict[str, int]:
         if self._pos is None:
-            self._pos = {r: i for i, r in enumerate(self.batch)}
-        i = self._pos.get(rid)
+            self._pos = dict(zip(self.batch, range(len(self.batch)), strict=True))
+        return self._pos
+
+    def ref(self, rid: str) -> int:
+        pos = self._positions()
+        i = pos.get(rid)
         if i is None:
             i = len(self.batch) + len(self.names)
-            self._pos[rid] = i
+            pos[rid] = i
             self.names.append(rid)
         return i
 
-    def pack(self, ids: Iterable[str]) -> bytes:
-        return pack_uints([self.ref(rid) for rid in ids])
+    def pack(self, ids: list[str]) -> bytes:
+        known = list(map(self._positions().get, ids))  # C-level: ids the table knows
+        refs: list[int] = list(map(self.ref, ids)) if None in known else known  # type: ignore[assignment]
+        return pack_uints(refs)
 
     def name(self, ref: int) -> str:
         n = len(self.batch)
@@ -438,4 +477,7 @@ class RefTable:
         return self.names[ref - n]
 
     def resolve(self, packed: bytes) -> list[str]:
-        return [self.name(r) for r in unpack_uints(packed).tolist()]
+        refs = unpack_uint_list(packed)
+        if max(refs, default=-1) < len(self.batch):  # batch positions only: C-level
+            return list(map(self.batch.__getitem__, refs))
+        return list(map(self.name, refs))

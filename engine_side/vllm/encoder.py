@@ -22,6 +22,7 @@ decoder in order; the transport adds sequencing and resync.
 
 from __future__ import annotations
 
+import functools
 from itertools import accumulate, chain, compress, filterfalse, repeat
 from operator import is_not, not_
 from typing import Any
@@ -41,6 +42,7 @@ from engine_side.vllm.convert import (
     make_ref,
     new_request_spec,
     seal,
+    singletons,
     unseal,
 )
 from engine_side.vllm.mm import StoreChannel
@@ -60,7 +62,7 @@ from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import LocalProtocolError, MalformedMessage, RemoteProtocolError
 from protocol.lane import SteadyLane
-from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
+from protocol.packing import pack_sints, pack_uints, unpack_sint_list, unpack_uint_list
 from protocol.plan import STEADY_BODY
 from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
 from protocol.tensors import make_enc_hook, make_ext_hook
@@ -133,6 +135,7 @@ class SchedulerOutputEncoder:
         #: same-batch steps' appends not yet in ``tables``: (batch, per-group appends)
         self._unfiled: list[tuple[list[str], list[tuple[list[int], list[int], list[int]]]]] = []
         self.batches: dict[int, list[str]] = {}
+        self._index = IndexCache()  # replies' req_id_to_index of the last batch
         self._last_batch: list[str] = []
         self._pos: dict[str, int] = {}
         self._last_blocks: tuple[Ragged, ...] | None = None
@@ -475,7 +478,7 @@ class SchedulerOutputEncoder:
     # ------------------------------------------------------------ replies
     def decode_reply(self, frames: list[Any]) -> Any:
         """The worker's ModelRunnerOutput (fresh objects); feeds the token ledger."""
-        out = decode_reply(frames, self.batches, self.secret)
+        out = decode_reply(frames, self.batches, self.secret, self._index)
         if out is not None:
             self.mem.record_output(out)
         return out
@@ -537,9 +540,34 @@ def _kv_output(msg: ReplyMsg, ids: RefTable, opaque: dict[str, Any]) -> Any:
         expected_finished_count=w.expected)
 
 
-def decode_reply(frames: list[Any], batches: dict[int, list[str]], secret: bytes | None) -> Any:
-    """ModelRunnerOutput (or None) from a worker's reply frames."""
+@functools.cache
+def _output_types() -> tuple[Any, Any]:
+    """vLLM's ModelRunnerOutput and SamplingMaskLists, imported once (an import statement
+    costs ~1 µs a reply)."""
     from vllm.v1.outputs import ModelRunnerOutput, SamplingMaskLists
+
+    return ModelRunnerOutput, SamplingMaskLists
+
+
+class IndexCache:
+    """The req_id_to_index of the last batch replied to, copied for each reply (a dict
+    copy costs a fraction of building it); keyed by the batch list's identity (the
+    encoder's own lists, never changed once stored)."""
+
+    def __init__(self) -> None:
+        self.batch: list[str] | None = None
+        self.index: dict[str, int] = {}
+
+    def positions(self, batch: list[str]) -> dict[str, int]:
+        if batch is not self.batch:
+            self.batch, self.index = batch, dict(zip(batch, range(len(batch)), strict=True))
+        return dict(self.index)
+
+
+def decode_reply(frames: list[Any], batches: dict[int, list[str]], secret: bytes | None,
+                 cache: IndexCache | None = None) -> Any:
+    """ModelRunnerOutput (or None) from a worker's reply frames."""
+    ModelRunnerOutput, SamplingMaskLists = _output_types()  # noqa: N806 - classes
 
     decoder = _REPLY if len(frames) == 1 else \
         msgspec.msgpack.Decoder(ReplyMsg, ext_hook=make_ext_hook(frames[1:], copy=True))
@@ -554,15 +582,16 @@ def decode_reply(frames: list[Any], batches: dict[int, list[str]], secret: bytes
     ids = RefTable(batches[msg.seq], list(msg.names))
     req_ids = list(batches[msg.seq]) if not msg.positions else ids.resolve(msg.positions)
     if msg.index_map is None:
-        index = dict(zip(req_ids, range(len(req_ids)), strict=True))
+        index = dict(zip(req_ids, range(len(req_ids)), strict=True)) if msg.positions or \
+            cache is None else cache.positions(batches[msg.seq])
     else:
-        flat = unpack_uints(msg.index_map).tolist()
+        flat = unpack_uint_list(msg.index_map)  # (C when built: no numpy round trip)
         index = {ids.name(flat[k]): flat[k + 1] for k in range(0, len(flat), 2)}
-    flat_tokens = unpack_sints(msg.tokens).tolist() if msg.tokens else []
+    flat_tokens = unpack_sint_list(msg.tokens) if msg.tokens else []
     if not msg.counts:
-        sampled = [[t] for t in flat_tokens]
+        sampled = singletons(flat_tokens)
     else:
-        offsets = [0, *accumulate(unpack_uints(msg.counts).tolist())]
+        offsets = [0, *accumulate(unpack_uint_list(msg.counts))]
         sampled = [flat_tokens[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
     opaque = unseal(msg.sealed, secret)
     masks = None if msg.masks is None else SamplingMaskLists(*msg.masks)

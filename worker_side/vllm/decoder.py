@@ -27,8 +27,10 @@ from engine_side.vllm.convert import (
     StepMemory,
     TokenLedger,
     cached_order,
+    index_is_positions,
     resolve_ref,
     seal,
+    single_items,
     spec_to_lora,
     spec_to_pooling,
     unseal,
@@ -407,15 +409,17 @@ class SchedulerOutputDecoder:
         fields: dict[str, Any] = {}
         if out.req_ids != batch:
             fields["positions"] = ids.pack(out.req_ids)
-        index = out.req_id_to_index
-        if list(index) != out.req_ids or list(index.values()) != list(range(len(index))):
+        if not index_is_positions(out.req_id_to_index, out.req_ids):
             fields["index_map"] = pack_uints([v for rid, i in out.req_id_to_index.items()
                                               for v in (ids.ref(rid), i)])
         sampled = out.sampled_token_ids
-        counts = list(map(len, sampled))
-        if len(sampled) != len(out.req_ids) or counts.count(1) != len(counts):
-            fields["counts"] = pack_uints(counts)
-        flat = list(chain.from_iterable(sampled))
+        # one token per request (the common step): the tokens are the whole message
+        flat = single_items(sampled) if len(sampled) == len(out.req_ids) else None
+        if flat is None:
+            counts = list(map(len, sampled))
+            if len(sampled) != len(out.req_ids) or counts.count(1) != len(counts):
+                fields["counts"] = pack_uints(counts)
+            flat = list(chain.from_iterable(sampled))
         if flat:
             fields["tokens"] = pack_sints(flat)
         if out.logprobs is not None:
