@@ -27,11 +27,13 @@ from engine_side.vllm import BadSeal, SchedulerOutputEncoder, SchemaMismatch, To
 from engine_side.vllm.schema import (  # noqa: E402
     DEFLATE_MAX,
     GrammarMsg,
+    ReplyMsg,
     check_schema,
     sparse_words,
     vllm_classes,
 )
-from protocol.errors import MalformedMessage  # noqa: E402
+from protocol.errors import MalformedMessage, RemoteProtocolError  # noqa: E402
+from protocol.packing import pack_uints  # noqa: E402
 from worker_side.vllm import SchedulerOutputDecoder  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -212,6 +214,22 @@ def test_one_token_replies_are_fresh_objects_every_time() -> None:
     two = reply(3)
     two.sampled_token_ids[1] = [1, 2]  # one request with two tokens: the general lists
     assert_vllm_equal(two, enc.decode_reply(_wire(dec.encode_reply(two))))
+
+
+def test_hostile_reply_references_are_refused_typed() -> None:
+    """A reply's index map that is not (ref, index) pairs, or a ref past the batch and
+    its names, is refused as a typed error, not an IndexError."""
+    enc, dec = _pair()
+    _first(enc, dec)
+    seq = enc.seq
+    odd = ReplyMsg(seq=seq, index_map=pack_uints([0, 0, 1]))
+    with pytest.raises(MalformedMessage, match="pairs"):
+        enc.decode_reply([msgspec.msgpack.encode(odd)])
+    past = ReplyMsg(seq=seq, index_map=pack_uints([0, 0, 999, 1]))
+    with pytest.raises(RemoteProtocolError, match="out of range"):
+        enc.decode_reply([msgspec.msgpack.encode(past)])
+    with pytest.raises(RemoteProtocolError, match="out of range"):
+        enc.decode_reply([msgspec.msgpack.encode(ReplyMsg(seq=seq, positions=pack_uints([999])))])
 
 
 def test_bad_mac_is_refused_before_unpickling() -> None:

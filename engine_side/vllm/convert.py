@@ -463,10 +463,13 @@ class RefTable:
             self.names.append(rid)
         return i
 
+    def refs(self, ids: list[str]) -> list[int]:
+        """:meth:`ref` of each id (C-level maps when the table knows them all)."""
+        known = list(map(self._positions().get, ids))
+        return list(map(self.ref, ids)) if None in known else known  # type: ignore[return-value]
+
     def pack(self, ids: list[str]) -> bytes:
-        known = list(map(self._positions().get, ids))  # C-level: ids the table knows
-        refs: list[int] = list(map(self.ref, ids)) if None in known else known  # type: ignore[assignment]
-        return pack_uints(refs)
+        return pack_uints(self.refs(ids))
 
     def name(self, ref: int) -> str:
         n = len(self.batch)
@@ -476,8 +479,11 @@ class RefTable:
             raise RemoteProtocolError("request reference out of range", ref=ref)
         return self.names[ref - n]
 
-    def resolve(self, packed: bytes) -> list[str]:
-        refs = unpack_uint_list(packed)
+    def names_of(self, refs: list[int]) -> list[str]:
+        """:meth:`name` of each (non-negative) ref."""
         if max(refs, default=-1) < len(self.batch):  # batch positions only: C-level
             return list(map(self.batch.__getitem__, refs))
         return list(map(self.name, refs))
+
+    def resolve(self, packed: bytes) -> list[str]:
+        return self.names_of(unpack_uint_list(packed))

@@ -585,8 +585,10 @@ def decode_reply(frames: list[Any], batches: dict[int, list[str]], secret: bytes
         index = dict(zip(req_ids, range(len(req_ids)), strict=True)) if msg.positions or \
             cache is None else cache.positions(batches[msg.seq])
     else:
-        flat = unpack_uint_list(msg.index_map)  # (C when built: no numpy round trip)
-        index = {ids.name(flat[k]): flat[k + 1] for k in range(0, len(flat), 2)}
+        flat = unpack_uint_list(msg.index_map)  # (ref, index) pairs
+        if len(flat) % 2:
+            raise MalformedMessage("reply index map is not (ref, index) pairs", items=len(flat))
+        index = dict(zip(ids.names_of(flat[0::2]), flat[1::2], strict=True))
     flat_tokens = unpack_sint_list(msg.tokens) if msg.tokens else []
     if not msg.counts:
         sampled = singletons(flat_tokens)

@@ -409,9 +409,10 @@ class SchedulerOutputDecoder:
         fields: dict[str, Any] = {}
         if out.req_ids != batch:
             fields["positions"] = ids.pack(out.req_ids)
-        if not index_is_positions(out.req_id_to_index, out.req_ids):
-            fields["index_map"] = pack_uints([v for rid, i in out.req_id_to_index.items()
-                                              for v in (ids.ref(rid), i)])
+        index = out.req_id_to_index
+        if not index_is_positions(index, out.req_ids):  # (ref, index) pairs, flat
+            pairs = zip(ids.refs(list(index)), index.values(), strict=True)
+            fields["index_map"] = pack_uints(list(chain.from_iterable(pairs)))
         sampled = out.sampled_token_ids
         # one token per request (the common step): the tokens are the whole message
         flat = single_items(sampled) if len(sampled) == len(out.req_ids) else None
