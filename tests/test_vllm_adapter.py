@@ -230,6 +230,10 @@ def test_hostile_reply_references_are_refused_typed() -> None:
         enc.decode_reply([msgspec.msgpack.encode(past)])
     with pytest.raises(RemoteProtocolError, match="out of range"):
         enc.decode_reply([msgspec.msgpack.encode(ReplyMsg(seq=seq, positions=pack_uints([999])))])
+    for ref in (-1, 999):  # a negative ref read batch[-1] before: refused now
+        nans = ReplyMsg(seq=seq, nans=((0, 0), (ref, 1)))
+        with pytest.raises(RemoteProtocolError, match="out of range"):
+            enc.decode_reply([msgspec.msgpack.encode(nans)])
 
 
 def test_bad_mac_is_refused_before_unpickling() -> None:

@@ -473,16 +473,16 @@ class RefTable:
 
     def name(self, ref: int) -> str:
         n = len(self.batch)
-        if ref < n:
+        if 0 <= ref < n:
             return self.batch[ref]
-        if ref - n >= len(self.names):
+        if ref < 0 or ref - n >= len(self.names):
             raise RemoteProtocolError("request reference out of range", ref=ref)
         return self.names[ref - n]
 
     def names_of(self, refs: list[int]) -> list[str]:
-        """:meth:`name` of each (non-negative) ref."""
-        if max(refs, default=-1) < len(self.batch):  # batch positions only: C-level
-            return list(map(self.batch.__getitem__, refs))
+        """:meth:`name` of each ref."""
+        if not refs or (min(refs) >= 0 and max(refs) < len(self.batch)):
+            return list(map(self.batch.__getitem__, refs))  # batch positions only: C-level
         return list(map(self.name, refs))
 
     def resolve(self, packed: bytes) -> list[str]:

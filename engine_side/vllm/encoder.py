@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from itertools import accumulate, chain, compress, filterfalse, repeat
-from operator import is_not, not_
+from operator import is_not, itemgetter, not_
 from typing import Any
 
 import msgspec
@@ -524,6 +524,12 @@ def _logprobs(w: LogprobsWire | None, tensors: bool) -> Any:
     return LogprobsLists(w.token_ids, w.logprobs, w.ranks, w.cu)
 
 
+def _by_name(ids: RefTable, pairs: tuple[tuple[int, Any], ...]) -> dict[str, Any]:
+    """``{ids.name(ref): value for ref, value in pairs}`` with C-level maps."""
+    refs = list(map(itemgetter(0), pairs))
+    return dict(zip(ids.names_of(refs), map(itemgetter(1), pairs), strict=True))
+
+
 def _kv_output(msg: ReplyMsg, ids: RefTable, opaque: dict[str, Any]) -> Any:
     w = msg.kv
     if w is None:
@@ -595,6 +601,11 @@ def decode_reply(frames: list[Any], batches: dict[int, list[str]], secret: bytes
     else:
         offsets = [0, *accumulate(unpack_uint_list(msg.counts))]
         sampled = [flat_tokens[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+    if not (msg.sealed or msg.prompt_lp or msg.prompt_tid) and msg.logprobs is None and \
+            msg.pooler is None and msg.kv is None and msg.nans is None and msg.masks is None:
+        # the common reply: every other field at its default, as the full call sets it
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=index,
+                                 sampled_token_ids=sampled)
     opaque = unseal(msg.sealed, secret)
     masks = None if msg.masks is None else SamplingMaskLists(*msg.masks)
     return ModelRunnerOutput(
@@ -604,6 +615,6 @@ def decode_reply(frames: list[Any], batches: dict[int, list[str]], secret: bytes
         prompt_token_id_logprobs_dict={ids.name(k): v for k, v in msg.prompt_tid},
         pooler_output=msg.pooler, kv_connector_output=_kv_output(msg, ids, opaque),
         ec_connector_output=opaque.get("ec"),
-        num_nans_in_logits=None if msg.nans is None else {ids.name(k): v for k, v in msg.nans},
+        num_nans_in_logits=None if msg.nans is None else _by_name(ids, msg.nans),
         cudagraph_stats=opaque.get("cudagraph"),
         aux_output_connector_output=opaque.get("aux"), sampling_masks=masks)

@@ -432,13 +432,17 @@ class SchedulerOutputDecoder:
             fields["prompt_tid"] = tuple((ids.ref(k), v)
                                          for k, v in out.prompt_token_id_logprobs_dict.items())
         if out.num_nans_in_logits is not None:
-            fields["nans"] = tuple((ids.ref(k), v) for k, v in out.num_nans_in_logits.items())
+            nans = out.num_nans_in_logits  # (ref, count) pairs, in the dict's order
+            fields["nans"] = tuple(zip(ids.refs(list(nans)), nans.values(), strict=True))
         if out.sampling_masks is not None:
             fields["masks"] = tuple(out.sampling_masks)
         fields.update(self._opaque(out))
         return ReplyMsg(seq=self.seq, names=tuple(ids.names), pooler=out.pooler_output, **fields)
 
     def _opaque(self, out: Any) -> dict[str, Any]:
+        if out.kv_connector_output is None and out.ec_connector_output is None and \
+                out.cudagraph_stats is None and out.aux_output_connector_output is None:
+            return {}  # the common reply: no connector output
         opaque: dict[str, Any] = {}
         fields: dict[str, Any] = {}
         kv = out.kv_connector_output
