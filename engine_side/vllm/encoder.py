@@ -526,6 +526,8 @@ def _logprobs(w: LogprobsWire | None, tensors: bool) -> Any:
 
 def _by_name(ids: RefTable, pairs: tuple[tuple[int, Any], ...]) -> dict[str, Any]:
     """``{ids.name(ref): value for ref, value in pairs}`` with C-level maps."""
+    if not pairs:
+        return {}
     refs = list(map(itemgetter(0), pairs))
     return dict(zip(ids.names_of(refs), map(itemgetter(1), pairs), strict=True))
 
@@ -601,11 +603,12 @@ def decode_reply(frames: list[Any], batches: dict[int, list[str]], secret: bytes
     else:
         offsets = [0, *accumulate(unpack_uint_list(msg.counts))]
         sampled = [flat_tokens[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
-    if not (msg.sealed or msg.prompt_lp or msg.prompt_tid) and msg.logprobs is None and \
-            msg.pooler is None and msg.kv is None and msg.nans is None and msg.masks is None:
+    if not (msg.sealed or msg.prompt_lp or msg.prompt_tid or msg.nans) and \
+            msg.logprobs is None and msg.pooler is None and msg.kv is None and msg.masks is None:
         # the common reply: every other field at its default, as the full call sets it
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=index,
-                                 sampled_token_ids=sampled)
+                                 sampled_token_ids=sampled,
+                                 num_nans_in_logits=None if msg.nans is None else {})
     opaque = unseal(msg.sealed, secret)
     masks = None if msg.masks is None else SamplingMaskLists(*msg.masks)
     return ModelRunnerOutput(
