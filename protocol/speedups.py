@@ -1,8 +1,10 @@
 """The optional C speedups, or None when deltacast runs on its pure-Python paths.
 
 ``protocol/_speedups.c`` (built by ``setup.py`` at install, where a C compiler is
-found) holds C versions of the small-list packers (:mod:`protocol.packing`) and of
-the digest's per-row block terms (:mod:`protocol.digest`).  Each returns exactly
+found) holds C versions of the small-list packers (:mod:`protocol.packing`), of
+the digest's per-row block terms and linear count terms (:mod:`protocol.digest`), of
+the same-batch comparisons and of the vLLM replies' token lists
+(:mod:`engine_side.vllm.convert`).  Each returns exactly
 what its Python reference returns, or None for an input it does not take (the
 Python path then decides, errors included); ``tests/test_speedups.py`` holds the
 two together.  The bytes on the wire never depend on which one ran.
