@@ -230,8 +230,14 @@ def test_hostile_reply_references_are_refused_typed() -> None:
         enc.decode_reply([msgspec.msgpack.encode(past)])
     with pytest.raises(RemoteProtocolError, match="out of range"):
         enc.decode_reply([msgspec.msgpack.encode(ReplyMsg(seq=seq, positions=pack_uints([999])))])
+    short = ReplyMsg(seq=seq, tokens=b"\x01\x01\x00")  # one token for a bigger batch
+    with pytest.raises(MalformedMessage, match="one per request"):
+        enc.decode_reply([msgspec.msgpack.encode(short)])
+    off = ReplyMsg(seq=seq, counts=pack_uints([2]), tokens=b"\x01\x01\x00")
+    with pytest.raises(MalformedMessage, match="add up"):
+        enc.decode_reply([msgspec.msgpack.encode(off)])
     for ref in (-1, 999):  # a negative ref read batch[-1] before: refused now
-        nans = ReplyMsg(seq=seq, nans=((0, 0), (ref, 1)))
+        nans = ReplyMsg(seq=seq, counts=pack_uints([]), nans=((0, 0), (ref, 1)))
         with pytest.raises(RemoteProtocolError, match="out of range"):
             enc.decode_reply([msgspec.msgpack.encode(nans)])
 

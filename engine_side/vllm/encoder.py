@@ -598,10 +598,16 @@ def decode_reply(frames: list[Any], batches: dict[int, list[str]], secret: bytes
             raise MalformedMessage("reply index map is not (ref, index) pairs", items=len(flat))
         index = dict(zip(ids.names_of(flat[0::2]), flat[1::2], strict=True))
     flat_tokens = unpack_sint_list(msg.tokens) if msg.tokens else []
-    if not msg.counts:
+    if not msg.counts:  # one token per request
+        if len(flat_tokens) != len(req_ids):
+            raise MalformedMessage("reply tokens are not one per request",
+                                   tokens=len(flat_tokens), requests=len(req_ids))
         sampled = singletons(flat_tokens)
     else:
         offsets = [0, *accumulate(unpack_uint_list(msg.counts))]
+        if offsets[-1] != len(flat_tokens):
+            raise MalformedMessage("reply token counts do not add up to its tokens",
+                                   counted=offsets[-1], tokens=len(flat_tokens))
         sampled = [flat_tokens[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
     if not (msg.sealed or msg.prompt_lp or msg.prompt_tid or msg.nans) and \
             msg.logprobs is None and msg.pooler is None and msg.kv is None and msg.masks is None:
