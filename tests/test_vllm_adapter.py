@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
@@ -181,7 +182,10 @@ def test_model_runner_output_round_trips() -> None:
                        np.arange(len(ids), dtype=np.int32), None)
     out = ModelRunnerOutput(
         req_ids=ids[::-1], req_id_to_index={r: i for i, r in enumerate(ids[::-1])},
-        sampled_token_ids=[[3, 4]] * len(ids), logprobs=lp, num_nans_in_logits={ids[0]: 0},
+        sampled_token_ids=[[3, 4]] * len(ids), logprobs=lp,
+        num_nans_in_logits={ids[0]: 0, "gone": 2, ids[-1]: 1},  # a name outside the batch
+        prompt_token_id_logprobs_dict={ids[1]: torch.tensor([0.5, -1.0]),
+                                       "gone": torch.tensor([2.0])},
         kv_connector_output=KVConnectorOutput(finished_sending={"gone"}, expected_finished_count=2))
     assert_vllm_equal(out, enc.decode_reply(_wire(dec.encode_reply(out))))
     assert enc.decode_reply(_wire(dec.encode_reply(None))) is None

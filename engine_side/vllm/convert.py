@@ -14,7 +14,7 @@ import hashlib
 import hmac
 import pickle
 from collections.abc import Iterable
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import msgspec
@@ -472,6 +472,17 @@ class RefTable:
 
     def pack(self, ids: list[str]) -> bytes:
         return pack_uints(self.refs(ids))
+
+    def pairs(self, by_id: dict[str, Any]) -> tuple[tuple[int, Any], ...]:
+        """A per-request dict as (ref, value) pairs, in the dict's order."""
+        return tuple(zip(self.refs(list(by_id)), by_id.values(), strict=True))
+
+    def named(self, pairs: tuple[tuple[int, Any], ...]) -> dict[str, Any]:
+        """Inverse of :meth:`pairs` (refs checked as :meth:`name` checks them)."""
+        if not pairs:
+            return {}
+        names = self.names_of(list(map(itemgetter(0), pairs)))
+        return dict(zip(names, map(itemgetter(1), pairs), strict=True))
 
     def name(self, ref: int) -> str:
         n = len(self.batch)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from itertools import accumulate, chain, compress, filterfalse, repeat
-from operator import is_not, itemgetter, not_
+from operator import is_not, not_
 from typing import Any
 
 import msgspec
@@ -524,14 +524,6 @@ def _logprobs(w: LogprobsWire | None, tensors: bool) -> Any:
     return LogprobsLists(w.token_ids, w.logprobs, w.ranks, w.cu)
 
 
-def _by_name(ids: RefTable, pairs: tuple[tuple[int, Any], ...]) -> dict[str, Any]:
-    """``{ids.name(ref): value for ref, value in pairs}`` with C-level maps."""
-    if not pairs:
-        return {}
-    refs = list(map(itemgetter(0), pairs))
-    return dict(zip(ids.names_of(refs), map(itemgetter(1), pairs), strict=True))
-
-
 def _kv_output(msg: ReplyMsg, ids: RefTable, opaque: dict[str, Any]) -> Any:
     w = msg.kv
     if w is None:
@@ -621,9 +613,9 @@ def decode_reply(frames: list[Any], batches: dict[int, list[str]], secret: bytes
         req_ids=req_ids, req_id_to_index=index, sampled_token_ids=sampled,
         logprobs=_logprobs(msg.logprobs, tensors=False),
         prompt_logprobs_dict={ids.name(k): _logprobs(v, True) for k, v in msg.prompt_lp},
-        prompt_token_id_logprobs_dict={ids.name(k): v for k, v in msg.prompt_tid},
+        prompt_token_id_logprobs_dict=ids.named(msg.prompt_tid),
         pooler_output=msg.pooler, kv_connector_output=_kv_output(msg, ids, opaque),
         ec_connector_output=opaque.get("ec"),
-        num_nans_in_logits=None if msg.nans is None else _by_name(ids, msg.nans),
+        num_nans_in_logits=None if msg.nans is None else ids.named(msg.nans),
         cudagraph_stats=opaque.get("cudagraph"),
         aux_output_connector_output=opaque.get("aux"), sampling_masks=masks)

@@ -429,11 +429,9 @@ class SchedulerOutputDecoder:
             fields["prompt_lp"] = tuple((ids.ref(k), None if v is None else LogprobsWire(*v))
                                         for k, v in out.prompt_logprobs_dict.items())
         if out.prompt_token_id_logprobs_dict:
-            fields["prompt_tid"] = tuple((ids.ref(k), v)
-                                         for k, v in out.prompt_token_id_logprobs_dict.items())
+            fields["prompt_tid"] = ids.pairs(out.prompt_token_id_logprobs_dict)
         if out.num_nans_in_logits is not None:
-            nans = out.num_nans_in_logits  # (ref, count) pairs, in the dict's order
-            fields["nans"] = tuple(zip(ids.refs(list(nans)), nans.values(), strict=True))
+            fields["nans"] = ids.pairs(out.num_nans_in_logits)
         if out.sampling_masks is not None:
             fields["masks"] = tuple(out.sampling_masks)
         fields.update(self._opaque(out))
