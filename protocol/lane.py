@@ -156,8 +156,10 @@ class SteadyLane:
         ids are checked."""
         if rows is None and not lane_shaped(body):
             return None
-        if not appends and (body is STEADY_BODY or (rows is NO_ROWS and body == STEADY_BODY)):
-            return self.steady(expected_digest)
+        if not appends and (rows is NO_ROWS or body is STEADY_BODY):
+            # no count, draft or block change: the steady advance (step-only flags and
+            # the extension enter no digest term; they are the step's, kept as last)
+            return self.steady(expected_digest, body)
         if self.steps == 0 and self.version != self.state.version:
             self._open()
         n = len(self.handles)
@@ -197,10 +199,11 @@ class SteadyLane:
             self.settle()
         return digest
 
-    def steady(self, expected_digest: int | None = None) -> int:
+    def steady(self, expected_digest: int | None = None, body: DeltaBody = STEADY_BODY) -> int:
         """:meth:`step` of the empty body (the steady decode step: every scheduled request
-        advances by its scheduled count, nothing else changes); always taken.  Raises
-        InvalidDelta, nothing done, when the digest differs from ``expected_digest``."""
+        advances by its scheduled count, nothing else changes), or of a lane body that
+        changes step-only fields alone (``body``); always taken.  Raises InvalidDelta,
+        nothing done, when the digest differs from ``expected_digest``."""
         if self.steps == 0 and self.version != self.state.version:
             self._open()
         digest = (self.digest + self.advance) & dg.MASK
@@ -209,7 +212,7 @@ class SteadyLane:
         self.segments[-1][1] += 1  # _commit_counts of no exceptions
         if self.comp is not None:
             self.comp = list(map(add, self.comp, self.nsched))
-        self.digest, self.last = digest, STEADY_BODY
+        self.digest, self.last = digest, body
         self.steps += 1
         if self.rows > MAX_ROWS or len(self.segments) > MAX_SEGMENTS:
             self.settle()
