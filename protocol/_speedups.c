@@ -846,6 +846,256 @@ fail:
     return NULL;
 }
 
+/* Grammar bitmask rows by reference (engine_side.vllm.rowrefs).  A row is ``width``
+ * bytes; a table is whole rows.  Ids: a table row's position, then the fresh rows in
+ * first-use order. */
+static uint64_t
+row_hash(const unsigned char *p, Py_ssize_t n)
+{
+    /* every byte, four independent lanes: rows that differ in one word collide only by
+     * chance, and a collision costs a memcmp, never a wrong answer */
+    uint64_t lane[4] = {0x9E3779B97F4A7C15ULL, 0xC2B2AE3D27D4EB4FULL, 0x165667B19E3779F9ULL,
+                        0xD6E8FEB86659FD93ULL};
+    Py_ssize_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        for (int k = 0; k < 4; k++) {
+            uint64_t w;
+            memcpy(&w, p + i + 8 * k, 8);
+            lane[k] = (lane[k] ^ w) * 0xFF51AFD7ED558CCDULL;
+        }
+    }
+    uint64_t h = (uint64_t)n;
+    for (int k = 0; k < 4; k++) {
+        h = (h ^ lane[k] ^ (lane[k] >> 29)) * 0xC4CEB9FE1A85EC53ULL;
+    }
+    for (; i < n; i++) {
+        h = (h ^ p[i]) * 0x100000001B3ULL;
+    }
+    return h ^ (h >> 31);
+}
+
+/* The distinct rows named by ``ids`` (n of them, each < ``total``, rows at ``where``),
+ * in first-use order, as one bytes object. */
+static PyObject *
+first_use_rows(const Py_ssize_t *ids, Py_ssize_t n, Py_ssize_t total,
+               const unsigned char *const *where, Py_ssize_t width)
+{
+    unsigned char *seen = PyMem_Calloc((size_t)total + 1, 1);
+    if (seen == NULL) {
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t distinct = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        distinct += !seen[ids[i]];
+        seen[ids[i]] = 1;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, distinct * width);
+    if (out != NULL) {
+        memset(seen, 0, (size_t)total + 1);
+        unsigned char *q = (unsigned char *)PyBytes_AS_STRING(out);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (!seen[ids[i]]) {
+                seen[ids[i]] = 1;
+                memcpy(q, where[ids[i]], (size_t)width);
+                q += width;
+            }
+        }
+    }
+    PyMem_Free(seen);
+    return out;
+}
+
+/* row_refs(table, rows, width) -> (refs: list, fresh: bytes, table: bytes) | None: each
+ * row of ``rows`` as the id of the first equal row (table rows first, then the rows no
+ * earlier row equals -- the fresh ones, concatenated in order in ``fresh``); ``table``:
+ * the distinct rows used, in first-use order (the next table).  As
+ * engine_side.vllm.rowrefs.row_refs_py; None when not taken. */
+static PyObject *
+row_refs(PyObject *self, PyObject *args)
+{
+    PyObject *table_obj, *rows_obj;
+    Py_ssize_t width;
+    if (!PyArg_ParseTuple(args, "OOn", &table_obj, &rows_obj, &width)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_buffer tv, rv;
+    if (PyObject_GetBuffer(table_obj, &tv, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (PyObject_GetBuffer(rows_obj, &rv, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        PyBuffer_Release(&tv);
+        Py_RETURN_NONE;
+    }
+    PyObject *refs = NULL, *fresh = NULL, *next = NULL, *out = NULL;
+    Py_ssize_t *slot_id = NULL, *ids = NULL;
+    uint64_t *slot_hash = NULL;
+    const unsigned char **where = NULL;
+    if (width <= 0 || tv.len % width || rv.len % width) {
+        out = Py_None;
+        Py_INCREF(out);
+        goto done;
+    }
+    Py_ssize_t t = tv.len / width, n = rv.len / width, cap = 8, made = 0;
+    while (cap < 2 * (t + n)) {
+        cap <<= 1;
+    }
+    slot_id = PyMem_Calloc((size_t)cap, sizeof(Py_ssize_t)); /* id + 1; 0: empty */
+    slot_hash = PyMem_Malloc(sizeof(uint64_t) * (size_t)cap);
+    where = PyMem_Malloc(sizeof(*where) * (size_t)(t + n + 1)); /* id -> its bytes */
+    ids = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n + 1));
+    refs = PyList_New(n);
+    if (slot_id == NULL || slot_hash == NULL || where == NULL || ids == NULL || refs == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_NoMemory();
+        }
+        goto done;
+    }
+    for (Py_ssize_t r = 0; r < t + n; r++) {
+        const unsigned char *p = r < t ? (const unsigned char *)tv.buf + r * width
+                                       : (const unsigned char *)rv.buf + (r - t) * width;
+        uint64_t h = row_hash(p, width);
+        size_t s = (size_t)h & (size_t)(cap - 1);
+        Py_ssize_t id = -1;
+        while (slot_id[s]) {
+            Py_ssize_t k = slot_id[s] - 1;
+            if (slot_hash[s] == h && memcmp(where[k], p, (size_t)width) == 0) {
+                id = k;
+                break;
+            }
+            s = (s + 1) & (size_t)(cap - 1);
+        }
+        if (id < 0) { /* a table row keeps its position (the first of equal ones wins) */
+            id = r < t ? r : t + made++;
+            where[id] = p;
+            slot_id[s] = id + 1;
+            slot_hash[s] = h;
+        }
+        if (r >= t) {
+            PyObject *ref = PyLong_FromSsize_t(id);
+            if (ref == NULL) {
+                goto done;
+            }
+            PyList_SET_ITEM(refs, r - t, ref);
+            ids[r - t] = id;
+        }
+    }
+    fresh = PyBytes_FromStringAndSize(NULL, made * width);
+    if (fresh == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < made; j++) {
+        memcpy(PyBytes_AS_STRING(fresh) + j * width, where[t + j], (size_t)width);
+    }
+    next = first_use_rows(ids, n, t + made, where, width);
+    if (next != NULL) {
+        out = PyTuple_Pack(3, refs, fresh, next);
+    }
+done:
+    PyMem_Free(slot_id);
+    PyMem_Free(slot_hash);
+    PyMem_Free(where);
+    PyMem_Free(ids);
+    Py_XDECREF(refs);
+    Py_XDECREF(fresh);
+    Py_XDECREF(next);
+    PyBuffer_Release(&tv);
+    PyBuffer_Release(&rv);
+    return out;
+}
+
+/* row_rebuild(table, fresh, refs, width) -> (rows: bytearray, table: bytes) | None: the
+ * rows ``refs`` name (table rows, then ``fresh`` rows), and the distinct rows used in
+ * first-use order (the next table).  As engine_side.vllm.rowrefs.row_rebuild_py; None
+ * when not taken -- including refs that are not exact ints naming a row, or fresh rows
+ * that are not each first used in order after the previous one (Python then raises). */
+static PyObject *
+row_rebuild(PyObject *self, PyObject *args)
+{
+    PyObject *table_obj, *fresh_obj, *refs;
+    Py_ssize_t width;
+    if (!PyArg_ParseTuple(args, "OOOn", &table_obj, &fresh_obj, &refs, &width)
+            || !PyList_CheckExact(refs)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_buffer tv, fv;
+    if (PyObject_GetBuffer(table_obj, &tv, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (PyObject_GetBuffer(fresh_obj, &fv, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        PyBuffer_Release(&tv);
+        Py_RETURN_NONE;
+    }
+    PyObject *rows = NULL, *next = NULL, *out = NULL;
+    const unsigned char **where = NULL;
+    Py_ssize_t *ids = NULL;
+    unsigned char *seen = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(refs);
+    if (width <= 0 || tv.len % width || fv.len % width) {
+        goto not_taken;
+    }
+    Py_ssize_t t = tv.len / width, k = fv.len / width, expect = t;
+    where = PyMem_Malloc(sizeof(*where) * (size_t)(t + k + 1));
+    ids = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n + 1));
+    seen = PyMem_Calloc((size_t)(t + k + 1), 1);
+    if (where == NULL || ids == NULL || seen == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < t + k; j++) {
+        where[j] = j < t ? (const unsigned char *)tv.buf + j * width
+                         : (const unsigned char *)fv.buf + (j - t) * width;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(refs, i);
+        if (!PyLong_CheckExact(item)) {
+            goto not_taken;
+        }
+        Py_ssize_t id = PyLong_AsSsize_t(item);
+        if (id == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto not_taken;
+        }
+        if (id < 0 || id >= t + k || (id >= t && !seen[id] && id != expect++)) {
+            goto not_taken;
+        }
+        seen[id] = 1;
+        ids[i] = id;
+    }
+    if (expect != t + k) {
+        goto not_taken; /* a fresh row never used */
+    }
+    rows = PyByteArray_FromStringAndSize(NULL, n * width);
+    if (rows == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy(PyByteArray_AS_STRING(rows) + i * width, where[ids[i]], (size_t)width);
+    }
+    next = first_use_rows(ids, n, t + k, where, width);
+    if (next != NULL) {
+        out = PyTuple_Pack(2, rows, next);
+    }
+    goto done;
+not_taken:
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    PyMem_Free(where);
+    PyMem_Free(ids);
+    PyMem_Free(seen);
+    Py_XDECREF(rows);
+    Py_XDECREF(next);
+    PyBuffer_Release(&tv);
+    PyBuffer_Release(&fv);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"pack_list", pack_list, METH_O, "protocol.packing.pack_uints of a list (None: not taken)."},
     {"pack_signed_list", pack_signed_list, METH_O,
@@ -874,6 +1124,10 @@ static PyMethodDef methods[] = {
      "protocol.digest.block_unit_terms in C (None: not taken)."},
     {"sparse_scan", sparse_scan, METH_VARARGS,
      "An integer array's rows against their background words (None: not taken)."},
+    {"row_refs", row_refs, METH_VARARGS,
+     "Rows as references into a table followed by the fresh rows (None: not taken)."},
+    {"row_rebuild", row_rebuild, METH_VARARGS,
+     "The rows references name, and the next table (None: not taken)."},
     {NULL, NULL, 0, NULL},
 };
 

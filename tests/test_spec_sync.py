@@ -270,3 +270,16 @@ def test_local_ring_layout_and_record_kinds_match_the_code(spec: str) -> None:
     kinds = dict(re.findall(r"(\d) `?([A-Z_]+)", records[1][2]))  # (cells lose end backticks)
     assert kinds == {str(ring.MESSAGE): "MESSAGE", str(ring.ON_PUB): "ON_PUB",
                      str(ring.WRAP): "WRAP"}
+
+
+@pytest.mark.parametrize("name", ["rows", "sparse"])
+def test_grammar_bitmask_structs_match_their_spec_field_lists(spec: str, name: str) -> None:
+    """§16 lists the fields of the GrammarMsg's `rows` and `sparse` in wire order."""
+    pytest.importorskip("vllm")
+    from engine_side.vllm.schema import GrammarMsg, RowRefs, SparseWords
+
+    found = re.findall(rf"`{name} = \[([a-z_, ]+)\]`", spec)
+    assert len(found) == 1, f"SPEC.md must list `{name} = [...]` once"
+    struct = {"rows": RowRefs, "sparse": SparseWords}[name]
+    assert [f.strip() for f in found[0].split(",")] == list(struct.__struct_fields__)
+    assert name in GrammarMsg.__struct_fields__

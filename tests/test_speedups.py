@@ -495,3 +495,66 @@ def test_sparse_scan_refuses_what_it_cannot_take() -> None:
     assert C.sparse_scan(memoryview(bytes(17))[1:], 1, 8) is None  # not aligned
     assert C.sparse_scan([0, 0], 1, 4) is None  # not a buffer
     assert C.sparse_scan(words, "4", 4) is None  # type: ignore[arg-type]
+
+
+@st.composite
+def _row_buffers(draw: st.DrawFn) -> tuple[bytes, bytes, int]:
+    """(table, rows, width): whole rows drawn from a small pool, so rows repeat within
+    and across the two (a pool row may differ from another in one byte only)."""
+    width = draw(st.integers(1, 70))
+    base = draw(st.binary(min_size=width, max_size=width))
+    pool = [base] + [bytes(b ^ (i == j) for i, b in enumerate(base))
+                     for j in draw(st.lists(st.integers(0, width - 1), max_size=4))]
+    pool += draw(st.lists(st.binary(min_size=width, max_size=width), max_size=3))
+    pick = st.sampled_from(pool)
+    table = b"".join(draw(st.lists(pick, max_size=6)))
+    return table, b"".join(draw(st.lists(pick, max_size=12))), width
+
+
+@needs_c
+@given(_row_buffers())
+def test_row_refs_matches_the_reference(case: tuple[bytes, bytes, int]) -> None:
+    from engine_side.vllm.rowrefs import row_refs_py
+
+    assert C is not None
+    table, rows, width = case
+    assert C.row_refs(table, rows, width) == row_refs_py(table, rows, width)
+
+
+@needs_c
+@given(_row_buffers(), st.lists(st.integers(-2, 20), max_size=12), st.booleans())
+def test_row_rebuild_matches_the_reference(case: tuple[bytes, bytes, int], refs: list[int],
+                                           from_encoder: bool) -> None:
+    """Valid references (an encoder's) rebuild the rows and the next table; any others
+    are None in C and MalformedMessage in Python."""
+    from engine_side.vllm.rowrefs import row_rebuild_py, row_refs_py
+
+    assert C is not None
+    table, fresh, width = case
+    if from_encoder:  # what a decoder gets: the encoder's refs and fresh rows
+        rows = fresh
+        refs, fresh, next_table = row_refs_py(table, rows, width)
+        assert C.row_rebuild(table, fresh, refs, width) == (bytearray(rows), next_table)
+    got = C.row_rebuild(table, fresh, refs, width)
+    try:
+        want = row_rebuild_py(table, fresh, refs, width)
+    except MalformedMessage:
+        assert got is None
+    else:
+        assert got == want
+
+
+@needs_c
+def test_row_functions_refuse_what_they_cannot_take() -> None:
+    assert C is not None
+    assert C.row_refs(b"", b"abc", 2) is None  # not whole rows
+    assert C.row_refs(b"a", b"ab", 2) is None
+    assert C.row_refs(b"", b"ab", 0) is None
+    assert C.row_refs([1], b"ab", 2) is None  # not a buffer
+    assert C.row_rebuild(b"", b"ab", (0,), 2) is None  # not a list
+    assert C.row_rebuild(b"", b"ab", [True], 2) is None  # not an exact int
+    assert C.row_rebuild(b"", b"ab", [1 << 70], 2) is None
+    assert C.row_rebuild(b"", b"abc", [0], 2) is None
+    assert C.row_rebuild(b"", b"abcd", [1, 0], 2) is None  # fresh rows out of order
+    assert C.row_rebuild(b"", b"abcd", [0, 0], 2) is None  # a fresh row never used
+    assert C.row_rebuild(b"", b"ab", [0, 0], 2) == (bytearray(b"abab"), b"ab")

@@ -138,6 +138,24 @@ def test_sparse_grammar_bitmask_is_deflated_and_exact() -> None:
     decoded.grammar_bitmask[0, 0] = 1  # a fresh, writable array like pickle's
 
 
+def test_grammar_rows_travel_by_reference_across_steps() -> None:
+    """Rows the last bitmask held cost a reference: the encoder's and decoder's row tables
+    advance together over steps, a step without grammar output leaves them."""
+    enc, dec = _pair()
+    ids = list(_first(enc, dec).num_scheduled_tokens)
+    states = np.zeros((2, 128256 // 32 + 1), dtype=np.int32)  # Llama 3's vocabulary
+    states[1] = -1
+    states[:, 9] = 5
+    sizes = []
+    for picks in ([0, 1, 1], None, [1, 0, 0], [1, 1, 1]):
+        grammar = None if picks is None else GrammarOutput(ids, states[picks], None)
+        frames = _wire(enc.encode_grammar(grammar))
+        sizes.append(sum(map(len, frames)))
+        decoded = dec.decode_grammar(frames)
+        assert_vllm_equal(grammar, decoded)
+    assert max(sizes[2:]) < 60 < sizes[0], sizes
+
+
 def test_a_real_vocabulary_bitmask_travels_as_sparse_words() -> None:
     enc, dec = _pair()
     ids = list(_first(enc, dec).num_scheduled_tokens)
@@ -167,7 +185,7 @@ def test_a_bitmask_sent_two_ways_is_malformed() -> None:
 def test_a_grammar_message_without_its_bitmask_frame_is_malformed() -> None:
     enc, dec = _pair()
     ids = list(_first(enc, dec).num_scheduled_tokens)
-    dense = np.arange(len(ids) * 4, dtype=np.int32).reshape(len(ids), 4)  # sent as a frame
+    dense = np.arange(len(ids) * 4, dtype=np.int32)  # 1-D: not by reference, sent as a frame
     frames = _wire(enc.encode_grammar(GrammarOutput(ids, dense, None)))
     assert len(frames) == 2
     with pytest.raises(MalformedMessage, match="tensor frame"):
@@ -374,9 +392,9 @@ def test_recorded_real_stream_replays_exactly(real_runs: dict[str, Any], name: s
             assert [bytes(f) for f in again] == [bytes(f) for f in frames]
             assert_vllm_equal(so, dec2.decode(_wire(again)))
             steps += 1
-        elif kind == "sample_tokens":
-            assert_vllm_equal(dec.decode_grammar(frames), dec2.decode_grammar(
-                _wire(enc.encode_grammar(dec.decode_grammar(frames)))))
+        elif kind == "sample_tokens":  # each decoded once, in order (row tables advance)
+            grammar = dec.decode_grammar(frames)
+            assert_vllm_equal(grammar, dec2.decode_grammar(_wire(enc.encode_grammar(grammar))))
     assert steps > 10
 
 

@@ -4,10 +4,13 @@ vLLM sends each step's GrammarOutput bitmask (int32, one row per structured requ
 ``ceil(vocab / 32)`` words a row) to the workers.  This benchmark builds bitmasks
 shaped like xgrammar's -- rows that allow almost every token (-1 words) or almost
 none (0 words), a few mixed words each, requests at the same grammar state sharing
-a row -- and measures, side by side in one loop (alternating which side runs first):
+a row, each step at 8 states of a pool of 32 (so rows recur across steps) -- and
+measures, over consecutive steps, side by side in one loop (alternating which side
+runs first):
 
 * ours: ``SchedulerOutputEncoder.encode_grammar`` + ``SchedulerOutputDecoder.decode_grammar``
-  (deflated up to ``DEFLATE_MAX`` bytes, sparse words above: ``engine_side.vllm.schema``);
+  (rows by reference, ``engine_side.vllm.rowrefs``; fresh rows raw, deflated up to
+  ``DEFLATE_MAX`` bytes or sparse words above: ``engine_side.vllm.schema``);
 * vLLM's: protocol-5 pickle of the MultiprocExecutor RPC tuple, out-of-band buffers
   counted (``engine_side.bench.vllm_replay.pickled``).
 
@@ -28,16 +31,24 @@ import numpy as np
 CASES = ((32, 512), (256, 512), (32, 128256), (256, 128256))  # (requests, vocabulary)
 
 
-def bitmask(rows: int, vocab: int, seed: int = 0) -> np.ndarray:
-    """An xgrammar-like bitmask: 8 distinct grammar states shared by the rows; a state
-    allows most tokens (-1 words) or few (0 words), with 1 in 64 words mixed."""
+def states(vocab: int, count: int = 32, seed: int = 0) -> np.ndarray:
+    """``count`` xgrammar-like grammar states: each allows most tokens (-1 words) or few
+    (0 words), with 1 in 64 words mixed."""
     rng = np.random.default_rng(seed)
     words = -(-vocab // 32)
-    states = np.where(rng.random((8, 1)) < 0.5, np.int32(-1), np.int32(0)) * np.ones(
-        (8, words), np.int32)
-    mixed = rng.random((8, words)) < 1 / 64
-    states[mixed] = rng.integers(1, 2**31 - 1, int(mixed.sum()), dtype=np.int32)
-    return states[rng.integers(0, 8, rows)]
+    pool = np.where(rng.random((count, 1)) < 0.5, np.int32(-1), np.int32(0)) * np.ones(
+        (count, words), np.int32)
+    mixed = rng.random((count, words)) < 1 / 64
+    pool[mixed] = rng.integers(1, 2**31 - 1, int(mixed.sum()), dtype=np.int32)
+    return pool
+
+
+def bitmask(rows: int, pool: np.ndarray, step: int = 0) -> np.ndarray:
+    """One step's bitmask: its requests at 8 of the pool's grammar states (which 8, and
+    which request at which, change with ``step``), sharing rows."""
+    rng = np.random.default_rng(step)
+    at = rng.choice(len(pool), 8, replace=False)
+    return pool[at[rng.integers(0, 8, rows)]]
 
 
 def _pair(rows: int) -> tuple[Any, Any, list[str]]:
@@ -53,15 +64,17 @@ def _pair(rows: int) -> tuple[Any, Any, list[str]]:
 
 
 def measure(rows: int, vocab: int, reps: int) -> dict[str, Any]:
-    """Bytes and median µs per message, ours and pickle's; the decoded bitmask checked."""
+    """Median bytes and µs per message over ``reps`` steps, ours and pickle's; every
+    decoded bitmask checked."""
     from vllm.v1.core.sched.output import GrammarOutput
 
     from engine_side.bench.vllm_replay import pickled
 
     enc, dec, ids = _pair(rows)
-    grammar = GrammarOutput(ids, bitmask(rows, vocab), None)
-    ours, theirs, size, pickle_size = [], [], 0, 0
-    for k in range(reps):  # the side timed first alternates
+    pool = states(vocab)
+    steps = [GrammarOutput(ids, bitmask(rows, pool, k), None) for k in range(reps)]
+    ours, theirs, sizes, pickle_sizes = [], [], [], []
+    for k, grammar in enumerate(steps):  # the side timed first alternates
         first = pickled("sample_tokens", grammar) if k % 2 else None
         t0 = time.perf_counter()
         frames = [bytes(f) for f in enc.encode_grammar(grammar)]
@@ -69,9 +82,12 @@ def measure(rows: int, vocab: int, reps: int) -> dict[str, Any]:
         ours.append(time.perf_counter() - t0)
         pickle_size, dumps_s, loads_s = first or pickled("sample_tokens", grammar)
         theirs.append(dumps_s + loads_s)
-        size = sum(map(len, frames))
-    if not np.array_equal(out.grammar_bitmask, grammar.grammar_bitmask):
-        raise AssertionError("the decoded bitmask differs")
+        sizes.append(sum(map(len, frames)))
+        pickle_sizes.append(pickle_size)
+        if not np.array_equal(out.grammar_bitmask, grammar.grammar_bitmask):
+            raise AssertionError("the decoded bitmask differs")
+    size, pickle_size = statistics.median_low(sizes), statistics.median_low(pickle_sizes)
+    grammar = steps[0]
     us, pickle_us = statistics.median(ours) * 1e6, statistics.median(theirs) * 1e6
     return {"requests": rows, "vocab": vocab, "raw_bytes": grammar.grammar_bitmask.nbytes,
             "bytes": size, "pickle_bytes": pickle_size, "us": us, "pickle_us": pickle_us,

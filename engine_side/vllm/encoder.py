@@ -47,6 +47,7 @@ from engine_side.vllm.convert import (
 )
 from engine_side.vllm.mm import StoreChannel
 from engine_side.vllm.quick import QuickEncoder
+from engine_side.vllm.rowrefs import RowTable
 from engine_side.vllm.schema import (
     DEFLATE_MAX,
     GrammarMsg,
@@ -143,6 +144,7 @@ class SchedulerOutputEncoder:
         self._hint: BlockHint | None = None
         self._aux: list[Any] = []
         self._grammar_enc = msgspec.msgpack.Encoder(enc_hook=make_enc_hook(self._aux))
+        self._row_table = RowTable()  # see engine_side.vllm.rowrefs
 
     @property
     def seq(self) -> int:
@@ -450,15 +452,19 @@ class SchedulerOutputEncoder:
         if positions is None:  # an id outside the batch: named
             refs = RefTable(batch, [])
             positions, names = refs.pack(ids), tuple(refs.names)
-        bitmask, deflated, sparse = grammar.grammar_bitmask, None, None
-        if getattr(bitmask, "nbytes", 0) > DEFLATE_MAX:
-            sparse = sparse_words(bitmask)
+        bitmask, rows = grammar.grammar_bitmask, None
+        by_ref = self._row_table.encode(bitmask)  # repeated rows as references
+        if by_ref is not None:
+            bitmask = None
+            rows, deflated, sparse = by_ref
+        elif getattr(bitmask, "nbytes", 0) > DEFLATE_MAX:
+            deflated, sparse = None, sparse_words(bitmask)
         else:
-            deflated = deflate_sparse(bitmask)
+            deflated, sparse = deflate_sparse(bitmask), None
         if deflated is not None or sparse is not None:
             bitmask = None
         msg = GrammarMsg(self.seq, positions, names, bitmask,
-                         grammar.num_acceptable_drafts, deflated, sparse)
+                         grammar.num_acceptable_drafts, deflated, sparse, rows)
         self._aux.clear()
         try:
             return [self._grammar_enc.encode(msg), *self._aux]

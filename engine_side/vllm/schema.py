@@ -219,7 +219,7 @@ def deflate_sparse(a: Any, min_bytes: int = 256) -> Deflated | None:
 
 def inflate(d: Deflated) -> Any:
     """A fresh writable array; MalformedMessage unless the bytes match dtype and shape."""
-    dtype, count = _int_array_type(d.dtype, d.shape, "deflated array")
+    dtype, count = int_array_type(d.dtype, d.shape, "deflated array")
     size = count * dtype.itemsize
     unzip = zlib.decompressobj()
     try:
@@ -284,7 +284,7 @@ def scan_py(rows: Any) -> tuple[bytes, bytes, bytes]:
 def expand(w: SparseWords) -> Any:
     """A fresh writable array; MalformedMessage unless rows, positions and words fit
     dtype and shape."""
-    dtype, size = _int_array_type(w.dtype, w.shape, "sparse words")
+    dtype, size = int_array_type(w.dtype, w.shape, "sparse words")
     rows = w.shape[0] if len(w.shape) > 1 else 1
     background = unpack_uints(w.background, limit=max(rows, 1))
     gaps = unpack_uints(w.gaps, limit=max(size, 1))
@@ -302,17 +302,41 @@ def expand(w: SparseWords) -> Any:
     return out.reshape(w.shape)
 
 
-def _int_array_type(name: str, shape: tuple[int, ...], what: str) -> tuple[np.dtype[Any], int]:
+_DTYPES: dict[str, np.dtype[Any]] = {}  # integer dtypes by the names peers sent
+
+
+def int_array_type(name: str, shape: tuple[int, ...], what: str) -> tuple[np.dtype[Any], int]:
     """(dtype, element count) of an integer array a peer describes; MalformedMessage for
     a bad dtype, a negative dimension or more than MAX_INFLATED bytes."""
-    try:
-        dtype = np.dtype(name)
-    except TypeError as exc:
-        raise MalformedMessage(f"{what}: bad dtype", dtype=name[:20]) from exc
+    dtype = _DTYPES.get(name) if type(name) is str else None
+    if dtype is None:
+        try:
+            dtype = np.dtype(name)
+        except TypeError as exc:
+            raise MalformedMessage(f"{what}: bad dtype", dtype=name[:20]) from exc
+        if dtype.kind in "iu" and len(_DTYPES) < 64:
+            _DTYPES[name] = dtype
     size = math.prod(shape)
     if dtype.kind not in "iu" or min(shape, default=0) < 0 or size * dtype.itemsize > MAX_INFLATED:
         raise MalformedMessage(f"{what}: bad dtype or shape", shape=shape[:8])
     return dtype, size
+
+
+class RowRefs(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A 2-D integer bitmask as one reference per row (see :mod:`engine_side.vllm.rowrefs`).
+
+    ``refs`` (packed, one per row): below ``table``, a row of the receiver's row table
+    (which then MUST hold exactly ``table`` rows of this dtype and width); from
+    ``table`` on, the fresh rows the message carries, each first used in order.  The
+    fresh rows travel raw in ``fresh``, or -- ``fresh`` empty -- as the GrammarMsg's
+    deflated or sparse (k, words) array.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    table: int
+    refs: bytes
+    fresh: bytes
 
 
 class GrammarMsg(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -320,7 +344,8 @@ class GrammarMsg(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
     The bitmask is a zero-copy frame, or nil with ``deflated`` set (up to
     :data:`DEFLATE_MAX` bytes) or ``sparse`` set (larger) when that halves it at
-    least (a bitmask is mostly 0 and -1 words).
+    least (a bitmask is mostly 0 and -1 words).  With ``rows`` set, those ways carry
+    only the fresh rows (none: no way) and ``rows`` the references that rebuild it.
     """
 
     seq: int
@@ -330,6 +355,7 @@ class GrammarMsg(msgspec.Struct, frozen=True, array_like=True, gc=False):
     drafts: list[int] | None = None
     deflated: Deflated | None = None
     sparse: SparseWords | None = None
+    rows: RowRefs | None = None
 
 
 class LogprobsWire(msgspec.Struct, frozen=True, array_like=True, gc=False):

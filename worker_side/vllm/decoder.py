@@ -35,6 +35,7 @@ from engine_side.vllm.convert import (
     spec_to_pooling,
     unseal,
 )
+from engine_side.vllm.rowrefs import RowTable
 from engine_side.vllm.schema import (
     GrammarMsg,
     KVOutputWire,
@@ -145,6 +146,7 @@ class SchedulerOutputDecoder:
         self._lengths_stale = False  # blocks appended since (see _refresh_lengths)
         self._aux: list[Any] = []
         self._reply_enc = msgspec.msgpack.Encoder(enc_hook=make_enc_hook(self._aux))
+        self._row_table = RowTable()  # see engine_side.vllm.rowrefs
 
     # ------------------------------------------------------------ execute_model
     def decode(self, frames: list[Any]) -> Any:
@@ -389,6 +391,8 @@ class SchedulerOutputDecoder:
             raise InvalidDelta("grammar output for an unknown step", seq=msg.seq)
         ids = _grammar_ids(self.batches[msg.seq], msg)
         bitmask = _bitmask(msg)
+        if msg.rows is not None:  # the fresh rows and the references that rebuild it
+            bitmask = self._row_table.decode(msg.rows, bitmask)
         return vllm_types()[2](ids, bitmask, msg.drafts)
 
     # ------------------------------------------------------------ replies
