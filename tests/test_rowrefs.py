@@ -118,6 +118,8 @@ def _primed() -> tuple[RowTable, RowRefs]:
     ({"shape": (-3, 2)}, MalformedMessage),
     ({"dtype": "<f4"}, MalformedMessage),
     ({"dtype": "nope"}, MalformedMessage),
+    ({"dtype": ""}, MalformedMessage),
+    ({"shape": (1 << 20, 1 << 20)}, MalformedMessage),  # claims far too many bytes
     ({"refs": b"\x07"}, MalformedMessage),  # does not unpack
 ])
 def test_hostile_references_are_refused_before_anything_changes(
@@ -140,3 +142,9 @@ def test_fresh_rows_sent_two_ways_or_of_another_shape_are_malformed() -> None:
                   b"\x00" * 8):
         with pytest.raises(MalformedMessage, match="dtype or width"):
             dec.decode(bare, fresh)
+
+
+def test_a_fresh_decoder_refuses_a_bitmask_without_a_dtype() -> None:
+    refs = RowRefs("", (1, 1), 0, pack_uints([0]), bytes(4))
+    with pytest.raises(MalformedMessage):
+        RowTable().decode(refs, None)

@@ -138,6 +138,32 @@ def test_sparse_grammar_bitmask_is_deflated_and_exact() -> None:
     decoded.grammar_bitmask[0, 0] = 1  # a fresh, writable array like pickle's
 
 
+def test_grammar_ids_of_repeated_steps_are_fresh_and_exact() -> None:
+    """Both ends keep the last step's structured request ids: a repeat still gives a
+    fresh list, a list vLLM edits in place is sent as it is now, and ids outside the
+    batch are never taken from the kept ones."""
+    enc, dec = _pair()
+    ids = list(_first(enc, dec).num_scheduled_tokens)
+
+    def sent(request_ids: list[str]) -> tuple[list[str], list[str]]:
+        mask = np.zeros((len(request_ids), 4), np.int32)
+        got = dec.decode_grammar(_wire(enc.encode_grammar(GrammarOutput(request_ids, mask,
+                                                                          None))))
+        return list(got.structured_output_request_ids), got.structured_output_request_ids
+
+    edited = ids[:2]
+    assert sent(edited)[0] == ids[:2]
+    twice, mine = sent(edited)
+    assert twice == ids[:2]
+    mine.append("edited by the runner")
+    assert sent(edited)[0] == ids[:2]
+    edited[0] = ids[2]  # vLLM's list, edited in place
+    assert sent(edited)[0] == [ids[2], ids[1]]
+    assert sent(["x-9", ids[0]])[0] == ["x-9", ids[0]]
+    assert sent(["y-8", ids[0]])[0] == ["y-8", ids[0]]  # the same positions, another name
+    assert sent([ids[1], ids[0]])[0] == [ids[1], ids[0]]
+
+
 def test_grammar_rows_travel_by_reference_across_steps() -> None:
     """Rows the last bitmask held cost a reference: the encoder's and decoder's row tables
     advance together over steps, a step without grammar output leaves them."""

@@ -145,6 +145,8 @@ class SchedulerOutputEncoder:
         self._aux: list[Any] = []
         self._grammar_enc = msgspec.msgpack.Encoder(enc_hook=make_enc_hook(self._aux))
         self._row_table = RowTable()  # see engine_side.vllm.rowrefs
+        #: (batch, grammar ids, their packed positions) of the last GrammarOutput
+        self._last_positions: tuple[list[str], list[str], bytes] = ([], [], b"")
 
     @property
     def seq(self) -> int:
@@ -473,13 +475,19 @@ class SchedulerOutputEncoder:
 
     def _positions(self, ids: Any, batch: list[str]) -> bytes | None:
         """``ids`` packed as positions in ``batch`` through the quick encoder's map of it
-        (kept for the batch of every step); None when one is not in it."""
+        (kept for the batch of every step); None when one is not in it.  The last
+        answer is kept: structured requests stay the same over a batch's steps."""
         if self.quick.batch is not batch or not isinstance(ids, list):
             return None
+        last = self._last_positions
+        if last[0] is batch and last[1] == ids:
+            return last[2]
         try:
-            return pack_uints(list(map(self.quick.pos.__getitem__, ids)))
+            packed = pack_uints(list(map(self.quick.pos.__getitem__, ids)))
         except KeyError:
             return None
+        self._last_positions = (batch, list(ids), packed)
+        return packed
 
     # ------------------------------------------------------------ replies
     def decode_reply(self, frames: list[Any]) -> Any:

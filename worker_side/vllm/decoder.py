@@ -147,6 +147,8 @@ class SchedulerOutputDecoder:
         self._aux: list[Any] = []
         self._reply_enc = msgspec.msgpack.Encoder(enc_hook=make_enc_hook(self._aux))
         self._row_table = RowTable()  # see engine_side.vllm.rowrefs
+        #: (batch, packed positions, request ids) of the last GrammarMsg without names
+        self._last_grammar: tuple[list[str], bytes, list[str]] = ([], b"", [])
 
     # ------------------------------------------------------------ execute_model
     def decode(self, frames: list[Any]) -> Any:
@@ -389,7 +391,13 @@ class SchedulerOutputDecoder:
             raise MalformedMessage("grammar frames do not decode", cause=str(exc)[:200]) from exc
         if msg.seq not in self.batches:
             raise InvalidDelta("grammar output for an unknown step", seq=msg.seq)
-        ids = _grammar_ids(self.batches[msg.seq], msg)
+        batch, last = self.batches[msg.seq], self._last_grammar
+        if last[0] is batch and last[1] == msg.positions and not msg.names:
+            ids = list(last[2])  # the structured requests of the last step (fresh list)
+        else:
+            ids = _grammar_ids(batch, msg)
+            if not msg.names:
+                self._last_grammar = (batch, msg.positions, list(ids))
         bitmask = _bitmask(msg)
         if msg.rows is not None:  # the fresh rows and the references that rebuild it
             bitmask = self._row_table.decode(msg.rows, bitmask)
