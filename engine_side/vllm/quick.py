@@ -233,9 +233,7 @@ class QuickEncoder:
         pending = bool(so.pending_structured_output_tokens)
         if got is None:
             self.appends = []
-            if not structured and not pending:
-                return STEADY_BODY
-            return DeltaBody(has_structured_output=structured, pending_structured_output=pending)
+            return _FLAG_BODIES[structured, pending]
         return DeltaBody(block_append=self._one_group_rows(*got),
                          has_structured_output=structured, pending_structured_output=pending)
 
@@ -422,6 +420,12 @@ def _one_block_group(grown: list[int], new_blocks: list[Any],
     if not all(ids):
         return None
     return list(map(len, ids)), list(chain.from_iterable(ids))
+
+
+#: the bodies of plain steps without appends, by (structured, pending) flags (frozen)
+_FLAG_BODIES = {(False, False): STEADY_BODY,
+                **{(s, p): DeltaBody(has_structured_output=s, pending_structured_output=p)
+                   for s in (False, True) for p in (False, True) if s or p}}
 
 
 # A plain step's rare fields, read by one C call and compared with one tuple.
