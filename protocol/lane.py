@@ -46,8 +46,9 @@ Journaled = tuple[list[int], list[int], list[int], list[int], list[int]]
 MAX_ROWS = 1 << 16
 #: ... or this many changes of the scheduled counts (bounds a computed count's lookup)
 MAX_SEGMENTS = 16
-#: schedules up to this long open on Python ints (keys cached per handle), longer ones
-#: with numpy (measured: the numpy advance term costs ~5 µs, a cached key ~0.1 µs)
+#: schedules up to this long open with one keyed sum and take their keys, when count
+#: exceptions first need them, from a per-handle cache; longer ones use numpy (measured:
+#: the numpy advance term costs ~5 µs, a cached key ~0.1 µs)
 FEW_KEYS = 64
 MAX_KEYS = 1 << 16  # the per-handle key cache is emptied past this many handles
 _NONE: list[int] = []  # no count exceptions (shared, never extended)
@@ -117,10 +118,10 @@ class SteadyLane:
         self.digest, self.version, self.rows = state.digest, state.version, 0
         self._restart()
         # the advance term of the schedule (it stays while the lane runs): a small one
-        # on Python ints from the cached keys, a large one from the state's numpy term
+        # in one keyed sum (the keys are made when count exceptions first need them), a
+        # large one from the state's numpy term
         if len(self.handles) <= FEW_KEYS:
-            self.keys = self._small_keys(self.handles)
-            self.advance = _dot(self.nsched, self.keys) & dg.MASK
+            self.advance = dg.computed_change(self.handles, self.nsched)
         else:
             self.advance = state.steady_advance_term()
 
@@ -274,7 +275,8 @@ class SteadyLane:
         """The schedule's computed-term multipliers by position (``dg.handle_keys``; made
         when count exceptions first need them, kept while the schedule stays)."""
         if self.keys is None:
-            self.keys = dg.handle_keys(self.handles).tolist()
+            self.keys = self._small_keys(self.handles) if len(self.handles) <= FEW_KEYS \
+                else dg.handle_keys(self.handles).tolist()
         return self.keys
 
     def _schedule_keys(self) -> list[int]:
