@@ -1,9 +1,11 @@
 /* Optional C versions of the packers, the digest's per-row block terms and linear count
- * terms, the same-batch forecast's comparisons and the replies' token lists.
+ * terms, the same-batch forecast's comparisons, the replies' token lists and the grammar
+ * bitmasks' row scans (sparse words, rows by reference).
  *
  * Contract: each function returns exactly what its Python reference in
- * protocol/packing.py, protocol/digest.py or (the replies' lists)
- * engine_side/vllm/convert.py returns for the inputs it accepts, and
+ * protocol/packing.py, protocol/digest.py or (the replies' lists, the bitmasks)
+ * engine_side/vllm/convert.py, schema.py and rowrefs.py returns for the inputs it
+ * accepts, and
  * None for every input it does not accept (the caller then runs the Python path,
  * which decides, errors included).  tests/test_speedups.py holds the two together
  * on generated and hostile inputs.  Nothing here raises for bad data.
