@@ -2,12 +2,15 @@
 
 File format (all integers little-endian)::
 
-    magic     16 bytes  b"DELTACAST-REC\\x00\\x01\\n" (format version 1 in byte 14)
+    magic     16 bytes  b"DELTACAST-REC\\x00\\x02\\n" (format version 2 in byte 14; readers
+                        take 1 too)
     header    u32 length + msgpack RecordHeader
     records   u8 kind, u16 frame count, then per frame u32 length + bytes
 
 A record's frames are exactly what the vLLM adapter sends on that channel: an
-``execute_model`` record is one Delta message (``codec.encode``).  The reader checks
+``execute_model`` record is one Delta message (``codec.encode``).  Format 2 files may
+hold grammar bitmasks by reference (``GrammarMsg.rows``, SPEC §16), which a format-1
+reader would silently drop: it refuses them by their magic instead.  The reader checks
 the magic first and raises :class:`NotARecording` for any other file: nothing in a
 file is ever unpickled.  Pure (no vLLM): reports replay recordings without it.
 """
@@ -25,7 +28,10 @@ import msgspec
 from protocol.errors import IncompatibleVersion, LocalProtocolError
 from protocol.messages import PROTOCOL_MAJOR
 
-MAGIC = b"DELTACAST-REC\x00\x01\n"
+MAGIC_V1 = b"DELTACAST-REC\x00\x01\n"  # format 1: no grammar rows by reference
+MAGIC = b"DELTACAST-REC\x00\x02\n"  # format 2, written
+FORMAT = 2
+_READABLE = (MAGIC_V1, MAGIC)
 KINDS = {"execute_model": 1, "sample_tokens": 2, "reply": 3, "sample_reply": 4}
 _NAMES = {v: k for k, v in KINDS.items()}
 
@@ -50,8 +56,8 @@ class RecordWriter:
     def __init__(self, path: str | Path, meta: dict[str, str] | None = None,
                  vllm_version: str = "", kv_groups: int = 1) -> None:
         self._f: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed in close()
-        header = msgspec.msgpack.encode(RecordHeader(1, vllm_version, kv_groups, meta or {},
-                                                     PROTOCOL_MAJOR))
+        header = msgspec.msgpack.encode(RecordHeader(FORMAT, vllm_version, kv_groups,
+                                                     meta or {}, PROTOCOL_MAJOR))
         self._f.write(MAGIC + struct.pack("<I", len(header)) + header)
 
     def write(self, kind: str, frames: list[Any]) -> None:
@@ -77,7 +83,7 @@ class RecordReader:
 
     def __init__(self, path: str | Path) -> None:
         self.data = Path(path).read_bytes()
-        if not self.data.startswith(MAGIC):
+        if not self.data.startswith(_READABLE):
             raise NotARecording(f"{path} is not a deltacast recording (bad magic)",
                                 starts_with=self.data[:8])
         n = self._unpack("<I", len(MAGIC))[0]

@@ -19,7 +19,7 @@ from engine_side.report.accounting import CATEGORIES, delta_breakdown, pickle_v1
 from engine_side.report.replay import FORMATS, replay
 from engine_side.report.workloads import BUILTIN, load_workload
 from protocol import codec
-from protocol.recording import MAGIC, RecordHeader
+from protocol.recording import MAGIC_V1, RecordHeader
 from protocol.request import request_differences
 
 
@@ -87,7 +87,7 @@ def test_report_refuses_unknown_workloads_and_foreign_files(tmp_path: Path) -> N
     assert cli.run(parser.parse_args([str(foreign), "--quick", "--out", str(tmp_path)])) == 2
     old = tmp_path / "old.dcrec"  # a protocol-1 recording: its header names no major
     header = msgspec.msgpack.encode(RecordHeader(protocol=1))
-    old.write_bytes(MAGIC + struct.pack("<I", len(header)) + header)
+    old.write_bytes(MAGIC_V1 + struct.pack("<I", len(header)) + header)
     assert cli.run(parser.parse_args([str(old), "--quick", "--out", str(tmp_path)])) == 2
 
 

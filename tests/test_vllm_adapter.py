@@ -336,6 +336,25 @@ def test_record_file_round_trips_and_refuses_other_files(tmp_path: Path) -> None
         RecordReader(evil)
 
 
+def test_recordings_are_format_2_and_format_1_files_still_read(tmp_path: Path) -> None:
+    """Format 2 may hold grammar rows by reference, which a format-1 reader would drop
+    silently: new files carry a magic such a reader refuses, and this reader still
+    takes format-1 files (they never hold rows by reference)."""
+    from engine_side.vllm.record import RecordReader, RecordWriter
+    from protocol.recording import MAGIC, MAGIC_V1
+
+    path = tmp_path / "run.dcrec"
+    with RecordWriter(path) as w:
+        w.write("sample_tokens", [b"g"])
+    data = path.read_bytes()
+    assert data.startswith(MAGIC) and not data.startswith(MAGIC_V1)
+    assert RecordReader(path).header.format == 2
+    old = tmp_path / "v1.dcrec"
+    old.write_bytes(MAGIC_V1 + data[len(MAGIC):])
+    assert [(k, [bytes(f) for f in fr]) for k, fr in RecordReader(old)] == [
+        ("sample_tokens", [b"g"])]
+
+
 def test_recording_of_another_protocol_major_is_refused(tmp_path: Path) -> None:
     """A protocol-1 file (no ``protocol`` in its header) carries protocol-1 digests:
     refused up front, naming both majors, rather than failing mid-replay."""
@@ -346,12 +365,12 @@ def test_recording_of_another_protocol_major_is_refused(tmp_path: Path) -> None:
     from engine_side.vllm.record import RecordReader
     from protocol.errors import IncompatibleVersion
     from protocol.messages import PROTOCOL_MAJOR
-    from protocol.recording import MAGIC, RecordHeader
+    from protocol.recording import MAGIC_V1, RecordHeader
 
     old = tmp_path / "old.dcrec"
     header = msgspec.msgpack.encode(RecordHeader(1, "0.32.0", 1, {}, protocol=1))
     assert b"protocol" not in header  # how every protocol-1 file looks
-    old.write_bytes(MAGIC + struct.pack("<I", len(header)) + header)
+    old.write_bytes(MAGIC_V1 + struct.pack("<I", len(header)) + header)
     with pytest.raises(IncompatibleVersion, match="record it again") as caught:
         RecordReader(old)
     assert (caught.value.ours, caught.value.theirs) == (PROTOCOL_MAJOR, 1) and PROTOCOL_MAJOR > 1

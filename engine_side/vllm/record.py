@@ -2,7 +2,7 @@
 
 File format (all integers little-endian)::
 
-    magic     16 bytes  b"DELTACAST-REC\\x00\\x01\\n" (format version 1 in byte 14)
+    magic     16 bytes  b"DELTACAST-REC\\x00\\x02\\n" (format version 2 in byte 14)
     header    u32 length + msgpack RecordHeader
     records   u8 kind, u16 frame count, then per frame u32 length + bytes
 
