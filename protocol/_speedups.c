@@ -1038,7 +1038,7 @@ row_rebuild(PyObject *self, PyObject *args)
     Py_ssize_t *ids = NULL;
     unsigned char *seen = NULL;
     Py_ssize_t n = PyList_GET_SIZE(refs);
-    if (width <= 0 || tv.len % width || fv.len % width) {
+    if (width <= 0 || tv.len % width || fv.len % width || n > PY_SSIZE_T_MAX / width) {
         goto not_taken;
     }
     Py_ssize_t t = tv.len / width, k = fv.len / width, expect = t;
