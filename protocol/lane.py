@@ -142,7 +142,7 @@ class SteadyLane:
 
     def step(self, body: DeltaBody, appends: list[Appends],
              expected_digest: int | None = None, rows: LaneRows | None = None,
-             own_appends: bool = False) -> int | None:
+             own_appends: bool = False, own_rows: bool = False) -> int | None:
         """Apply a :func:`lane_shaped` ``body`` whose block appends are ``appends`` (per KV group,
         batch positions; [] for none).  Returns the new digest, or None -- nothing done --
         when the lane cannot take the body (the state then decides).  Raises
@@ -154,7 +154,9 @@ class SteadyLane:
 
         ``own_appends``: the caller made ``appends`` itself from a valid step (positions
         distinct, increasing and scheduled; counts >= 1 summing to the ids), so only the
-        ids are checked."""
+        ids are checked.  ``own_rows``: likewise the ``rows`` it passes (what
+        :meth:`LaneRows.fits` checks holds), so their shape is not checked; the values
+        still are."""
         if rows is None and not lane_shaped(body):
             return None
         if not appends and (rows is NO_ROWS or body is STEADY_BODY):
@@ -165,10 +167,10 @@ class SteadyLane:
             self._open()
         n = len(self.handles)
         if rows is None:
-            rows = lane_rows(body, n)
+            rows, own_rows = lane_rows(body, n), False
         if rows is NO_ROWS:  # nothing to check or plan for the counts
             counts: _Counts | None = (0, _NONE, _NONE, None, self.advance)
-        elif rows is None or not rows.fits(n):
+        elif rows is None or (not own_rows and not rows.fits(n)):
             return None
         else:
             counts = self._plan_counts(rows)

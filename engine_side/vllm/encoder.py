@@ -168,7 +168,7 @@ class SchedulerOutputEncoder:
             return codec.encode(delta)
         if body is not None:
             digest = self.lane.step(body, self.quick.appends, rows=self.quick.rows,
-                                    own_appends=True)
+                                    own_appends=True, own_rows=True)
             if digest is None:
                 self.lane.settle()
                 delta = self.mirror.apply_body(body)
