@@ -16,6 +16,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stdint.h>
 
 #define STACK_VALUES 128 /* lists up to this long need no heap scratch */
@@ -180,6 +181,26 @@ pack_signed_list(PyObject *self, PyObject *arg)
     return pack_with(arg, as_zigzag);
 }
 
+/* 0 and value + 1 for an exact int in [-1, 2**63 - 1); -1 otherwise (draft tokens
+ * travel as token + 1, so vLLM's -1 placeholders pack as unsigned). */
+static int
+as_plus_one(PyObject *item, uint64_t *out)
+{
+    long long v;
+    if (as_i64(item, &v) < 0 || v < -1 || v == LLONG_MAX) {
+        return -1;
+    }
+    *out = (uint64_t)(v + 1);
+    return 0;
+}
+
+/* pack_plus_one(values: list) -> bytes | None: protocol.packing.pack_uints_plus_one. */
+static PyObject *
+pack_plus_one(PyObject *self, PyObject *arg)
+{
+    return pack_with(arg, as_plus_one);
+}
+
 /* Width, count and payload offset of a well-formed packed array of at most ``limit``
  * values (the checks of protocol.packing.read_leb128 and _unpack_raw); -1 otherwise. */
 static int
@@ -220,7 +241,7 @@ read_header(const unsigned char *buf, Py_ssize_t len, uint64_t limit, int *width
 }
 
 static PyObject *
-unpacked(PyObject *args, int zigzag)
+unpacked(PyObject *args, int zigzag) /* 0: raw, 1: zig-zag, 2: raw minus one */
 {
     Py_buffer view;
     unsigned long long limit = 1ULL << 26;
@@ -254,7 +275,13 @@ unpacked(PyObject *args, int zigzag)
         uint64_t z = width ? (uint64_t)acc & mask : 0;
         acc >>= width;
         bits -= width;
-        PyObject *item = !zigzag ? PyLong_FromUnsignedLongLong(z)
+        if (zigzag == 2 && z > (uint64_t)LLONG_MAX) {
+            Py_DECREF(out);
+            PyBuffer_Release(&view);
+            Py_RETURN_NONE; /* z - 1 would not fit int64: Python decides */
+        }
+        PyObject *item = zigzag == 0 ? PyLong_FromUnsignedLongLong(z)
+            : zigzag == 2 ? PyLong_FromLongLong((long long)z - 1)
             : (z & 1) ? PyLong_FromLongLong(-(long long)(z >> 1) - 1)
                       : PyLong_FromLongLong((long long)(z >> 1));
         if (item == NULL) {
@@ -274,6 +301,14 @@ static PyObject *
 raw_list(PyObject *self, PyObject *args)
 {
     return unpacked(args, 0);
+}
+
+/* raw_list_minus_one(buf, limit=2**26) -> list | None: raw_list, each value minus one
+ * (None too when a value is 2**63 or more). */
+static PyObject *
+raw_list_minus_one(PyObject *self, PyObject *args)
+{
+    return unpacked(args, 2);
 }
 
 /* raw_signed_list(buf, limit=2**26) -> list | None: raw_list, zig-zag decoded. */
@@ -1098,6 +1133,54 @@ done:
     return out;
 }
 
+/* split_rows(keys, lengths, flat) -> dict | None: {keys[i]: flat[start_i:start_i +
+ * lengths[i]]} for the non-zero lengths, rows consecutive in ``flat`` (fresh lists), as
+ * engine_side.vllm.convert.split_rows_py; None unless three lists, one length per key,
+ * lengths exact ints >= 0 adding up to len(flat), and hashable keys. */
+static PyObject *
+split_rows(PyObject *self, PyObject *args)
+{
+    PyObject *keys, *lengths, *flat;
+    if (!PyArg_ParseTuple(args, "OOO", &keys, &lengths, &flat) || !PyList_CheckExact(keys)
+            || !PyList_CheckExact(lengths) || !PyList_CheckExact(flat)
+            || PyList_GET_SIZE(keys) != PyList_GET_SIZE(lengths)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *out = PyDict_New();
+    if (out == NULL) {
+        return NULL;
+    }
+    Py_ssize_t start = 0, total = PyList_GET_SIZE(flat);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
+        long long k;
+        if (as_i64(PyList_GET_ITEM(lengths, i), &k) < 0 || k < 0 || k > total - start) {
+            goto not_taken;
+        }
+        if (k == 0) {
+            continue;
+        }
+        PyObject *row = PyList_GetSlice(flat, start, start + (Py_ssize_t)k);
+        if (row == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        int failed = PyDict_SetItem(out, PyList_GET_ITEM(keys, i), row);
+        Py_DECREF(row);
+        if (failed < 0) {
+            PyErr_Clear(); /* an unhashable key: Python decides */
+            goto not_taken;
+        }
+        start += (Py_ssize_t)k;
+    }
+    if (start == total) {
+        return out;
+    }
+not_taken:
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"pack_list", pack_list, METH_O, "protocol.packing.pack_uints of a list (None: not taken)."},
     {"pack_signed_list", pack_signed_list, METH_O,
@@ -1105,6 +1188,11 @@ static PyMethodDef methods[] = {
     {"raw_list", raw_list, METH_VARARGS,
      "The raw values of a well-formed packed array (None: anything else)."},
     {"raw_signed_list", raw_signed_list, METH_VARARGS, "raw_list, zig-zag decoded."},
+    {"raw_list_minus_one", raw_list_minus_one, METH_VARARGS, "raw_list, each value minus one."},
+    {"pack_plus_one", pack_plus_one, METH_O,
+     "protocol.packing.pack_uints of each value plus one (None: not taken)."},
+    {"split_rows", split_rows, METH_VARARGS,
+     "Consecutive rows of a flat list keyed by their non-empty lengths (None: not taken)."},
     {"advance_departures", advance_departures, METH_VARARGS,
      "Positions where computed != base + nsched (None: not taken)."},
     {"output_departures", output_departures, METH_VARARGS,

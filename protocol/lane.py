@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from protocol import digest as dg
 from protocol.errors import InvalidDelta, MalformedMessage
 from protocol.messages import DeltaBody
-from protocol.packing import unpack_sint_list, unpack_uint_list
+from protocol.packing import unpack_sint_list, unpack_uint_list, unpack_uint_list_minus_one
 from protocol.planned import STEADY_BODY
 from protocol.speedups import C as _C
 
@@ -395,7 +395,7 @@ def lane_rows(body: DeltaBody, n: int) -> LaneRows | None:
             if spec.handles:
                 return None
             drafts = (unpack_uint_list(spec.counts) if spec.counts else [1] * n,
-                      [t - 1 for t in unpack_uint_list(spec.values)])
+                      unpack_uint_list_minus_one(spec.values))
         return LaneRows(
             None if computed is None else (_uints(computed.handles),
                                            unpack_sint_list(computed.values)),

@@ -115,6 +115,13 @@ def pack_uints(values: npt.ArrayLike) -> bytes:
     return head + np.packbits(bits.ravel(), bitorder="little").tobytes()
 
 
+def pack_uints_plus_one(values: list[int]) -> bytes:
+    """:func:`pack_uints` of each value plus one (draft tokens travel so: vLLM's ``-1``
+    placeholders pack as unsigned); one C call when the speedups are built."""
+    packed = _C.pack_plus_one(values) if _C is not None else None
+    return packed if packed is not None else pack_uints([v + 1 for v in values])
+
+
 def pack_row_counts(counts: list[int] | npt.NDArray[np.int64]) -> bytes:
     """A ``Rows.counts`` field: empty when every row holds exactly one value (the
     meaning of empty counts), else :func:`pack_uints`."""
@@ -176,6 +183,13 @@ def unpack_uint_list(buf: bytes, *, limit: int = 1 << 26) -> list[int]:
     if out and buf[0] == 64 and max(out) > _INT64_MAX:
         raise MalformedMessage("packed value does not fit int64")
     return out
+
+
+def unpack_uint_list_minus_one(buf: bytes, *, limit: int = 1 << 26) -> list[int]:
+    """:func:`unpack_uint_list`, each value minus one (the inverse of
+    :func:`pack_uints_plus_one`)."""
+    out = _C.raw_list_minus_one(buf, limit) if _C is not None else None
+    return out if out is not None else [v - 1 for v in unpack_uint_list(buf, limit=limit)]
 
 
 def _unpack_raw(buf: bytes, limit: int) -> npt.NDArray[np.uint64] | npt.NDArray[np.int64]:

@@ -128,6 +128,51 @@ def test_raw_list_matches_the_reference_on_any_bytes(buf: bytes) -> None:
         assert signed is None
     else:
         assert signed == [v >> 1 if not v & 1 else -(v >> 1) - 1 for v in expected]
+    fits = expected is not None and max(expected, default=0) < 1 << 63
+    assert C.raw_list_minus_one(buf) == ([v - 1 for v in expected] if fits else None)  # type: ignore[union-attr]
+
+
+@needs_c
+@given(st.one_of(st.lists(st.integers(-1, (1 << 63) - 2), max_size=130),
+                 st.lists(st.integers(-1, 600), max_size=300), st.lists(ITEMS, max_size=8)))
+@example([(1 << 63) - 1])  # plus one leaves int64
+@example([-2])
+def test_draft_tokens_pack_plus_one_and_back(values: list[object]) -> None:
+    """Draft tokens travel as token + 1: C agrees with ``pack_uints`` of the shifted list,
+    refuses what the reference would not take, and unpacking gives the tokens back."""
+    assert C is not None
+    taken = all(type(v) is int and -1 <= v < (1 << 63) - 1 for v in values)  # type: ignore[operator]
+    packed = C.pack_plus_one(values)
+    assert packed == (_pure_pack([v + 1 for v in values]) if taken else None)  # type: ignore[operator]
+    if taken:
+        assert packing.pack_uints_plus_one(values) == packed  # type: ignore[arg-type]
+        assert packing.unpack_uint_list_minus_one(packed) == values
+
+
+@needs_c
+@given(st.lists(st.integers(0, 5), max_size=40), st.data())
+def test_split_rows_matches_the_reference(lengths: list[int], data: st.DataObject) -> None:
+    from engine_side.vllm.convert import split_rows_py
+
+    assert C is not None
+    keys = [f"r{i}" for i in range(len(lengths))]
+    flat = list(range(sum(lengths)))
+    got = C.split_rows(keys, lengths, flat)
+    assert got == split_rows_py(keys, lengths, flat)
+    assert all(got[k] is not flat for k in got)
+    bad = data.draw(st.sampled_from(["short", "long", "negative", "not int", "unhashable"]))
+    if bad == "short":
+        assert C.split_rows(keys, lengths, flat[:-1]) is None or not flat
+    elif bad == "long":
+        assert C.split_rows(keys, lengths, [*flat, 9]) is None
+    elif bad == "negative" and lengths:
+        assert C.split_rows(keys, [-1, *lengths[1:]], flat) is None
+    elif bad == "not int" and lengths:
+        assert C.split_rows(keys, [1.0, *lengths[1:]], flat) is None
+    elif bad == "unhashable" and lengths and lengths[0]:
+        assert C.split_rows([[], *keys[1:]], lengths, flat) is None
+    assert C.split_rows(tuple(keys), lengths, flat) is None
+    assert C.split_rows(keys, lengths + [1], flat) is None
 
 
 @needs_c

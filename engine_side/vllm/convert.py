@@ -406,6 +406,24 @@ def singletons(items: list[Any]) -> list[list[Any]]:
     return made if made is not None else [[item] for item in items]
 
 
+def split_rows(keys: list[str], lengths: list[int], flat: list[int]) -> dict[str, list[int]]:
+    """``{keys[i]: row i}`` for the rows of non-zero length, rows consecutive in ``flat``
+    (fresh lists; a step's draft tokens by request); one C call when built.  The caller
+    vouches that the lengths are one per key and add up to ``len(flat)``."""
+    got = _C.split_rows(keys, lengths, flat) if _C is not None else None
+    return got if got is not None else split_rows_py(keys, lengths, flat)
+
+
+def split_rows_py(keys: list[str], lengths: list[int], flat: list[int]) -> dict[str, list[int]]:
+    """:func:`split_rows` without the speedups (the reference)."""
+    out, start = {}, 0
+    for key, n in zip(keys, lengths, strict=True):
+        if n:
+            out[key] = flat[start:start + n]
+            start += n
+    return out
+
+
 def index_is_positions(index: dict[str, int], req_ids: list[str]) -> bool:
     """``list(index) == req_ids`` and its values are ``0..n-1`` (vLLM's usual
     req_id_to_index), without building the lists when C is built."""

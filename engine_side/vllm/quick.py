@@ -31,7 +31,7 @@ import numpy as np
 from engine_side.vllm.schema import StepExt
 from protocol.lane import NO_ROWS, LaneRows
 from protocol.messages import DeltaBody, Rows
-from protocol.packing import pack_row_counts, pack_sints, pack_uints
+from protocol.packing import pack_row_counts, pack_sints, pack_uints, pack_uints_plus_one
 from protocol.plan import STEADY_BODY
 from protocol.speedups import C as _C
 
@@ -394,7 +394,7 @@ class QuickEncoder:
             for i, k in zip(at, lens, strict=True):
                 lengths[i] = k
         flat = list(chain.from_iterable(drafts.values()))
-        rows = Rows(counts=pack_uints(lengths), values=pack_uints(list(map(add, flat, repeat(1)))))
+        rows = Rows(counts=pack_uints(lengths), values=pack_uints_plus_one(flat))
         return rows, (lengths, flat)
 
 

@@ -15,6 +15,7 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
+from engine_side.vllm.convert import split_rows
 from engine_side.vllm.quick import Forecast
 from engine_side.vllm.schema import StepExt
 from protocol.lane import LaneRows, lane_rows, lane_shaped
@@ -223,10 +224,4 @@ class QuickDecoder:
     def _drafts(self, rows: tuple[list[int], list[int]] | None) -> dict[str, list[int]]:
         if rows is None:
             return {}
-        lengths, flat = rows
-        out, start, batch = {}, 0, self.batch
-        for i in [i for i, n in enumerate(lengths) if n]:
-            end = start + lengths[i]
-            out[batch[i]] = flat[start:end]
-            start = end
-        return out
+        return split_rows(self.batch, *rows)
