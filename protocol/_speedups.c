@@ -1133,6 +1133,67 @@ done:
     return out;
 }
 
+/* draft_rows(drafts, pos, n) -> (lengths: list, flat: list) | None: a step's draft
+ * tokens by batch position, as engine_side.vllm.convert.draft_rows_py: ``lengths[i]``
+ * the number of tokens of the request at position ``pos[key]`` (0 for none), ``flat``
+ * every token in dict order.  None unless ``drafts`` is a dict of non-empty lists whose
+ * keys ``pos`` (a dict) maps to strictly increasing exact ints in [0, n). */
+static PyObject *
+draft_rows(PyObject *self, PyObject *args)
+{
+    PyObject *drafts, *pos;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OOn", &drafts, &pos, &n) || !PyDict_CheckExact(drafts)
+            || !PyDict_CheckExact(pos) || n < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *lengths = PyList_New(n), *flat = PyList_New(0);
+    if (lengths == NULL || flat == NULL) {
+        Py_XDECREF(lengths);
+        Py_XDECREF(flat);
+        return NULL;
+    }
+    PyObject *zero = PyLong_FromLong(0);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_INCREF(zero);
+        PyList_SET_ITEM(lengths, i, zero);
+    }
+    Py_DECREF(zero);
+    Py_ssize_t at = 0, last = -1;
+    PyObject *key, *row;
+    while (PyDict_Next(drafts, &at, &key, &row)) {
+        PyObject *where = PyDict_GetItemWithError(pos, key); /* borrowed */
+        long long p;
+        if (where == NULL || as_i64(where, &p) < 0 || p <= last || p >= n
+                || !PyList_CheckExact(row) || PyList_GET_SIZE(row) == 0) {
+            goto not_taken;
+        }
+        PyObject *count = PyLong_FromSsize_t(PyList_GET_SIZE(row));
+        if (count == NULL) {
+            goto fail;
+        }
+        PyList_SetItem(lengths, (Py_ssize_t)p, count); /* steals count */
+        if (PyList_SetSlice(flat, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, row) < 0) {
+            goto fail;
+        }
+        last = (Py_ssize_t)p;
+    }
+    PyObject *out = PyTuple_Pack(2, lengths, flat);
+    Py_DECREF(lengths);
+    Py_DECREF(flat);
+    return out;
+not_taken:
+    PyErr_Clear(); /* an unhashable key included: Python decides */
+    Py_DECREF(lengths);
+    Py_DECREF(flat);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(lengths);
+    Py_DECREF(flat);
+    return NULL;
+}
+
 /* split_rows(keys, lengths, flat) -> dict | None: {keys[i]: flat[start_i:start_i +
  * lengths[i]]} for the non-zero lengths, rows consecutive in ``flat`` (fresh lists), as
  * engine_side.vllm.convert.split_rows_py; None unless three lists, one length per key,
@@ -1191,6 +1252,8 @@ static PyMethodDef methods[] = {
     {"raw_list_minus_one", raw_list_minus_one, METH_VARARGS, "raw_list, each value minus one."},
     {"pack_plus_one", pack_plus_one, METH_O,
      "protocol.packing.pack_uints of each value plus one (None: not taken)."},
+    {"draft_rows", draft_rows, METH_VARARGS,
+     "A step's draft tokens as lengths by batch position and one flat list (None: not taken)."},
     {"split_rows", split_rows, METH_VARARGS,
      "Consecutive rows of a flat list keyed by their non-empty lengths (None: not taken)."},
     {"advance_departures", advance_departures, METH_VARARGS,

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -603,3 +604,31 @@ def test_row_functions_refuse_what_they_cannot_take() -> None:
     assert C.row_rebuild(b"", b"abcd", [1, 0], 2) is None  # fresh rows out of order
     assert C.row_rebuild(b"", b"abcd", [0, 0], 2) is None  # a fresh row never used
     assert C.row_rebuild(b"", b"ab", [0, 0], 2) == (bytearray(b"abab"), b"ab")
+
+
+@needs_c
+@given(st.lists(st.tuples(st.integers(0, 9), st.lists(st.integers(-1, 500), max_size=4)),
+                max_size=8),
+       st.sampled_from(["dict", "unknown key", "tuple row", "n small", "bool position"]))
+def test_draft_rows_matches_the_reference(entries: list[tuple[int, list[int]]], twist: str) -> None:
+    """Draft tokens by batch position: C takes exactly the dicts the reference takes
+    (non-empty lists, known keys, strictly increasing positions below n)."""
+    from engine_side.vllm.convert import draft_rows_py
+
+    assert C is not None
+    pos: dict[str, Any] = {f"r{i}": i for i in range(10)}
+    drafts: dict[str, Any] = {f"r{p}": row for p, row in entries}
+    n = 10
+    if twist == "unknown key" and drafts:
+        drafts["nope"] = [1]
+    elif twist == "tuple row" and drafts:
+        drafts[next(iter(drafts))] = (1,)
+    elif twist == "n small":
+        n = 3
+    elif twist == "bool position":
+        pos["r1"] = True
+    want = draft_rows_py(drafts, pos, n)
+    assert C.draft_rows(drafts, pos, n) == want
+    if want is not None:
+        lengths, flat = want
+        assert sum(lengths) == len(flat) and len(lengths) == n

@@ -406,6 +406,30 @@ def singletons(items: list[Any]) -> list[list[Any]]:
     return made if made is not None else [[item] for item in items]
 
 
+def draft_rows(drafts: Any, pos: dict[str, int], n: int) -> tuple[list[int], list[int]] | None:
+    """A step's draft tokens (``scheduled_spec_decode_tokens``) as (tokens per batch
+    position, every token in dict order), ``pos`` mapping ids to positions; None unless
+    non-empty lists keyed in strictly increasing batch order.  One C call when built."""
+    got = _C.draft_rows(drafts, pos, n) if _C is not None else None
+    return got if got is not None else draft_rows_py(drafts, pos, n)
+
+
+def draft_rows_py(drafts: Any, pos: dict[str, int], n: int,
+                  ) -> tuple[list[int], list[int]] | None:
+    """:func:`draft_rows` without the speedups (the reference)."""
+    if type(drafts) is not dict:
+        return None
+    lengths, flat, last = [0] * n, [], -1
+    for key, row in drafts.items():
+        p = pos.get(key)
+        if type(p) is not int or not last < p < n or type(row) is not list or not row:
+            return None
+        lengths[p] = len(row)
+        flat += row
+        last = p
+    return lengths, flat
+
+
 def split_rows(keys: list[str], lengths: list[int], flat: list[int]) -> dict[str, list[int]]:
     """``{keys[i]: row i}`` for the rows of non-zero length, rows consecutive in ``flat``
     (fresh lists; a step's draft tokens by request); one C call when built.  The caller

@@ -22,12 +22,13 @@ actual lists); :meth:`QuickEncoder.body` keeps no reference to the SchedulerOutp
 from __future__ import annotations
 
 from itertools import chain, compress, repeat
-from operator import add, attrgetter, itemgetter, lt, ne, sub
+from operator import add, attrgetter, itemgetter, ne, sub
 from typing import Any, Literal
 
 import msgspec
 import numpy as np
 
+from engine_side.vllm.convert import draft_rows
 from engine_side.vllm.schema import StepExt
 from protocol.lane import NO_ROWS, LaneRows
 from protocol.messages import DeltaBody, Rows
@@ -377,25 +378,14 @@ class QuickEncoder:
     def _spec(self, drafts: dict[str, list[int]],
               ) -> tuple[Rows, tuple[list[int], list[int]]] | Literal[True] | None:
         """Speculative tokens as aligned rows and as (tokens per position, flat tokens)
-        (True: none); None unless in batch order."""
+        (True: none); None unless non-empty lists in batch order."""
         if not drafts:
             return True
-        at = list(map(self.pos.get, drafts, repeat(-1)))  # C-level maps and checks
-        try:
-            lens = list(map(len, drafts.values()))
-        except TypeError:
-            return None  # not lists: the general path decides
-        if -1 in at or 0 in lens or not all(map(lt, at, at[1:])):
+        got = draft_rows(drafts, self.pos, len(self.batch))
+        if got is None:
             return None  # an unknown request, an empty list, or out of batch order
-        if len(at) == len(self.batch):
-            lengths = lens  # every request drafted (positions 0..n-1, increasing)
-        else:
-            lengths = [0] * len(self.batch)
-            for i, k in zip(at, lens, strict=True):
-                lengths[i] = k
-        flat = list(chain.from_iterable(drafts.values()))
-        rows = Rows(counts=pack_uints(lengths), values=pack_uints_plus_one(flat))
-        return rows, (lengths, flat)
+        lengths, flat = got
+        return Rows(counts=pack_uints(lengths), values=pack_uints_plus_one(flat)), got
 
 
 def _one_block_group(grown: list[int], new_blocks: list[Any],

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from functools import cache
 from itertools import repeat
-from operator import attrgetter
+from operator import add, attrgetter
 from typing import Any
 
 from engine_side.vllm.convert import split_rows
@@ -178,14 +178,14 @@ class QuickDecoder:
                 ext: StepExt) -> tuple[list[int], list[int]]:
         """Fresh (computed, outputs) lists; advances the forecast."""
         fc = self.forecast
-        comp, outs = fc.take()
-        computed = list(comp)
-        if rows is not None:
-            for i, d in zip(*rows, strict=True):
+        if rows is None:
+            comp, outs = fc.take()
+            computed, outputs = list(comp), list(outs)
+        else:  # departures: the advance from the basis, corrected (no forecast row made)
+            computed = list(map(add, fc.basis(), fc.nsched))
+            for i, d in zip(*rows, strict=True):  # (signed: add_at takes counts >= 0)
                 computed[i] += d
             outputs = fc.outputs(computed)
-        else:
-            outputs = list(outs)
         if rows is None and nsched is self.nsched:
             fc.advanced()
         else:
