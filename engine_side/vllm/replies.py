@@ -17,11 +17,10 @@ from typing import Any
 import msgspec
 
 from engine_side.vllm.convert import RefTable, singletons, unseal
-from engine_side.vllm.schema import LogprobsWire, ReplyMsg
+from engine_side.vllm.schema import LogprobsWire, ReplyMsg, decode_frames
 from protocol import codec
 from protocol.errors import MalformedMessage, RemoteProtocolError
 from protocol.packing import unpack_sint_list, unpack_uint_list
-from protocol.tensors import make_ext_hook
 
 #: single-frame replies (the common ones): a tensor reference is malformed, so one shared
 #: decoder serves them (the others need a hook over their own frames)
@@ -83,12 +82,7 @@ def decode_reply(frames: list[Any], batches: dict[int, list[str]], secret: bytes
     """ModelRunnerOutput (or None) from a worker's reply frames."""
     ModelRunnerOutput, SamplingMaskLists = _output_types()  # noqa: N806 - classes
 
-    decoder = _REPLY if len(frames) == 1 else \
-        msgspec.msgpack.Decoder(ReplyMsg, ext_hook=make_ext_hook(frames[1:], copy=True))
-    try:
-        msg = decoder.decode(frames[0])
-    except (msgspec.DecodeError, ValueError, TypeError) as exc:
-        raise MalformedMessage("reply frames do not decode", cause=str(exc)[:200]) from exc
+    msg = decode_frames(frames, _REPLY, ReplyMsg, "reply")
     if msg.none:
         return None
     if msg.seq not in batches:

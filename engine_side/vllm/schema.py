@@ -23,6 +23,7 @@ import numpy as np
 from protocol.errors import LocalProtocolError, MalformedMessage
 from protocol.packing import pack_uints, unpack_uints
 from protocol.speedups import C as _C
+from protocol.tensors import make_ext_hook
 
 SUPPORTED_VLLM = "0.32"  # vLLM minor series this schema was read from
 
@@ -397,3 +398,16 @@ class ReplyMsg(_Map, frozen=True):
     masks: tuple[Any, Any, list[int] | None] | None = msgspec.field(default=None, name="sm")
     sealed: bytes = msgspec.field(default=b"", name="k")
     none: bool = msgspec.field(default=False, name="z")
+
+
+def decode_frames(frames: list[Any], single: msgspec.msgpack.Decoder[Any], kind: type,
+                  what: str) -> Any:
+    """Frame 0 of a GrammarMsg or ReplyMsg as ``kind``, its tensors from the other frames
+    (copied); ``single`` serves one-frame messages (no hook state to set up).  Raises
+    MalformedMessage naming ``what`` for frames that do not decode."""
+    decoder = single if len(frames) == 1 else \
+        msgspec.msgpack.Decoder(kind, ext_hook=make_ext_hook(frames[1:], copy=True))
+    try:
+        return decoder.decode(frames[0])
+    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+        raise MalformedMessage(f"{what} frames do not decode", cause=str(exc)[:200]) from exc

@@ -43,6 +43,7 @@ from engine_side.vllm.schema import (
     NewFix,
     ReplyMsg,
     StepExt,
+    decode_frames,
     expand,
     inflate,
 )
@@ -55,7 +56,7 @@ from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uint_l
 from protocol.plan import STEADY_BODY
 from protocol.request import ExecuteModelRequest, IntArray, Ragged
 from protocol.state import ReplicaState
-from protocol.tensors import make_enc_hook, make_ext_hook
+from protocol.tensors import make_enc_hook
 from worker_side.shm_reader import ShmReader
 from worker_side.vllm.mm import StoreResolver, features_from_refs, fresh
 from worker_side.vllm.quick import NO_EXT, QuickDecoder, plain, vllm_types
@@ -386,12 +387,7 @@ class SchedulerOutputDecoder:
         """The GrammarOutput sent with the step just decoded (None stays None)."""
         if len(frames) == 1 and not bytes(frames[0]):
             return None
-        dec = _GRAMMAR if len(frames) == 1 else \
-            msgspec.msgpack.Decoder(GrammarMsg, ext_hook=make_ext_hook(frames[1:], copy=True))
-        try:
-            msg = dec.decode(frames[0])
-        except (msgspec.DecodeError, ValueError, TypeError) as exc:
-            raise MalformedMessage("grammar frames do not decode", cause=str(exc)[:200]) from exc
+        msg = decode_frames(frames, _GRAMMAR, GrammarMsg, "grammar")
         if msg.seq not in self.batches:
             raise InvalidDelta("grammar output for an unknown step", seq=msg.seq)
         batch, last = self.batches[msg.seq], self._last_grammar
