@@ -942,6 +942,22 @@ first_use_rows(const Py_ssize_t *ids, Py_ssize_t n, Py_ssize_t total,
     return out;
 }
 
+/* Both buffers, C-contiguous: 0, or -1 with neither held and no error set. */
+static int
+two_buffers(PyObject *a, PyObject *b, Py_buffer *va, Py_buffer *vb)
+{
+    if (PyObject_GetBuffer(a, va, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    if (PyObject_GetBuffer(b, vb, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        PyBuffer_Release(va);
+        return -1;
+    }
+    return 0;
+}
+
 /* row_refs(table, rows, width) -> (refs: list, fresh: bytes, table: bytes) | None: each
  * row of ``rows`` as the id of the first equal row (table rows first, then the rows no
  * earlier row equals -- the fresh ones, concatenated in order in ``fresh``); ``table``:
@@ -957,13 +973,7 @@ row_refs(PyObject *self, PyObject *args)
         Py_RETURN_NONE;
     }
     Py_buffer tv, rv;
-    if (PyObject_GetBuffer(table_obj, &tv, PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    if (PyObject_GetBuffer(rows_obj, &rv, PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Clear();
-        PyBuffer_Release(&tv);
+    if (two_buffers(table_obj, rows_obj, &tv, &rv) < 0) {
         Py_RETURN_NONE;
     }
     PyObject *refs = NULL, *fresh = NULL, *next = NULL, *out = NULL;
@@ -1059,13 +1069,7 @@ row_rebuild(PyObject *self, PyObject *args)
         Py_RETURN_NONE;
     }
     Py_buffer tv, fv;
-    if (PyObject_GetBuffer(table_obj, &tv, PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    if (PyObject_GetBuffer(fresh_obj, &fv, PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Clear();
-        PyBuffer_Release(&tv);
+    if (two_buffers(table_obj, fresh_obj, &tv, &fv) < 0) {
         Py_RETURN_NONE;
     }
     PyObject *rows = NULL, *next = NULL, *out = NULL;

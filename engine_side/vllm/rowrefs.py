@@ -25,7 +25,6 @@ import numpy as np
 
 from engine_side.vllm.schema import (
     DEFLATE_MAX,
-    MAX_INFLATED,
     Deflated,
     RowRefs,
     SparseWords,
@@ -88,7 +87,7 @@ class RowTable:
         self.dtype = ""
         self.width = 0
         self.rows = b""
-        self._np: Any = None  # the numpy dtype of ``dtype``
+        self._np: Any = None  # encoding: the numpy dtype of ``dtype`` (an identity check)
 
     def encode(self, a: Any) -> tuple[RowRefs, Deflated | None, SparseWords | None] | None:
         """(the references with the raw fresh rows, or the fresh rows deflated or as sparse
@@ -124,13 +123,10 @@ class RowTable:
         writable array; the table advanced.  Raises MalformedMessage for references that
         do not fit the rows, RemoteProtocolError for a table we do not hold -- in both
         cases before anything changed."""
-        dtype = self._np if r.dtype == self.dtype and self._np is not None else \
-            int_array_type(r.dtype, (), "row refs")[0]
-        shape = r.shape
-        if len(shape) != 2 or shape[0] <= 0 or shape[1] <= 0 \
-                or shape[0] * shape[1] * dtype.itemsize > MAX_INFLATED:
-            raise MalformedMessage("row refs: not a non-empty 2-D bitmask", shape=shape[:8])
-        width, t = shape[1] * dtype.itemsize, r.table
+        dtype, _ = int_array_type(r.dtype, r.shape, "row refs")
+        if len(r.shape) != 2 or not r.shape[0] or not r.shape[1]:
+            raise MalformedMessage("row refs: not a non-empty 2-D bitmask", shape=r.shape[:8])
+        width, t = r.shape[1] * dtype.itemsize, r.table
         if t and (t * width != len(self.rows) or width != self.width or r.dtype != self.dtype):
             raise RemoteProtocolError("row refs: a table we do not hold", table=t,
                                       ours=len(self.rows) // max(self.width, 1))
@@ -141,7 +137,7 @@ class RowTable:
         table = self.rows if t else b""
         got = _C.row_rebuild(table, raw, refs, width) if _C is not None else None
         out, self.rows = got if got is not None else row_rebuild_py(table, raw, refs, width)
-        self.dtype, self.width, self._np = r.dtype, width, dtype
+        self.dtype, self.width = r.dtype, width
         return np.frombuffer(out, dtype).reshape(r.shape)
 
 

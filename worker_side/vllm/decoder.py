@@ -206,9 +206,6 @@ class SchedulerOutputDecoder:
         if body == STEADY_BODY:
             self.lane.steady(msg.digest)
             blocks = None
-        elif not body.block_append and plain(body):  # the forecast step with flags
-            self.lane.steady(msg.digest, body)
-            blocks = None
         else:
             blocks = quick.blocks(body) if plain(body) else None
             if blocks is None or self.lane.step(body, blocks, msg.digest, NO_ROWS) is None:
