@@ -8,5 +8,7 @@ and deltacast runs on its pure-Python paths (same bytes, slower);
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("protocol._speedups", ["protocol/_speedups.c"],
-                             extra_compile_args=["-O2"], optional=True)])
+setup(ext_modules=[Extension("protocol._speedups",
+                             ["protocol/_speedups.c", "protocol/_speedups_step.c"],
+                             depends=["protocol/_speedups.h"], extra_compile_args=["-O2"],
+                             optional=True)])

@@ -196,11 +196,45 @@ class SteadyLane:
         for g, (pos, rows_n, values), (hs, starts, terms, _) in planned:
             self._commit(g, pos, rows_n, values, hs, starts, terms)
         self._commit_counts(*counts[1:])
+        self._taken(digest, body)
+        return digest
+
+    def appended(self, rows: Appends, expected_digest: int | None = None,
+                 body: DeltaBody = STEADY_BODY, own: bool = False) -> int | None:
+        """``step(body, [rows], expected_digest, NO_ROWS, own_appends=own)``: a lane body
+        without count exceptions or drafts whose one block change is one KV group's
+        appends ``rows`` (non-empty), taken without the general step's branches -- the
+        common step of a large batch, where some request crosses a block boundary.  None,
+        nothing done, when the lane has more groups or cannot take the rows
+        (:meth:`step` then decides)."""
+        if self.steps == 0 and self.version != self.state.version:
+            self._open()
+        if len(self.lengths) != 1 or not rows[0]:
+            return None
+        plan = self._plan(0, rows, own)
+        if plan is None:
+            return None
+        hs, starts, terms, total = plan
+        digest = (self.digest + self.advance + total) & dg.MASK
+        if expected_digest is not None and digest != expected_digest:
+            raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
+        self._commit(0, *rows, hs, starts, terms)
+        self._advanced()
+        self._taken(digest, body)
+        return digest
+
+    def _advanced(self) -> None:
+        """:meth:`_commit_counts` of no exceptions."""
+        self.segments[-1][1] += 1
+        if self.comp is not None:
+            self.comp = list(map(add, self.comp, self.nsched))
+
+    def _taken(self, digest: int, body: DeltaBody) -> None:
+        """The step is journaled: its digest and body are the lane's last."""
         self.digest, self.last = digest, body
         self.steps += 1
         if self.rows > MAX_ROWS or len(self.segments) > MAX_SEGMENTS:
             self.settle()
-        return digest
 
     def steady(self, expected_digest: int | None = None, body: DeltaBody = STEADY_BODY) -> int:
         """:meth:`step` of the empty body (the steady decode step: every scheduled request
@@ -212,13 +246,8 @@ class SteadyLane:
         digest = (self.digest + self.advance) & dg.MASK
         if expected_digest is not None and digest != expected_digest:
             raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
-        self.segments[-1][1] += 1  # _commit_counts of no exceptions
-        if self.comp is not None:
-            self.comp = list(map(add, self.comp, self.nsched))
-        self.digest, self.last = digest, body
-        self.steps += 1
-        if self.rows > MAX_ROWS or len(self.segments) > MAX_SEGMENTS:
-            self.settle()
+        self._advanced()
+        self._taken(digest, body)
         return digest
 
     def _plan(self, g: int, rows: Appends, own: bool = False,
@@ -302,10 +331,8 @@ class SteadyLane:
 
     def _commit_counts(self, at: list[int], moves: list[int], nsched: list[int] | None,
                        advance: int) -> None:
-        self.segments[-1][1] += 1  # this step advanced by the counts before its exceptions
+        self._advanced()  # this step advanced by the counts before its exceptions
         comp = self.comp
-        if comp is not None:
-            comp = self.comp = list(map(add, comp, self.nsched))
         for p, d in zip(at, moves, strict=True):
             self.extra[p] = self.extra.get(p, 0) + d
             if comp is not None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from replica_bodies import first_body
 
 from protocol.errors import InvalidDelta, MalformedMessage
-from protocol.lane import MAX_ROWS, Appends, SteadyLane
+from protocol.lane import MAX_ROWS, NO_ROWS, Appends, SteadyLane, lane_rows, lane_shaped
 from protocol.messages import DeltaBody, Rows
 from protocol.packing import pack_sints, pack_uints
 from protocol.plan import STEADY_BODY
@@ -102,9 +102,15 @@ def _well_formed(appends: list[Appends], n: int) -> bool:
 
 
 def _lane_apply(lane: SteadyLane, state: ReplicaState, body: DeltaBody, appends: list[Appends],
-                expected: int | None, own: bool = False) -> None:
+                expected: int | None, own: bool = False, quick: bool = False) -> None:
     """The adapter's use: the lane when it takes the body, else settle and apply
-    (``own``: the appends are vouched for, as the engine's own)."""
+    (``own``: the appends are vouched for, as the engine's own; ``quick``: a body of one
+    group's appends and no count or draft rows goes to ``appended`` first, as the
+    adapter's same-batch steps do)."""
+    if (quick and len(appends) == 1 and lane_shaped(body)
+            and lane_rows(body, len(state.schedule)) is NO_ROWS
+            and lane.appended(appends[0], expected, body, own) is not None):
+        return
     if lane.step(body, appends, expected, own_appends=own) is None:  # not lane-shaped
         lane.settle()
         state.apply(body, expected_digest=expected)
@@ -135,7 +141,8 @@ def test_the_lane_equals_applying_every_body(n: int, groups: int, data: st.DataO
         expected = None if data.draw(st.integers(0, 5)) else data.draw(
             st.sampled_from([reference.digest, 12345]))
         own = _well_formed(appends, n) and data.draw(st.booleans())
-        error = _outcome(_lane_apply, lane, laned, body, appends, expected, own)
+        quick = data.draw(st.booleans())
+        error = _outcome(_lane_apply, lane, laned, body, appends, expected, own, quick)
         assert error == _outcome(reference.apply, body, expected)
         assert (lane.digest if lane.steps else laned.digest) == reference.digest
         if data.draw(st.integers(0, 3)) == 0:
@@ -162,6 +169,25 @@ def test_a_digest_mismatch_changes_nothing() -> None:
     assert lane.step(body, appends, reference.digest) == reference.digest
     lane.settle()
     _same_state(state, reference)
+
+
+def test_appended_refuses_what_step_must_decide() -> None:
+    """``appended`` takes one KV group's non-empty appends only; anything else is
+    None with nothing done (the adapter then calls ``step``)."""
+    two = ReplicaState(kv_groups=2)
+    two.apply(first_body(4, 2))
+    lane = SteadyLane(two)
+    assert lane.appended(([1], [1], [77]), None) is None  # two groups
+    one = ReplicaState()
+    one.apply(first_body(4, 1))
+    lane = SteadyLane(one)
+    assert lane.appended(([], [], []), None) is None  # no rows
+    assert lane.appended(([9], [1], [77]), None) is None  # position not scheduled
+    assert lane.appended(([1], [1], [1 << 40]), None, own=True) is None  # id past int32
+    assert lane.steps == 0 and lane.digest == one.digest
+    with pytest.raises(InvalidDelta, match="digest mismatch"):
+        lane.appended(([1], [1], [77]), expected_digest=1)
+    assert lane.steps == 0 and lane.digest == one.digest
 
 
 def test_the_lane_settles_itself_before_its_journal_grows_unbounded() -> None:

@@ -290,6 +290,38 @@ def test_departures_match_the_forecast_comparisons(data: st.DataObject) -> None:
 
 
 @needs_c
+@given(st.data())
+def test_forecast_rows_match_the_python_rows(data: st.DataObject) -> None:
+    """forecast_rows is the Forecast's Python row, k times over: computed advanced by
+    j * nsched, outputs clamped at 0 -- fresh lists of exact ints."""
+    assert C is not None
+    n, k = data.draw(st.integers(0, 40)), data.draw(st.integers(1, 64))
+    base, nsched, plm1 = (data.draw(st.lists(I64_SMALL, min_size=n, max_size=n))
+                          for _ in range(3))
+    comp_rows, out_rows = C.forecast_rows(base, nsched, plm1, k)
+    want = [[b + j * s for b, s in zip(base, nsched, strict=True)] for j in range(1, k + 1)]
+    assert comp_rows == want
+    assert out_rows == [[max(c - p, 0) for c, p in zip(row, plm1, strict=True)] for row in want]
+    assert all(type(v) is int for row in comp_rows + out_rows for v in row)
+    assert len({id(row) for row in comp_rows + out_rows}) == 2 * k
+
+
+@needs_c
+def test_forecast_rows_refuse_what_they_cannot_make() -> None:
+    assert C is not None
+    top = (1 << 63) - 1
+    assert C.forecast_rows([1], [1, 2], [0], 1) is None  # lengths differ
+    assert C.forecast_rows((1,), [1], [0], 1) is None  # not a list
+    assert C.forecast_rows([1], [1], [0], 0) is None  # no rows
+    assert C.forecast_rows([1], [1], [0], 65) is None  # too many rows
+    assert C.forecast_rows([True], [1], [0], 1) is None  # not an exact int
+    assert C.forecast_rows([top - 4], [2], [0], 2) == ([[top - 2], [top]], [[top - 2], [top]])
+    assert C.forecast_rows([top - 4], [2], [0], 3) is None  # the last row overflows
+    assert C.forecast_rows([-top], [0], [top], 1) is None  # an output overflows
+    assert C.forecast_rows([0], [1 << 62], [0], 4) is None  # the step times k overflows
+
+
+@needs_c
 def test_departures_refuse_what_they_cannot_compare() -> None:
     assert C is not None
     assert C.advance_departures([1], [1, 2], [0, 0]) is None  # lengths differ

@@ -107,6 +107,14 @@ class Forecast:
 
     def _build(self, computed: list[int]) -> None:
         ns, self.next = self.nsched, 0
+        if _C is not None:  # the rows in one pass: making their ints is the whole cost
+            # (the first row after a restart alone, as below)
+            got = _C.forecast_rows(computed, ns, self.plen_less_one,
+                                   ROWS if self.comp_rows else 1)
+            if got is not None:
+                self.comp_rows, self.out_rows = got
+                self._last = None
+                return
         # C-level maps, one row: small batches, and the first row after a restart (a
         # batch whose counts keep changing would pay for a table it never uses)
         if self.plen_np is None or not self.comp_rows:

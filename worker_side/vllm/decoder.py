@@ -208,7 +208,10 @@ class SchedulerOutputDecoder:
             blocks = None
         else:
             blocks = quick.blocks(body) if plain(body) else None
-            if blocks is None or self.lane.step(body, blocks, msg.digest, NO_ROWS) is None:
+            if blocks is None:
+                return None
+            if (len(blocks) != 1 or self.lane.appended(blocks[0], msg.digest, body) is None) \
+                    and self.lane.step(body, blocks, msg.digest, NO_ROWS) is None:
                 return None
             self._lengths_stale |= bool(blocks)
         self.seq = msg.seq

@@ -1,0 +1,40 @@
+/* Shared by the C speedups' source files (protocol/_speedups.c, _speedups_step.c). */
+#ifndef DELTACAST_SPEEDUPS_H
+#define DELTACAST_SPEEDUPS_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* 0 and the value of an exact int in the int64 range; -1 otherwise.  Ints of one
+ * internal digit (the counts and ids of a step) are read inline. */
+static inline int
+as_i64(PyObject *item, long long *out)
+{
+    if (!PyLong_CheckExact(item)) {
+        return -1;
+    }
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)item)) {
+        *out = (long long)PyUnstable_Long_CompactValue((PyLongObject *)item);
+        return 0;
+    }
+#else
+    Py_ssize_t digits = Py_SIZE(item);
+    if (digits >= -1 && digits <= 1) { /* 3.11's layout: the sign is the size's */
+        *out = digits == 0 ? 0 : digits * (long long)((PyLongObject *)item)->ob_digit[0];
+        return 0;
+    }
+#endif
+    int overflow = 0;
+    *out = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow || (*out == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return -1;
+    }
+    return 0;
+}
+
+/* The same-step functions of _speedups_step.c, added to the module at import. */
+extern PyMethodDef step_methods[];
+
+#endif
