@@ -410,7 +410,7 @@ output_departures(PyObject *self, PyObject *args)
  * one-KV-group step's new blocks -- each entry None or a one-element tuple or list
  * holding a non-empty list -- as the rows that grew, how many ids each, and the ids
  * in order; None for any other entry (engine_side.vllm.quick decides in Python). */
-static PyObject *
+PyObject *
 one_group_appends(PyObject *self, PyObject *arg)
 {
     if (!PyList_CheckExact(arg)) {
@@ -631,18 +631,29 @@ dict_matches(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OOO", &d, &keys, &values)) {
         return NULL;
     }
-    if (!PyDict_CheckExact(d) || !PyList_CheckExact(keys) || !PyList_CheckExact(values)) {
+    int got = dict_match(d, keys, values);
+    if (got == -2) {
         Py_RETURN_NONE;
     }
+    return got < 0 ? NULL : PyLong_FromLong(got);
+}
+
+/* dict_matches' answer as an int: 0, 1 or 2; -2 for None, -1 with an exception set. */
+int
+dict_match(PyObject *d, PyObject *keys, PyObject *values)
+{
+    if (!PyDict_CheckExact(d) || !PyList_CheckExact(keys) || !PyList_CheckExact(values)) {
+        return -2;
+    }
     if (PyDict_GET_SIZE(d) != PyList_GET_SIZE(keys)) {
-        return PyLong_FromLong(0);
+        return 0;
     }
     int same_values = PyList_GET_SIZE(values) == PyList_GET_SIZE(keys);
     Py_ssize_t pos = 0, i = 0;
     PyObject *key, *value;
     while (PyDict_Next(d, &pos, &key, &value)) {
         if (i >= PyList_GET_SIZE(keys)) { /* only if an __eq__ below grew the dict */
-            return PyLong_FromLong(0);
+            return 0;
         }
         PyObject *want = PyList_GET_ITEM(keys, i);
         if (key != want) { /* hold both: an __eq__ may change the dict or the list */
@@ -652,10 +663,10 @@ dict_matches(PyObject *self, PyObject *args)
             Py_DECREF(want);
             Py_DECREF(key);
             if (eq < 0) {
-                return NULL;
+                return -1;
             }
             if (!eq) {
-                return PyLong_FromLong(0);
+                return 0;
             }
         }
         if (same_values && i < PyList_GET_SIZE(values)) {
@@ -667,14 +678,14 @@ dict_matches(PyObject *self, PyObject *args)
                 Py_DECREF(v);
                 Py_DECREF(value);
                 if (eq < 0) {
-                    return NULL;
+                    return -1;
                 }
                 same_values = eq;
             }
         }
         i++;
     }
-    return PyLong_FromLong(i != PyList_GET_SIZE(keys) ? 0 : same_values ? 2 : 1);
+    return i != PyList_GET_SIZE(keys) ? 0 : same_values ? 2 : 1;
 }
 
 /* plan_rows(positions, counts, ids, handles, lengths, salt, k_block, k_pos, k_handle,

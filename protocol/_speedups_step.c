@@ -1,5 +1,6 @@
-/* Optional C versions of the same-batch step's per-request rows (the worker's
- * forecast of the next step's counts).
+/* Optional C versions of the same-batch step's checks and rows: the engine's test of a
+ * plain step (engine_side.vllm.quick.plain_check_py) and the worker's forecast of the
+ * next step's counts.
  *
  * Contract: as protocol/_speedups.c -- each function returns exactly what its Python
  * reference returns for the inputs it accepts and None for every input it does not
@@ -75,7 +76,189 @@ fail:
     return NULL;
 }
 
+/* Attribute names, interned once. */
+enum { A_CACHED, A_NEW_BLOCKS, A_REQ_IDS, A_SPEC, A_TOTAL, A_NSPEC, A_NSCHED, A_COMPUTED,
+       A_OUTPUTS, A_STRUCTURED, A_PENDING, A_COUNT };
+static const char *attr_names[A_COUNT] = {
+    "scheduled_cached_reqs", "new_block_ids", "req_ids", "scheduled_spec_decode_tokens",
+    "total_num_scheduled_tokens", "num_spec_tokens_to_schedule", "num_scheduled_tokens",
+    "num_computed_tokens", "num_output_tokens", "has_structured_output_requests",
+    "pending_structured_output_tokens"};
+static PyObject *attrs[A_COUNT];
+
+static int
+intern_attrs(void)
+{
+    for (int i = 0; i < A_COUNT; i++) {
+        if (attrs[i] == NULL && (attrs[i] = PyUnicode_InternFromString(attr_names[i])) == NULL) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* 1 when the lists are n long and computed[i] == basis[i] + nsched[i] and outputs[i] ==
+ * max(computed[i] - plm1[i], 0) for every i; 0 otherwise (any value not an int64). */
+static int
+on_forecast(PyObject *computed, PyObject *outputs, PyObject *basis, PyObject *nsched,
+            PyObject *plm1, Py_ssize_t n)
+{
+    PyObject *lists[5] = {computed, outputs, basis, nsched, plm1};
+    for (int k = 0; k < 5; k++) {
+        if (!PyList_CheckExact(lists[k]) || PyList_GET_SIZE(lists[k]) != n) {
+            return 0;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long c, o, b, s, p;
+        if (as_i64(PyList_GET_ITEM(computed, i), &c) < 0
+                || as_i64(PyList_GET_ITEM(outputs, i), &o) < 0
+                || as_i64(PyList_GET_ITEM(basis, i), &b) < 0
+                || as_i64(PyList_GET_ITEM(nsched, i), &s) < 0
+                || as_i64(PyList_GET_ITEM(plm1, i), &p) < 0) {
+            return 0;
+        }
+        __int128 want = (__int128)c - p;
+        if ((__int128)c != (__int128)b + s || (__int128)o != (want > 0 ? want : 0)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* 1 when ``obj`` is false, 0 when true, -1 with an exception set. */
+static int
+is_false(PyObject *obj)
+{
+    int truth = PyObject_IsTrue(obj);
+    return truth < 0 ? -1 : !truth;
+}
+
+/* The attribute ``a`` of ``obj`` (a new reference) or NULL with an exception set. */
+static inline PyObject *
+attr(PyObject *obj, int a)
+{
+    return PyObject_GetAttr(obj, attrs[a]);
+}
+
+/* plain_check(so, batch, nsched, total, basis, plen_less_one, rare, plain, one_group)
+ * -> (appends, structured, pending, computed) | None: engine_side.vllm.quick.
+ * plain_check_py in one call -- the step is the forecast step (batch, scheduled counts
+ * and their total, computed and output counts as forecast) but for one KV group's
+ * block appends (one_group_appends' rows, None for none) and the structured-output
+ * flags, and ``rare(so) == plain``.  ``computed`` is a fresh copy of the step's
+ * computed counts.  None for any other step or input (Python's paths decide). */
+static PyObject *
+plain_check(PyObject *self, PyObject *args)
+{
+    PyObject *so, *batch, *nsched, *total_obj, *basis, *plm1, *rare, *plain;
+    long long total, got_total;
+    int one_group;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOp", &so, &batch, &nsched, &total_obj, &basis, &plm1,
+                          &rare, &plain, &one_group) || intern_attrs() < 0) {
+        return NULL;
+    }
+    if (!PyList_CheckExact(batch) || as_i64(total_obj, &total) < 0) {
+        Py_RETURN_NONE; /* the lists are checked where they are read */
+    }
+    Py_ssize_t n = PyList_GET_SIZE(batch);
+    PyObject *cached = NULL, *blocks = NULL, *ids = NULL, *obj = NULL, *actual = NULL,
+             *outs = NULL, *appends = NULL, *result = NULL;
+    int ok = 0; /* 1: a plain step so far; 0: not taken; -1: an exception is set */
+#define READ(target, owner, a) if (((target) = attr((owner), (a))) == NULL) goto error
+#define FLAG(a) do { READ(obj, so, a); ok = is_false(obj); Py_CLEAR(obj); \
+                     if (ok <= 0) goto done; } while (0)
+    READ(cached, so, A_CACHED);
+    READ(blocks, cached, A_NEW_BLOCKS);
+    if (!PyList_CheckExact(blocks) || PyList_GET_SIZE(blocks) != n) {
+        goto done;
+    }
+    FLAG(A_SPEC);
+    READ(ids, cached, A_REQ_IDS);
+    if ((ok = PyObject_RichCompareBool(ids, batch, Py_EQ)) <= 0) {
+        goto done;
+    }
+    READ(obj, so, A_TOTAL);
+    ok = as_i64(obj, &got_total) == 0 && got_total == total;
+    Py_CLEAR(obj);
+    if (!ok) {
+        goto done;
+    }
+    if ((obj = PyObject_CallOneArg(rare, so)) == NULL) {
+        goto error;
+    }
+    ok = PyObject_RichCompareBool(obj, plain, Py_EQ);
+    Py_CLEAR(obj);
+    if (ok <= 0) {
+        goto done;
+    }
+    FLAG(A_NSPEC);
+    READ(obj, so, A_NSCHED);
+    ok = dict_match(obj, batch, nsched);
+    Py_CLEAR(obj);
+    if (ok == -1) {
+        goto error;
+    }
+    if (ok != 2) {
+        ok = 0;
+        goto done;
+    }
+    ok = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyList_GET_ITEM(blocks, i) != Py_None) {
+            if (!one_group) {
+                goto done;
+            }
+            if ((appends = one_group_appends(NULL, blocks)) == NULL) {
+                goto error;
+            }
+            if (appends == Py_None) {
+                goto done;
+            }
+            break;
+        }
+    }
+    READ(actual, cached, A_COMPUTED);
+    READ(outs, cached, A_OUTPUTS);
+    if (!on_forecast(actual, outs, basis, nsched, plm1, n)) {
+        goto done;
+    }
+    PyObject *structured, *pending, *copy;
+    READ(structured, so, A_STRUCTURED);
+    int s = PyObject_IsTrue(structured);
+    Py_DECREF(structured);
+    READ(pending, so, A_PENDING);
+    int p = PyObject_IsTrue(pending);
+    Py_DECREF(pending);
+    if (s < 0 || p < 0 || (copy = PyList_GetSlice(actual, 0, n)) == NULL) {
+        goto error;
+    }
+    result = Py_BuildValue("(ONNN)", appends ? appends : Py_None, PyBool_FromLong(s),
+                           PyBool_FromLong(p), copy);
+    goto finish;
+#undef FLAG
+#undef READ
+done:
+    if (ok >= 0) {
+        result = Py_NewRef(Py_None);
+        goto finish;
+    }
+error:
+    result = NULL;
+finish:
+    Py_XDECREF(cached);
+    Py_XDECREF(blocks);
+    Py_XDECREF(ids);
+    Py_XDECREF(obj);
+    Py_XDECREF(actual);
+    Py_XDECREF(outs);
+    Py_XDECREF(appends);
+    return result;
+}
+
 PyMethodDef step_methods[] = {
+    {"plain_check", plain_check, METH_VARARGS,
+     "The engine's plain-step test and its appends in one call (None: not taken)."},
     {"forecast_rows", forecast_rows, METH_VARARGS,
      "The forecast's next rows of computed and output counts (None: not taken)."},
     {NULL, NULL, 0, NULL},

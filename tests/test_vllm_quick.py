@@ -273,6 +273,69 @@ def test_generated_streams_give_the_general_paths_frames(stream: dict[str, Any],
     event(f"fast path taken: {'yes' if fast_steps[0] else 'no'}")
 
 
+def _plain_checks(enc: SchedulerOutputEncoder, so: SchedulerOutput) -> tuple[Any, Any]:
+    """The C plain_check and its Python reference on the encoder's forecast."""
+    q = enc.quick
+    fc = q.forecast
+    args = (so, q.batch, fc.nsched, fc.total, fc.basis(), fc.plen_less_one, quick._RARE,
+            quick._PLAIN, q.kv_groups == 1)
+    assert C is not None
+    return C.plain_check(*args), quick.plain_check_py(*args)
+
+
+@st.composite
+def _near_plain_steps(draw: st.DrawFn) -> SchedulerOutput:
+    """Step 2 of ``_first(), _step(1)``: plain, or off it in one or more ways."""
+    entry = st.sampled_from([None] * 6 + [([70],), ([71, 72],), ([],), ([73], [74]), [[75]]])
+    changes: dict[str, Any] = {"blocks": [draw(entry) for _ in IDS],
+                               "has_structured_output_requests": draw(st.booleans()),
+                               "pending_structured_output_tokens": draw(st.booleans())}
+    off = st.sampled_from([0, 0, 0, 1, -1])
+    if draw(st.booleans()):
+        changes["computed"] = [PROMPT + 1 + draw(off) for _ in IDS]
+    if draw(st.booleans()):
+        changes["outputs"] = [2 + draw(off) for _ in IDS]
+    if draw(st.integers(0, 4)) == 0:
+        changes["nsched"] = {rid: 1 + draw(st.integers(0, 1)) for rid in IDS}
+    if draw(st.integers(0, 4)) == 0:
+        changes["finished_req_ids"] = {"x"}
+    return _step(2, **changes)
+
+
+@pytest.mark.skipif(C is None, reason="C speedups not built")
+@settings(max_examples=200, deadline=None)
+@given(so=_near_plain_steps())
+def test_plain_check_answers_as_its_python_reference(so: SchedulerOutput) -> None:
+    """The C check takes exactly the plain steps its reference takes (these steps hold
+    exact ints), with the same answer."""
+    enc = SchedulerOutputEncoder(secret=SECRET)
+    enc.encode(_first())
+    enc.encode(_step(1))
+    c_answer, py_answer = _plain_checks(enc, so)
+    assert c_answer == py_answer
+    event(f"plain: {py_answer is not None}")
+
+
+def test_plain_check_refuses_what_is_not_a_plain_step() -> None:
+    """Hand-made departures: each makes both answers None (C never raises for them)."""
+    enc = SchedulerOutputEncoder(secret=SECRET)
+    enc.encode(_first())
+    enc.encode(_step(1))
+    assert _plain_checks(enc, _step(2, blocks=[None, ([77],), None]))[0] == (
+        ([1], [1], [77]), False, False, [PROMPT + 1] * 3)
+    for bad in (_step(2, blocks=(None, None, None)), _step(2, blocks=[None, ([],), None]),
+                _step(2, blocks=[None, ([1], [2]), None]), _step(2, blocks=[None, 5, None]),
+                _step(2, computed=[PROMPT + 1, True, PROMPT + 1]),
+                _step(2, outputs=[2, 2, 3]), _step(2, ids=["a", "c", "b"]),
+                _step(2, nsched={"a": 1, "b": 1, "c": 2}),
+                _step(2, finished_req_ids={"x"}), _step(2, num_spec_tokens_to_schedule=1),
+                _step(2, scheduled_spec_decode_tokens={"a": [1]})):
+        assert _plain_checks(enc, bad)[0] is None
+    steady = _step(2)
+    steady.total_num_scheduled_tokens = 1 << 70
+    assert _plain_checks(enc, steady) == (None, None)
+
+
 def test_quick_outputs_are_built_like_the_constructor_builds_them() -> None:
     """``made`` bypasses the dataclass __init__: it must name every field, in order,
     and the classes must have no __post_init__ or slots it would skip."""

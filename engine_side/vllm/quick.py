@@ -30,7 +30,7 @@ import numpy as np
 
 from engine_side.vllm.convert import draft_rows
 from engine_side.vllm.schema import StepExt
-from protocol.lane import NO_ROWS, LaneRows
+from protocol.lane import NO_ROWS, Appends, LaneRows
 from protocol.messages import DeltaBody, Rows
 from protocol.packing import pack_row_counts, pack_sints, pack_uints, pack_uints_plus_one
 from protocol.plan import STEADY_BODY
@@ -212,38 +212,24 @@ class QuickEncoder:
     def plain_step(self, so: Any) -> DeltaBody | None:
         """The body of ``so`` when it is exactly the forecast step but for one KV group's
         block appends and the structured-output flags -- :data:`STEADY_BODY` when it has
-        none -- found with C comparisons alone (the forecast then advances,
-        :attr:`appends` and :attr:`rows` are set as :meth:`body` sets them); None,
-        nothing changed, for any other step (:meth:`body` decides)."""
-        if not self.ready or _C is None:
+        none -- found by one C call (:func:`plain_check_py` without the speedups; the
+        forecast then advances, :attr:`appends` and :attr:`rows` are set as :meth:`body`
+        sets them); None, nothing changed, for any other step (:meth:`body` decides)."""
+        if not self.ready:
             return None
-        cached, batch, fc = so.scheduled_cached_reqs, self.batch, self.forecast
-        new_blocks = cached.new_block_ids
-        if type(new_blocks) is not list or len(new_blocks) != len(batch):
-            return None  # the general path decides (and refuses a list of another length)
-        appends = new_blocks.count(None) != len(batch)
-        # the checks that most often fail first: a step that is not plain pays little
-        if ((appends and self.kv_groups != 1) or so.scheduled_spec_decode_tokens
-                or cached.req_ids != batch or so.total_num_scheduled_tokens != fc.total
-                or not _plain(so) or so.num_spec_tokens_to_schedule
-                or _C.dict_matches(so.num_scheduled_tokens, batch, fc.nsched) != 2):
-            return None
-        got = _C.one_group_appends(new_blocks) if appends else None
-        if appends and got is None:
-            return None  # not one group's lists of ids: body() decides
-        actual = cached.num_computed_tokens
-        if (_C.advance_departures(actual, fc.basis(), fc.nsched) != []
-                or _C.output_departures(cached.num_output_tokens, actual, fc.plen_less_one)
-                != []):
-            return None  # a departure, or lists C does not take
-        fc.rebase(list(actual), fc.nsched, True)
-        self.rows = NO_ROWS
-        structured = bool(so.has_structured_output_requests)  # the flags, as body() sets them
-        pending = bool(so.pending_structured_output_tokens)
+        fc = self.forecast
+        got = (_C.plain_check if _C is not None else plain_check_py)(
+            so, self.batch, fc.nsched, fc.total, fc.basis(), fc.plen_less_one, _RARE, _PLAIN,
+            self.kv_groups == 1)
         if got is None:
+            return None
+        appends, structured, pending, actual = got
+        fc.rebase(actual, fc.nsched, True)
+        self.rows = NO_ROWS
+        if appends is None:
             self.appends = []
             return _FLAG_BODIES[structured, pending]
-        return DeltaBody(block_append=self._one_group_rows(*got),
+        return DeltaBody(block_append=self._one_group_rows(*appends),
                          has_structured_output=structured, pending_structured_output=pending)
 
     def _nsched(self, counts: Any) -> tuple[list[int] | None, bool]:
@@ -418,6 +404,43 @@ def _one_block_group(grown: list[int], new_blocks: list[Any],
     if not all(ids):
         return None
     return list(map(len, ids)), list(chain.from_iterable(ids))
+
+
+def plain_check_py(so: Any, batch: list[str], nsched: list[int], total: int,
+                   basis: list[int], plen_less_one: list[int], rare: Any, plain: tuple[Any, ...],
+                   one_group: bool) -> tuple[Appends | None, bool, bool, list[int]] | None:
+    """(appends, structured, pending, a copy of the computed counts) when ``so`` is the
+    forecast step -- ``batch`` in order with ``nsched`` tokens each (``total`` in all),
+    computed counts ``basis + nsched``, output counts as :meth:`Forecast.outputs`
+    predicts -- but for one KV group's block appends (positions, counts, flat ids; None
+    for none; any appends need ``one_group``) and the structured-output flags, and
+    ``rare(so) == plain``; None for any other step.  The reference of the C
+    ``plain_check``, which may refuse more (None) but never answers otherwise."""
+    cached = so.scheduled_cached_reqs
+    new_blocks = cached.new_block_ids
+    if (type(new_blocks) is not list or len(new_blocks) != len(batch)
+            or so.scheduled_spec_decode_tokens or cached.req_ids != batch
+            or so.total_num_scheduled_tokens != total or rare(so) != plain
+            or so.num_spec_tokens_to_schedule or type(so.num_scheduled_tokens) is not dict
+            or list(so.num_scheduled_tokens) != batch
+            or list(so.num_scheduled_tokens.values()) != nsched):
+        return None
+    appends = None
+    if new_blocks.count(None) != len(new_blocks):
+        grown = [i for i, entry in enumerate(new_blocks) if entry is not None]
+        if not one_group or any(type(new_blocks[i]) not in (tuple, list) for i in grown):
+            return None
+        lists = _one_block_group(grown, new_blocks)
+        if lists is None:
+            return None
+        appends = (grown, *lists)
+    actual, outs = cached.num_computed_tokens, cached.num_output_tokens
+    if (type(actual) is not list or len(actual) != len(batch)
+            or actual != list(map(add, basis, nsched))
+            or outs != [max(c - p, 0) for c, p in zip(actual, plen_less_one, strict=True)]):
+        return None
+    return (appends, bool(so.has_structured_output_requests),
+            bool(so.pending_structured_output_tokens), list(actual))
 
 
 #: the bodies of plain steps without appends, by (structured, pending) flags (frozen)
