@@ -270,7 +270,7 @@ unpacked(PyObject *args, int zigzag) /* 0: raw, 1: zig-zag, 2: raw minus one */
 
 /* raw_list(buf, limit=2**26) -> list | None: the raw values of a well-formed packed
  * array of at most ``limit`` values (None: anything else, which Python decides). */
-static PyObject *
+PyObject *
 raw_list(PyObject *self, PyObject *args)
 {
     return unpacked(args, 0);

@@ -34,10 +34,11 @@ as_i64(PyObject *item, long long *out)
     return 0;
 }
 
-/* _speedups.c's dict_matches as an int (-2: not taken, -1: an exception is set) and its
- * one_group_appends, for the fused same-step checks of _speedups_step.c. */
+/* _speedups.c's dict_matches as an int (-2: not taken, -1: an exception is set), its
+ * one_group_appends and raw_list, for the fused same-step functions of _speedups_step.c. */
 int dict_match(PyObject *d, PyObject *keys, PyObject *values);
 PyObject *one_group_appends(PyObject *self, PyObject *arg);
+PyObject *raw_list(PyObject *self, PyObject *args);
 
 /* The same-step functions of _speedups_step.c, added to the module at import. */
 extern PyMethodDef step_methods[];

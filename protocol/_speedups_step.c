@@ -256,7 +256,103 @@ finish:
     return result;
 }
 
+/* raw_list of ``packed`` (a new reference; Py_None when not taken) or NULL. */
+static PyObject *
+unpack(PyObject *packed)
+{
+    PyObject *args = PyTuple_Pack(1, packed);
+    if (args == NULL) {
+        return NULL;
+    }
+    PyObject *out = raw_list(NULL, args);
+    Py_DECREF(args);
+    return out;
+}
+
+/* append_rows(handles, counts, values, at, n) -> (positions, counts, ids, new_blocks) |
+ * None: a one-group block_append row set (packed handles, counts -- b"" for one each --
+ * and ids) as worker_side.vllm.quick.QuickDecoder.blocks lists it, with the step's
+ * ``new_block_ids`` made from it (QuickDecoder._new_blocks: n entries, None or a tuple
+ * holding a fresh list).  None unless the arrays unpack, every handle is a key of
+ * ``at`` (handle -> batch position < n), every count is >= 1 and they add up to the ids. */
+static PyObject *
+append_rows(PyObject *self, PyObject *args)
+{
+    PyObject *handles_b, *counts_b, *values_b, *at;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OOOO!n", &handles_b, &counts_b, &values_b, &PyDict_Type, &at,
+                          &n)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *handles = NULL, *counts = NULL, *values = NULL, *pos = NULL, *blocks = NULL,
+             *result = NULL;
+    if ((handles = unpack(handles_b)) == NULL || (values = unpack(values_b)) == NULL) {
+        goto finish;
+    }
+    int one_each = PyBytes_Check(counts_b) && PyBytes_GET_SIZE(counts_b) == 0;
+    if (!one_each && (counts = unpack(counts_b)) == NULL) {
+        goto finish;
+    }
+    if (handles == Py_None || values == Py_None || counts == Py_None) {
+        result = Py_NewRef(Py_None);
+        goto finish;
+    }
+    Py_ssize_t rows = PyList_GET_SIZE(handles), ids = PyList_GET_SIZE(values);
+    if (one_each && (counts = PyList_New(rows)) != NULL) {
+        for (Py_ssize_t j = 0; j < rows; j++) {
+            PyList_SET_ITEM(counts, j, PyLong_FromLong(1)); /* a cached small int */
+        }
+    }
+    if (counts == NULL || (pos = PyList_New(rows)) == NULL || (blocks = PyList_New(n)) == NULL) {
+        goto finish;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyList_SET_ITEM(blocks, i, Py_NewRef(Py_None));
+    }
+    int taken = PyList_GET_SIZE(counts) == rows;
+    Py_ssize_t start = 0;
+    for (Py_ssize_t j = 0; taken && j < rows; j++) {
+        PyObject *p = PyDict_GetItemWithError(at, PyList_GET_ITEM(handles, j));
+        long long k, c;
+        if (p == NULL && PyErr_Occurred()) {
+            goto finish;
+        }
+        taken = p != NULL && as_i64(p, &k) == 0 && k >= 0 && k < n
+                && as_i64(PyList_GET_ITEM(counts, j), &c) == 0 && c >= 1 && c <= ids - start;
+        if (!taken) {
+            break;
+        }
+        PyObject *row = PyList_GetSlice(values, start, start + (Py_ssize_t)c);
+        PyObject *entry = row == NULL ? NULL : PyTuple_Pack(1, row);
+        Py_XDECREF(row);
+        if (entry == NULL) {
+            goto finish;
+        }
+        PyObject *was = PyList_GET_ITEM(blocks, (Py_ssize_t)k); /* None, or a row named
+                                                                   twice: the lane refuses */
+        PyList_SET_ITEM(blocks, (Py_ssize_t)k, entry);
+        Py_DECREF(was);
+        PyList_SET_ITEM(pos, j, Py_NewRef(p));
+        start += (Py_ssize_t)c;
+    }
+    if (!taken || start != ids) {
+        result = Py_NewRef(Py_None);
+        goto finish;
+    }
+    result = PyTuple_Pack(4, pos, counts, values, blocks);
+finish:
+    Py_XDECREF(handles);
+    Py_XDECREF(counts);
+    Py_XDECREF(values);
+    Py_XDECREF(pos);
+    Py_XDECREF(blocks);
+    return result;
+}
+
 PyMethodDef step_methods[] = {
+    {"append_rows", append_rows, METH_VARARGS,
+     "A one-group step's appends as positions, counts, ids and new_block_ids (None: not taken)."},
     {"plain_check", plain_check, METH_VARARGS,
      "The engine's plain-step test and its appends in one call (None: not taken)."},
     {"forecast_rows", forecast_rows, METH_VARARGS,

@@ -33,8 +33,10 @@ from engine_side.vllm import (
 from engine_side.vllm.quick import Forecast  # noqa: E402
 from protocol import digest, lane, packing  # noqa: E402
 from protocol.errors import LocalProtocolError  # noqa: E402
+from protocol.messages import DeltaBody, Rows  # noqa: E402
 from protocol.speedups import C  # noqa: E402
 from worker_side.vllm import SchedulerOutputDecoder  # noqa: E402
+from worker_side.vllm import quick as worker_quick  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 PROMPT = 40
@@ -65,7 +67,7 @@ def _run(steps: list[Any], kv_groups: int | None = None) -> tuple[int, int]:
 def speedups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test with the C speedups and again on the pure-Python paths."""
     if request.param == "pure":
-        for module in (packing, digest, lane, quick):
+        for module in (packing, digest, lane, quick, worker_quick):
             monkeypatch.setattr(module, "_C", None)
     elif C is None:
         pytest.skip("C speedups not built")
@@ -314,6 +316,37 @@ def test_plain_check_answers_as_its_python_reference(so: SchedulerOutput) -> Non
     c_answer, py_answer = _plain_checks(enc, so)
     assert c_answer == py_answer
     event(f"plain: {py_answer is not None}")
+
+
+@pytest.mark.skipif(C is None, reason="C speedups not built")
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_append_rows_answer_as_the_python_lists(data: st.DataObject) -> None:
+    """append_rows is QuickDecoder.blocks and _new_blocks of one group's rows, or None
+    where blocks refuses (an unknown handle, a zero count) or the ids do not add up."""
+    n = data.draw(st.integers(1, 12))
+    dec = worker_quick.QuickDecoder()
+    dec.reset([f"r{k}" for k in range(n)], [7 * k + 3 for k in range(n)], [0] * n,
+              {f"r{k}": 1 for k in range(n)}, [1] * n, 1)
+    handles = data.draw(st.lists(st.sampled_from([7 * k + 3 for k in range(n)] + [5]),
+                                 min_size=1, max_size=n))
+    counts = [data.draw(st.integers(0 if data.draw(st.integers(0, 9)) == 0 else 1, 3))
+              for _ in handles]
+    size = sum(counts) + (1 if data.draw(st.integers(0, 9)) == 0 else 0)
+    values = data.draw(st.lists(st.integers(0, 1 << 31), min_size=size, max_size=size))
+    one_each = counts == [1] * len(handles) and data.draw(st.booleans())
+    rows = packing.pack_uints(handles), b"" if one_each else packing.pack_uints(counts), \
+        packing.pack_uints(values)
+    assert C is not None
+    got = C.append_rows(*rows, dec.at, n)
+    body = DeltaBody(block_append=(Rows(handles=rows[0], counts=rows[1], values=rows[2]),))
+    blocks = dec.blocks(body)
+    if blocks is None or sum(blocks[0][1]) != len(values):
+        assert got is None
+    else:
+        assert got is not None
+        assert [got[:3]] == blocks and got[3] == dec._new_blocks(blocks)
+    event(f"taken: {got is not None}")
 
 
 def test_plain_check_refuses_what_is_not_a_plain_step() -> None:

@@ -203,13 +203,15 @@ class SchedulerOutputDecoder:
         appends blocks and sets the structured-output flags, answered without the
         extension, the count rows or the general checks (the lane still checks the appends
         and the digest); None, nothing changed, for any other body."""
+        new_blocks = None
         if body == STEADY_BODY:
             self.lane.steady(msg.digest)
             blocks = None
         else:
-            blocks = quick.blocks(body) if plain(body) else None
-            if blocks is None:
+            got = quick.plain_blocks(body) if plain(body) else None
+            if got is None:
                 return None
+            blocks, new_blocks = got
             if (len(blocks) != 1 or self.lane.appended(blocks[0], msg.digest, body) is None) \
                     and self.lane.step(body, blocks, msg.digest, NO_ROWS) is None:
                 return None
@@ -218,7 +220,7 @@ class SchedulerOutputDecoder:
         self.batches.pop(msg.seq - HISTORY, None)
         self.batches[msg.seq] = quick.batch
         self.quick_steps += 1
-        return quick.steady_output(blocks or None, body)
+        return quick.steady_output(blocks or None, body, new_blocks)
 
     def _refresh_lengths(self) -> None:
         """The last batch's table lengths after same-batch steps appended blocks (read

@@ -18,10 +18,11 @@ from typing import Any
 from engine_side.vllm.convert import split_rows
 from engine_side.vllm.quick import Forecast
 from engine_side.vllm.schema import StepExt
-from protocol.lane import LaneRows, lane_rows, lane_shaped
+from protocol.lane import Appends, LaneRows, lane_rows, lane_shaped
 from protocol.messages import DeltaBody
 from protocol.packing import unpack_sint_list, unpack_uint_list
 from protocol.plan import STEADY_BODY
+from protocol.speedups import C as _C
 
 
 def _ints(packed: bytes) -> list[int]:
@@ -117,6 +118,18 @@ class QuickDecoder:
             out.append((pos, counts, _ints(rows.values)))
         return out
 
+    def plain_blocks(self, body: DeltaBody) -> tuple[list[Appends], list[Any] | None] | None:
+        """(:meth:`blocks`, the step's ``new_block_ids`` when already made -- one C call for
+        one group's appends -- else None) of a :func:`plain` body; None as :meth:`blocks`."""
+        appends = body.block_append
+        if _C is not None and self.kv_groups == 1 and len(appends) == 1:
+            rows = appends[0]
+            got = _C.append_rows(rows.handles, rows.counts, rows.values, self.at, len(self.batch))
+            if got is not None:
+                return [got[:3]], got[3]
+        blocks = self.blocks(body)
+        return None if blocks is None else (blocks, None)
+
     def scheduler_output(self, body: DeltaBody, ext: StepExt,
                          blocks: list[tuple[list[int], list[int], list[int]]],
                          rows: LaneRows) -> Any:
@@ -129,13 +142,15 @@ class QuickDecoder:
                               self._drafts(rows.drafts), body)
 
     def steady_output(self, blocks: list[tuple[list[int], list[int], list[int]]] | None = None,
-                      body: DeltaBody = STEADY_BODY) -> Any:
+                      body: DeltaBody = STEADY_BODY, new_blocks: list[Any] | None = None) -> Any:
         """:meth:`scheduler_output` of the empty body (the steady decode step), or of a
-        :func:`plain` ``body`` whose appends are ``blocks`` (:meth:`blocks`; None: none)."""
+        :func:`plain` ``body`` whose appends are ``blocks`` (:meth:`blocks`; None: none) and
+        ``new_blocks`` the step's new_block_ids when :meth:`plain_blocks` made them."""
         fc = self.forecast
         computed, outputs = fc.take()  # _counts of no exceptions
         fc.advanced()
-        new_blocks = [None] * len(self.batch) if blocks is None else self._new_blocks(blocks)
+        if new_blocks is None:
+            new_blocks = [None] * len(self.batch) if blocks is None else self._new_blocks(blocks)
         # the forecast predicts from its computed rows (copied: vLLM owns what it gets);
         # an output row is read once, by this take
         return self._assemble(list(computed), outputs, new_blocks, fc.total, {}, body)
