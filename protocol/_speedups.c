@@ -140,7 +140,7 @@ done:
 
 /* pack_list(values: list) -> bytes | None: protocol.packing.pack_uints of a list of
  * exact ints in [0, 2**64). */
-static PyObject *
+PyObject *
 pack_list(PyObject *self, PyObject *arg)
 {
     return pack_with(arg, as_u64);

@@ -35,10 +35,11 @@ as_i64(PyObject *item, long long *out)
 }
 
 /* _speedups.c's dict_matches as an int (-2: not taken, -1: an exception is set), its
- * one_group_appends and raw_list, for the fused same-step functions of _speedups_step.c. */
+ * one_group_appends, raw_list and pack_list, for the fused same-step functions of _speedups_step.c. */
 int dict_match(PyObject *d, PyObject *keys, PyObject *values);
 PyObject *one_group_appends(PyObject *self, PyObject *arg);
 PyObject *raw_list(PyObject *self, PyObject *args);
+PyObject *pack_list(PyObject *self, PyObject *arg);
 
 /* The same-step functions of _speedups_step.c, added to the module at import. */
 extern PyMethodDef step_methods[];

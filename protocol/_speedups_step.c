@@ -350,7 +350,91 @@ finish:
     return result;
 }
 
+/* pack_appends(positions, counts, ids, handles) -> (handles, counts, ids) packed | None:
+ * the Rows fields of one group's appends (engine_side.vllm.quick.QuickEncoder.
+ * _one_group_rows): pack_uints of handles[p] for each position, pack_row_counts of the
+ * counts (b"" when every count is 1) and pack_uints of the ids.  None unless the lists
+ * pack and every position indexes ``handles``. */
+static PyObject *
+pack_appends(PyObject *self, PyObject *args)
+{
+    PyObject *pos, *counts, *ids, *handles;
+    if (!PyArg_ParseTuple(args, "O!O!OO!", &PyList_Type, &pos, &PyList_Type, &counts, &ids,
+                          &PyList_Type, &handles)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t rows = PyList_GET_SIZE(pos), ones = 0;
+    PyObject *named = PyList_New(rows), *result = NULL, *packed[3] = {NULL, NULL, NULL};
+    if (named == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; j < rows; j++) {
+        long long p;
+        if (as_i64(PyList_GET_ITEM(pos, j), &p) < 0 || p < 0 || p >= PyList_GET_SIZE(handles)) {
+            result = Py_NewRef(Py_None);
+            goto finish;
+        }
+        PyList_SET_ITEM(named, j, Py_NewRef(PyList_GET_ITEM(handles, (Py_ssize_t)p)));
+    }
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(counts); j++) {
+        long long c;
+        ones += as_i64(PyList_GET_ITEM(counts, j), &c) == 0 && c == 1;
+    }
+    packed[0] = pack_list(NULL, named);
+    packed[1] = ones == PyList_GET_SIZE(counts) ? PyBytes_FromStringAndSize("", 0)
+                                                : pack_list(NULL, counts);
+    packed[2] = pack_list(NULL, ids);
+    if (packed[0] == NULL || packed[1] == NULL || packed[2] == NULL) {
+        goto finish;
+    }
+    result = packed[0] == Py_None || packed[1] == Py_None || packed[2] == Py_None
+             ? Py_NewRef(Py_None) : PyTuple_Pack(3, packed[0], packed[1], packed[2]);
+finish:
+    Py_DECREF(named);
+    for (int k = 0; k < 3; k++) {
+        Py_XDECREF(packed[k]);
+    }
+    return result;
+}
+
+/* compact_map(frame: bytes) -> bytes: protocol.codec.compact_delta_map (the frame itself
+ * when it has nothing to compact, or is not the frame of a Delta it can read). */
+static PyObject *
+compact_map(PyObject *self, PyObject *frame)
+{
+    if (!PyBytes_CheckExact(frame) || PyBytes_GET_SIZE(frame) > 1024) {
+        return Py_NewRef(frame);
+    }
+    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(frame);
+    Py_ssize_t len = PyBytes_GET_SIZE(frame), at = 1;
+    for (int k = 0; k < 4; k++) { /* tag, epoch, seq, digest: msgpack ints */
+        if (at >= len) {
+            return Py_NewRef(frame);
+        }
+        unsigned char h = b[at];
+        at += h == 0xCC || h == 0xD0 ? 2 : h == 0xCD || h == 0xD1 ? 3
+            : h == 0xCE || h == 0xD2 ? 5 : h == 0xCF || h == 0xD3 ? 9 : 1;
+    }
+    if (at + 2 >= len || b[at] != 0xDE || b[at + 1] != 0 || b[at + 2] > 15) {
+        return Py_NewRef(frame);
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, len - 2);
+    if (out == NULL) {
+        return NULL;
+    }
+    char *o = PyBytes_AS_STRING(out);
+    memcpy(o, b, (size_t)at);
+    o[at] = (char)(0x80 | b[at + 2]);
+    memcpy(o + at + 1, b + at + 3, (size_t)(len - at - 3));
+    return out;
+}
+
 PyMethodDef step_methods[] = {
+    {"pack_appends", pack_appends, METH_VARARGS,
+     "One group's appends as packed Rows fields (None: not taken)."},
+    {"compact_map", compact_map, METH_O,
+     "A Delta frame with its body map's header in the shortest form."},
     {"append_rows", append_rows, METH_VARARGS,
      "A one-group step's appends as positions, counts, ids and new_block_ids (None: not taken)."},
     {"plain_check", plain_check, METH_VARARGS,

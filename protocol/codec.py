@@ -23,6 +23,7 @@ import msgspec
 from protocol.errors import MalformedMessage, ProtocolError
 from protocol.messages import AnyMessage, Delta, Message
 from protocol.plan import STEADY_BODY
+from protocol.speedups import C as _C
 from protocol.tensors import make_enc_hook, make_ext_hook
 
 Frame = bytes | memoryview
@@ -82,6 +83,8 @@ def compact_delta_map(frame: bytes) -> bytes:
     as they are (the rewrite copies the frame)."""
     if len(frame) > COMPACT_LIMIT:
         return frame
+    if _C is not None:
+        return _C.compact_map(frame)  # type: ignore[no-any-return]
     at = 1 + _INT_SIZE[frame[1]]  # fixarray header, then tag, epoch, seq, digest
     at += _INT_SIZE[frame[at]]
     at += _INT_SIZE[frame[at]]

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -304,6 +305,47 @@ def test_forecast_rows_match_the_python_rows(data: st.DataObject) -> None:
     assert out_rows == [[max(c - p, 0) for c, p in zip(row, plm1, strict=True)] for row in want]
     assert all(type(v) is int for row in comp_rows + out_rows for v in row)
     assert len({id(row) for row in comp_rows + out_rows}) == 2 * k
+
+
+@needs_c
+@given(st.data())
+def test_pack_appends_match_the_python_packing(data: st.DataObject) -> None:
+    """pack_appends is QuickEncoder._one_group_rows' three packings: the handles at the
+    positions, the counts (b"" when all are 1) and the ids; None for a position
+    outside the handles or a value pack_uints would refuse."""
+    assert C is not None
+    handles = data.draw(st.lists(st.integers(0, 1 << 40), min_size=1, max_size=20))
+    pos = data.draw(st.lists(st.integers(0, len(handles) - 1 + data.draw(st.integers(0, 1))),
+                             min_size=1, max_size=8))
+    counts = data.draw(st.lists(st.integers(1, 4) | st.just(1), min_size=len(pos),
+                                max_size=len(pos)))
+    ids = data.draw(st.lists(st.integers(0, 1 << 31) | st.just(-1), max_size=sum(counts)))
+    got = C.pack_appends(pos, counts, ids, handles)
+    if max(pos) >= len(handles) or min(ids, default=0) < 0:
+        assert got is None
+        return
+    assert got == (packing.pack_uints([handles[p] for p in pos]),
+                   packing.pack_row_counts(counts), packing.pack_uints(ids))
+
+
+@needs_c
+@given(st.integers(0, (1 << 64) - 1), st.integers(0, (1 << 64) - 1),
+       st.lists(st.integers(0, 1 << 20), max_size=400), st.booleans())
+def test_compact_map_is_the_python_rewrite(seq: int, digest: int, values: list[int],
+                                           many: bool) -> None:
+    """compact_map rewrites a Delta frame's body map header exactly as
+    codec.compact_delta_map's Python lines do (and returns larger frames as they are)."""
+    assert C is not None
+    from protocol import codec
+    from protocol.messages import Delta, DeltaBody, Rows
+
+    extra = {"has_structured_output": True, "num_spec_tokens_to_schedule": 2} if many else {}
+    body = DeltaBody(block_append=(Rows(handles=packing.pack_uints(values)),), **extra)
+    frame = codec._PLAIN_ENCODER.encode(Delta(epoch=3, seq=seq, digest=digest, body=body))
+    with mock.patch.object(codec, "_C", None):
+        want = codec.compact_delta_map(frame)
+    assert C.compact_map(frame) == want
+    assert (want == frame) == (len(frame) > codec.COMPACT_LIMIT)
 
 
 @needs_c

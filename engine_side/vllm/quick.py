@@ -366,6 +366,9 @@ class QuickEncoder:
             self.appends = []
             return ()
         self.appends = [(grown, lens, flat)]
+        packed = _C.pack_appends(grown, lens, flat, self.handles) if _C is not None else None
+        if packed is not None:
+            return (Rows(handles=packed[0], counts=packed[1], values=packed[2]),)
         return (Rows(handles=pack_uints(list(map(self.handles.__getitem__, grown))),
                      counts=pack_row_counts(lens), values=pack_uints(flat)),)
 
