@@ -4,10 +4,13 @@
 found) holds C versions of the small-list packers (:mod:`protocol.packing`), of
 the digest's per-row block terms and linear count terms (:mod:`protocol.digest`), of
 the same-batch comparisons and of the vLLM replies' token lists
-(:mod:`engine_side.vllm.convert`).  Each returns exactly
+(:mod:`engine_side.vllm.convert`); ``protocol/_speedups_step.c``, in the same module,
+the same-batch step's fused checks and rows (:mod:`engine_side.vllm.quick`,
+:mod:`worker_side.vllm.quick`).  Each returns exactly
 what its Python reference returns, or None for an input it does not take (the
-Python path then decides, errors included); ``tests/test_speedups.py`` holds the
-two together.  The bytes on the wire never depend on which one ran.
+Python path then decides, errors included); ``tests/test_speedups.py`` and
+``tests/test_vllm_quick.py`` hold the two together.  The bytes on the wire never
+depend on which one ran.
 
 ``DELTACAST_PURE_PYTHON=1`` in the environment selects the pure-Python paths (the
 A/B benchmark and the fallback tests).  ``python -m protocol.speedups`` says which

@@ -339,7 +339,8 @@ def test_compact_map_is_the_python_rewrite(seq: int, digest: int, values: list[i
     from protocol import codec
     from protocol.messages import Delta, DeltaBody, Rows
 
-    extra = {"has_structured_output": True, "num_spec_tokens_to_schedule": 2} if many else {}
+    extra: dict[str, Any] = (
+        {"has_structured_output": True, "num_spec_tokens_to_schedule": 2} if many else {})
     body = DeltaBody(block_append=(Rows(handles=packing.pack_uints(values)),), **extra)
     frame = codec._PLAIN_ENCODER.encode(Delta(epoch=3, seq=seq, digest=digest, body=body))
     with mock.patch.object(codec, "_C", None):
