@@ -29,14 +29,19 @@ forecast_rows(PyObject *self, PyObject *args)
     if (PyList_GET_SIZE(nsched) != n || PyList_GET_SIZE(plm1) != n) {
         Py_RETURN_NONE;
     }
-    for (Py_ssize_t i = 0; i < n; i++) { /* every value checked before anything is made */
-        long long b, s, p, first, last, out;
+    long long *v = PyMem_Malloc(sizeof(long long) * 3 * (size_t)(n ? n : 1));
+    if (v == NULL) {
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* every value read and checked before any is made */
+        long long *b = v + 3 * i, *s = b + 1, *p = b + 2, first, last, out;
         /* rows run monotonically from the first to the last: both in range, all are */
-        if (as_i64(PyList_GET_ITEM(base, i), &b) < 0 || as_i64(PyList_GET_ITEM(nsched, i), &s) < 0
-                || as_i64(PyList_GET_ITEM(plm1, i), &p) < 0 || __builtin_add_overflow(b, s, &first)
-                || __builtin_mul_overflow(s, (long long)k, &last)
-                || __builtin_add_overflow(b, last, &last) || __builtin_sub_overflow(first, p, &out)
-                || __builtin_sub_overflow(last, p, &out)) {
+        if (as_i64(PyList_GET_ITEM(base, i), b) < 0 || as_i64(PyList_GET_ITEM(nsched, i), s) < 0
+                || as_i64(PyList_GET_ITEM(plm1, i), p) < 0 || __builtin_add_overflow(*b, *s, &first)
+                || __builtin_mul_overflow(*s, (long long)k, &last)
+                || __builtin_add_overflow(*b, last, &last) || __builtin_sub_overflow(first, *p, &out)
+                || __builtin_sub_overflow(last, *p, &out)) {
+            PyMem_Free(v);
             Py_RETURN_NONE;
         }
     }
@@ -54,11 +59,7 @@ forecast_rows(PyObject *self, PyObject *args)
         PyList_SET_ITEM(comp_rows, j, comp);
         PyList_SET_ITEM(out_rows, j, outs);
         for (Py_ssize_t i = 0; i < n; i++) {
-            long long b = 0, s = 0, p = 0;
-            as_i64(PyList_GET_ITEM(base, i), &b); /* checked above */
-            as_i64(PyList_GET_ITEM(nsched, i), &s);
-            as_i64(PyList_GET_ITEM(plm1, i), &p);
-            long long c = b + (j + 1) * s, o = c - p;
+            long long c = v[3 * i] + (j + 1) * v[3 * i + 1], o = c - v[3 * i + 2];
             PyObject *cv = PyLong_FromLongLong(c), *ov = PyLong_FromLongLong(o > 0 ? o : 0);
             if (cv == NULL || ov == NULL) {
                 Py_XDECREF(cv);
@@ -69,8 +70,10 @@ forecast_rows(PyObject *self, PyObject *args)
             PyList_SET_ITEM(outs, i, ov);
         }
     }
+    PyMem_Free(v);
     return Py_BuildValue("(NN)", comp_rows, out_rows);
 fail:
+    PyMem_Free(v);
     Py_XDECREF(comp_rows);
     Py_XDECREF(out_rows);
     return NULL;
