@@ -1,11 +1,13 @@
 /* Optional C versions of the same-batch step's checks and rows: the engine's test of a
- * plain step (engine_side.vllm.quick.plain_check_py) and the worker's forecast of the
- * next step's counts.
+ * plain step (engine_side.vllm.quick.plain_check_py) and its packed appends, the worker's
+ * appends and new_block_ids, the worker's forecast of the next step's counts, and the
+ * Delta frame's compact map header.
  *
  * Contract: as protocol/_speedups.c -- each function returns exactly what its Python
  * reference returns for the inputs it accepts and None for every input it does not
- * accept (the caller then runs the Python path); tests/test_speedups.py holds the two
- * together.  Nothing here raises for bad data.
+ * accept (the caller then runs the Python path); tests/test_speedups.py and
+ * tests/test_vllm_quick.py hold the two together.  Nothing here raises for bad data (plain_check reads attributes: an object
+ * that lacks one is not a SchedulerOutput, and raises as the Python lines do).
  */
 #include "_speedups.h"
 
@@ -150,7 +152,8 @@ attr(PyObject *obj, int a)
  * and their total, computed and output counts as forecast) but for one KV group's
  * block appends (one_group_appends' rows, None for none) and the structured-output
  * flags, and ``rare(so) == plain``.  ``computed`` is a fresh copy of the step's
- * computed counts.  None for any other step or input (Python's paths decide). */
+ * computed counts.  None for any other step or input (Python's paths decide); an
+ * object without these attributes raises AttributeError, as its reference does. */
 static PyObject *
 plain_check(PyObject *self, PyObject *args)
 {
