@@ -11,6 +11,21 @@
  */
 #include "_speedups.h"
 
+/* Sets a[i] = x and b[i] = y, stealing both; -1, both released, when either is NULL
+ * (the allocation failed and an exception is set). */
+static int
+set_both(PyObject *a, PyObject *b, Py_ssize_t i, PyObject *x, PyObject *y)
+{
+    if (x == NULL || y == NULL) {
+        Py_XDECREF(x);
+        Py_XDECREF(y);
+        return -1;
+    }
+    PyList_SET_ITEM(a, i, x);
+    PyList_SET_ITEM(b, i, y);
+    return 0;
+}
+
 /* forecast_rows(base, nsched, plen_less_one, k) -> (computed rows, output rows) | None:
  * the next k rows of engine_side.vllm.quick.Forecast as fresh lists, row j (from 1)
  * computed[i] = base[i] + j * nsched[i] and outputs[i] = max(computed[i] -
@@ -52,24 +67,16 @@ forecast_rows(PyObject *self, PyObject *args)
         goto fail;
     }
     for (Py_ssize_t j = 0; j < k; j++) { /* NULL slots of a list dropped half made free fine */
-        PyObject *comp = PyList_New(n), *outs = PyList_New(n);
-        if (comp == NULL || outs == NULL) {
-            Py_XDECREF(comp);
-            Py_XDECREF(outs);
+        if (set_both(comp_rows, out_rows, j, PyList_New(n), PyList_New(n)) < 0) {
             goto fail;
         }
-        PyList_SET_ITEM(comp_rows, j, comp);
-        PyList_SET_ITEM(out_rows, j, outs);
+        PyObject *comp = PyList_GET_ITEM(comp_rows, j), *outs = PyList_GET_ITEM(out_rows, j);
         for (Py_ssize_t i = 0; i < n; i++) {
             long long c = v[3 * i] + (j + 1) * v[3 * i + 1], o = c - v[3 * i + 2];
-            PyObject *cv = PyLong_FromLongLong(c), *ov = PyLong_FromLongLong(o > 0 ? o : 0);
-            if (cv == NULL || ov == NULL) {
-                Py_XDECREF(cv);
-                Py_XDECREF(ov);
+            if (set_both(comp, outs, i, PyLong_FromLongLong(c),
+                         PyLong_FromLongLong(o > 0 ? o : 0)) < 0) {
                 goto fail;
             }
-            PyList_SET_ITEM(comp, i, cv);
-            PyList_SET_ITEM(outs, i, ov);
         }
     }
     PyMem_Free(v);
