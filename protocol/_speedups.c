@@ -372,11 +372,7 @@ departures(PyObject *args, int clamp)
             Py_DECREF(out);
             Py_RETURN_NONE;
         }
-        __int128 want = clamp ? (__int128)y - z : (__int128)y + z;
-        if (clamp && want < 0) {
-            want = 0;
-        }
-        if ((__int128)x != want) {
+        if (departs(x, y, z, clamp)) {
             PyObject *at = PyLong_FromSsize_t(i);
             if (at == NULL || PyList_Append(out, at) < 0) {
                 Py_XDECREF(at);

@@ -34,6 +34,14 @@ as_i64(PyObject *item, long long *out)
     return 0;
 }
 
+/* 1 when x departs from its forecast: x != y + z, or (clamped) x != max(y - z, 0). */
+static inline int
+departs(long long x, long long y, long long z, int clamp)
+{
+    __int128 want = clamp ? (__int128)y - z : (__int128)y + z;
+    return (__int128)x != (clamp && want < 0 ? 0 : want);
+}
+
 /* _speedups.c's dict_matches as an int (-2: not taken, -1: an exception is set), its
  * one_group_appends, raw_list and pack_list, for the fused same-step functions of _speedups_step.c. */
 int dict_match(PyObject *d, PyObject *keys, PyObject *values);

@@ -130,8 +130,7 @@ on_forecast(PyObject *computed, PyObject *outputs, PyObject *basis, PyObject *ns
                 || as_i64(PyList_GET_ITEM(plm1, i), &p) < 0) {
             return 0;
         }
-        __int128 want = (__int128)c - p;
-        if ((__int128)c != (__int128)b + s || (__int128)o != (want > 0 ? want : 0)) {
+        if (departs(c, b, s, 0) || departs(o, c, p, 1)) {
             return 0;
         }
     }

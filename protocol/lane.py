@@ -168,6 +168,10 @@ class SteadyLane:
         n = len(self.handles)
         if rows is None:
             rows, own_rows = lane_rows(body, n), False
+        if rows is NO_ROWS and len(appends) == 1:  # the common same-batch step: short
+            digest = self.appended(appends[0], expected_digest, body, own_appends)
+            if digest is not None:
+                return digest
         if rows is NO_ROWS:  # nothing to check or plan for the counts
             counts: _Counts | None = (0, _NONE, _NONE, None, self.advance)
         elif rows is None or (not own_rows and not rows.fits(n)):
@@ -204,9 +208,9 @@ class SteadyLane:
         """``step(body, [rows], expected_digest, NO_ROWS, own_appends=own)``: a lane body
         without count exceptions or drafts whose one block change is one KV group's
         appends ``rows`` (non-empty), taken without the general step's branches -- the
-        common step of a large batch, where some request crosses a block boundary.  None,
-        nothing done, when the lane has more groups or cannot take the rows
-        (:meth:`step` then decides)."""
+        common step of a large batch, where some request crosses a block boundary;
+        :meth:`step` tries it first for such a body.  None, nothing done, when the lane
+        has more groups or cannot take the rows (:meth:`step` then decides)."""
         if self.steps == 0 and self.version != self.state.version:
             self._open()
         if len(self.lengths) != 1 or not rows[0]:

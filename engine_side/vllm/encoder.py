@@ -58,8 +58,7 @@ from engine_side.vllm.schema import (
 from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import LocalProtocolError
-from protocol.lane import NO_ROWS, SteadyLane
-from protocol.messages import DeltaBody
+from protocol.lane import SteadyLane
 from protocol.packing import pack_sints, pack_uints
 from protocol.plan import STEADY_BODY
 from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
@@ -168,7 +167,8 @@ class SchedulerOutputEncoder:
             self.batches.pop(delta.seq - HISTORY, None)
             return codec.encode(delta)
         if body is not None:
-            digest = self._lane_step(body)
+            digest = self.lane.step(body, self.quick.appends, rows=self.quick.rows,
+                                    own_appends=True, own_rows=True)
             if digest is None:
                 self.lane.settle()
                 delta = self.mirror.apply_body(body)
@@ -192,17 +192,6 @@ class SchedulerOutputEncoder:
         self.batches[delta.seq] = batch
         self.batches.pop(delta.seq - HISTORY, None)
         return codec.encode(delta)
-
-    def _lane_step(self, body: DeltaBody) -> int | None:
-        """The steady lane's digest after a same-batch ``body`` (None: the lane did not
-        take it, the state decides)."""
-        quick, lane = self.quick, self.lane
-        assert lane is not None  # noqa: S101 - made before the first body
-        if quick.rows is NO_ROWS and len(quick.appends) == 1:  # the common same-batch step
-            digest = lane.appended(quick.appends[0], body=body, own=True)
-            if digest is not None:
-                return digest
-        return lane.step(body, quick.appends, rows=quick.rows, own_appends=True, own_rows=True)
 
     def _quick_blocks(self) -> None:
         """Note a same-batch step's appended blocks for our tables (filed by

@@ -49,8 +49,9 @@ class Forecast:
 
     Rows ``j = 1..`` advance ``computed`` by ``j * nsched``; a row is valid while
     every step before it matched its own row and kept ``nsched``.  The first row
-    after a restart is made alone; batches over :data:`SMALL` then get a numpy table
-    of :data:`ROWS` rows at a time.
+    after a restart is made alone, then :data:`ROWS` rows at a time by one C call
+    (``forecast_rows``); without the speedups, batches over :data:`SMALL` get a numpy
+    table of :data:`ROWS` rows and smaller ones a row at a time.
     """
 
     __slots__ = ("plen", "plen_np", "plen_less_one", "nsched", "total", "comp_rows", "out_rows",
@@ -58,7 +59,9 @@ class Forecast:
 
     def __init__(self, plen: list[int]) -> None:
         self.plen = plen
-        self.plen_np = np.array(plen, dtype=np.int64) if len(plen) > SMALL else None
+        # numpy tables: large batches without the C rows (which take any batch)
+        self.plen_np = np.array(plen, dtype=np.int64) if len(plen) > SMALL and _C is None \
+            else None
         # outputs = max(computed - plen + 1, 0)
         self.plen_less_one = list(map(sub, plen, repeat(1)))
         self.nsched: list[int] = []

@@ -212,8 +212,7 @@ class SchedulerOutputDecoder:
             if got is None:
                 return None
             blocks, new_blocks = got
-            if (len(blocks) != 1 or self.lane.appended(blocks[0], msg.digest, body) is None) \
-                    and self.lane.step(body, blocks, msg.digest, NO_ROWS) is None:
+            if self.lane.step(body, blocks, msg.digest, NO_ROWS) is None:
                 return None
             self._lengths_stale |= bool(blocks)
         self.seq = msg.seq
