@@ -47,13 +47,11 @@ from engine_side.vllm.quick import QuickEncoder
 from engine_side.vllm.replies import IndexCache, decode_reply
 from engine_side.vllm.rowrefs import RowTable
 from engine_side.vllm.schema import (
-    DEFLATE_MAX,
     GrammarMsg,
     StepExt,
     TokenRef,
     check_schema,
-    deflate_sparse,
-    sparse_words,
+    compact_ways,
 )
 from protocol import codec
 from protocol.codec import Frame
@@ -452,10 +450,8 @@ class SchedulerOutputEncoder:
         if by_ref is not None:
             bitmask = None
             rows, deflated, sparse = by_ref
-        elif getattr(bitmask, "nbytes", 0) > DEFLATE_MAX:
-            deflated, sparse = None, sparse_words(bitmask)
         else:
-            deflated, sparse = deflate_sparse(bitmask), None
+            deflated, sparse = compact_ways(bitmask)
         if deflated is not None or sparse is not None:
             bitmask = None
         msg = GrammarMsg(self.seq, positions, names, bitmask,

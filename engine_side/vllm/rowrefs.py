@@ -24,13 +24,11 @@ from typing import Any
 import numpy as np
 
 from engine_side.vllm.schema import (
-    DEFLATE_MAX,
     Deflated,
     RowRefs,
     SparseWords,
-    deflate_sparse,
+    compact_ways,
     int_array_type,
-    sparse_words,
 )
 from protocol.errors import MalformedMessage, RemoteProtocolError
 from protocol.packing import pack_uints, unpack_uint_list
@@ -100,22 +98,18 @@ class RowTable:
         width = a.shape[1] * a.itemsize
         if a.dtype is not self._np:  # (numpy's builtin dtypes are singletons)
             self._np, self.dtype, self.width, self.rows = a.dtype, a.dtype.str, 0, b""
-        dtype = self.dtype
         old = self.rows if width == self.width else b""
         got = _C.row_refs(old, rows, width) if _C is not None else None
         refs, fresh, self.rows = got if got is not None else row_refs_py(old, rows.tobytes(),
                                                                           width)
-        self.dtype, self.width = dtype, width
+        self.width = width
         deflated = sparse = None
         if len(fresh) >= DEFLATE_MIN:  # raw unless deflating or sparse words halve them
-            block = np.frombuffer(fresh, a.dtype).reshape(-1, a.shape[1])
-            if block.nbytes > DEFLATE_MAX:
-                sparse = sparse_words(block)
-            else:
-                deflated = deflate_sparse(block)
+            deflated, sparse = compact_ways(np.frombuffer(fresh, a.dtype).reshape(-1, a.shape[1]))
             if deflated is not None or sparse is not None:
                 fresh = b""
-        return RowRefs(dtype, a.shape, len(old) // width, pack_uints(refs), fresh), deflated, sparse
+        return (RowRefs(self.dtype, a.shape, len(old) // width, pack_uints(refs), fresh),
+                deflated, sparse)
 
     def decode(self, r: RowRefs, fresh: Any) -> Any:
         """The bitmask ``r`` stands for, with its fresh rows raw in ``r.fresh`` or given as

@@ -254,6 +254,15 @@ class SparseWords(msgspec.Struct, frozen=True, array_like=True, gc=False):
     values: bytes
 
 
+def compact_ways(a: Any) -> tuple[Deflated | None, SparseWords | None]:
+    """(deflated, sparse words) of an integer array, the way its size picks: sparse
+    words above :data:`DEFLATE_MAX` bytes, deflated up to it; None where that way does
+    not halve it (then it travels raw)."""
+    if getattr(a, "nbytes", 0) > DEFLATE_MAX:
+        return None, sparse_words(a)
+    return deflate_sparse(a), None
+
+
 def sparse_words(a: Any) -> SparseWords | None:
     """``a`` as SparseWords when it is a non-empty integer ndarray that this halves at least."""
     if not isinstance(a, np.ndarray) or a.dtype.kind not in "iu" or a.size == 0:
