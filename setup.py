@@ -9,6 +9,7 @@ and deltacast runs on its pure-Python paths (same bytes, slower);
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("protocol._speedups",
-                             ["protocol/_speedups.c", "protocol/_speedups_step.c"],
+                             ["protocol/_speedups.c", "protocol/_speedups_step.c",
+                              "protocol/_speedups_output.c"],
                              depends=["protocol/_speedups.h"], extra_compile_args=["-O2"],
                              optional=True)])

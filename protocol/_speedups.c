@@ -690,19 +690,23 @@ dict_match(PyObject *d, PyObject *keys, PyObject *values)
  * Row i appends counts[i] of the flat ids to handles[positions[i]]'s table at
  * lengths[positions[i]]; its term is the sum of mix64(id * k_block + at * k_pos +
  * handle * k_handle + salt) over its blocks (protocol.digest.block_row_sums).  None
- * unless every check passes (then the Python path decides): ids in [0, 2**31); with
- * ``check`` also positions distinct and scheduled and counts >= 1 summing to the ids
- * (without it those are trusted, but never read past a list). */
-static PyObject *
-plan_rows(PyObject *self, PyObject *args)
-{
+ * unless every check passes (then the Python path decides): ids in [0, 2**31) and
+ * lengths in [0, 2**62]; with ``check`` also positions distinct and scheduled and
+ * counts >= 1 summing to the ids (without it those are trusted, but never read past a
+ * list). */
+typedef struct {
     PyObject *pos, *counts, *ids, *handles, *lengths;
     unsigned long long salt, k_block, k_pos, k_handle;
     int check;
-    if (!PyArg_ParseTuple(args, "OOOOOKKKKp", &pos, &counts, &ids, &handles, &lengths, &salt,
-                          &k_block, &k_pos, &k_handle, &check)) {
-        return NULL;
-    }
+} PlanArgs;
+
+/* plan_rows' lists (hs, starts, terms) and *total; Py_None (a new reference) when not
+ * taken, NULL with an exception set. */
+static PyObject *
+plan_lists(const PlanArgs *a, uint64_t *total)
+{
+    PyObject *pos = a->pos, *counts = a->counts, *ids = a->ids;
+    PyObject *handles = a->handles, *lengths = a->lengths;
     if (!PyList_CheckExact(pos) || !PyList_CheckExact(counts) || !PyList_CheckExact(ids)
             || !PyList_CheckExact(handles) || !PyList_CheckExact(lengths)
             || PyList_GET_SIZE(pos) != PyList_GET_SIZE(counts) || PyList_GET_SIZE(pos) == 0
@@ -711,12 +715,12 @@ plan_rows(PyObject *self, PyObject *args)
     }
     Py_ssize_t rows = PyList_GET_SIZE(pos), sched = PyList_GET_SIZE(handles);
     Py_ssize_t nids = PyList_GET_SIZE(ids), at = 0;
-    unsigned char *seen = check ? PyMem_Calloc((size_t)sched, 1) : NULL;
-    if (check && seen == NULL) {
+    unsigned char *seen = a->check ? PyMem_Calloc((size_t)sched, 1) : NULL;
+    if (a->check && seen == NULL) {
         return PyErr_NoMemory();
     }
     PyObject *hs = PyList_New(rows), *starts = PyList_New(rows), *terms = PyList_New(rows);
-    uint64_t total = 0;
+    *total = 0;
     if (hs == NULL || starts == NULL || terms == NULL) {
         goto fail;
     }
@@ -724,20 +728,22 @@ plan_rows(PyObject *self, PyObject *args)
         long long p, c, h, start;
         if (as_i64(PyList_GET_ITEM(pos, i), &p) < 0 || p < 0 || p >= sched
                 || as_i64(PyList_GET_ITEM(counts, i), &c) < 0 || c < 1 || c > nids - at
-                || (check && seen[p]++)) {
+                || (a->check && seen[p]++)) {
             goto refuse;
         }
         PyObject *handle = PyList_GET_ITEM(handles, p), *length = PyList_GET_ITEM(lengths, p);
-        if (as_i64(handle, &h) < 0 || as_i64(length, &start) < 0) {
+        if (as_i64(handle, &h) < 0 || as_i64(length, &start) < 0 || start < 0
+                || start > (1LL << 62)) {
             goto refuse;
         }
-        uint64_t row_salt = (uint64_t)h * k_handle + salt, term = 0;
+        uint64_t row_salt = (uint64_t)h * a->k_handle + a->salt, term = 0;
         for (long long j = 0; j < c; j++, at++) {
             long long b;
             if (as_i64(PyList_GET_ITEM(ids, at), &b) < 0 || b < 0 || b >= (1LL << 31)) {
                 goto refuse;
             }
-            term += mix64((uint64_t)b * k_block + (uint64_t)(start + j) * k_pos + row_salt);
+            term += mix64((uint64_t)b * a->k_block + (uint64_t)(start + j) * a->k_pos
+                          + row_salt);
         }
         PyObject *t = PyLong_FromUnsignedLongLong(term);
         if (t == NULL) {
@@ -748,13 +754,13 @@ plan_rows(PyObject *self, PyObject *args)
         PyList_SET_ITEM(hs, i, handle);
         PyList_SET_ITEM(starts, i, length);
         PyList_SET_ITEM(terms, i, t);
-        total += term;
+        *total += term;
     }
     if (at != nids) {
         goto refuse; /* ids left over */
     }
     PyMem_Free(seen);
-    return Py_BuildValue("(NNNK)", hs, starts, terms, (unsigned long long)total);
+    return Py_BuildValue("(NNN)", hs, starts, terms);
 refuse:
     PyMem_Free(seen);
     Py_DECREF(hs);
@@ -767,6 +773,75 @@ fail:
     Py_XDECREF(starts);
     Py_XDECREF(terms);
     return NULL;
+}
+
+static PyObject *
+plan_rows(PyObject *self, PyObject *args)
+{
+    PlanArgs a;
+    if (!PyArg_ParseTuple(args, "OOOOOKKKKp", &a.pos, &a.counts, &a.ids, &a.handles,
+                          &a.lengths, &a.salt, &a.k_block, &a.k_pos, &a.k_handle, &a.check)) {
+        return NULL;
+    }
+    uint64_t total;
+    PyObject *plan = plan_lists(&a, &total);
+    if (plan == NULL || plan == Py_None) {
+        return plan;
+    }
+    PyObject *out = Py_BuildValue("(OOOK)", PyTuple_GET_ITEM(plan, 0), PyTuple_GET_ITEM(plan, 1),
+                                  PyTuple_GET_ITEM(plan, 2), (unsigned long long)total);
+    Py_DECREF(plan);
+    return out;
+}
+
+/* lane_append(positions, counts, ids, handles, lengths, salt, k_block, k_pos, k_handle,
+ * check, base, expected) -> (row handles, row starts, row terms, digest) | int | None:
+ * plan_rows, then the step's digest (base + the terms' sum) mod 2**64 and, when it is
+ * ``expected`` (None: anything), lengths[positions[i]] += counts[i] -- the steady
+ * lane's one-group append (protocol.lane.SteadyLane.appended) in one call.  An int: the
+ * digest, which differs from ``expected`` (nothing changed); None: not taken, nothing
+ * changed (the Python path decides). */
+static PyObject *
+lane_append(PyObject *self, PyObject *args)
+{
+    PlanArgs a;
+    unsigned long long base;
+    PyObject *expected;
+    if (!PyArg_ParseTuple(args, "OOOOOKKKKpKO", &a.pos, &a.counts, &a.ids, &a.handles,
+                          &a.lengths, &a.salt, &a.k_block, &a.k_pos, &a.k_handle, &a.check,
+                          &base, &expected)) {
+        return NULL;
+    }
+    uint64_t total;
+    PyObject *plan = plan_lists(&a, &total);
+    if (plan == NULL || plan == Py_None) {
+        return plan;
+    }
+    PyObject *digest = PyLong_FromUnsignedLongLong((unsigned long long)(base + total));
+    int same = digest == NULL ? -1 : expected == Py_None ? 1
+        : PyObject_RichCompareBool(digest, expected, Py_EQ);
+    if (same != 1) {
+        Py_DECREF(plan);
+        return same == 0 ? digest : (Py_XDECREF(digest), NULL);
+    }
+    Py_ssize_t rows = PyList_GET_SIZE(a.pos);
+    for (Py_ssize_t i = 0; i < rows; i++) { /* checked by plan_lists: in range, no overflow */
+        long long p = 0, c = 0, v = 0;
+        as_i64(PyList_GET_ITEM(a.pos, i), &p);
+        as_i64(PyList_GET_ITEM(a.counts, i), &c);
+        as_i64(PyList_GET_ITEM(a.lengths, p), &v); /* read again: a trusted repeat adds twice */
+        PyObject *sum = PyLong_FromLongLong(v + c);
+        if (sum == NULL) {
+            Py_DECREF(plan);
+            Py_DECREF(digest);
+            return NULL;
+        }
+        PyList_SetItem(a.lengths, p, sum); /* steals sum, releases the old item */
+    }
+    PyObject *out = Py_BuildValue("(OOON)", PyTuple_GET_ITEM(plan, 0), PyTuple_GET_ITEM(plan, 1),
+                                  PyTuple_GET_ITEM(plan, 2), digest);
+    Py_DECREF(plan);
+    return out;
 }
 
 /* sparse_scan(buf, rows, itemsize): an integer array's rows against their background
@@ -1256,6 +1331,8 @@ static PyMethodDef methods[] = {
      "0: keys differ, 1: values differ, 2: both match a dict's (None: not taken)."},
     {"plan_rows", plan_rows, METH_VARARGS,
      "The steady lane's plan of one group's appends (None: not taken)."},
+    {"lane_append", lane_append, METH_VARARGS,
+     "The steady lane's one-group append: plan, digest and lengths (None: not taken)."},
     {"dot", dot, METH_VARARGS, "sum(values[j] * keys[at[j]]) mod 2**64 (None: not taken)."},
     {"unit_terms", unit_terms, METH_VARARGS,
      "protocol.digest.block_unit_terms in C (None: not taken)."},
@@ -1278,7 +1355,8 @@ PyMODINIT_FUNC
 PyInit__speedups(void)
 {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddFunctions(m, step_methods) < 0) {
+    if (m != NULL && (PyModule_AddFunctions(m, step_methods) < 0
+                      || PyModule_AddFunctions(m, output_methods) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

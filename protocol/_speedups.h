@@ -49,7 +49,9 @@ PyObject *one_group_appends(PyObject *self, PyObject *arg);
 PyObject *raw_list(PyObject *self, PyObject *args);
 PyObject *pack_list(PyObject *self, PyObject *arg);
 
-/* The same-step functions of _speedups_step.c, added to the module at import. */
+/* The same-step functions of _speedups_step.c and _speedups_output.c, added to the
+ * module at import. */
 extern PyMethodDef step_methods[];
+extern PyMethodDef output_methods[];
 
 #endif

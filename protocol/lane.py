@@ -57,6 +57,7 @@ _NONE: list[int] = []  # no count exceptions (shared, never extended)
 _Counts = tuple[int, list[int], list[int], list[int] | None, int]
 _COUNT_LIMIT = 1 << 62  # larger counts are left to the state's own checks
 _BLOCK_ID_LIMIT = 1 << 31  # the block table is int32
+_SALT0 = dg.group_salt(0)  # the one KV group's share of its block terms
 
 
 #: the fields a lane body leaves empty, read by one C call (see lane_shaped)
@@ -215,14 +216,24 @@ class SteadyLane:
             self._open()
         if len(self.lengths) != 1 or not rows[0]:
             return None
-        plan = self._plan(0, rows, own)
-        if plan is None:
-            return None
-        hs, starts, terms, total = plan
-        digest = (self.digest + self.advance + total) & dg.MASK
-        if expected_digest is not None and digest != expected_digest:
-            raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
-        self._commit(0, *rows, hs, starts, terms)
+        done = None if _C is None else _C.lane_append(
+            *rows, self.handles, self.lengths[0], _SALT0, *dg.BLOCK_KEYS, not own,
+            self.digest + self.advance, expected_digest)  # plan, digest and lengths at once
+        if done is None:  # not taken: the same in Python
+            plan = self._plan(0, rows, own)
+            if plan is None:
+                return None
+            hs, starts, terms, total = plan
+            digest = (self.digest + self.advance + total) & dg.MASK
+            if expected_digest is not None and digest != expected_digest:
+                raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
+            self._commit(0, *rows, hs, starts, terms)
+        elif type(done) is int:  # the digest, which differs: nothing done
+            raise InvalidDelta("state digest mismatch", expected=expected_digest, got=done)
+        else:
+            hs, starts, terms, digest = done
+            self.journal[0].append((hs, starts, rows[1], rows[2], terms))
+            self.rows += len(hs)
         self._advanced()
         self._taken(digest, body)
         return digest

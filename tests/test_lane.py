@@ -185,9 +185,10 @@ def test_appended_refuses_what_step_must_decide() -> None:
     assert lane.appended(([9], [1], [77]), None) is None  # position not scheduled
     assert lane.appended(([1], [1], [1 << 40]), None, own=True) is None  # id past int32
     assert lane.steps == 0 and lane.digest == one.digest
+    lengths = [list(x) for x in lane.lengths]
     with pytest.raises(InvalidDelta, match="digest mismatch"):
         lane.appended(([1], [1], [77]), expected_digest=1)
-    assert lane.steps == 0 and lane.digest == one.digest
+    assert lane.steps == 0 and lane.digest == one.digest and lane.lengths == lengths
 
 
 def test_the_lane_settles_itself_before_its_journal_grows_unbounded() -> None:

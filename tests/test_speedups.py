@@ -544,22 +544,22 @@ def _reference_plan(pos: list[int], counts: list[int], ids: list[int], handles: 
     return hs, starts, terms, sum(terms) & dg.MASK
 
 
-@needs_c
-@given(st.data())
-def test_plan_rows_is_the_lanes_plan(data: st.DataObject) -> None:
-    assert C is not None
-    n = data.draw(st.integers(1, 12))
-    handles = data.draw(st.lists(st.integers(0, 5000), min_size=n, max_size=n))
-    lengths = data.draw(st.lists(st.integers(0, 60), min_size=n, max_size=n))
-    k = data.draw(st.integers(1, n))
-    pos = data.draw(st.permutations(range(n)))[:k]  # valid rows, then maybe one flaw
-    counts = data.draw(st.lists(st.integers(1, 3), min_size=k, max_size=k))
-    ids = data.draw(st.lists(st.integers(0, (1 << 31) - 1), min_size=sum(counts),
-                             max_size=sum(counts)))
-    flaw = data.draw(st.sampled_from(["none", "none", "none", "position", "repeat", "count",
-                                      "id", "extra id", "missing id"]))
+@st.composite
+def _plan_case(draw: st.DrawFn) -> tuple[Any, ...]:
+    """(positions, counts, ids, handles, lengths, group, check): valid appends of one
+    group, then maybe one flaw."""
+    n = draw(st.integers(1, 12))
+    handles = draw(st.lists(st.integers(0, 5000), min_size=n, max_size=n))
+    lengths = draw(st.lists(st.integers(0, 60), min_size=n, max_size=n))
+    k = draw(st.integers(1, n))
+    pos = draw(st.permutations(range(n)))[:k]
+    counts = draw(st.lists(st.integers(1, 3), min_size=k, max_size=k))
+    ids = draw(st.lists(st.integers(0, (1 << 31) - 1), min_size=sum(counts),
+                        max_size=sum(counts)))
+    flaw = draw(st.sampled_from(["none", "none", "none", "position", "repeat", "count",
+                                 "id", "extra id", "missing id"]))
     if flaw == "position":
-        pos[-1] = data.draw(st.sampled_from([-1, n]))
+        pos[-1] = draw(st.sampled_from([-1, n]))
     elif flaw == "repeat":
         pos.append(pos[0])
         counts.append(1)
@@ -567,19 +567,52 @@ def test_plan_rows_is_the_lanes_plan(data: st.DataObject) -> None:
     elif flaw == "count":
         counts[-1] = 0
     elif flaw == "id":
-        ids[-1] = data.draw(st.sampled_from([-1, 1 << 31]))
+        ids[-1] = draw(st.sampled_from([-1, 1 << 31]))
     elif flaw == "extra id":
         ids.append(3)
     elif flaw == "missing id":
         ids.pop()
-    group = data.draw(st.integers(0, 3))
-    check = data.draw(st.booleans())
+    return pos, counts, ids, handles, lengths, draw(st.integers(0, 3)), draw(st.booleans())
+
+
+@needs_c
+@given(_plan_case())
+def test_plan_rows_is_the_lanes_plan(case: tuple[Any, ...]) -> None:
+    assert C is not None
+    pos, counts, ids, handles, lengths, group, check = case
     got = C.plan_rows(pos, counts, ids, handles, lengths, dg.group_salt(group),
                       *dg.BLOCK_KEYS, check)
     if check:
         assert got == _reference_plan(pos, counts, ids, handles, lengths, group, True)
     elif got is not None:  # unchecked rows: C takes a subset, and agrees on it
         assert got == _reference_plan(pos, counts, ids, handles, lengths, group, False)
+
+
+@needs_c
+@given(_plan_case(), st.integers(0, (1 << 64) - 1), st.sampled_from(["none", "same", "other"]))
+def test_lane_append_is_plan_digest_and_lengths(case: tuple[Any, ...], base: int,
+                                                expect: str) -> None:
+    """The plan of plan_rows, the digest ``base + sum`` and, only when that is the
+    expected digest, the lengths advanced; an int (nothing changed) when it is not."""
+    assert C is not None
+    pos, counts, ids, handles, lengths, group, check = case
+    salt = dg.group_salt(group)
+    plan = C.plan_rows(pos, counts, ids, handles, lengths, salt, *dg.BLOCK_KEYS, check)
+    digest = None if plan is None else (base + plan[3]) & dg.MASK
+    expected = {"none": None, "same": digest, "other": None if digest is None
+                else (digest + 1) & dg.MASK}[expect]
+    before = list(lengths)
+    got = C.lane_append(pos, counts, ids, handles, lengths, salt, *dg.BLOCK_KEYS, check,
+                        base, expected)
+    if plan is None:
+        assert got is None and lengths == before
+    elif expect == "other":
+        assert got == digest and lengths == before
+    else:
+        assert got == (*plan[:3], digest)
+        for p, c in zip(pos, counts, strict=True):
+            before[p] += c
+        assert lengths == before
 
 
 @st.composite

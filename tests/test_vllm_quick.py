@@ -385,6 +385,36 @@ def test_quick_outputs_are_built_like_the_constructor_builds_them() -> None:
     assert got == _step(1, blocks=[([90],), None, None])
 
 
+@pytest.mark.skipif(C is None, reason="C speedups not built")
+@pytest.mark.parametrize("flags", [(False, False, 0), (True, True, 2)])
+def test_c_step_output_is_the_python_assembly(flags: tuple[bool, bool, int],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``step_output`` builds what ``_assemble``'s lines build: equal objects, the same
+    instance-dict order, every container fresh (vLLM keeps and changes them)."""
+    dec = worker_quick.QuickDecoder()
+    dec.reset(list(IDS), [5, 6, 7], [40, 41, 42], dict.fromkeys(IDS, 1), [PROMPT] * 3, 1)
+    body = DeltaBody(has_structured_output=flags[0], pending_structured_output=flags[1],
+                     num_spec_tokens_to_schedule=flags[2])
+    args = ([41, 42, 43], [2, 3, 4], [None, ([9],), None], 3, {"b": [4]}, body)
+    with_c = [dec._assemble(*args) for _ in range(2)]
+    monkeypatch.setattr(worker_quick, "_C", None)
+    python = dec._assemble(*args)
+    for got in with_c:
+        assert_vllm_equal(python, got)
+        for obj, ref in ((got, python), (got.scheduled_cached_reqs, python.scheduled_cached_reqs)):
+            assert type(obj) is type(ref) and list(vars(obj)) == list(vars(ref))
+    first, second = (vars(so) | vars(so.scheduled_cached_reqs) for so in with_c)
+    fresh = [k for k, v in first.items() if isinstance(v, list | set | dict)
+             and k not in ("new_block_ids", "num_computed_tokens", "num_output_tokens",
+                           "scheduled_spec_decode_tokens")]
+    assert len(fresh) == 11 and all(first[k] is not second[k] for k in fresh)
+    assert first["req_ids"] is not dec.batch and first["num_scheduled_tokens"] is not \
+        dec.nsched_map
+    assert C is not None
+    assert C.step_output(CachedRequestData, SchedulerOutput, tuple(IDS), {}, *args[:5],
+                         False, False, 0) is None  # not a list: the Python lines decide
+
+
 def _tables_made_afresh(enc: SchedulerOutputEncoder, so: SchedulerOutput) -> None:
     """The encoder's last tables equal tables made from its lists for ``so``'s batch."""
     from protocol.request import Ragged
