@@ -95,7 +95,10 @@ class SteadyLane:
         #: handle -> computed-term key, kept across opens (a key depends on the handle
         #: only; a handle's requests come and go, its key stays valid)
         self.key_of: dict[int, int] = {}
-        self.lengths: list[list[int]] = []
+        self.groups = 0  # KV groups of the state
+        #: the scheduled rows' table lengths per group, read from the state when appends
+        #: first need them (see lengths): a lane of steady steps never pays for them
+        self._lengths: list[list[int]] | None = None
         self.advance = 0
         self.nsched: list[int] = []  # the scheduled counts now (replaced, never edited)
         #: the advances so far: [scheduled counts, steps advanced by them]
@@ -109,12 +112,21 @@ class SteadyLane:
         self.rows = 0
         self.last: DeltaBody | None = None
 
+    def open(self) -> None:
+        """Open the lane on the state now, its block lengths included (a no-op while steps
+        are journaled or when it is open on this version).  The adapters call it at the
+        end of a general step, which costs far more, so that the next same-schedule step
+        does not pay for the lists."""
+        if self.steps == 0 and self.version != self.state.version:
+            self._open()
+        self.lengths  # noqa: B018 - made now (a property)
+
     def _open(self) -> None:
         state = self.state
         sched = state.schedule
         self.handles = sched.tolist()
         self.keys = self.skeys = None
-        self.lengths = [table.lengths[sched].tolist() for table in state.blocks]
+        self.groups, self._lengths = len(state.blocks), None
         self.journal = [[] for _ in state.blocks]
         self.digest, self.version, self.rows = state.digest, state.version, 0
         self._restart()
@@ -125,6 +137,16 @@ class SteadyLane:
             self.advance = dg.computed_change(self.handles, self.nsched)
         else:
             self.advance = state.steady_advance_term()
+
+    @property
+    def lengths(self) -> list[list[int]]:
+        """The scheduled rows' table lengths per KV group, by position: the state's at the
+        open (unchanged until the lane's first append: nothing else touches the state
+        between settles) plus the journaled appends."""
+        if self._lengths is None:
+            state = self.state
+            self._lengths = [table.lengths[state.schedule].tolist() for table in state.blocks]
+        return self._lengths
 
     def _small_keys(self, handles: list[int]) -> list[int]:
         """``dg.handle_key_int`` of each handle, through :attr:`key_of`."""
@@ -181,7 +203,7 @@ class SteadyLane:
             counts = self._plan_counts(rows)
         if counts is None:
             return None
-        if appends and len(appends) != len(self.lengths):
+        if appends and len(appends) != self.groups:
             return None
         planned = []
         digest = self.digest + self.advance + counts[0]
@@ -214,11 +236,11 @@ class SteadyLane:
         has more groups or cannot take the rows (:meth:`step` then decides)."""
         if self.steps == 0 and self.version != self.state.version:
             self._open()
-        if len(self.lengths) != 1 or not rows[0]:
+        if self.groups != 1 or not rows[0]:
             return None
         done = None if _C is None else _C.lane_append(
-            *rows, self.handles, self.lengths[0], _SALT0, *dg.BLOCK_KEYS, not own,
-            self.digest + self.advance, expected_digest)  # plan, digest and lengths at once
+            *rows, self.handles, (self._lengths or self.lengths)[0], _SALT0, *dg.BLOCK_KEYS,
+            not own, self.digest + self.advance, expected_digest)  # plan, digest, lengths
         if done is None:  # not taken: the same in Python
             plan = self._plan(0, rows, own)
             if plan is None:
@@ -370,10 +392,10 @@ class SteadyLane:
         if not self.steps:
             return
         assert self.last is not None  # noqa: S101 - set by every journaled step
-        self.state.absorb_lane(self.segments, self.extra, self.journal, self.lengths,
+        self.state.absorb_lane(self.segments, self.extra, self.journal, self._lengths or [],
                                self.last, self.digest, self.advance)
         self.steps, self.last = 0, None
-        self.journal = [[] for _ in self.lengths]
+        self.journal = [[] for _ in range(self.groups)]
         self.version, self.rows = self.state.version, 0
         self._restart()
 

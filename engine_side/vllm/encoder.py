@@ -183,7 +183,8 @@ class SchedulerOutputEncoder:
             delta = self.mirror.diff(request, self._hint) if self.items is None else \
                 self.items.diff(self.mirror, request, self._hint)
             batch = request.req_ids
-            self.quick.reset(batch, self.mirror.state.schedule.tolist(),
+            self.lane.open()  # here, not in the next same-batch step
+            self.quick.reset(batch, self.lane.handles,
                              request.num_computed_tokens.tolist(),
                              list(so.num_scheduled_tokens.values()),
                              list(map(self.mem.plen.__getitem__, batch)), self.kv_groups or 1)

@@ -192,7 +192,8 @@ class SchedulerOutputDecoder:
             request = self.items.resolve(request)
         self.batches[msg.seq] = request.req_ids
         so = self._scheduler_output(request, ext, opaque)
-        quick.reset(request.req_ids, self.state.schedule.tolist(),
+        self.lane.open()  # here, not in the next same-batch step
+        quick.reset(request.req_ids, self.lane.handles,
                     request.num_computed_tokens.tolist(), so.num_scheduled_tokens,
                     list(map(self.mem.plen.__getitem__, request.req_ids)),
                     len(request.block_tables))

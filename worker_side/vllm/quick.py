@@ -94,6 +94,7 @@ class QuickDecoder:
         self.nsched = list(nsched.values())
         self.forecast = Forecast(plen)
         self.forecast.restart(computed, self.nsched)
+        self.forecast.take()  # its first row now: the general step pays, not the next
         self.ready = True
 
     def lane_inputs(self, body: DeltaBody, ext: StepExt,
