@@ -119,7 +119,8 @@ class SteadyLane:
         does not pay for the lists."""
         if self.steps == 0 and self.version != self.state.version:
             self._open()
-        self.lengths  # noqa: B018 - made now (a property)
+        if self._lengths is None:
+            self._lengths = self._state_lengths()
 
     def _open(self) -> None:
         state = self.state
@@ -144,9 +145,12 @@ class SteadyLane:
         open (unchanged until the lane's first append: nothing else touches the state
         between settles) plus the journaled appends."""
         if self._lengths is None:
-            state = self.state
-            self._lengths = [table.lengths[state.schedule].tolist() for table in state.blocks]
+            self._lengths = self._state_lengths()
         return self._lengths
+
+    def _state_lengths(self) -> list[list[int]]:
+        state = self.state
+        return [table.lengths[state.schedule].tolist() for table in state.blocks]
 
     def _small_keys(self, handles: list[int]) -> list[int]:
         """``dg.handle_key_int`` of each handle, through :attr:`key_of`."""
