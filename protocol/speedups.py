@@ -6,7 +6,8 @@ the digest's per-row block terms and linear count terms (:mod:`protocol.digest`)
 the same-batch comparisons and of the vLLM replies' token lists
 (:mod:`engine_side.vllm.convert`); ``protocol/_speedups_step.c``, in the same module,
 the same-batch step's fused checks and rows (:mod:`engine_side.vllm.quick`,
-:mod:`worker_side.vllm.quick`).  Each returns exactly
+:mod:`worker_side.vllm.quick`), and ``protocol/_speedups_output.c`` the worker's
+same-batch SchedulerOutput (``QuickDecoder._assemble``).  Each returns exactly
 what its Python reference returns, or None for an input it does not take (the
 Python path then decides, errors included); ``tests/test_speedups.py`` and
 ``tests/test_vllm_quick.py`` hold the two together.  The bytes on the wire never
