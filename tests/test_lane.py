@@ -8,16 +8,19 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from replica_bodies import first_body
 
+from protocol import digest, packing
+from protocol import lane as lane_module
 from protocol.errors import InvalidDelta, MalformedMessage
 from protocol.lane import MAX_ROWS, NO_ROWS, Appends, SteadyLane, lane_rows, lane_shaped
 from protocol.messages import DeltaBody, Rows
 from protocol.packing import pack_sints, pack_uints
 from protocol.plan import STEADY_BODY
 from protocol.request import request_differences
+from protocol.speedups import C
 from protocol.state import ReplicaState
 
 
@@ -127,9 +130,22 @@ def _same_state(a: ReplicaState, b: ReplicaState) -> None:
     assert a.step.num_spec_tokens_to_schedule == b.step.num_spec_tokens_to_schedule
 
 
-@settings(max_examples=80, deadline=None)
+@pytest.fixture(params=["c", "pure"])
+def speedups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the C speedups and again on the lane's pure-Python paths."""
+    if request.param == "pure":
+        for module in (lane_module, digest, packing):
+            monkeypatch.setattr(module, "_C", None)
+    elif C is None:
+        pytest.skip("C speedups not built")
+    return str(request.param)
+
+
+@settings(max_examples=80, deadline=None,  # the fixture only patches modules: shared is fine
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.integers(1, 48), st.integers(1, 2), st.data())
-def test_the_lane_equals_applying_every_body(n: int, groups: int, data: st.DataObject) -> None:
+def test_the_lane_equals_applying_every_body(speedups: str, n: int, groups: int,
+                                             data: st.DataObject) -> None:
     laned, reference = ReplicaState(kv_groups=groups), ReplicaState(kv_groups=groups)
     first = first_body(n, groups)
     for state in (laned, reference):
