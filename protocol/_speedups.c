@@ -23,30 +23,6 @@
 
 #include "_speedups.h"
 
-/* 0 and the value for an exact non-negative int below 2**64; -1 otherwise. */
-static int
-as_u64(PyObject *item, uint64_t *out)
-{
-    long long v;
-    if (as_i64(item, &v) == 0) {
-        if (v < 0) {
-            return -1;
-        }
-        *out = (uint64_t)v;
-        return 0;
-    }
-    if (!PyLong_CheckExact(item)) {
-        return -1;
-    }
-    unsigned long long u = PyLong_AsUnsignedLongLong(item); /* 2**63 and up */
-    if (u == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear(); /* negative, or 2**64 or more */
-        return -1;
-    }
-    *out = (uint64_t)u;
-    return 0;
-}
-
 /* 0 and the zig-zag image of an exact int in the int64 range; -1 otherwise. */
 static int
 as_zigzag(PyObject *item, uint64_t *out)
@@ -1356,7 +1332,8 @@ PyInit__speedups(void)
 {
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddFunctions(m, step_methods) < 0
-                      || PyModule_AddFunctions(m, output_methods) < 0)) {
+                      || PyModule_AddFunctions(m, output_methods) < 0
+                      || PyModule_AddFunctions(m, lane_methods) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

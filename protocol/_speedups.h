@@ -4,6 +4,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 
 /* 0 and the value of an exact int in the int64 range; -1 otherwise.  Ints of one
  * internal digit (the counts and ids of a step) are read inline. */
@@ -34,6 +35,30 @@ as_i64(PyObject *item, long long *out)
     return 0;
 }
 
+/* 0 and the value for an exact non-negative int below 2**64; -1 otherwise. */
+static inline int
+as_u64(PyObject *item, uint64_t *out)
+{
+    long long v;
+    if (as_i64(item, &v) == 0) {
+        if (v < 0) {
+            return -1;
+        }
+        *out = (uint64_t)v;
+        return 0;
+    }
+    if (!PyLong_CheckExact(item)) {
+        return -1;
+    }
+    unsigned long long u = PyLong_AsUnsignedLongLong(item); /* 2**63 and up */
+    if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear(); /* negative, or 2**64 or more */
+        return -1;
+    }
+    *out = (uint64_t)u;
+    return 0;
+}
+
 /* 1 when x departs from its forecast: x != y + z, or (clamped) x != max(y - z, 0). */
 static inline int
 departs(long long x, long long y, long long z, int clamp)
@@ -49,9 +74,10 @@ PyObject *one_group_appends(PyObject *self, PyObject *arg);
 PyObject *raw_list(PyObject *self, PyObject *args);
 PyObject *pack_list(PyObject *self, PyObject *arg);
 
-/* The same-step functions of _speedups_step.c and _speedups_output.c, added to the
- * module at import. */
+/* The functions of _speedups_step.c, _speedups_output.c and _speedups_lane.c, added to
+ * the module at import. */
 extern PyMethodDef step_methods[];
 extern PyMethodDef output_methods[];
+extern PyMethodDef lane_methods[];
 
 #endif

@@ -317,9 +317,17 @@ class SteadyLane:
         or None, the next advance term) of the count exceptions: the checks and terms of
         :mod:`protocol.plan` on an unchanged schedule, in C-level maps (both count terms
         are linear: a change is a product with a cached key); None when one fails (or a
-        value is absurdly large: the state's path decides)."""
+        value is absurdly large: the state's path decides).  One C call with the
+        speedups (``plan_counts``; the lines below when it does not take the lists)."""
         change, advance = 0, self.advance
         at, moves = rows.computed or (_NONE, _NONE)
+        if _C is not None:
+            pos, values = rows.scheduled or (_NONE, _NONE)
+            got = _C.plan_counts(self._computed() if moves else _NONE, self.nsched,
+                                 self._keys() if moves or pos else _NONE, at, moves, pos, values,
+                                 self._schedule_keys() if pos else _NONE, advance)
+            if got is not None:
+                return got[0], at, moves, got[1], got[2]
         if moves:
             comp, ns = self._computed(), self.nsched
             after = list(map(add, map(comp.__getitem__, at), map(ns.__getitem__, at)))

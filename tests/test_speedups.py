@@ -615,6 +615,58 @@ def test_lane_append_is_plan_digest_and_lengths(case: tuple[Any, ...], base: int
         assert lengths == before
 
 
+def _reference_plan_counts(comp: list[int], ns: list[int], keys: list[int], at: list[int],
+                           moves: list[int], pos: list[int], values: list[int],
+                           skeys: list[int], advance: int) -> tuple[Any, ...] | None:
+    """SteadyLane._plan_counts' Python lines on the same lists (None: refused)."""
+    change = 0
+    if moves:
+        after = [comp[p] + ns[p] + d for p, d in zip(at, moves, strict=True)]
+        if min(after) < 0 or max(after) >= 1 << 62:
+            return None
+        change = sum(d * keys[p] for p, d in zip(at, moves, strict=True))
+    nsched = None
+    if max(values, default=0) >= 1 << 62:
+        return None
+    before = [ns[p] for p in pos]
+    if before != values:
+        deltas = [v - b for v, b in zip(values, before, strict=True)]
+        change += sum(d * skeys[p] for p, d in zip(pos, deltas, strict=True))
+        advance += sum(d * keys[p] for p, d in zip(pos, deltas, strict=True))
+        nsched = list(ns)
+        for p, v in zip(pos, values, strict=True):
+            nsched[p] = v
+    return change & dg.MASK, nsched, advance & dg.MASK
+
+
+@needs_c
+@given(st.data())
+def test_plan_counts_is_the_lanes_count_plan(data: st.DataObject) -> None:
+    """Distinct in-range positions (what the lane passes): the Python lines' answer,
+    refusals included; any position out of range or count past 2**62: None."""
+    assert C is not None
+    n = data.draw(st.integers(1, 12))
+    counts = st.integers(0, 5000) if data.draw(st.integers(0, 9)) else \
+        st.sampled_from([0, (1 << 62) - 1, 1 << 62])
+    comp = data.draw(st.lists(counts, min_size=n, max_size=n))
+    ns = data.draw(st.lists(st.integers(0, 8), min_size=n, max_size=n))
+    keys, skeys = (data.draw(st.lists(U64, min_size=n, max_size=n)) for _ in range(2))
+    at = data.draw(st.permutations(range(n)))[:data.draw(st.integers(0, n))]
+    moves = data.draw(st.lists(st.integers(-6000, 6000), min_size=len(at), max_size=len(at)))
+    pos = data.draw(st.permutations(range(n)))[:data.draw(st.integers(0, n))]
+    values = data.draw(st.lists(st.one_of(st.integers(0, 8), counts), min_size=len(pos),
+                                max_size=len(pos)))
+    advance = data.draw(U64)
+    args = (comp, ns, keys, at, moves, pos, values, skeys, advance)
+    want = _reference_plan_counts(*args)
+    got = C.plan_counts(*args)
+    assert got == want
+    if at or pos:  # a position out of range is not taken
+        bad = (at + [n], moves + [1]) if at else (at, moves)
+        assert C.plan_counts(comp, ns, keys, *bad, pos + ([n] if not at else []),
+                             values + ([1] if not at else []), skeys, advance) is None
+
+
 @st.composite
 def _word_rows(draw: st.DrawFn) -> np.ndarray:
     """Rows of words of every width, mostly all-zero or all-one words (and ties)."""
