@@ -796,9 +796,13 @@ lane_append(PyObject *self, PyObject *args)
     PyObject *digest = PyLong_FromUnsignedLongLong((unsigned long long)(base + total));
     int same = digest == NULL ? -1 : expected == Py_None ? 1
         : PyObject_RichCompareBool(digest, expected, Py_EQ);
-    if (same != 1) {
+    if (same != 1) { /* 0: the digest differs, nothing changes; -1: an exception is set */
         Py_DECREF(plan);
-        return same == 0 ? digest : (Py_XDECREF(digest), NULL);
+        if (same == 0) {
+            return digest;
+        }
+        Py_XDECREF(digest);
+        return NULL;
     }
     Py_ssize_t rows = PyList_GET_SIZE(a.pos);
     for (Py_ssize_t i = 0; i < rows; i++) { /* checked by plan_lists: in range, no overflow */

@@ -243,7 +243,7 @@ class SteadyLane:
         if self.groups != 1 or not rows[0]:
             return None
         done = None if _C is None else _C.lane_append(
-            *rows, self.handles, (self._lengths or self.lengths)[0], _SALT0, *dg.BLOCK_KEYS,
+            *rows, self.handles, self.lengths[0], _SALT0, *dg.BLOCK_KEYS,
             not own, self.digest + self.advance, expected_digest)  # plan, digest, lengths
         if done is None:  # not taken: the same in Python
             plan = self._plan(0, rows, own)
