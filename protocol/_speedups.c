@@ -676,8 +676,8 @@ typedef struct {
     int check;
 } PlanArgs;
 
-/* plan_rows' lists (hs, starts, terms) and *total; Py_None (a new reference) when not
- * taken, NULL with an exception set. */
+/* plan_rows' answer (hs, starts, terms, total) as a fresh tuple, the total also in
+ * *total; Py_None (a new reference) when not taken, NULL with an exception set. */
 static PyObject *
 plan_lists(const PlanArgs *a, uint64_t *total)
 {
@@ -736,7 +736,7 @@ plan_lists(const PlanArgs *a, uint64_t *total)
         goto refuse; /* ids left over */
     }
     PyMem_Free(seen);
-    return Py_BuildValue("(NNN)", hs, starts, terms);
+    return Py_BuildValue("(NNNK)", hs, starts, terms, (unsigned long long)*total);
 refuse:
     PyMem_Free(seen);
     Py_DECREF(hs);
@@ -760,14 +760,7 @@ plan_rows(PyObject *self, PyObject *args)
         return NULL;
     }
     uint64_t total;
-    PyObject *plan = plan_lists(&a, &total);
-    if (plan == NULL || plan == Py_None) {
-        return plan;
-    }
-    PyObject *out = Py_BuildValue("(OOOK)", PyTuple_GET_ITEM(plan, 0), PyTuple_GET_ITEM(plan, 1),
-                                  PyTuple_GET_ITEM(plan, 2), (unsigned long long)total);
-    Py_DECREF(plan);
-    return out;
+    return plan_lists(&a, &total);
 }
 
 /* lane_append(positions, counts, ids, handles, lengths, salt, k_block, k_pos, k_handle,
@@ -818,10 +811,11 @@ lane_append(PyObject *self, PyObject *args)
         }
         PyList_SetItem(a.lengths, p, sum); /* steals sum, releases the old item */
     }
-    PyObject *out = Py_BuildValue("(OOON)", PyTuple_GET_ITEM(plan, 0), PyTuple_GET_ITEM(plan, 1),
-                                  PyTuple_GET_ITEM(plan, 2), digest);
-    Py_DECREF(plan);
-    return out;
+    if (PyTuple_SetItem(plan, 3, digest) < 0) { /* fresh and ours alone: the total gives way */
+        Py_DECREF(plan); /* (SetItem released the digest) */
+        return NULL;
+    }
+    return plan;
 }
 
 /* sparse_scan(buf, rows, itemsize): an integer array's rows against their background
