@@ -170,37 +170,10 @@ class DiffContext:
         return h
 
     def _new_request(self, i: int, h: int, spec: RequestSpec) -> NewRequest:
-        prompt = spec.prompt_token_ids
-        prefix_handle, prefix, suffix = self._prefix_reference(prompt)
         tokens = self.request.output_token_ids
-        return NewRequest(
-            handle=h, req_id=spec.req_id,
-            prompt=pack_uints(suffix) if prompt is not None else b"",
-            prefix_handle=prefix_handle, prefix=prefix, prompt_none=prompt is None,
-            sampling=spec.sampling, pooling=spec.pooling, lora=spec.lora,
-            mm_features=spec.mm_features, prompt_embeds=spec.prompt_embeds,
-            prompt_is_token_ids=spec.prompt_is_token_ids,
-            num_computed=int(self.request.num_computed_tokens[i]),
-            output=_packed(np.asarray(tokens[i])) if tokens is not None else b"",
-        )
-
-    def _prefix_reference(self, prompt: IntArray | None) -> tuple[int, int, IntArray]:
-        """(handle, length, rest): reuse a live prompt's leading tokens the workers hold."""
-        from engine_side.mirror import PREFIX_MIN_TOKENS
-
-        if prompt is None or prompt.size < PREFIX_MIN_TOKENS:
-            return -1, 0, _EMPTY if prompt is None else prompt
-        ref = self.mirror.prefix_index.get(np.asarray(prompt[:PREFIX_MIN_TOKENS],
-                                                      dtype=np.int64).tobytes())
-        if ref is None or ref in self.reset or not self.state.cols.live[ref]:
-            return -1, 0, prompt
-        source = self.state.specs[ref].prompt_token_ids  # type: ignore[union-attr]
-        n = min(source.size, prompt.size)  # type: ignore[union-attr]
-        mismatch = np.flatnonzero(source[:n] != prompt[:n])  # type: ignore[index]
-        common = int(mismatch[0]) if mismatch.size else n
-        if common < PREFIX_MIN_TOKENS:
-            return -1, 0, prompt
-        return ref, common, prompt[common:]
+        return new_request(self.mirror, self.reset, h, spec,
+                           int(self.request.num_computed_tokens[i]),
+                           _packed(np.asarray(tokens[i])) if tokens is not None else b"")
 
     # -- schedule ---------------------------------------------------------------------
     def _schedule(self) -> None:
@@ -420,6 +393,43 @@ class DiffContext:
         if h is None or h in self.reset:
             raise LocalProtocolError("preempted/resumed id is not a live request", req_id=req_id)
         return h
+
+
+def new_request(mirror: EngineMirror, reset: set[int], h: int, spec: RequestSpec,
+                computed: int, output: bytes = b"") -> NewRequest:
+    """The add of ``spec`` under handle ``h``; its prompt as a reference into a live
+    prompt the workers hold where one shares a long enough prefix (``reset``: handles
+    finished or added in this delta, never referenced)."""
+    prompt = spec.prompt_token_ids
+    prefix_handle, prefix, suffix = prefix_reference(mirror, reset, prompt)
+    return NewRequest(
+        handle=h, req_id=spec.req_id,
+        prompt=pack_uints(suffix) if prompt is not None else b"",
+        prefix_handle=prefix_handle, prefix=prefix, prompt_none=prompt is None,
+        sampling=spec.sampling, pooling=spec.pooling, lora=spec.lora,
+        mm_features=spec.mm_features, prompt_embeds=spec.prompt_embeds,
+        prompt_is_token_ids=spec.prompt_is_token_ids, num_computed=computed, output=output)
+
+
+def prefix_reference(mirror: EngineMirror, reset: set[int],
+                     prompt: IntArray | None) -> tuple[int, int, IntArray]:
+    """(handle, length, rest): reuse a live prompt's leading tokens the workers hold."""
+    from engine_side.mirror import PREFIX_MIN_TOKENS
+
+    if prompt is None or prompt.size < PREFIX_MIN_TOKENS:
+        return -1, 0, _EMPTY if prompt is None else prompt
+    ref = mirror.prefix_index.get(np.asarray(prompt[:PREFIX_MIN_TOKENS],
+                                             dtype=np.int64).tobytes())
+    state = mirror.state
+    if ref is None or ref in reset or not state.cols.live[ref]:
+        return -1, 0, prompt
+    source = state.specs[ref].prompt_token_ids  # type: ignore[union-attr]
+    n = min(source.size, prompt.size)  # type: ignore[union-attr]
+    mismatch = np.flatnonzero(source[:n] != prompt[:n])  # type: ignore[index]
+    common = int(mismatch[0]) if mismatch.size else n
+    if common < PREFIX_MIN_TOKENS:
+        return -1, 0, prompt
+    return ref, common, prompt[common:]
 
 
 def _members(values: IntArray, pool: IntArray) -> npt.NDArray[np.bool_]:

@@ -147,7 +147,9 @@ class EngineMirror:
             raise
         plan = self.state.apply(body)
         # None: a steady step (appends at most), nothing finished or added
-        self._after_apply(ctx, _NONE if plan is None else plan.finished)
+        self._after_apply(_NONE if plan is None else plan.finished, ctx.freed_ids,
+                          [(rid, h, request.specs[ctx.added_at[h]]) for rid, h in ctx.new_ids],
+                          request.req_ids, request.specs)
         self._last_tables = request.block_tables
         self.seq += 1
         if self.verify and not requests_equal(self.state.rebuild(), request):
@@ -194,24 +196,41 @@ class EngineMirror:
             raise LocalProtocolError("mirror rebuild differs from the request", seq=self.seq)
         return Delta(self.epoch, self.seq, state.digest, STEADY_BODY)
 
-    def _after_apply(self, ctx: DiffContext, finished: IntArray) -> None:
+    def apply_turnover(self, body: DeltaBody, freed: list[tuple[str, int]],
+                       added: list[tuple[str, int, RequestSpec]], req_ids: list[str],
+                       specs: list[RequestSpec]) -> Delta:
+        """The Delta of a body an adapter built for a step where requests leave the batch
+        and new ones join (its fast path, the same body :meth:`diff` builds): ``freed``
+        the finished (id, handle) pairs it names, ``added`` the (id, handle, spec) of
+        its adds (handles from :attr:`allocator`), ``req_ids`` and ``specs`` the step's
+        batch.  Advances the mirror as :meth:`diff` does.
+
+        Raises InvalidDelta (mirror unchanged) when the body does not apply."""
+        plan = self.state.apply(body)
+        self._after_apply(_NONE if plan is None else plan.finished, freed, added, req_ids, specs)
+        self._last_tables = ()  # the step's whole tables were never built
+        self.seq += 1
+        return Delta(epoch=self.epoch, seq=self.seq, digest=self.state.digest, body=body)
+
+    def _after_apply(self, finished: IntArray, freed: list[tuple[str, int]],
+                     added: list[tuple[str, int, RequestSpec]], req_ids: list[str],
+                     specs: list[RequestSpec]) -> None:
         for h in finished.tolist():
             self._drop_prefix(h)
-        reused = {h for _, h in ctx.new_ids}
-        for req_id, h in ctx.freed_ids:
+        reused = {h for _, h, _ in added}
+        for req_id, h in freed:
             if h not in reused:
                 del self.handles[req_id]
                 self.engine_specs.pop(h, None)
                 self.allocator.release(h)
-        for req_id, h in ctx.new_ids:
+        for req_id, h, spec in added:
             self._drop_prefix(h)
             self.handles[req_id] = h
-            self.engine_specs[h] = ctx.request.specs[ctx.added_at[h]]
+            self.engine_specs[h] = spec
             self._index_prefix(h)
-        request = ctx.request
         # the state's own schedule array: identity lets the next diff take cached paths
-        self._last_ids, self._last_handles = list(request.req_ids), self.state.schedule
-        self._last_specs = list(request.specs)
+        self._last_ids, self._last_handles = list(req_ids), self.state.schedule
+        self._last_specs = list(specs)
 
     def _index_prefix(self, h: int) -> None:
         prompt = self.state.handle_of(h).prompt_token_ids

@@ -18,6 +18,7 @@
 #include <Python.h>
 #include <limits.h>
 #include <stdint.h>
+#include <string.h>
 
 #define STACK_VALUES 128 /* lists up to this long need no heap scratch */
 
@@ -265,6 +266,91 @@ static PyObject *
 raw_signed_list(PyObject *self, PyObject *args)
 {
     return unpacked(args, 1);
+}
+
+/* pack_array(values) -> bytes | None: protocol.packing.pack_uints of a C-contiguous
+ * buffer of int64 (a numpy array: a prompt, a block table); None for any other buffer or
+ * a negative value (Python decides, and raises).  Reads the buffer, never a list. */
+static PyObject *
+pack_array(PyObject *self, PyObject *arg)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    const char *f = view.format == NULL ? "B" : view.format;
+    if (*f == '<' || *f == '=' || *f == '@') {
+        f++;
+    }
+    PyObject *out = Py_None;
+    if (view.itemsize == 8 && (strcmp(f, "q") == 0 || strcmp(f, "l") == 0)) {
+        const int64_t *v = (const int64_t *)view.buf;
+        Py_ssize_t n = view.len / 8;
+        int64_t low = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            low |= v[i]; /* the sign bit of any negative value */
+        }
+        if (low >= 0) {
+            out = pack_values((const uint64_t *)v, n);
+        }
+    }
+    PyBuffer_Release(&view);
+    if (out == Py_None) {
+        Py_RETURN_NONE;
+    }
+    return out;
+}
+
+/* unpack_array(buf, limit=2**26) -> bytearray | None: the values of a well-formed
+ * packed array of at most ``limit`` values as native int64 bytes (numpy reads them
+ * without a copy); None for anything else, a value past int64 included (Python
+ * decides, and raises). */
+static PyObject *
+unpack_array(PyObject *self, PyObject *args)
+{
+    Py_buffer view;
+    unsigned long long limit = 1ULL << 26;
+    if (!PyArg_ParseTuple(args, "y*|K", &view, &limit)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    int width;
+    uint64_t count;
+    Py_ssize_t pos;
+    if (limit > (1ULL << 56)
+            || read_header((const unsigned char *)view.buf, view.len, limit, &width, &count,
+                           &pos) < 0) {
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE;
+    }
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(count * 8));
+    if (out == NULL) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    int64_t *dst = (int64_t *)PyByteArray_AS_STRING(out);
+    const unsigned char *p = (const unsigned char *)view.buf + pos;
+    uint64_t mask = width == 64 ? UINT64_MAX : (((uint64_t)1 << width) - 1);
+    unsigned __int128 acc = 0;
+    int bits = 0;
+    for (Py_ssize_t i = 0; i < (Py_ssize_t)count; i++) {
+        while (bits < width) { /* never past the payload: its length was checked */
+            acc |= (unsigned __int128)(*p++) << bits;
+            bits += 8;
+        }
+        uint64_t z = width ? (uint64_t)acc & mask : 0;
+        acc >>= width;
+        bits -= width;
+        if (z > (uint64_t)INT64_MAX) {
+            Py_DECREF(out);
+            PyBuffer_Release(&view);
+            Py_RETURN_NONE;
+        }
+        dst[i] = (int64_t)z;
+    }
+    PyBuffer_Release(&view);
+    return out;
 }
 
 static uint64_t
@@ -1277,6 +1363,10 @@ not_taken:
 
 static PyMethodDef methods[] = {
     {"pack_list", pack_list, METH_O, "protocol.packing.pack_uints of a list (None: not taken)."},
+    {"pack_array", pack_array, METH_O,
+     "protocol.packing.pack_uints of a contiguous int64 buffer (None: not taken)."},
+    {"unpack_array", unpack_array, METH_VARARGS,
+     "A well-formed packed array as native int64 bytes (None: anything else)."},
     {"pack_signed_list", pack_signed_list, METH_O,
      "protocol.packing.pack_sints of a list (None: not taken)."},
     {"raw_list", raw_list, METH_VARARGS,

@@ -14,6 +14,7 @@ used, so digests are stable across processes and PYTHONHASHSEED values.
 from __future__ import annotations
 
 import hashlib
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -265,6 +266,17 @@ def row_terms(handles: list[int], group: int, starts: list[int], counts: list[in
             return block_terms_rows(handles, group, starts, values).tolist()  # type: ignore[no-any-return]
         return block_unit_terms(handles, group, starts, values)
     terms, at = [], 0
+    if _C is not None and len(values) > len(handles):  # whole rows: a term per block in C
+        hs: list[int] = []
+        positions: list[int] = []
+        for h, start, n in zip(handles, starts, counts, strict=True):
+            hs += repeat(h, n)
+            positions += range(start, start + n)
+        units = block_unit_terms(hs, group, positions, values)
+        for n in counts:
+            terms.append(sum(units[at:at + n]) & MASK)
+            at += n
+        return terms
     for h, start, n in zip(handles, starts, counts, strict=True):
         terms.append(block_row_sums(h, group, start, values[at:at + n]))
         at += n

@@ -96,9 +96,14 @@ def pack_uints(values: npt.ArrayLike) -> bytes:
             packed = _pack_list(values)
         if packed is not None:
             return packed
-    elif type(values) is np.ndarray and values.size <= PACK_SMALL and values.dtype.kind in "iu":
-        packed = _pack_short(values.ravel().tolist())  # Python ints beat numpy's fixed costs
-        if packed is not None:
+    elif type(values) is np.ndarray and values.dtype.kind in "iu":
+        if values.size <= PACK_SMALL:
+            packed = _pack_short(values.ravel().tolist())  # Python ints beat numpy's fixed costs
+        elif _C is not None and values.dtype != np.uint64:  # (uint64 may not fit int64)
+            packed = _C.pack_array(np.ascontiguousarray(values, dtype=np.int64).ravel())
+        else:
+            packed = None
+        if packed is not None:  # None: a negative value, or no speedups
             return packed
     arr = np.asarray(values)
     if arr.size and arr.min() < 0:
@@ -142,6 +147,10 @@ def unpack_uints(buf: bytes, *, limit: int = 1 << 26) -> npt.NDArray[np.int64]:
         if short and buf[0] == 64 and max(short) > _INT64_MAX:
             raise MalformedMessage("packed value does not fit int64")
         return np.array(short, dtype=np.int64)
+    if _C is not None:  # a long array in one pass (None: malformed, or past int64)
+        native = _C.unpack_array(buf, limit)
+        if native is not None:
+            return np.frombuffer(native, dtype=np.int64)
     raw = _unpack_raw(buf, limit)
     if raw.dtype == np.uint64 and raw.size and int(raw.max()) > _INT64_MAX:
         raise MalformedMessage("packed value does not fit int64")

@@ -85,14 +85,21 @@ class _Planner(BlockPlanner):
     def check_live(self, handles: IntArray, what: str) -> None:
         if handles.size == 0:
             return
-        if handles.max() >= self.live.size or not self.live[handles].all():
-            raise self.fail(f"{what} names a handle that is not live", handles=handles.tolist()[:8])
+        if handles.size <= dg.SMALL:  # scalar reads beat numpy's fixed costs
+            hs, live = handles.tolist(), self.live
+            if max(hs) < live.size and all(map(live.item, hs)):
+                return
+        elif handles.max() < self.live.size and self.live[handles].all():
+            return
+        raise self.fail(f"{what} names a handle that is not live", handles=handles.tolist()[:8])
 
     def drop_terms(self, h: int) -> None:
         """Subtract every digest term of live handle ``h`` (finish or replace)."""
         cols = self.state.cols
-        lost = int(cols.spec_term[h]) + int(cols.token_sum[h]) + int(cols.block_sum[:, h].sum())
-        lost += dg.handle_key_int(h) * int(cols.computed[h])
+        sums = cols.block_sum
+        lost = cols.spec_term.item(h) + cols.token_sum.item(h) + \
+            sum(sums.item(g, h) for g in range(sums.shape[0]))
+        lost += dg.handle_key_int(h) * cols.computed.item(h)
         self.digest = (self.digest - lost) & dg.MASK
 
     def finishes(self) -> IntArray:
@@ -179,6 +186,8 @@ class _Planner(BlockPlanner):
             if body.schedule_drop or body.schedule_append:
                 raise self.fail("full schedule combined with schedule edits")
             sched = unpack_uints(body.schedule_full)
+        elif prev.size <= FEW_ROWS:
+            sched = self._few_edits(prev)
         else:
             drop = _ints(body.schedule_drop)
             if drop.size and (drop.max() >= prev.size or has_duplicates(drop)):
@@ -186,8 +195,7 @@ class _Planner(BlockPlanner):
             keep = np.ones(prev.size, dtype=bool)
             keep[drop] = False
             sched = np.concatenate([prev[keep], _ints(body.schedule_append)])
-            changed = bool(drop.size) or bool(body.schedule_append)
-            if not changed:
+            if not drop.size and not body.schedule_append:
                 sched = prev  # steady state: the same array, no allocation
         if sched is prev and not self.reset:
             return sched  # unchanged and already validated when it was installed
@@ -195,6 +203,22 @@ class _Planner(BlockPlanner):
             raise self.fail("schedule repeats a handle")
         self.check_live(sched, "schedule")
         return sched
+
+    def _few_edits(self, prev: IntArray) -> IntArray:
+        """The schedule after a body's drop and append edits of a few rows (Python ints;
+        the same checks)."""
+        body = self.body
+        drop = unpack_uint_list(body.schedule_drop) if body.schedule_drop else []
+        rows = prev.tolist()
+        if drop and (max(drop) >= len(rows) or len(set(drop)) != len(drop)):
+            raise self.fail("schedule drop position out of range")
+        if not drop and not body.schedule_append:
+            return prev  # (an empty packed drop) the same array, as the numpy path keeps it
+        for p in sorted(drop, reverse=True):
+            del rows[p]
+        if body.schedule_append:
+            rows += unpack_uint_list(body.schedule_append)
+        return np.array(rows, dtype=np.int64)
 
     def rows(self, rows: Rows, sched: IntArray, signed: bool = False) -> tuple[IntArray, IntArray,
                                                                              IntArray]:

@@ -189,6 +189,51 @@ def test_raw_list_keeps_the_count_limit(values: list[int], limit: int) -> None:
 
 
 @needs_c
+@given(st.one_of(st.lists(st.integers(0, (1 << 63) - 1), max_size=200),
+                 st.lists(st.integers(0, 150_000), max_size=700), LONG,
+                 st.lists(st.integers(-3, 300), min_size=1, max_size=300)))
+def test_pack_array_matches_the_reference(values: list[int]) -> None:
+    """A prompt or table as int64 numpy: the bytes of the numpy path, None for a negative."""
+    assert C is not None
+    arr = np.array(values, dtype=np.int64)
+    expected = None if min(values, default=0) < 0 else _pure_pack(values)  # type: ignore[arg-type]
+    assert C.pack_array(arr) == expected
+    if expected is not None:  # the public packer, whichever path it takes
+        assert packing.pack_uints(arr) == expected
+        if max(values, default=0) < 1 << 31:  # a narrower dtype: converted, the same bytes
+            assert packing.pack_uints(arr.astype(np.int32)) == expected
+
+
+@needs_c
+def test_pack_array_refuses_what_is_not_a_contiguous_int64_buffer() -> None:
+    assert C is not None
+    a = np.arange(300, dtype=np.int64)
+    assert C.pack_array(a[::2]) is None  # not contiguous
+    assert C.pack_array(a.astype(np.int32)) is None
+    assert C.pack_array(a.astype(np.float64)) is None
+    assert C.pack_array([1, 2]) is None
+    assert C.pack_array(b"\x01" * 8) is None  # bytes: format B
+    assert packing.pack_uints(a[::2]) == _pure_pack(list(range(0, 300, 2)))  # (Python's path)
+
+
+@needs_c
+@given(packed_or_hostile(), st.integers(0, 1 << 26))
+@example(b"\x40\x01" + b"\xff" * 8, 1 << 26)  # a value past int64
+@example(b"\x00\x80\x00", 1 << 26)
+def test_unpack_array_matches_the_reference_on_any_bytes(buf: bytes, limit: int) -> None:
+    """Native int64 bytes of what unpack_uints reads; None where it raises."""
+    assert C is not None
+    try:
+        reference: list[int] | None = packing._unpack_raw(buf, limit).tolist()
+    except MalformedMessage:
+        reference = None
+    if reference is not None and max(reference, default=0) >= 1 << 63:
+        reference = None  # past int64: unpack_uints raises
+    got = C.unpack_array(buf, limit)
+    assert (None if got is None else np.frombuffer(got, dtype=np.int64).tolist()) == reference
+
+
+@needs_c
 def test_unpackers_refuse_what_is_not_a_buffer() -> None:
     assert C is not None
     assert C.raw_list("ab") is None

@@ -81,8 +81,9 @@ def _new_data(draw: Any, req: _Req, groups: int, v2: bool) -> Any:
 
 
 class _Toy:
-    def __init__(self, draw: Any, v2: bool, groups: int, pp: bool) -> None:
+    def __init__(self, draw: Any, v2: bool, groups: int, pp: bool, rare: bool = True) -> None:
         self.draw, self.v2, self.groups, self.pp = draw, v2, groups, pp
+        self.rare = rare  # False: no drafts, multimodal, zeroed blocks or extras
         self.reqs: dict[str, _Req] = {}
         self.next_id = 0
         self.next_block = 1
@@ -93,7 +94,8 @@ class _Toy:
         rid = rid or f"req-{self.next_id}-{d(st.text('abc', max_size=3))}"
         self.next_id += 1
         params = {"sampling": _sampling(d), "pool": d(st.integers(0, 9)) == 0,
-                  "lora": d(st.integers(0, 9)) == 0, "mm": d(st.integers(0, 9)) == 0,
+                  "lora": d(st.integers(0, 9)) == 0,
+                  "mm": self.rare and d(st.integers(0, 9)) == 0,
                   "pit": d(st.integers(0, 19)) == 0,
                   "replay": d(st.sampled_from([0, 0, 0, 3]))}
         prompt = d(st.lists(st.integers(0, 511), min_size=1, max_size=90))
@@ -143,7 +145,8 @@ class _Toy:
         remaining = len(req.prompt) + len(req.outputs) - req.computed
         if remaining > 1 or not req.outputs:
             return min(remaining, d(st.sampled_from([16, 32, 64, 200]))), []
-        drafts = d(st.lists(st.integers(-1, 511), max_size=3)) if d(st.booleans()) else []
+        drafts = d(st.lists(st.integers(-1, 511), max_size=3)) if self.rare and \
+            d(st.booleans()) else []
         return 1 + len(drafts), drafts
 
     def _output(self, run: list[_Req], admitted: list[_Req], finished: set[str],
@@ -189,14 +192,15 @@ class _Toy:
             scheduled_new_reqs=new_data, scheduled_cached_reqs=cached_data,
             num_scheduled_tokens=nsched, total_num_scheduled_tokens=sum(nsched.values()),
             scheduled_spec_decode_tokens=spec, scheduled_encoder_inputs=enc,
-            finished_req_ids=finished, free_encoder_mm_hashes=d(st.lists(st.just("mh"),
-                                                                        max_size=1)),
+            finished_req_ids=finished, free_encoder_mm_hashes=d(st.lists(
+                st.just("mh"), max_size=1 if self.rare else 0)),
             preempted_req_ids=preempted,
             new_block_ids_to_zero=d(st.none() | st.lists(st.integers(1, 99), min_size=1,
-                                                         max_size=3)),
+                                                         max_size=3)) if self.rare else None,
             num_spec_tokens_to_schedule=d(st.sampled_from([0, 0, 3])),
             has_structured_output_requests=d(st.booleans()))
-        self._extras(so)
+        if self.rare:
+            self._extras(so)
         self._advance(batch, nsched, spec)
         self.prev_batch = set(nsched)
         return so
@@ -226,10 +230,13 @@ class _Toy:
 
 
 @st.composite
-def scheduler_streams(draw: Any, v2: bool | None = None, max_steps: int = 12) -> dict[str, Any]:
-    """{"v2", "kv_groups", "steps": [SchedulerOutput, ...]} of a valid stream."""
+def scheduler_streams(draw: Any, v2: bool | None = None, max_steps: int = 12,
+                      rare: bool = True) -> dict[str, Any]:
+    """{"v2", "kv_groups", "steps": [SchedulerOutput, ...]} of a valid stream.
+    ``rare``: False leaves out drafts, multimodal inputs, zeroed blocks and the rare
+    extras (streams of joins, leaves and preemptions)."""
     v2 = draw(st.booleans()) if v2 is None else v2
     groups = draw(st.sampled_from([1, 1, 2]))
-    toy = _Toy(draw, v2, groups, pp=not v2 and draw(st.integers(0, 3)) == 0)
+    toy = _Toy(draw, v2, groups, pp=not v2 and draw(st.integers(0, 3)) == 0, rare=rare)
     steps = [toy.step() for _ in range(draw(st.integers(1, max_steps)))]
     return {"v2": v2, "kv_groups": groups, "steps": steps}

@@ -53,6 +53,7 @@ from engine_side.vllm.schema import (
     check_schema,
     compact_ways,
 )
+from engine_side.vllm.turnover import turnover_delta
 from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import LocalProtocolError
@@ -117,11 +118,12 @@ class SchedulerOutputEncoder:
         self.fast = fast  # False: every step takes the general path (tests compare the two)
         self.quick = QuickEncoder()
         self.quick_steps = 0  # steps encoded by the same-batch fast path
+        self.turnover_steps = 0  # general steps encoded by the turnover fast path
         self.mirror: EngineMirror | None = None
         self.lane: SteadyLane | None = None  # the mirror's steady steps (protocol.lane)
         self.items = None if store is None else StoreChannel(store)
         self.mem = StepMemory(ledger)
-        self._specs = SpecReader()
+        self.spec_reader = SpecReader()  # (cached conversions of SamplingParams)
         self.specs: dict[str, RequestSpec] = {}
         self.tables: dict[str, list[list[int]]] = {}  # our own lists (extended in place)
         #: same-batch steps' appends not yet in ``tables``: (batch, per-group appends)
@@ -176,21 +178,36 @@ class SchedulerOutputEncoder:
             self.quick_steps += 1
             batch = self.quick.batch
         else:
+            frames = turnover_delta(self, so) if self.fast else None
+            if frames is not None:
+                return frames
             self.lane.settle()
             self._file_blocks()
             ext: dict[str, Any] = {"kv_groups": self.kv_groups} if self.mirror.seq == 0 else {}
             request = self._request(so, ext)
             delta = self.mirror.diff(request, self._hint) if self.items is None else \
                 self.items.diff(self.mirror, request, self._hint)
-            batch = request.req_ids
-            self.lane.open()  # here, not in the next same-batch step
-            self.quick.reset(batch, self.lane.handles,
-                             request.num_computed_tokens.tolist(),
-                             list(so.num_scheduled_tokens.values()),
-                             list(map(self.mem.plen.__getitem__, batch)), self.kv_groups or 1)
+            self.after_general(delta.seq, request.req_ids, request.num_computed_tokens.tolist(),
+                               list(so.num_scheduled_tokens.values()))
+            return codec.encode(delta)
         self.batches[delta.seq] = batch
         self.batches.pop(delta.seq - HISTORY, None)
         return codec.encode(delta)
+
+    def after_general(self, seq: int, batch: list[str], computed: list[int],
+                      nsched: list[int], tables_built: bool = True) -> None:
+        """After a general step (``seq``, its batch and actual counts): the lane opens
+        on the new schedule, the quick encoder predicts from it, replies may name it.
+        ``tables_built``: False when the step never built its whole block tables (the
+        next general step then makes them from our lists)."""
+        assert self.lane is not None  # noqa: S101 - made by encode
+        if not tables_built:
+            self._last_blocks, self._hint = None, None
+        self.lane.open()  # here, not in the next same-batch step
+        self.quick.reset(batch, self.lane.handles, computed, nsched,
+                         list(map(self.mem.plen.__getitem__, batch)), self.kv_groups or 1)
+        self.batches[seq] = batch
+        self.batches.pop(seq - HISTORY, None)
 
     def _quick_blocks(self) -> None:
         """Note a same-batch step's appended blocks for our tables (filed by
@@ -214,7 +231,7 @@ class SchedulerOutputEncoder:
 
     def _request(self, so: Any, ext: dict[str, Any]) -> ExecuteModelRequest:
         mem, cached = self.mem, so.scheduled_cached_reqs
-        self._finish(so.finished_req_ids)
+        self.forget(so.finished_req_ids)
         batch = list(so.num_scheduled_tokens)
         n = len(batch)
         pos = self._pos = dict(zip(batch, range(n), strict=True))
@@ -244,7 +261,8 @@ class SchedulerOutputEncoder:
             num_spec_tokens_to_schedule=so.num_spec_tokens_to_schedule,
             extension={"v": msgspec.msgpack.encode(wire)} if wire != StepExt() else {})
 
-    def _finish(self, finished: set[str]) -> None:
+    def forget(self, finished: set[str]) -> None:
+        """Drop finished requests from the encoder's memory, specs and tables."""
         self.mem.finish(finished)
         for rid in finished:
             self.specs.pop(rid, None)
@@ -328,7 +346,7 @@ class SchedulerOutputEncoder:
             ext["new_order"] = pack_uints(sorted(range(len(new_pos)), key=new_pos.__getitem__))
         fixes, prefill = [], []
         for k, nr in enumerate(new_reqs):
-            spec, fix = new_request_spec(nr, k, self._specs)
+            spec, fix = new_request_spec(nr, k, self.spec_reader)
             old = self.specs.get(nr.req_id)
             self.specs[nr.req_id] = old if old is not None and _same_spec(old, spec) else spec
             self.mem.remember(spec)

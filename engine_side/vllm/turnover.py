@@ -1,0 +1,289 @@
+"""Batch turnover: the general step where requests leave and new ones join, encoded
+without building the whole request.
+
+Theory of operation
+-------------------
+Under continuous batching most steps that are not same-batch steps have one shape:
+some requests of the last batch leave it (finished, preempted or just not scheduled),
+the rest stay in their order, and new requests join at the end.  For that shape the
+general path's body (``ExecuteModelRequest`` → ``EngineMirror.diff``) is known
+without comparing whole block tables and count columns: the finished handles, the
+adds, a schedule drop and append, the stayers' count departures from the mirror's
+prediction, their appended blocks and the new requests' tables, the preempted
+handles, and the step's extension.  :func:`turnover_delta` builds exactly that body
+-- the same fields, the same bytes (the tests compare the two paths on generated
+streams) -- and the mirror applies it as the general path does.
+
+Anything else -- a resumed request, a reordered batch, an id that is live again,
+drafts, multimodal or connector fields, several KV groups, a store -- returns None
+before anything changes, and the general path runs (and raises what it raises).
+
+Contract: the encoder calls it only after a general or same-batch step has set its
+:class:`~engine_side.vllm.quick.QuickEncoder` (the last batch and its handles).
+"""
+
+from __future__ import annotations
+
+from itertools import repeat
+from operator import add, attrgetter, is_
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from engine_side.diffing import new_request
+from engine_side.vllm.convert import new_request_spec
+from engine_side.vllm.quick import CONNECTOR_FIELDS
+from engine_side.vllm.schema import StepExt
+from protocol import codec
+from protocol.codec import Frame
+from protocol.messages import DeltaBody, NewRequest, Rows
+from protocol.packing import pack_row_counts, pack_sints, pack_uints
+from protocol.request import RequestSpec
+
+if TYPE_CHECKING:
+    from engine_side.vllm.encoder import SchedulerOutputEncoder
+
+# The fields a turnover step leaves at their defaults, read by one C call and compared
+# with one tuple (new requests, finishes and preemptions are the step's own).
+_RARE = attrgetter(
+    "free_encoder_mm_hashes", "scheduled_encoder_inputs", "scheduled_encoder_input_stats",
+    "num_invalid_spec_tokens", "has_sync_kv_loads", "new_block_ids_to_zero",
+    "kv_cache_block_copies", "num_common_prefix_blocks", "kv_connector_block_state",
+    *CONNECTOR_FIELDS, "scheduled_spec_decode_tokens",
+    "scheduled_cached_reqs.resumed_req_ids", "scheduled_cached_reqs.new_token_ids",
+    "scheduled_cached_reqs.all_token_ids")
+_PLAIN: tuple[Any, ...] = ([], {}, None, None, False, None, None, [], None,
+                           *(None for _ in CONNECTOR_FIELDS), {}, set(), [], {})
+
+
+class _Step:
+    """A turnover step's lists, checked (see :func:`_shape`)."""
+
+    def __init__(self, so: Any, stay_at: list[int], handles: list[int],
+                 batch: list[str]) -> None:
+        cached = so.scheduled_cached_reqs
+        self.new_reqs: list[Any] = so.scheduled_new_reqs
+        self.stay: list[str] = cached.req_ids
+        self.stay_at = stay_at  # each stayer's position in the last batch (increasing)
+        self.handles = handles  # the stayers' handles
+        self.batch = batch
+        self.nsched: list[int] = list(so.num_scheduled_tokens.values())
+        self.computed: list[int] = [*cached.num_computed_tokens,
+                                    *(nr.num_computed_tokens for nr in self.new_reqs)]
+        self.new_blocks: list[Any] = cached.new_block_ids
+        self.outputs: list[int] = cached.num_output_tokens
+
+
+def turnover_delta(enc: SchedulerOutputEncoder, so: Any) -> list[Frame] | None:
+    """The frames of ``so`` when it is a turnover step, the mirror and the encoder's
+    memory advanced as the general path advances them; None, nothing changed, for any
+    other step."""
+    step = _shape(enc, so)
+    if step is None:
+        return None
+    enc.lane.settle()  # type: ignore[union-attr]
+    enc._file_blocks()
+    return _encode(enc, so, step)
+
+
+def _shape(enc: SchedulerOutputEncoder, so: Any) -> _Step | None:
+    """The step's lists when ``so`` is a turnover step the fast path takes, else None."""
+    quick, mirror = enc.quick, enc.mirror
+    if not quick.ready or mirror is None or enc.items is not None or enc.kv_groups != 1 \
+            or mirror.verify or _RARE(so) != _PLAIN or so.preempted_req_ids is None:
+        return None
+    cached, new_reqs = so.scheduled_cached_reqs, so.scheduled_new_reqs
+    stay, batch = cached.req_ids, list(so.num_scheduled_tokens)
+    n = len(stay)
+    if batch[:n] != stay or len(batch) != n + len(new_reqs) or \
+            (not new_reqs and n == len(quick.batch)):
+        return None  # reordered, or not a turnover (the same batch)
+    stay_at = list(map(quick.pos.get, stay, repeat(-1)))
+    if stay_at and (min(stay_at) < 0 or stay_at != sorted(stay_at)):
+        return None  # a stayer the last batch did not hold, or out of its order
+    handles = list(map(quick.handles.__getitem__, stay_at))
+    if handles != list(map(mirror.handles.get, stay)) or not all(map(
+            is_, map(mirror.engine_specs.get, handles), map(enc.specs.get, stay))):
+        return None  # the mirror holds another entry (the general path decides)
+    joining = batch[n:]
+    if [nr.req_id for nr in new_reqs] != joining or len(set(joining)) != len(joining) \
+            or any(r in enc.specs or r in mirror.handles for r in joining):
+        return None  # out of order, or an id live again (an update: the general path)
+    finished, preempted = so.finished_req_ids, so.preempted_req_ids
+    if not finished.isdisjoint(batch) or not preempted.isdisjoint(batch) or \
+            not all(r in mirror.handles and r not in finished for r in preempted):
+        return None
+    for nr in new_reqs:
+        if nr.prefill_token_ids is not None or nr.mm_features or \
+                nr.prompt_embeds is not None or len(nr.block_ids) != 1:
+            return None
+    if not (len(cached.new_block_ids) == len(cached.num_computed_tokens)
+            == len(cached.num_output_tokens) == n) or \
+            any(len(e) != 1 for e in cached.new_block_ids if e is not None):
+        return None
+    step = _Step(so, stay_at, handles, batch)
+    if so.total_num_scheduled_tokens != sum(step.nsched) or \
+            min(step.nsched, default=0) < 0 or min(step.computed, default=0) < 0:
+        return None
+    return step
+
+
+def _encode(enc: SchedulerOutputEncoder, so: Any, step: _Step) -> list[Frame]:
+    """The step's frames; the encoder's memory and the mirror advanced (the general
+    path's order: finishes, new requests, cached requests, the body, the mirror)."""
+    mirror, mem = enc.mirror, enc.mem
+    assert mirror is not None and enc.lane is not None  # noqa: S101 - checked by _shape
+    fields: dict[str, Any] = {}
+    freed = _finishes(enc, so.finished_req_ids, fields)
+    ext: dict[str, Any] = {}
+    specs = _new_requests(enc, step, ext)
+    _cached_requests(enc, step, ext)
+    if not mem.mrv2 and not mem.prev_batch.issuperset(step.stay):
+        ext["all_keys"] = b""  # the general path predicts all_token_ids for these
+    mem.known.update(step.batch)
+    mem.prev_batch = set(step.batch)
+    reset = {h for _, h in freed}
+    added = _adds(enc, step, specs, reset, fields)
+    _body_rows(enc, so, step, [h for _, h, _ in added], fields)
+    wire = StepExt(**ext)
+    fields["extension"] = {"v": msgspec.msgpack.encode(wire)} if wire != StepExt() else {}
+    delta = mirror.apply_turnover(DeltaBody(**fields), freed, added, step.batch,
+                                  list(map(enc.specs.__getitem__, step.batch)))
+    enc.after_general(delta.seq, step.batch, step.computed, step.nsched, tables_built=False)
+    enc.turnover_steps += 1
+    return codec.encode(delta)
+
+
+def _finishes(enc: SchedulerOutputEncoder, finished: set[str],
+              fields: dict[str, Any]) -> list[tuple[str, int]]:
+    """The finished handles and ids into ``fields`` (DiffContext._finishes); the
+    encoder forgets them.  Returns the (id, handle) pairs the mirror frees."""
+    handles: dict[str, int] = enc.mirror.handles  # type: ignore[union-attr]
+    freed, unknown = [], []
+    for rid in sorted(finished):
+        h = handles.get(rid)
+        if h is None:
+            unknown.append(rid)
+        else:
+            freed.append((rid, h))
+    if freed:
+        fields["finished"] = pack_uints(sorted(h for _, h in freed))
+    if unknown:
+        fields["finished_unknown"] = tuple(unknown)
+    enc.forget(finished)
+    return freed
+
+
+def _new_requests(enc: SchedulerOutputEncoder, step: _Step,
+                  ext: dict[str, Any]) -> list[RequestSpec]:
+    """The new requests' specs, remembered with their tables (the encoder's
+    _new_requests on a batch whose new requests come last, in order)."""
+    mem, batch, n = enc.mem, step.batch, len(step.stay)
+    unknown = [i for i, rid in enumerate(batch) if rid not in mem.known]
+    flips = sorted(set(range(n, len(batch))).symmetric_difference(unknown))
+    if flips:
+        ext["new_flip"] = pack_uints(flips)
+    specs, fixes = [], []
+    for k, nr in enumerate(step.new_reqs):
+        spec, fix = new_request_spec(nr, k, enc.spec_reader)
+        enc.specs[nr.req_id] = spec
+        mem.remember(spec)
+        enc.tables[nr.req_id] = [list(b) for b in nr.block_ids]
+        specs.append(spec)
+        if fix is not None:
+            fixes.append(fix)
+    if fixes:
+        ext["fixes"] = tuple(fixes)
+    return specs
+
+
+def _cached_requests(enc: SchedulerOutputEncoder, step: _Step, ext: dict[str, Any]) -> None:
+    """The stayers' appended blocks into the encoder's tables and their output-count
+    departures into ``ext`` (the encoder's _cached_requests, in batch order)."""
+    tables, none_flip = enc.tables, []
+    for k, entry in enumerate(step.new_blocks):
+        if entry is not None:
+            if not any(entry):
+                none_flip.append(k)
+            rid = step.stay[k]
+            tables[rid] = [t + b for t, b in zip(tables[rid], entry, strict=True)]
+    if none_flip:
+        ext["none_flip"] = pack_uints(none_flip)
+    comp = np.asarray(step.computed[:len(step.stay)], dtype=np.int64)
+    diff = np.asarray(step.outputs, dtype=np.int64) - enc.mem.predicted_outputs(step.stay, comp)
+    off = np.flatnonzero(diff)
+    if off.size:
+        ext["out_pos"], ext["out_delta"] = pack_uints(off), pack_sints(diff[off])
+
+
+def _adds(enc: SchedulerOutputEncoder, step: _Step, specs: list[RequestSpec],
+          reset: set[int], fields: dict[str, Any]) -> list[tuple[str, int, RequestSpec]]:
+    """Handles for the new requests (in batch order) and their adds into ``fields``."""
+    mirror = enc.mirror
+    assert mirror is not None  # noqa: S101 - checked by _shape
+    adds: list[NewRequest] = []
+    added = []
+    for nr, spec in zip(step.new_reqs, specs, strict=True):
+        h = mirror.allocator.allocate()
+        reset.add(h)  # (before its own add: DiffContext._handle_for's order)
+        adds.append(new_request(mirror, reset, h, spec, nr.num_computed_tokens))
+        added.append((nr.req_id, h, spec))
+    if adds:
+        fields["added"] = tuple(sorted(adds, key=attrgetter("handle")))
+    return added
+
+
+def _body_rows(enc: SchedulerOutputEncoder, so: Any, step: _Step, joined: list[int],
+               fields: dict[str, Any]) -> None:
+    """The schedule edits, appended blocks, count departures and step fields."""
+    mirror, n = enc.mirror, len(step.stay)
+    assert mirror is not None  # noqa: S101 - checked by _shape
+    stay_at = set(step.stay_at)
+    drop = [p for p in range(len(enc.quick.batch)) if p not in stay_at]
+    if drop:
+        fields["schedule_drop"] = pack_uints(drop)
+    if joined:
+        fields["schedule_append"] = pack_uints(joined)
+    _blocks(step, joined, fields)
+    cols, hs = mirror.state.cols, np.array(step.handles, dtype=np.int64)
+    last = cols.last_nsched[hs].tolist()
+    predicted = list(map(add, cols.computed[hs].tolist(), last))
+    moved = [k for k in range(n) if step.computed[k] != predicted[k]]
+    if moved:
+        fields["computed_tokens"] = Rows(handles=pack_uints(moved), values=pack_sints(
+            [step.computed[k] - predicted[k] for k in moved]))
+    ns = step.nsched
+    changed = [k for k in range(n) if ns[k] != last[k]] + \
+        [i for i in range(n, len(ns)) if ns[i] != 1]
+    if changed:
+        fields["scheduled_tokens"] = Rows(handles=pack_uints(changed),
+                                          values=pack_uints([ns[i] for i in changed]))
+    if so.preempted_req_ids:
+        fields["preempted"] = pack_uints(sorted(map(mirror.handles.__getitem__,
+                                                    so.preempted_req_ids)))
+    fields["has_structured_output"] = so.has_structured_output_requests
+    fields["pending_structured_output"] = so.pending_structured_output_tokens
+    fields["num_spec_tokens_to_schedule"] = so.num_spec_tokens_to_schedule
+
+
+def _blocks(step: _Step, joined: list[int], fields: dict[str, Any]) -> None:
+    """block_append: the stayers' new blocks, then the new requests' tables (rows in
+    batch order; a table is only ever appended to in a turnover step)."""
+    hs: list[int] = []
+    counts: list[int] = []
+    flat: list[int] = []
+    for h, entry in zip(step.handles, step.new_blocks, strict=True):
+        if entry is not None and entry[0]:
+            hs.append(h)
+            counts.append(len(entry[0]))
+            flat += entry[0]
+    for h, nr in zip(joined, step.new_reqs, strict=True):
+        ids = nr.block_ids[0]
+        if ids:
+            hs.append(h)
+            counts.append(len(ids))
+            flat += ids
+    if hs:
+        fields["block_append"] = (Rows(handles=pack_uints(hs), counts=pack_row_counts(counts),
+                                       values=pack_uints(flat)),)
