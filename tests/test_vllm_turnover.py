@@ -71,7 +71,7 @@ def _step(stay: list[str], t: int, new: list[NewRequestData] = (),  # type: igno
         changes.pop("computed", [PROMPT + t - 1] * len(stay)),
         changes.pop("outputs", [t] * len(stay)))
     nsched = changes.pop("nsched", {**dict.fromkeys(stay, 1),
-                                    **{nr.req_id: len(nr.prompt_token_ids) for nr in new}})
+                                    **{nr.req_id: len(nr.prompt_token_ids or []) for nr in new}})
     fields = {"scheduled_spec_decode_tokens": {}, "scheduled_encoder_inputs": {},
               "finished_req_ids": set(), "free_encoder_mm_hashes": [],
               "preempted_req_ids": set(), **changes}

@@ -24,8 +24,8 @@ Contract: the encoder calls it only after a general or same-batch step has set i
 
 from __future__ import annotations
 
-from itertools import repeat
-from operator import add, attrgetter, is_
+from itertools import compress, repeat
+from operator import add, attrgetter, not_
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -33,13 +33,14 @@ import numpy as np
 
 from engine_side.diffing import new_request
 from engine_side.vllm.convert import new_request_spec
-from engine_side.vllm.quick import CONNECTOR_FIELDS
+from engine_side.vllm.quick import CONNECTOR_FIELDS, changed
 from engine_side.vllm.schema import StepExt
 from protocol import codec
 from protocol.codec import Frame
 from protocol.messages import DeltaBody, NewRequest, Rows
 from protocol.packing import pack_row_counts, pack_sints, pack_uints
 from protocol.request import RequestSpec
+from protocol.speedups import C as _C
 
 if TYPE_CHECKING:
     from engine_side.vllm.encoder import SchedulerOutputEncoder
@@ -60,8 +61,8 @@ _PLAIN: tuple[Any, ...] = ([], {}, None, None, False, None, None, [], None,
 class _Step:
     """A turnover step's lists, checked (see :func:`_shape`)."""
 
-    def __init__(self, so: Any, stay_at: list[int], handles: list[int],
-                 batch: list[str]) -> None:
+    def __init__(self, so: Any, stay_at: list[int], handles: list[int], batch: list[str],
+                 appends: tuple[list[int], list[int], list[int], list[int]]) -> None:
         cached = so.scheduled_cached_reqs
         self.new_reqs: list[Any] = so.scheduled_new_reqs
         self.stay: list[str] = cached.req_ids
@@ -71,7 +72,8 @@ class _Step:
         self.nsched: list[int] = list(so.num_scheduled_tokens.values())
         self.computed: list[int] = [*cached.num_computed_tokens,
                                     *(nr.num_computed_tokens for nr in self.new_reqs)]
-        self.new_blocks: list[Any] = cached.new_block_ids
+        #: the stayers' new blocks: (positions, counts, flat ids, positions sending ([],))
+        self.appends = appends
         self.outputs: list[int] = cached.num_output_tokens
 
 
@@ -88,7 +90,9 @@ def turnover_delta(enc: SchedulerOutputEncoder, so: Any) -> list[Frame] | None:
 
 
 def _shape(enc: SchedulerOutputEncoder, so: Any) -> _Step | None:
-    """The step's lists when ``so`` is a turnover step the fast path takes, else None."""
+    """The step's lists when ``so`` is a turnover step the fast path takes, else None.
+    (The stayers' handles and specs are the mirror's by construction: the quick
+    encoder was reset with the schedule of the step that last changed it.)"""
     quick, mirror = enc.quick, enc.mirror
     if not quick.ready or mirror is None or enc.items is not None or enc.kv_groups != 1 \
             or mirror.verify or _RARE(so) != _PLAIN or so.preempted_req_ids is None:
@@ -102,31 +106,64 @@ def _shape(enc: SchedulerOutputEncoder, so: Any) -> _Step | None:
     stay_at = list(map(quick.pos.get, stay, repeat(-1)))
     if stay_at and (min(stay_at) < 0 or stay_at != sorted(stay_at)):
         return None  # a stayer the last batch did not hold, or out of its order
-    handles = list(map(quick.handles.__getitem__, stay_at))
-    if handles != list(map(mirror.handles.get, stay)) or not all(map(
-            is_, map(mirror.engine_specs.get, handles), map(enc.specs.get, stay))):
-        return None  # the mirror holds another entry (the general path decides)
-    joining = batch[n:]
-    if [nr.req_id for nr in new_reqs] != joining or len(set(joining)) != len(joining) \
-            or any(r in enc.specs or r in mirror.handles for r in joining):
-        return None  # out of order, or an id live again (an update: the general path)
-    finished, preempted = so.finished_req_ids, so.preempted_req_ids
-    if not finished.isdisjoint(batch) or not preempted.isdisjoint(batch) or \
-            not all(r in mirror.handles and r not in finished for r in preempted):
+    if not _joining_fits(enc, so, batch[n:]):
         return None
-    for nr in new_reqs:
-        if nr.prefill_token_ids is not None or nr.mm_features or \
-                nr.prompt_embeds is not None or len(nr.block_ids) != 1:
-            return None
-    if not (len(cached.new_block_ids) == len(cached.num_computed_tokens)
-            == len(cached.num_output_tokens) == n) or \
-            any(len(e) != 1 for e in cached.new_block_ids if e is not None):
+    appends = _appends(cached.new_block_ids)
+    if appends is None or not (len(cached.new_block_ids) == len(cached.num_computed_tokens)
+                               == len(cached.num_output_tokens) == n):
         return None
-    step = _Step(so, stay_at, handles, batch)
+    step = _Step(so, stay_at, list(map(quick.handles.__getitem__, stay_at)), batch, appends)
     if so.total_num_scheduled_tokens != sum(step.nsched) or \
             min(step.nsched, default=0) < 0 or min(step.computed, default=0) < 0:
         return None
     return step
+
+
+def _joining_fits(enc: SchedulerOutputEncoder, so: Any, joining: list[str]) -> bool:
+    """The new requests are ``joining`` in order, none live, none finished or preempted,
+    each of one KV group without multimodal inputs, embeddings or prefill tokens; the
+    preempted requests are live."""
+    mirror = enc.mirror
+    assert mirror is not None  # noqa: S101 - checked by the caller
+    new_reqs, finished, preempted = so.scheduled_new_reqs, set(so.finished_req_ids), \
+        set(so.preempted_req_ids)
+    if [nr.req_id for nr in new_reqs] != joining or len(set(joining)) != len(joining) \
+            or any(r in enc.specs or r in mirror.handles for r in joining):
+        return False  # out of order, or an id live again (an update: the general path)
+    if not finished.isdisjoint(so.num_scheduled_tokens) or \
+            not preempted.isdisjoint(so.num_scheduled_tokens) or \
+            not all(r in mirror.handles and r not in finished for r in preempted):
+        return False
+    return all(nr.prefill_token_ids is None and not nr.mm_features
+               and nr.prompt_embeds is None and len(nr.block_ids) == 1 for nr in new_reqs)
+
+
+def _appends(new_blocks: Any) -> tuple[list[int], list[int], list[int], list[int]] | None:
+    """(positions, counts, flat ids, empty positions) of a one-group step's new blocks --
+    each entry None or one group's list -- the empty positions sending ``([],)``; None
+    for any other entry."""
+    got = _C.one_group_appends(new_blocks) if _C is not None else None
+    if got is not None:
+        return (*got, [])
+    if type(new_blocks) is not list:
+        return None
+    pos: list[int] = []
+    counts: list[int] = []
+    flat: list[int] = []
+    empty: list[int] = []
+    for k, entry in enumerate(new_blocks):
+        if entry is None:
+            continue
+        if type(entry) not in (tuple, list) or len(entry) != 1 or \
+                type(entry[0]) not in (tuple, list):
+            return None
+        if entry[0]:
+            pos.append(k)
+            counts.append(len(entry[0]))
+            flat += entry[0]
+        else:
+            empty.append(k)
+    return pos, counts, flat, empty
 
 
 def _encode(enc: SchedulerOutputEncoder, so: Any, step: _Step) -> list[Frame]:
@@ -180,7 +217,9 @@ def _new_requests(enc: SchedulerOutputEncoder, step: _Step,
     """The new requests' specs, remembered with their tables (the encoder's
     _new_requests on a batch whose new requests come last, in order)."""
     mem, batch, n = enc.mem, step.batch, len(step.stay)
-    unknown = [i for i, rid in enumerate(batch) if rid not in mem.known]
+    # the stayers were in the last batch, so known: only the joiners can be unknown
+    unknown = list(compress(range(n, len(batch)), map(not_, map(mem.known.__contains__,
+                                                                batch[n:]))))
     flips = sorted(set(range(n, len(batch))).symmetric_difference(unknown))
     if flips:
         ext["new_flip"] = pack_uints(flips)
@@ -201,17 +240,17 @@ def _new_requests(enc: SchedulerOutputEncoder, step: _Step,
 def _cached_requests(enc: SchedulerOutputEncoder, step: _Step, ext: dict[str, Any]) -> None:
     """The stayers' appended blocks into the encoder's tables and their output-count
     departures into ``ext`` (the encoder's _cached_requests, in batch order)."""
-    tables, none_flip = enc.tables, []
-    for k, entry in enumerate(step.new_blocks):
-        if entry is not None:
-            if not any(entry):
-                none_flip.append(k)
-            rid = step.stay[k]
-            tables[rid] = [t + b for t, b in zip(tables[rid], entry, strict=True)]
-    if none_flip:
-        ext["none_flip"] = pack_uints(none_flip)
-    comp = np.asarray(step.computed[:len(step.stay)], dtype=np.int64)
-    diff = np.asarray(step.outputs, dtype=np.int64) - enc.mem.predicted_outputs(step.stay, comp)
+    tables, stay = enc.tables, step.stay
+    pos, counts, flat, empty = step.appends
+    at = 0
+    for k, c in zip(pos, counts, strict=True):
+        table = tables[stay[k]]
+        tables[stay[k]] = [table[0] + flat[at:at + c]]
+        at += c
+    if empty:
+        ext["none_flip"] = pack_uints(empty)
+    comp = np.asarray(step.computed[:len(stay)], dtype=np.int64)
+    diff = np.asarray(step.outputs, dtype=np.int64) - enc.mem.predicted_outputs(stay, comp)
     off = np.flatnonzero(diff)
     if off.size:
         ext["out_pos"], ext["out_delta"] = pack_uints(off), pack_sints(diff[off])
@@ -239,8 +278,7 @@ def _body_rows(enc: SchedulerOutputEncoder, so: Any, step: _Step, joined: list[i
     """The schedule edits, appended blocks, count departures and step fields."""
     mirror, n = enc.mirror, len(step.stay)
     assert mirror is not None  # noqa: S101 - checked by _shape
-    stay_at = set(step.stay_at)
-    drop = [p for p in range(len(enc.quick.batch)) if p not in stay_at]
+    drop = sorted(set(range(len(enc.quick.batch))).difference(step.stay_at))
     if drop:
         fields["schedule_drop"] = pack_uints(drop)
     if joined:
@@ -249,16 +287,15 @@ def _body_rows(enc: SchedulerOutputEncoder, so: Any, step: _Step, joined: list[i
     cols, hs = mirror.state.cols, np.array(step.handles, dtype=np.int64)
     last = cols.last_nsched[hs].tolist()
     predicted = list(map(add, cols.computed[hs].tolist(), last))
-    moved = [k for k in range(n) if step.computed[k] != predicted[k]]
+    moved = changed(step.computed[:n], predicted)
     if moved:
         fields["computed_tokens"] = Rows(handles=pack_uints(moved), values=pack_sints(
             [step.computed[k] - predicted[k] for k in moved]))
     ns = step.nsched
-    changed = [k for k in range(n) if ns[k] != last[k]] + \
-        [i for i in range(n, len(ns)) if ns[i] != 1]
-    if changed:
-        fields["scheduled_tokens"] = Rows(handles=pack_uints(changed),
-                                          values=pack_uints([ns[i] for i in changed]))
+    moved = changed(ns[:n], last) + [i for i in range(n, len(ns)) if ns[i] != 1]
+    if moved:
+        fields["scheduled_tokens"] = Rows(handles=pack_uints(moved),
+                                          values=pack_uints([ns[i] for i in moved]))
     if so.preempted_req_ids:
         fields["preempted"] = pack_uints(sorted(map(mirror.handles.__getitem__,
                                                     so.preempted_req_ids)))
@@ -270,14 +307,9 @@ def _body_rows(enc: SchedulerOutputEncoder, so: Any, step: _Step, joined: list[i
 def _blocks(step: _Step, joined: list[int], fields: dict[str, Any]) -> None:
     """block_append: the stayers' new blocks, then the new requests' tables (rows in
     batch order; a table is only ever appended to in a turnover step)."""
-    hs: list[int] = []
-    counts: list[int] = []
-    flat: list[int] = []
-    for h, entry in zip(step.handles, step.new_blocks, strict=True):
-        if entry is not None and entry[0]:
-            hs.append(h)
-            counts.append(len(entry[0]))
-            flat += entry[0]
+    pos, counts, flat, _ = step.appends
+    hs = list(map(step.handles.__getitem__, pos))
+    counts, flat = list(counts), list(flat)
     for h, nr in zip(joined, step.new_reqs, strict=True):
         ids = nr.block_ids[0]
         if ids:
