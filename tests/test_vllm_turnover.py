@@ -35,19 +35,28 @@ PROMPT = 40
 SECRET = b"t" * 32  # connector metadata in generated streams travels sealed
 
 
-def _run(steps: list[Any], kv_groups: int | None = None) -> int:
-    """Every step through a fast and a general encoder: the same frames, and the
-    worker's SchedulerOutput equal to the original.  Returns the turnover steps."""
+def _run(steps: list[Any], kv_groups: int | None = None) -> tuple[int, int]:
+    """Every step through a fast and a general encoder -- the same frames -- and a fast
+    and a general decoder: SchedulerOutputs equal to the original.  Returns the
+    turnover steps of the fast encoder and decoder."""
     fast = SchedulerOutputEncoder(kv_groups, secret=SECRET)
     slow = SchedulerOutputEncoder(kv_groups, secret=SECRET, fast=False)
-    dec = SchedulerOutputDecoder(SECRET)
+    decoders = [SchedulerOutputDecoder(SECRET), SchedulerOutputDecoder(SECRET, fast=False)]
     for so in steps:
         expected = copy.deepcopy(so)
         frames = [bytes(f) for f in fast.encode(so)]
         assert frames == [bytes(f) for f in slow.encode(so)]
-        assert_vllm_equal(expected, dec.decode(frames))
-    assert slow.turnover_steps == 0
-    return fast.turnover_steps
+        for dec in decoders:
+            got = dec.decode(frames)
+            assert_vllm_equal(expected, got)
+            for entry in got.scheduled_cached_reqs.new_block_ids:  # the runner extends these
+                for ids in entry or ():
+                    ids.append(-5)
+            for nr in got.scheduled_new_reqs:
+                for ids in nr.block_ids:
+                    ids.append(-6)
+    assert slow.turnover_steps == decoders[1].turnover_steps == 0
+    return fast.turnover_steps, decoders[0].turnover_steps
 
 
 def _new(rid: str, blocks: list[int], prompt: list[int] | None = None,
@@ -100,7 +109,7 @@ def test_finishes_joins_and_preemptions_take_the_turnover_path() -> None:
         _step(["d", "e", "f", "g"], 5, finished_req_ids={"a"},
               computed=[66, 53, 32, 40], outputs=[3, 2, 1, 5]),
     ]
-    assert _run(steps) == 3
+    assert _run(steps) == (3, 3)
 
 
 @pytest.mark.parametrize("name", ["reordered", "joins_first", "live_again", "resumed",
@@ -125,7 +134,7 @@ def test_steps_the_turnover_path_leaves_to_the_general_path(name: str) -> None:
         with pytest.raises(Exception):  # noqa: B017, PT011 - whichever error it names
             _run([_first(s), _step(s, 1), odd()])
         return
-    assert _run([_first(s), _step(s, 1), odd()]) == 0
+    assert _run([_first(s), _step(s, 1), odd()]) == (0, 0)
 
 
 def test_two_kv_groups_take_the_general_path() -> None:
@@ -133,17 +142,18 @@ def test_two_kv_groups_take_the_general_path() -> None:
                           ([10 * k], [10 * k + 1]), 0, None) for k, rid in enumerate("ab")]
     first = SchedulerOutput(new, CachedRequestData.make_empty(), dict.fromkeys("ab", PROMPT),
                             2 * PROMPT, {}, {}, set(), [], preempted_req_ids=set())
-    assert _run([first, _step(["a"], 1, finished_req_ids={"b"})]) == 0
+    assert _run([first, _step(["a"], 1, finished_req_ids={"b"})]) == (0, 0)
 
 
 @pytest.mark.parametrize("running", [4, 64])
 def test_synthetic_churn_is_all_turnover(running: int) -> None:
     steps = [so for kind, so in synthetic_churn(running, 12) if kind == "execute_model"]
-    assert _run(steps) == len(steps) - 1  # every step after the first
+    assert _run(steps) == (len(steps) - 1,) * 2  # every step after the first
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stream=scheduler_streams() | scheduler_streams(v2=False, rare=False, max_steps=16))
 def test_generated_streams_give_the_general_paths_frames(stream: dict[str, Any]) -> None:
-    taken = _run(stream["steps"], kv_groups=stream["kv_groups"])
-    event(f"turnover steps: {'some' if taken else 'none'}")
+    engine, worker = _run(stream["steps"], kv_groups=stream["kv_groups"])
+    event(f"turnover steps: {'some' if engine else 'none'}")
+    assert worker >= engine  # every turnover body the engine makes, the worker takes

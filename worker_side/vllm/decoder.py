@@ -60,6 +60,7 @@ from protocol.tensors import make_enc_hook
 from worker_side.shm_reader import ShmReader
 from worker_side.vllm.mm import StoreResolver, features_from_refs, fresh
 from worker_side.vllm.quick import NO_EXT, QuickDecoder, plain, vllm_types
+from worker_side.vllm.turnover import turnover_output, turnover_shaped
 
 HISTORY = 8
 _EXT = msgspec.msgpack.Decoder(StepExt)
@@ -136,6 +137,7 @@ class SchedulerOutputDecoder:
         self.fast = fast
         self.quick = QuickDecoder()
         self.quick_steps = 0  # steps answered by the same-batch fast path
+        self.turnover_steps = 0  # general steps answered by the turnover fast path
         self.state: ReplicaState | None = None
         self.lane = SteadyLane(ReplicaState())  # replaced with the state's own lane
         self.seq = 0
@@ -173,6 +175,7 @@ class SchedulerOutputDecoder:
             self.state = ReplicaState(TOKEN_MODE_WORKER, ext.kv_groups or 1)
             self.lane = SteadyLane(self.state)
         fast = quick.lane_inputs(body, ext) if self.fast and quick.ready else None
+        turnover = fast is None and self.fast and turnover_shaped(self, body, ext)
         if fast is None or self.lane.step(body, fast[0], msg.digest, fast[1]) is None:
             self.lane.settle()
             if fast is None and self._lengths_stale:
@@ -185,19 +188,30 @@ class SchedulerOutputDecoder:
             self._lengths_stale |= bool(msg.body.block_append)
             self.quick_steps += 1
             return quick.scheduler_output(msg.body, ext, *fast)
+        if turnover:
+            so = turnover_output(self, msg.body, ext)
+            if so is not None:
+                self.turnover_steps += 1
+                return so
         # A plain body adds, finishes and frees nothing: the store resolver has
         # nothing to do on the fast path above.
         request = self.state.rebuild()
         if self.items is not None:
             request = self.items.resolve(request)
-        self.batches[msg.seq] = request.req_ids
         so = self._scheduler_output(request, ext, opaque)
-        self.lane.open()  # here, not in the next same-batch step
-        quick.reset(request.req_ids, self.lane.handles,
-                    request.num_computed_tokens.tolist(), so.num_scheduled_tokens,
-                    list(map(self.mem.plen.__getitem__, request.req_ids)),
-                    len(request.block_tables))
+        self.after_general(request.req_ids, request.num_computed_tokens.tolist(),
+                           so.num_scheduled_tokens)
         return so
+
+    def after_general(self, batch: list[str], computed: list[int],
+                      nsched: dict[str, int]) -> None:
+        """After a general step (its batch and actual counts): replies may name the
+        batch, the lane opens on the new schedule, the quick decoder predicts from it."""
+        assert self.state is not None  # noqa: S101 - a step was applied
+        self.batches[self.seq] = batch
+        self.lane.open()  # here, not in the next same-batch step
+        self.quick.reset(batch, self.lane.handles, computed, nsched,
+                         list(map(self.mem.plen.__getitem__, batch)), self.state.kv_groups)
 
     def _plain_step(self, msg: Delta, body: DeltaBody, quick: QuickDecoder) -> Any:
         """The SchedulerOutput of the forecast step (the empty body) or of one that only
@@ -235,8 +249,6 @@ class SchedulerOutputDecoder:
 
     def _scheduler_output(self, r: ExecuteModelRequest, x: StepExt, opaque: dict[str, Any],
                           ) -> Any:
-        from vllm.v1.core.sched.output import ScheduledEncoderInputStats, SchedulerOutput
-
         mem, batch = self.mem, r.req_ids
         mem.finish(r.finished_req_ids)
         is_new = list(map(not_, map(mem.known.__contains__, batch)))
@@ -244,10 +256,32 @@ class SchedulerOutputDecoder:
             is_new[i] = not is_new[i]
         tables = _Tables(r.block_tables)
         rows = range(len(batch))
-        new_reqs = self._new_requests(r, x, list(compress(rows, is_new)), tables)
+        new_reqs = self.new_requests(r, x, list(compress(rows, is_new)), tables)
         cached = self._cached(r, x, list(compress(rows, map(not_, is_new))), tables)
+        so = self.assemble(batch, r.num_scheduled_tokens.tolist(), new_reqs, cached, r, x,
+                           opaque)
+        if not mem.table_len:
+            mem.table_len = [{} for _ in tables.lengths]
+        for lens, now in zip(mem.table_len, tables.lengths, strict=True):
+            lens.update(zip(batch, now, strict=True))
+        self.set_last_lengths(batch, tables.lengths_np)
+        return so
+
+    def set_last_lengths(self, batch: list[str], lengths: list[IntArray]) -> None:
+        """The batch whose table lengths (per KV group) the next step's new blocks
+        are measured from."""
+        self._last_batch, self._last_lengths = batch, lengths
+
+    def assemble(self, batch: list[str], nsched_list: list[int], new_reqs: list[Any],
+                 cached: Any, r: Any, x: StepExt, opaque: dict[str, Any]) -> Any:
+        """The SchedulerOutput of a general step from its new and cached request data,
+        the step fields of ``r`` (a rebuilt request) and the extension; the decoder
+        remembers the batch as scheduled."""
+        from vllm.v1.core.sched.output import ScheduledEncoderInputStats, SchedulerOutput
+
+        mem = self.mem
         zero = None if r.blocks_to_zero is None else r.blocks_to_zero.tolist()
-        nsched = dict(zip(batch, r.num_scheduled_tokens.tolist(), strict=True))
+        nsched = dict(zip(batch, nsched_list, strict=True))
         so = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=nsched,
@@ -271,11 +305,6 @@ class SchedulerOutputDecoder:
             setattr(so, name, value)
         mem.known.update(batch)
         mem.prev_batch = set(batch)
-        if not mem.table_len:
-            mem.table_len = [{} for _ in tables.lengths]
-        for lens, now in zip(mem.table_len, tables.lengths, strict=True):
-            lens.update(zip(batch, now, strict=True))
-        self._last_batch, self._last_lengths = batch, tables.lengths_np
         return so
 
     @staticmethod
@@ -287,8 +316,10 @@ class SchedulerOutputDecoder:
         flat = _ints(packed)
         return [KVCacheBlockCopy(flat[k], flat[k + 1]) for k in range(0, len(flat), 2)]
 
-    def _new_requests(self, r: ExecuteModelRequest, x: StepExt, positions: list[int],
-                      tables: _Tables) -> list[Any]:
+    def new_requests(self, r: ExecuteModelRequest, x: StepExt, positions: list[int],
+                     tables: _Tables) -> list[Any]:
+        """The NewRequestData of the rows at ``positions`` (their whole tables from
+        ``tables``; ``r`` supplies specs and computed counts by position)."""
         from vllm.v1.core.sched.output import NewRequestData
 
         if x.new_order:
