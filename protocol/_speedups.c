@@ -302,6 +302,30 @@ pack_array(PyObject *self, PyObject *arg)
     return out;
 }
 
+/* int64_bytes(values: list) -> bytearray | None: a list of exact ints in the int64
+ * range as native int64 bytes (numpy reads them without a copy: a prompt's token
+ * ids); None for anything else (Python decides). */
+static PyObject *
+int64_bytes(PyObject *self, PyObject *arg)
+{
+    if (!PyList_CheckExact(arg)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(arg);
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, n * 8);
+    if (out == NULL) {
+        return NULL;
+    }
+    long long *dst = (long long *)PyByteArray_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (as_i64(PyList_GET_ITEM(arg, i), &dst[i]) < 0) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+    }
+    return out;
+}
+
 /* unpack_array(buf, limit=2**26) -> bytearray | None: the values of a well-formed
  * packed array of at most ``limit`` values as native int64 bytes (numpy reads them
  * without a copy); None for anything else, a value past int64 included (Python
@@ -1365,6 +1389,8 @@ static PyMethodDef methods[] = {
     {"pack_list", pack_list, METH_O, "protocol.packing.pack_uints of a list (None: not taken)."},
     {"pack_array", pack_array, METH_O,
      "protocol.packing.pack_uints of a contiguous int64 buffer (None: not taken)."},
+    {"int64_bytes", int64_bytes, METH_O,
+     "A list of int64-range ints as native int64 bytes (None: not taken)."},
     {"unpack_array", unpack_array, METH_VARARGS,
      "A well-formed packed array as native int64 bytes (None: anything else)."},
     {"pack_signed_list", pack_signed_list, METH_O,

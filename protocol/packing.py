@@ -261,6 +261,15 @@ def _unpack_sints(buf: bytes) -> npt.NDArray[np.int64]:
     return ((z >> np.uint64(1)).view(np.int64)) ^ -((z & np.uint64(1)).view(np.int64))
 
 
+def int64_array(values: list[int]) -> npt.NDArray[np.int64]:
+    """``np.array(values, dtype=np.int64)`` of a list of ints (a prompt's token ids): one
+    C pass when the speedups are built (numpy converts item by item, ~20 ns each)."""
+    native = _C.int64_bytes(values) if _C is not None and type(values) is list else None
+    if native is None:
+        return np.array(values, dtype=np.int64)
+    return np.frombuffer(native, dtype=np.int64)
+
+
 def empty_ints() -> npt.NDArray[np.int64]:
     """A fresh empty int64 array."""
     return _EMPTY.copy()

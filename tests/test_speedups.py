@@ -234,6 +234,23 @@ def test_unpack_array_matches_the_reference_on_any_bytes(buf: bytes, limit: int)
 
 
 @needs_c
+@given(st.one_of(st.lists(I64, max_size=300), st.lists(ITEMS, max_size=8)))
+def test_int64_bytes_are_numpys_int64_array(values: list[object]) -> None:
+    """A prompt list as native int64 bytes; None for anything numpy would convert or
+    refuse otherwise (the public helper then calls numpy itself)."""
+    assert C is not None
+    taken = all(type(v) is int and -(1 << 63) <= v < 1 << 63 for v in values)  # type: ignore[operator]
+    got = C.int64_bytes(values)
+    if not taken:
+        assert got is None
+        return
+    assert got is not None
+    assert np.frombuffer(got, dtype=np.int64).tolist() == values
+    assert packing.int64_array(values).tolist() == values  # type: ignore[arg-type]
+    assert C.int64_bytes(tuple(values)) is None
+
+
+@needs_c
 def test_unpackers_refuse_what_is_not_a_buffer() -> None:
     assert C is not None
     assert C.raw_list("ab") is None

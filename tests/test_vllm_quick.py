@@ -384,6 +384,13 @@ def test_quick_outputs_are_built_like_the_constructor_builds_them() -> None:
         assert "__slots__" not in vars(cls)
         assert list(vars(obj)) == [f.name for f in dataclasses.fields(cls)]
     assert got == _step(1, blocks=[([90],), None, None])
+    first = SchedulerOutputDecoder(SECRET).decode([bytes(f) for f in SchedulerOutputEncoder(
+        secret=SECRET).encode(_first())])
+    nr = first.scheduled_new_reqs[0]  # the general path makes new requests so too
+    assert type(nr) is NewRequestData and not hasattr(NewRequestData, "__post_init__")
+    assert "__slots__" not in vars(NewRequestData)
+    assert list(vars(nr)) == [f.name for f in dataclasses.fields(NewRequestData)]
+    assert first == _first()
 
 
 @pytest.mark.skipif(C is None, reason="C speedups not built")

@@ -23,7 +23,7 @@ import numpy as np
 from engine_side.vllm.mm import features_to_refs
 from engine_side.vllm.schema import NewFix, TokenRef
 from protocol.errors import LocalProtocolError, RemoteProtocolError
-from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uint_list
+from protocol.packing import int64_array, pack_sints, pack_uints, unpack_sints, unpack_uint_list
 from protocol.params import (
     LoRASpec,
     PoolingSpec,
@@ -161,30 +161,39 @@ class SamplingMaker:
     _NESTED = ("structured_outputs", "logit_bias", "extra_args", "repetition_detection",
                "prompt_logprob_token_ids", "bad_words_token_ids")
     _encode = msgspec.msgpack.Encoder().encode
+    _nested = staticmethod(attrgetter(*_NESTED))
+    _NONE = (None,) * len(_NESTED)
 
     def __init__(self) -> None:
-        self._made: dict[tuple[bytes, tuple[str, ...]], Any] = {}
+        #: (spec bytes, int floats) -> (a made SamplingParams, its list and set fields)
+        self._made: dict[tuple[bytes, tuple[str, ...]], tuple[Any, tuple[str, ...]]] = {}
 
     def make(self, spec: SamplingSpec, int_floats: tuple[str, ...] = (), dtype: str = "") -> Any:
-        if any(getattr(spec, name) is not None for name in self._NESTED) or dtype:
+        if self._nested(spec) != self._NONE or dtype:
             return spec_to_sampling(spec, int_floats, dtype)
         key = (self._encode(spec), tuple(int_floats))
-        template = self._made.get(key)
-        if template is not None:
-            return _own_containers(template.__copy__())  # runs no __init__ or __post_init__
+        known = self._made.get(key)
+        if known is not None:  # (__copy__ runs no __init__ or __post_init__)
+            return _own_containers(known[0].__copy__(), known[1])
         made = spec_to_sampling(spec, int_floats, dtype)
         if len(self._made) >= SAMPLING_CACHE:
             self._made.clear()
-        self._made[key] = _own_containers(made.__copy__())
+        names = _container_fields(made)
+        self._made[key] = (_own_containers(made.__copy__(), names), names)
         return made
 
 
-def _own_containers(sp: Any) -> Any:
-    """``sp`` with fresh copies of its list and set fields (the callers' own)."""
-    for name in _spec_reader()[2]:
+def _container_fields(sp: Any) -> tuple[str, ...]:
+    """The fields of ``sp`` holding a list or a set."""
+    return tuple(name for name in _spec_reader()[2]
+                 if isinstance(getattr(sp, name), list | set))
+
+
+def _own_containers(sp: Any, names: tuple[str, ...]) -> Any:
+    """``sp`` with fresh copies of its list and set fields ``names`` (the callers' own)."""
+    for name in names:
         value = getattr(sp, name)
-        if isinstance(value, list | set):
-            msgspec.structs.force_setattr(sp, name, type(value)(value))
+        msgspec.structs.force_setattr(sp, name, type(value)(value))
     return sp
 
 
@@ -267,7 +276,7 @@ def new_request_spec(nr: Any, index: int, reader: SpecReader | None = None,
     lora, is_3d = lora_to_spec(nr.lora_request)
     prompt = None
     if nr.prompt_token_ids is not None:
-        prompt = np.array(nr.prompt_token_ids, dtype=np.int64)
+        prompt = int64_array(nr.prompt_token_ids)
         prompt.flags.writeable = False
     pit = None if nr.prompt_is_token_ids is None else tuple(nr.prompt_is_token_ids)
     spec = RequestSpec(nr.req_id, prompt, sampling, pooling_to_spec(nr.pooling_params), lora,

@@ -59,10 +59,11 @@ from protocol.state import ReplicaState
 from protocol.tensors import make_enc_hook
 from worker_side.shm_reader import ShmReader
 from worker_side.vllm.mm import StoreResolver, features_from_refs, fresh
-from worker_side.vllm.quick import NO_EXT, QuickDecoder, plain, vllm_types
+from worker_side.vllm.quick import NO_EXT, QuickDecoder, made, plain, vllm_types
 from worker_side.vllm.turnover import turnover_output, turnover_shaped
 
 HISTORY = 8
+_NO_FIX = NewFix(0)  # a new request without exactness fixes (only its fields are read)
 _EXT = msgspec.msgpack.Decoder(StepExt)
 
 
@@ -333,26 +334,31 @@ class SchedulerOutputDecoder:
         groups = range(len(tables.values))
         out = []
         for k, i in enumerate(positions):
-            spec, fix = r.specs[i], fixes.get(k, NewFix(k))
+            spec, fix = r.specs[i], fixes.get(k, _NO_FIX)
             prompt = spec.prompt_token_ids
             self.mem.remember(spec)
             ref = x.prefill[k] if x.prefill else None
             self.mem.mrv2 |= ref is not None
-            out.append(NewRequestData(
-                req_id=spec.req_id, prompt_token_ids=None if prompt is None else prompt.tolist(),
-                mm_features=features_from_refs(spec.mm_features, self.copy),
-                sampling_params=None if spec.sampling is None
+            # (made as pickle makes it: the dataclass has no __post_init__; every field)
+            out.append(made(NewRequestData, {
+                "req_id": spec.req_id,
+                "prompt_token_ids": None if prompt is None else prompt.tolist(),
+                "mm_features": features_from_refs(spec.mm_features, self.copy)
+                if spec.mm_features else [],
+                "sampling_params": None if spec.sampling is None
                 else self._sampling.make(spec.sampling, fix.int_floats, fix.logprob_ids_dtype),
-                pooling_params=spec_to_pooling(spec.pooling),
-                block_ids=tuple(tables.row(g, i) for g in groups),
-                num_computed_tokens=int(computed[i]),
-                lora_request=spec_to_lora(spec.lora, fix.lora_3d),
-                prompt_embeds=fresh(spec.prompt_embeds, self.copy),
-                prompt_is_token_ids=None if spec.prompt_is_token_ids is None
+                "pooling_params": spec_to_pooling(spec.pooling),
+                "block_ids": (tables.row(0, i),) if len(groups) == 1
+                else tuple(tables.row(g, i) for g in groups),
+                "num_computed_tokens": int(computed[i]),
+                "lora_request": spec_to_lora(spec.lora, fix.lora_3d),
+                "prompt_embeds": None if spec.prompt_embeds is None
+                else fresh(spec.prompt_embeds, self.copy),
+                "prompt_is_token_ids": None if spec.prompt_is_token_ids is None
                 else list(spec.prompt_is_token_ids),
-                prefill_token_ids=None if ref is None
+                "prefill_token_ids": None if ref is None
                 else resolve_ref(ref, prompt, self.mem.held(spec.req_id)),
-                replay_start=fix.replay_start))
+                "replay_start": fix.replay_start}))
         return out
 
     def _cached(self, r: ExecuteModelRequest, x: StepExt, positions: list[int],
