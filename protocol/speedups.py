@@ -1,13 +1,15 @@
 """The optional C speedups, or None when deltacast runs on its pure-Python paths.
 
 ``protocol/_speedups.c`` (built by ``setup.py`` at install, where a C compiler is
-found) holds C versions of the small-list packers (:mod:`protocol.packing`), of
-the digest's per-row block terms and linear count terms (:mod:`protocol.digest`), of
-the same-batch comparisons and of the vLLM replies' token lists
-(:mod:`engine_side.vllm.convert`); ``protocol/_speedups_step.c``, in the same module,
-the same-batch step's fused checks and rows (:mod:`engine_side.vllm.quick`,
-:mod:`worker_side.vllm.quick`), and ``protocol/_speedups_output.c`` the worker's
-same-batch SchedulerOutput (``QuickDecoder._assemble``).  Each returns exactly
+found) holds C versions of the packers (:mod:`protocol.packing`: small lists, long
+int64 arrays, prompt lists to int64), of the digest's per-row block terms and linear
+count terms (:mod:`protocol.digest`), of the same-batch comparisons and of the vLLM
+replies' token lists (:mod:`engine_side.vllm.convert`); ``protocol/_speedups_step.c``,
+in the same module, the same-batch step's fused checks and rows
+(:mod:`engine_side.vllm.quick`, :mod:`worker_side.vllm.quick`),
+``protocol/_speedups_output.c`` the worker's same-batch SchedulerOutput
+(``QuickDecoder._assemble``), and ``protocol/_speedups_lane.c`` the steady lane's
+count plan (:mod:`protocol.lane`).  Each returns exactly
 what its Python reference returns, or None for an input it does not take (the
 Python path then decides, errors included); ``tests/test_speedups.py`` and
 ``tests/test_vllm_quick.py`` hold the two together.  The bytes on the wire never

@@ -108,12 +108,18 @@ def test_finishes_joins_and_preemptions_take_the_turnover_path() -> None:
         # a count departure and an output-count departure among the stayers
         _step(["d", "e", "f", "g"], 5, finished_req_ids={"a"},
               computed=[66, 53, 32, 40], outputs=[3, 2, 1, 5]),
+        # g finishes while d and f draft (a placeholder among them) and h joins
+        _step(["d", "e", "f"], 6, [_new("h", [70])], finished_req_ids={"g"},
+              computed=[67, 54, 33], outputs=[4, 3, 2],
+              scheduled_spec_decode_tokens={"d": [3, -1], "f": [9]},
+              nsched={"d": 3, "e": 1, "f": 2, "h": PROMPT}, num_spec_tokens_to_schedule=2),
     ]
-    assert _run(steps) == (3, 3)
+    assert _run(steps) == (4, 4)
 
 
 @pytest.mark.parametrize("name", ["reordered", "joins_first", "live_again", "resumed",
-                                  "drafts", "finished_scheduled", "preempted_none"])
+                                  "drafts_out_of_order", "finished_scheduled",
+                                  "preempted_none"])
 def test_steps_the_turnover_path_leaves_to_the_general_path(name: str) -> None:
     s = ["a", "b", "c"]
     odd = {
@@ -123,9 +129,9 @@ def test_steps_the_turnover_path_leaves_to_the_general_path(name: str) -> None:
         "live_again": lambda: _step(["a", "c"], 2, [_new("b", [40])]),
         "resumed": lambda: _step(["a", "b"], 2, resumed={"b"}, blocks=[None, ([90],)],
                                  all_tokens={"b": list(range(PROMPT + 1))}),
-        "drafts": lambda: _step(["a", "c"], 2, finished_req_ids={"b"},
-                                scheduled_spec_decode_tokens={"a": [5]},
-                                nsched={"a": 2, "c": 1}),
+        "drafts_out_of_order": lambda: _step(["a", "c"], 2, finished_req_ids={"b"},
+                                             scheduled_spec_decode_tokens={"c": [4], "a": [5]},
+                                             nsched={"a": 2, "c": 2}),
         "finished_scheduled": lambda: _step(["a", "c"], 2, finished_req_ids={"c"}),
         "preempted_none": lambda: _step(["a", "c"], 2, finished_req_ids={"b"},
                                         preempted_req_ids=None),

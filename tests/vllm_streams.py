@@ -83,7 +83,7 @@ def _new_data(draw: Any, req: _Req, groups: int, v2: bool) -> Any:
 class _Toy:
     def __init__(self, draw: Any, v2: bool, groups: int, pp: bool, rare: bool = True) -> None:
         self.draw, self.v2, self.groups, self.pp = draw, v2, groups, pp
-        self.rare = rare  # False: no drafts, multimodal, zeroed blocks or extras
+        self.rare = rare  # False: no multimodal inputs, zeroed blocks or extras
         self.reqs: dict[str, _Req] = {}
         self.next_id = 0
         self.next_block = 1
@@ -145,8 +145,7 @@ class _Toy:
         remaining = len(req.prompt) + len(req.outputs) - req.computed
         if remaining > 1 or not req.outputs:
             return min(remaining, d(st.sampled_from([16, 32, 64, 200]))), []
-        drafts = d(st.lists(st.integers(-1, 511), max_size=3)) if self.rare and \
-            d(st.booleans()) else []
+        drafts = d(st.lists(st.integers(-1, 511), max_size=3)) if d(st.booleans()) else []
         return 1 + len(drafts), drafts
 
     def _output(self, run: list[_Req], admitted: list[_Req], finished: set[str],
@@ -233,8 +232,8 @@ class _Toy:
 def scheduler_streams(draw: Any, v2: bool | None = None, max_steps: int = 12,
                       rare: bool = True) -> dict[str, Any]:
     """{"v2", "kv_groups", "steps": [SchedulerOutput, ...]} of a valid stream.
-    ``rare``: False leaves out drafts, multimodal inputs, zeroed blocks and the rare
-    extras (streams of joins, leaves and preemptions)."""
+    ``rare``: False leaves out multimodal inputs, zeroed blocks and the rare extras
+    (streams of joins, leaves, preemptions and drafts)."""
     v2 = draw(st.booleans()) if v2 is None else v2
     groups = draw(st.sampled_from([1, 1, 2]))
     toy = _Toy(draw, v2, groups, pp=not v2 and draw(st.integers(0, 3)) == 0, rare=rare)

@@ -12,6 +12,11 @@ decoder predicts* from its own memory of previous steps (new vs cached, list
 orders, ``num_output_tokens``, ``None`` vs empty ...), so a steady step adds
 nothing.  Connector metadata travels sealed (HMAC-authenticated pickle).
 
+Two fast paths build that very body without the whole request (their frames are
+the general path's, byte for byte): the same-batch step (:mod:`.quick`) and the
+turnover step, where requests leave the batch and new ones join at its end
+(:mod:`.turnover`).  Every other step takes the general path.
+
 Draft tokens travel as ``token + 1`` so vLLM's ``-1`` placeholders pack as
 unsigned integers.
 
@@ -33,7 +38,6 @@ from engine_side.diffing import BlockHint
 from engine_side.mirror import EngineMirror
 from engine_side.shm_store import ShmStore
 from engine_side.vllm.convert import (
-    RefTable,
     SpecReader,
     StepMemory,
     TokenLedger,
@@ -42,16 +46,14 @@ from engine_side.vllm.convert import (
     new_request_spec,
     seal,
 )
+from engine_side.vllm.grammar import GrammarEncoder
 from engine_side.vllm.mm import StoreChannel
 from engine_side.vllm.quick import QuickEncoder
 from engine_side.vllm.replies import IndexCache, decode_reply
-from engine_side.vllm.rowrefs import RowTable
 from engine_side.vllm.schema import (
-    GrammarMsg,
     StepExt,
     TokenRef,
     check_schema,
-    compact_ways,
 )
 from engine_side.vllm.turnover import turnover_delta
 from protocol import codec
@@ -61,7 +63,6 @@ from protocol.lane import SteadyLane
 from protocol.packing import pack_sints, pack_uints
 from protocol.plan import STEADY_BODY
 from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
-from protocol.tensors import make_enc_hook
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 CONNECTOR_FIELDS = ("kv_connector_metadata", "ec_connector_metadata",
@@ -135,11 +136,7 @@ class SchedulerOutputEncoder:
         self._last_blocks: tuple[Ragged, ...] | None = None
         #: how this step's tables differ from the mirror's, when they were carried
         self._hint: BlockHint | None = None
-        self._aux: list[Any] = []
-        self._grammar_enc = msgspec.msgpack.Encoder(enc_hook=make_enc_hook(self._aux))
-        self._row_table = RowTable()  # see engine_side.vllm.rowrefs
-        #: (batch, grammar ids, their packed positions) of the last GrammarOutput
-        self._last_positions: tuple[list[str], list[str], bytes] = ([], [], b"")
+        self._grammar = GrammarEncoder()
 
     @property
     def seq(self) -> int:
@@ -455,47 +452,8 @@ class SchedulerOutputEncoder:
     # ------------------------------------------------------------ sample_tokens
     def encode_grammar(self, grammar: Any) -> list[Frame]:
         """GrammarOutput of the step just encoded: ids as batch positions, bitmask zero-copy."""
-        if grammar is None:
-            return [b""]
-        batch = self.batches.get(self.seq, [])
-        ids = grammar.structured_output_request_ids
-        names: tuple[str, ...] = ()
-        positions = self._positions(ids, batch)
-        if positions is None:  # an id outside the batch: named
-            refs = RefTable(batch, [])
-            positions, names = refs.pack(ids), tuple(refs.names)
-        bitmask, rows = grammar.grammar_bitmask, None
-        by_ref = self._row_table.encode(bitmask)  # repeated rows as references
-        if by_ref is not None:
-            bitmask = None
-            rows, deflated, sparse = by_ref
-        else:
-            deflated, sparse = compact_ways(bitmask)
-        if deflated is not None or sparse is not None:
-            bitmask = None
-        msg = GrammarMsg(self.seq, positions, names, bitmask,
-                         grammar.num_acceptable_drafts, deflated, sparse, rows)
-        self._aux.clear()
-        try:
-            return [self._grammar_enc.encode(msg), *self._aux]
-        finally:
-            self._aux.clear()
-
-    def _positions(self, ids: Any, batch: list[str]) -> bytes | None:
-        """``ids`` packed as positions in ``batch`` through the quick encoder's map of it
-        (kept for the batch of every step); None when one is not in it.  The last
-        answer is kept: structured requests stay the same over a batch's steps."""
-        if self.quick.batch is not batch or not isinstance(ids, list):
-            return None
-        last = self._last_positions
-        if last[0] is batch and last[1] == ids:
-            return last[2]
-        try:
-            packed = pack_uints(list(map(self.quick.pos.__getitem__, ids)))
-        except KeyError:
-            return None
-        self._last_positions = (batch, list(ids), packed)
-        return packed
+        return self._grammar.encode(grammar, self.seq, self.batches.get(self.seq, []),
+                                    self.quick)
 
     # ------------------------------------------------------------ replies
     def decode_reply(self, frames: list[Any]) -> Any:

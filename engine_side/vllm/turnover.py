@@ -15,7 +15,8 @@ handles, and the step's extension.  :func:`turnover_delta` builds exactly that b
 streams) -- and the mirror applies it as the general path does.
 
 Anything else -- a resumed request, a reordered batch, an id that is live again,
-drafts, multimodal or connector fields, several KV groups, a store -- returns None
+drafts out of batch order, multimodal or connector fields, several KV groups, a
+store -- returns None
 before anything changes, and the general path runs (and raises what it raises).
 
 Contract: the encoder calls it only after a general or same-batch step has set its
@@ -32,13 +33,13 @@ import msgspec
 import numpy as np
 
 from engine_side.diffing import new_request
-from engine_side.vllm.convert import new_request_spec
+from engine_side.vllm.convert import draft_rows, new_request_spec
 from engine_side.vllm.quick import CONNECTOR_FIELDS, changed
 from engine_side.vllm.schema import StepExt
 from protocol import codec
 from protocol.codec import Frame
 from protocol.messages import DeltaBody, NewRequest, Rows
-from protocol.packing import pack_row_counts, pack_sints, pack_uints
+from protocol.packing import pack_row_counts, pack_sints, pack_uints, pack_uints_plus_one
 from protocol.request import RequestSpec
 from protocol.speedups import C as _C
 
@@ -51,18 +52,18 @@ _RARE = attrgetter(
     "free_encoder_mm_hashes", "scheduled_encoder_inputs", "scheduled_encoder_input_stats",
     "num_invalid_spec_tokens", "has_sync_kv_loads", "new_block_ids_to_zero",
     "kv_cache_block_copies", "num_common_prefix_blocks", "kv_connector_block_state",
-    *CONNECTOR_FIELDS, "scheduled_spec_decode_tokens",
-    "scheduled_cached_reqs.resumed_req_ids", "scheduled_cached_reqs.new_token_ids",
-    "scheduled_cached_reqs.all_token_ids")
+    *CONNECTOR_FIELDS, "scheduled_cached_reqs.resumed_req_ids",
+    "scheduled_cached_reqs.new_token_ids", "scheduled_cached_reqs.all_token_ids")
 _PLAIN: tuple[Any, ...] = ([], {}, None, None, False, None, None, [], None,
-                           *(None for _ in CONNECTOR_FIELDS), {}, set(), [], {})
+                           *(None for _ in CONNECTOR_FIELDS), set(), [], {})
 
 
 class _Step:
     """A turnover step's lists, checked (see :func:`_shape`)."""
 
     def __init__(self, so: Any, stay_at: list[int], handles: list[int], batch: list[str],
-                 appends: tuple[list[int], list[int], list[int], list[int]]) -> None:
+                 appends: tuple[list[int], list[int], list[int], list[int]],
+                 drafts: tuple[list[int], list[int]] | None) -> None:
         cached = so.scheduled_cached_reqs
         self.new_reqs: list[Any] = so.scheduled_new_reqs
         self.stay: list[str] = cached.req_ids
@@ -75,6 +76,7 @@ class _Step:
         #: the stayers' new blocks: (positions, counts, flat ids, positions sending ([],))
         self.appends = appends
         self.outputs: list[int] = cached.num_output_tokens
+        self.drafts = drafts  # (tokens per batch position, flat tokens); None: no drafts
 
 
 def turnover_delta(enc: SchedulerOutputEncoder, so: Any) -> list[Frame] | None:
@@ -112,7 +114,14 @@ def _shape(enc: SchedulerOutputEncoder, so: Any) -> _Step | None:
     if appends is None or not (len(cached.new_block_ids) == len(cached.num_computed_tokens)
                                == len(cached.num_output_tokens) == n):
         return None
-    step = _Step(so, stay_at, list(map(quick.handles.__getitem__, stay_at)), batch, appends)
+    drafts = None
+    if so.scheduled_spec_decode_tokens:  # rows in batch order, or the general path
+        drafts = draft_rows(so.scheduled_spec_decode_tokens,
+                            dict(zip(batch, range(len(batch)), strict=True)), len(batch))
+        if drafts is None or min(drafts[1]) < -1:
+            return None
+    step = _Step(so, stay_at, list(map(quick.handles.__getitem__, stay_at)), batch, appends,
+                 drafts)
     if so.total_num_scheduled_tokens != sum(step.nsched) or \
             min(step.nsched, default=0) < 0 or min(step.computed, default=0) < 0:
         return None
@@ -296,6 +305,9 @@ def _body_rows(enc: SchedulerOutputEncoder, so: Any, step: _Step, joined: list[i
     if moved:
         fields["scheduled_tokens"] = Rows(handles=pack_uints(moved),
                                           values=pack_uints([ns[i] for i in moved]))
+    if step.drafts is not None:  # (the request's aligned rows, each token plus one)
+        fields["spec_tokens"] = Rows(counts=pack_uints(step.drafts[0]),
+                                     values=pack_uints_plus_one(step.drafts[1]))
     if so.preempted_req_ids:
         fields["preempted"] = pack_uints(sorted(map(mirror.handles.__getitem__,
                                                     so.preempted_req_ids)))

@@ -2,7 +2,7 @@
 batch and new ones join at its end.
 
 A turnover body -- finishes, adds, a schedule drop and append of exactly the adds,
-count departures, appended blocks, preemptions and an extension of new-request
+count departures, appended blocks, drafts, preemptions and an extension of new-request
 fixes, empty-block flips and output departures -- is applied to the replica as any
 body is; the SchedulerOutput is then made from the last batch less the dropped rows
 and the body's own rows, instead of rebuilding every table and diffing it against
@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 _ROWS_OF_ITS_OWN: dict[str, Any] = {"finished": b"", "finished_unknown": (), "added": (),
                     "schedule_drop": b"", "schedule_append": b"", "scheduled_tokens": None,
-                    "computed_tokens": None, "block_append": (), "preempted": b"",
+                    "computed_tokens": None, "block_append": (), "spec_tokens": None,
+                    "preempted": b"",
                     "has_structured_output": False, "pending_structured_output": False,
                     "num_spec_tokens_to_schedule": 0, "extension": {}}
 _EXT_OF_ITS_OWN: dict[str, Any] = {"fixes": (), "none_flip": b"", "out_pos": b"", "out_delta": b""}
