@@ -27,8 +27,11 @@ from vllm_equal import assert_vllm_equal  # noqa: E402
 from vllm_streams import scheduler_streams  # noqa: E402
 
 from engine_side.bench.vllm_replay import synthetic_churn  # noqa: E402
-from engine_side.vllm import SchedulerOutputEncoder  # noqa: E402
+from engine_side.vllm import SchedulerOutputEncoder, quick, turnover  # noqa: E402
+from protocol import digest, lane, packing  # noqa: E402
+from protocol.speedups import C  # noqa: E402
 from worker_side.vllm import SchedulerOutputDecoder  # noqa: E402
+from worker_side.vllm import quick as worker_quick  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 PROMPT = 40
@@ -57,6 +60,17 @@ def _run(steps: list[Any], kv_groups: int | None = None) -> tuple[int, int]:
                     ids.append(-6)
     assert slow.turnover_steps == decoders[1].turnover_steps == 0
     return fast.turnover_steps, decoders[0].turnover_steps
+
+
+@pytest.fixture(params=["c", "pure"])
+def speedups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the C speedups and again on the pure-Python paths."""
+    if request.param == "pure":
+        for module in (packing, digest, lane, quick, worker_quick, turnover):
+            monkeypatch.setattr(module, "_C", None)
+    elif C is None:
+        pytest.skip("C speedups not built")
+    return str(request.param)
 
 
 def _new(rid: str, blocks: list[int], prompt: list[int] | None = None,
@@ -89,7 +103,7 @@ def _step(stay: list[str], t: int, new: list[NewRequestData] = (),  # type: igno
                            total_num_scheduled_tokens=sum(nsched.values()), **fields)
 
 
-def test_finishes_joins_and_preemptions_take_the_turnover_path() -> None:
+def test_finishes_joins_and_preemptions_take_the_turnover_path(speedups: str) -> None:
     long = list(range(100, 164))  # 64 tokens: a prefix the next joins reference
     steps = [
         _first(["a", "b", "c"]), _step(["a", "b", "c"], 1),
@@ -152,7 +166,7 @@ def test_two_kv_groups_take_the_general_path() -> None:
 
 
 @pytest.mark.parametrize("running", [4, 64])
-def test_synthetic_churn_is_all_turnover(running: int) -> None:
+def test_synthetic_churn_is_all_turnover(running: int, speedups: str) -> None:
     steps = [so for kind, so in synthetic_churn(running, 12) if kind == "execute_model"]
     assert _run(steps) == (len(steps) - 1,) * 2  # every step after the first
 
