@@ -7,7 +7,6 @@ streams pin where it must fire and where it must not.  Skipped without vLLM.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 from unittest import mock
 
@@ -24,6 +23,7 @@ from vllm.v1.core.sched.output import (  # noqa: E402
     SchedulerOutput,
 )
 from vllm_equal import assert_vllm_equal  # noqa: E402
+from vllm_paths import run_both_paths  # noqa: E402
 from vllm_streams import scheduler_streams  # noqa: E402
 
 from engine_side.vllm import (
@@ -45,22 +45,10 @@ SECRET = b"q" * 32
 
 
 def _run(steps: list[Any], kv_groups: int | None = None) -> tuple[int, int]:
-    """Every step through fast and general encoders and decoders: same frames, equal
-    SchedulerOutputs.  Returns how many steps each fast path took."""
-    fast = SchedulerOutputEncoder(kv_groups, secret=SECRET)
-    slow = SchedulerOutputEncoder(kv_groups, secret=SECRET, fast=False)
-    decoders = [SchedulerOutputDecoder(SECRET), SchedulerOutputDecoder(SECRET, fast=False)]
-    for so in steps:
-        expected = copy.deepcopy(so)
-        frames = [bytes(f) for f in fast.encode(so)]
-        assert frames == [bytes(f) for f in slow.encode(so)]
-        for dec in decoders:
-            got = dec.decode(frames)
-            assert_vllm_equal(expected, got)
-            for entry in got.scheduled_cached_reqs.new_block_ids:  # the runner extends these
-                for ids in entry or ():
-                    ids.append(-5)
-    return fast.quick_steps, decoders[0].quick_steps
+    """Every step through fast and general encoders and decoders (tests/vllm_paths.py).
+    Returns how many steps each same-batch fast path took."""
+    enc, dec = run_both_paths(steps, kv_groups, SECRET)
+    return enc.quick_steps, dec.quick_steps
 
 
 @pytest.fixture(params=["c", "pure"])

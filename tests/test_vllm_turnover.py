@@ -9,7 +9,6 @@ generated streams and the synthetic churn cover the rest.  Skipped without vLLM.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -23,14 +22,13 @@ from vllm.v1.core.sched.output import (  # noqa: E402
     NewRequestData,
     SchedulerOutput,
 )
-from vllm_equal import assert_vllm_equal  # noqa: E402
+from vllm_paths import run_both_paths  # noqa: E402
 from vllm_streams import scheduler_streams  # noqa: E402
 
 from engine_side.bench.vllm_replay import synthetic_churn  # noqa: E402
-from engine_side.vllm import SchedulerOutputEncoder, quick, turnover  # noqa: E402
+from engine_side.vllm import quick, turnover  # noqa: E402
 from protocol import digest, lane, packing  # noqa: E402
 from protocol.speedups import C  # noqa: E402
-from worker_side.vllm import SchedulerOutputDecoder  # noqa: E402
 from worker_side.vllm import quick as worker_quick  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -39,27 +37,10 @@ SECRET = b"t" * 32  # connector metadata in generated streams travels sealed
 
 
 def _run(steps: list[Any], kv_groups: int | None = None) -> tuple[int, int]:
-    """Every step through a fast and a general encoder -- the same frames -- and a fast
-    and a general decoder: SchedulerOutputs equal to the original.  Returns the
-    turnover steps of the fast encoder and decoder."""
-    fast = SchedulerOutputEncoder(kv_groups, secret=SECRET)
-    slow = SchedulerOutputEncoder(kv_groups, secret=SECRET, fast=False)
-    decoders = [SchedulerOutputDecoder(SECRET), SchedulerOutputDecoder(SECRET, fast=False)]
-    for so in steps:
-        expected = copy.deepcopy(so)
-        frames = [bytes(f) for f in fast.encode(so)]
-        assert frames == [bytes(f) for f in slow.encode(so)]
-        for dec in decoders:
-            got = dec.decode(frames)
-            assert_vllm_equal(expected, got)
-            for entry in got.scheduled_cached_reqs.new_block_ids:  # the runner extends these
-                for ids in entry or ():
-                    ids.append(-5)
-            for nr in got.scheduled_new_reqs:
-                for ids in nr.block_ids:
-                    ids.append(-6)
-    assert slow.turnover_steps == decoders[1].turnover_steps == 0
-    return fast.turnover_steps, decoders[0].turnover_steps
+    """Every step through fast and general encoders and decoders (tests/vllm_paths.py).
+    Returns the turnover steps of the fast encoder and decoder."""
+    enc, dec = run_both_paths(steps, kv_groups, SECRET)
+    return enc.turnover_steps, dec.turnover_steps
 
 
 @pytest.fixture(params=["c", "pure"])
