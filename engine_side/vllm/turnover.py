@@ -9,15 +9,15 @@ the rest stay in their order, and new requests join at the end.  For that shape 
 general path's body (``ExecuteModelRequest`` → ``EngineMirror.diff``) is known
 without comparing whole block tables and count columns: the finished handles, the
 adds, a schedule drop and append, the stayers' count departures from the mirror's
-prediction, their appended blocks and the new requests' tables, the preempted
-handles, and the step's extension.  :func:`turnover_delta` builds exactly that body
--- the same fields, the same bytes (the tests compare the two paths on generated
-streams) -- and the mirror applies it as the general path does.
+prediction, their appended blocks and the new requests' tables, the drafts, the
+preempted handles, and the step's extension.  :func:`turnover_delta` builds exactly
+that body -- the same fields, the same bytes (the tests compare the two paths on
+generated streams) -- and the mirror applies it as the general path does.
 
 Anything else -- a resumed request, a reordered batch, an id that is live again,
 drafts out of batch order, multimodal or connector fields, several KV groups, a
-store -- returns None
-before anything changes, and the general path runs (and raises what it raises).
+store, the mirror's ``verify`` mode -- returns None before anything changes, and the
+general path runs (and raises what it raises).
 
 Contract: the encoder calls it only after a general or same-batch step has set its
 :class:`~engine_side.vllm.quick.QuickEncoder` (the last batch and its handles).
