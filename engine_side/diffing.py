@@ -10,6 +10,7 @@ repeats; only departures are sent.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from itertools import compress, repeat
 from operator import attrgetter, gt, is_
 from typing import TYPE_CHECKING, NamedTuple, cast
@@ -107,20 +108,9 @@ class DiffContext:
 
     # -- requests ---------------------------------------------------------------------
     def _finishes(self) -> None:
-        handles, unknown = [], []
-        for req_id in sorted(self.request.finished_req_ids):
-            h = self.mirror.handles.get(req_id)
-            if h is None:
-                unknown.append(req_id)
-            else:
-                handles.append(h)
-                self.freed_ids.append((req_id, h))
-                self.reset.add(h)
-        handles.sort()
-        if handles:
-            self.fields["finished"] = pack_uints(handles)
-        if unknown:
-            self.fields["finished_unknown"] = tuple(unknown)
+        self.freed_ids = finish_fields(self.mirror.handles, self.request.finished_req_ids,
+                                       self.fields)
+        self.reset.update(h for _, h in self.freed_ids)
 
     def _schedule_handles(self) -> None:
         m, r = self.mirror, self.request
@@ -393,6 +383,24 @@ class DiffContext:
         if h is None or h in self.reset:
             raise LocalProtocolError("preempted/resumed id is not a live request", req_id=req_id)
         return h
+
+
+def finish_fields(handles: dict[str, int], finished: Iterable[str],
+                  fields: dict[str, object]) -> list[tuple[str, int]]:
+    """The body's finished handles (sorted) and unknown finished ids (in id order) into
+    ``fields``; returns the (id, handle) pairs the mirror frees, in id order."""
+    freed, unknown = [], []
+    for req_id in sorted(finished):
+        h = handles.get(req_id)
+        if h is None:
+            unknown.append(req_id)
+        else:
+            freed.append((req_id, h))
+    if freed:
+        fields["finished"] = pack_uints(sorted(h for _, h in freed))
+    if unknown:
+        fields["finished_unknown"] = tuple(unknown)
+    return freed
 
 
 def new_request(mirror: EngineMirror, reset: set[int], h: int, spec: RequestSpec,

@@ -145,16 +145,14 @@ class EngineMirror:
                 if self.handles.get(req_id) != h:
                     self.allocator.release(h)
             raise
-        plan = self.state.apply(body)
-        # None: a steady step (appends at most), nothing finished or added
-        self._after_apply(_NONE if plan is None else plan.finished, ctx.freed_ids,
-                          [(rid, h, request.specs[ctx.added_at[h]]) for rid, h in ctx.new_ids],
-                          request.req_ids, request.specs)
+        delta = self.apply_turnover(
+            body, ctx.freed_ids,
+            [(rid, h, request.specs[ctx.added_at[h]]) for rid, h in ctx.new_ids],
+            request.req_ids, request.specs)
         self._last_tables = request.block_tables
-        self.seq += 1
         if self.verify and not requests_equal(self.state.rebuild(), request):
             raise LocalProtocolError("mirror rebuild differs from the request", seq=self.seq)
-        return Delta(epoch=self.epoch, seq=self.seq, digest=self.state.digest, body=body)
+        return delta
 
     def _is_steady(self, r: ExecuteModelRequest) -> bool:
         """The common decode step, checked touching as little as possible: the same
@@ -199,14 +197,15 @@ class EngineMirror:
     def apply_turnover(self, body: DeltaBody, freed: list[tuple[str, int]],
                        added: list[tuple[str, int, RequestSpec]], req_ids: list[str],
                        specs: list[RequestSpec]) -> Delta:
-        """The Delta of a body an adapter built for a step where requests leave the batch
-        and new ones join (its fast path, the same body :meth:`diff` builds): ``freed``
-        the finished (id, handle) pairs it names, ``added`` the (id, handle, spec) of
-        its adds (handles from :attr:`allocator`), ``req_ids`` and ``specs`` the step's
-        batch.  Advances the mirror as :meth:`diff` does.
+        """The Delta of a body built against the mirror: by :meth:`diff`, or by an
+        adapter's fast path for a step where requests leave the batch and new ones join
+        (the same body :meth:`diff` builds).  ``freed``: the finished (id, handle) pairs
+        it names; ``added``: the (id, handle, spec) of its adds (handles from
+        :attr:`allocator`); ``req_ids`` and ``specs``: the step's batch.  Advances the
+        mirror as :meth:`diff` does.
 
         Raises InvalidDelta (mirror unchanged) when the body does not apply."""
-        plan = self.state.apply(body)
+        plan = self.state.apply(body)  # None: a steady step (appends at most)
         self._after_apply(_NONE if plan is None else plan.finished, freed, added, req_ids, specs)
         self._last_tables = ()  # the step's whole tables were never built
         self.seq += 1

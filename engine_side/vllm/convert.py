@@ -375,6 +375,14 @@ class StepMemory:
             self._plen_col = np.fromiter(map(self.plen.__getitem__, ids), np.int64, len(ids))
         return np.maximum(0, computed - self._plen_col + 1)
 
+    def output_departures(self, ids: list[str], computed: IntArray,
+                          outputs: Any) -> tuple[bytes, bytes] | None:
+        """(positions, deltas) packed where cached requests' ``outputs`` depart from
+        :meth:`predicted_outputs`; None when none does."""
+        diff = np.asarray(outputs, dtype=np.int64) - self.predicted_outputs(ids, computed)
+        off = np.flatnonzero(diff)
+        return (pack_uints(off), pack_sints(diff[off])) if off.size else None
+
     def record_output(self, out: Any) -> None:
         """A ModelRunnerOutput's sampled tokens into the ledger (nothing without one)."""
         ledger, known = self.ledger, self.known

@@ -378,11 +378,9 @@ class SchedulerOutputEncoder:
             ext["none_flip"] = pack_uints(none_flip)
         comp = np.asarray(cached.num_computed_tokens, dtype=np.int64)
         computed[cpos] = comp
-        diff = np.asarray(cached.num_output_tokens, dtype=np.int64) - \
-            self.mem.predicted_outputs(ids, comp)
-        off = np.flatnonzero(diff)
-        if off.size:
-            ext["out_pos"], ext["out_delta"] = pack_uints(off), pack_sints(diff[off])
+        departures = self.mem.output_departures(ids, comp, cached.num_output_tokens)
+        if departures is not None:
+            ext["out_pos"], ext["out_delta"] = departures
 
     def _cached_blocks(self, ids: list[str], blocks: list[Any], resumed: set[str]) -> list[int]:
         """Apply new_block_ids (replacing for resumed ids); positions sending () not None."""

@@ -455,16 +455,23 @@ _FLAG_BODIES = {(False, False): STEADY_BODY,
                    for s in (False, True) for p in (False, True) if s or p}}
 
 
+#: A plain step's rare fields and their values in a plain step, in the order
+#: :func:`_plain` reads them; the first three are the step's joins and leaves (the
+#: turnover path, engine_side.vllm.turnover, takes those and checks the rest).
+RARE_FIELDS: tuple[tuple[str, Any], ...] = (
+    ("scheduled_new_reqs", []), ("finished_req_ids", set()), ("preempted_req_ids", set()),
+    ("free_encoder_mm_hashes", []), ("scheduled_encoder_inputs", {}),
+    ("scheduled_encoder_input_stats", None), ("num_invalid_spec_tokens", None),
+    ("has_sync_kv_loads", False), ("new_block_ids_to_zero", None),
+    ("kv_cache_block_copies", None), ("num_common_prefix_blocks", []),
+    ("kv_connector_block_state", None), *((f, None) for f in CONNECTOR_FIELDS),
+    ("scheduled_cached_reqs.resumed_req_ids", set()),
+    ("scheduled_cached_reqs.new_token_ids", []), ("scheduled_cached_reqs.all_token_ids", {}))
+JOINS_AND_LEAVES = 3  # RARE_FIELDS[:3]
+
 # A plain step's rare fields, read by one C call and compared with one tuple.
-_RARE = attrgetter(
-    "scheduled_new_reqs", "finished_req_ids", "preempted_req_ids", "free_encoder_mm_hashes",
-    "scheduled_encoder_inputs", "scheduled_encoder_input_stats", "num_invalid_spec_tokens",
-    "has_sync_kv_loads", "new_block_ids_to_zero", "kv_cache_block_copies",
-    "num_common_prefix_blocks", "kv_connector_block_state", *CONNECTOR_FIELDS,
-    "scheduled_cached_reqs.resumed_req_ids", "scheduled_cached_reqs.new_token_ids",
-    "scheduled_cached_reqs.all_token_ids")
-_PLAIN: tuple[Any, ...] = ([], set(), set(), [], {}, None, None, False, None, None, [], None,
-          *(None for _ in CONNECTOR_FIELDS), set(), [], {})
+_RARE = attrgetter(*(name for name, _ in RARE_FIELDS))
+_PLAIN: tuple[Any, ...] = tuple(value for _, value in RARE_FIELDS)
 
 
 def _plain(so: Any) -> bool:

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from engine_side.diffing import new_request
+from engine_side.diffing import finish_fields, new_request
 from engine_side.vllm.convert import draft_rows, new_request_spec
-from engine_side.vllm.quick import CONNECTOR_FIELDS, changed
+from engine_side.vllm.quick import JOINS_AND_LEAVES, RARE_FIELDS, changed
 from engine_side.vllm.schema import StepExt
 from protocol import codec
 from protocol.codec import Frame
@@ -46,16 +46,10 @@ from protocol.speedups import C as _C
 if TYPE_CHECKING:
     from engine_side.vllm.encoder import SchedulerOutputEncoder
 
-# The fields a turnover step leaves at their defaults, read by one C call and compared
-# with one tuple (new requests, finishes and preemptions are the step's own).
-_RARE = attrgetter(
-    "free_encoder_mm_hashes", "scheduled_encoder_inputs", "scheduled_encoder_input_stats",
-    "num_invalid_spec_tokens", "has_sync_kv_loads", "new_block_ids_to_zero",
-    "kv_cache_block_copies", "num_common_prefix_blocks", "kv_connector_block_state",
-    *CONNECTOR_FIELDS, "scheduled_cached_reqs.resumed_req_ids",
-    "scheduled_cached_reqs.new_token_ids", "scheduled_cached_reqs.all_token_ids")
-_PLAIN: tuple[Any, ...] = ([], {}, None, None, False, None, None, [], None,
-                           *(None for _ in CONNECTOR_FIELDS), set(), [], {})
+# The fields a turnover step leaves as a plain step has them, read by one C call and
+# compared with one tuple (new requests, finishes and preemptions are the step's own).
+_RARE = attrgetter(*(name for name, _ in RARE_FIELDS[JOINS_AND_LEAVES:]))
+_PLAIN: tuple[Any, ...] = tuple(value for _, value in RARE_FIELDS[JOINS_AND_LEAVES:])
 
 
 class _Step:
@@ -203,20 +197,9 @@ def _encode(enc: SchedulerOutputEncoder, so: Any, step: _Step) -> list[Frame]:
 
 def _finishes(enc: SchedulerOutputEncoder, finished: set[str],
               fields: dict[str, Any]) -> list[tuple[str, int]]:
-    """The finished handles and ids into ``fields`` (DiffContext._finishes); the
-    encoder forgets them.  Returns the (id, handle) pairs the mirror frees."""
-    handles: dict[str, int] = enc.mirror.handles  # type: ignore[union-attr]
-    freed, unknown = [], []
-    for rid in sorted(finished):
-        h = handles.get(rid)
-        if h is None:
-            unknown.append(rid)
-        else:
-            freed.append((rid, h))
-    if freed:
-        fields["finished"] = pack_uints(sorted(h for _, h in freed))
-    if unknown:
-        fields["finished_unknown"] = tuple(unknown)
+    """The finished handles and ids into ``fields`` (as the general path writes them);
+    the encoder forgets them.  Returns the (id, handle) pairs the mirror frees."""
+    freed = finish_fields(enc.mirror.handles, finished, fields)  # type: ignore[union-attr]
     enc.forget(finished)
     return freed
 
@@ -258,11 +241,10 @@ def _cached_requests(enc: SchedulerOutputEncoder, step: _Step, ext: dict[str, An
         at += c
     if empty:
         ext["none_flip"] = pack_uints(empty)
-    comp = np.asarray(step.computed[:len(stay)], dtype=np.int64)
-    diff = np.asarray(step.outputs, dtype=np.int64) - enc.mem.predicted_outputs(stay, comp)
-    off = np.flatnonzero(diff)
-    if off.size:
-        ext["out_pos"], ext["out_delta"] = pack_uints(off), pack_sints(diff[off])
+    departures = enc.mem.output_departures(
+        stay, np.asarray(step.computed[:len(stay)], dtype=np.int64), step.outputs)
+    if departures is not None:
+        ext["out_pos"], ext["out_delta"] = departures
 
 
 def _adds(enc: SchedulerOutputEncoder, step: _Step, specs: list[RequestSpec],
