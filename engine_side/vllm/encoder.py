@@ -59,7 +59,8 @@ from engine_side.vllm.turnover import turnover_delta
 from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import LocalProtocolError
-from protocol.lane import SteadyLane
+from protocol.lane import NO_ROWS, SteadyLane
+from protocol.messages import DeltaBody
 from protocol.packing import pack_sints, pack_uints
 from protocol.plan import STEADY_BODY
 from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
@@ -156,15 +157,19 @@ class SchedulerOutputEncoder:
             self.mirror = EngineMirror(self.epoch, kv_groups=self.kv_groups, verify=self.verify)
         if self.lane is None or self.lane.state is not self.mirror.state:
             self.lane = SteadyLane(self.mirror.state)
-        body = self.quick.body(so) if self.fast else None
+        quick = self.quick
+        body = quick.plain_step(so) if self.fast else None
         if body is STEADY_BODY:  # the steady decode step: the empty body
             delta = self.mirror.lane_delta(STEADY_BODY, self.lane.steady())
             self.quick_steps += 1
-            self.batches[delta.seq] = self.quick.batch
+            self.batches[delta.seq] = quick.batch
             self.batches.pop(delta.seq - HISTORY, None)
             return codec.encode(delta)
+        if body is not None:  # a plain step with appends: straight to the lane's append
+            return self._plain_appends(body)
+        body = quick.body(so) if self.fast else None
         if body is not None:
-            digest = self.lane.step(body, self.quick.appends, rows=self.quick.rows,
+            digest = self.lane.step(body, quick.appends, rows=quick.rows,
                                     own_appends=True, own_rows=True)
             if digest is None:
                 self.lane.settle()
@@ -188,6 +193,28 @@ class SchedulerOutputEncoder:
                                list(so.num_scheduled_tokens.values()))
             return codec.encode(delta)
         self.batches[delta.seq] = batch
+        self.batches.pop(delta.seq - HISTORY, None)
+        return codec.encode(delta)
+
+    def _plain_appends(self, body: DeltaBody) -> list[Frame]:
+        """The frames of a plain step whose one change is one KV group's appends
+        (:meth:`QuickEncoder.plain_step` made ``body``; :meth:`SteadyLane.appended`
+        takes it, or the lane's general step, or the mirror's state)."""
+        assert self.mirror is not None and self.lane is not None  # noqa: S101 - encode
+        quick = self.quick
+        digest = self.lane.appended(quick.appends[0], None, body, own=True) \
+            if len(quick.appends) == 1 else None
+        if digest is None:
+            digest = self.lane.step(body, quick.appends, rows=NO_ROWS, own_appends=True,
+                                    own_rows=True)
+        if digest is None:
+            self.lane.settle()
+            delta = self.mirror.apply_body(body)
+        else:
+            delta = self.mirror.lane_delta(body, digest)
+        self._quick_blocks()
+        self.quick_steps += 1
+        self.batches[delta.seq] = quick.batch
         self.batches.pop(delta.seq - HISTORY, None)
         return codec.encode(delta)
 
@@ -449,7 +476,10 @@ class SchedulerOutputEncoder:
 
     # ------------------------------------------------------------ sample_tokens
     def encode_grammar(self, grammar: Any) -> list[Frame]:
-        """GrammarOutput of the step just encoded: ids as batch positions, bitmask zero-copy."""
+        """GrammarOutput of the step just encoded: ids as batch positions, bitmask zero-copy
+        (None: one empty frame)."""
+        if grammar is None:  # most steps: nothing else to read
+            return [b""]
         return self._grammar.encode(grammar, self.seq, self.batches.get(self.seq, []),
                                     self.quick)
 

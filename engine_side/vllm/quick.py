@@ -173,10 +173,8 @@ class QuickEncoder:
 
     def body(self, so: Any) -> DeltaBody | None:
         """The Delta body of ``so`` if it is a same-batch step, else None (nothing changed).
-        A plain step (:meth:`plain_step`) is answered without building field dicts."""
-        plain = self.plain_step(so)
-        if plain is not None:
-            return plain
+        Callers try :meth:`plain_step` first, which answers a plain step without building
+        field dicts; this reads any same-batch step."""
         if not self.ready or not _plain(so):
             return None
         cached, batch = so.scheduled_cached_reqs, self.batch

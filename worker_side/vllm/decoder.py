@@ -228,7 +228,9 @@ class SchedulerOutputDecoder:
             if got is None:
                 return None
             blocks, new_blocks = got
-            if self.lane.step(body, blocks, msg.digest, NO_ROWS) is None:
+            lane = self.lane
+            if (len(blocks) != 1 or lane.appended(blocks[0], msg.digest, body) is None) \
+                    and lane.step(body, blocks, msg.digest, NO_ROWS) is None:
                 return None
             self._lengths_stale |= bool(blocks)
         self.seq = msg.seq
