@@ -267,7 +267,7 @@ def test_few_count_paths_of_changed_schedules_match_the_numpy_paths(
     digests (and the digest recomputed from scratch)."""
     import pytest
 
-    from protocol import plan
+    from protocol import plan, plan_counts
 
     pool = [f"r{i}" for i in range(12)]
     steps, computed = [], dict.fromkeys(pool, 0)
@@ -281,6 +281,7 @@ def test_few_count_paths_of_changed_schedules_match_the_numpy_paths(
         steps.append(rows)
     few = _general_run(steps)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan, "FEW_ROWS", 0)
+        mp.setattr(plan, "FEW_ROWS", 0)  # the schedule edits
+        mp.setattr(plan_counts, "FEW_ROWS", 0)  # the computed and scheduled counts
         assert _general_run(steps) == few
     assert all(digest == recomputed for _, digest, recomputed in few)
