@@ -449,7 +449,7 @@ def test_sampling_params_from_equal_specs_are_exact_and_share_nothing() -> None:
     no list or set is shared with an earlier request's."""
     from vllm import SamplingParams
 
-    from engine_side.vllm.convert import SamplingMaker, SpecReader, sampling_to_spec
+    from engine_side.vllm.params import SamplingMaker, SpecReader, sampling_to_spec
 
     params = [SamplingParams(temperature=0.0, max_tokens=8, stop=["x"], stop_token_ids=[3]),
               SamplingParams(temperature=0.0, max_tokens=8, stop=["x"], stop_token_ids=[3]),

@@ -38,16 +38,15 @@ from engine_side.diffing import BlockHint
 from engine_side.mirror import EngineMirror
 from engine_side.shm_store import ShmStore
 from engine_side.vllm.convert import (
-    SpecReader,
     StepMemory,
     TokenLedger,
     cached_order,
     make_ref,
-    new_request_spec,
     seal,
 )
 from engine_side.vllm.grammar import GrammarEncoder
 from engine_side.vllm.mm import StoreChannel
+from engine_side.vllm.params import SpecReader, new_request_spec
 from engine_side.vllm.quick import QuickEncoder
 from engine_side.vllm.replies import IndexCache, decode_reply
 from engine_side.vllm.schema import (

@@ -33,7 +33,8 @@ import msgspec
 import numpy as np
 
 from engine_side.diffing import finish_fields, new_request
-from engine_side.vllm.convert import draft_rows, new_request_spec
+from engine_side.vllm.convert import draft_rows
+from engine_side.vllm.params import new_request_spec
 from engine_side.vllm.quick import JOINS_AND_LEAVES, RARE_FIELDS, changed
 from engine_side.vllm.schema import StepExt
 from protocol import codec

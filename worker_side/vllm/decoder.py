@@ -23,7 +23,6 @@ import numpy as np
 
 from engine_side.vllm.convert import (
     RefTable,
-    SamplingMaker,
     StepMemory,
     TokenLedger,
     cached_order,
@@ -31,63 +30,35 @@ from engine_side.vllm.convert import (
     resolve_ref,
     seal,
     single_items,
-    spec_to_lora,
-    spec_to_pooling,
     unseal,
 )
-from engine_side.vllm.rowrefs import RowTable
+from engine_side.vllm.params import SamplingMaker, spec_to_lora, spec_to_pooling
 from engine_side.vllm.schema import (
-    GrammarMsg,
     KVOutputWire,
     LogprobsWire,
     NewFix,
     ReplyMsg,
     StepExt,
-    decode_frames,
-    expand,
-    inflate,
 )
 from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import InvalidDelta, MalformedMessage
 from protocol.lane import NO_ROWS, SteadyLane
 from protocol.messages import TOKEN_MODE_WORKER, Delta, DeltaBody
-from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uint_list, unpack_uints
+from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
 from protocol.plan import STEADY_BODY
 from protocol.request import ExecuteModelRequest, IntArray, Ragged
 from protocol.state import ReplicaState
 from protocol.tensors import make_enc_hook
 from worker_side.shm_reader import ShmReader
+from worker_side.vllm.grammar import GrammarDecoder
 from worker_side.vllm.mm import StoreResolver, features_from_refs, fresh
-from worker_side.vllm.quick import NO_EXT, QuickDecoder, made, plain, vllm_types
+from worker_side.vllm.quick import NO_EXT, QuickDecoder, made, plain
 from worker_side.vllm.turnover import turnover_output, turnover_shaped
 
 HISTORY = 8
 _NO_FIX = NewFix(0)  # a new request without exactness fixes (only its fields are read)
 _EXT = msgspec.msgpack.Decoder(StepExt)
-
-
-#: a single-frame GrammarMsg (the bitmask deflated or absent): nothing for a hook to resolve
-_GRAMMAR = msgspec.msgpack.Decoder(GrammarMsg, ext_hook=codec.no_tensor_frames)
-
-
-def _grammar_ids(batch: list[str], msg: GrammarMsg) -> list[str]:
-    """The request ids of a GrammarMsg: positions in ``batch``, then its own names."""
-    if not msg.names:  # the common case: every id is in the batch
-        refs = unpack_uint_list(msg.positions, limit=len(batch))
-        if max(refs, default=-1) < len(batch):
-            return list(map(batch.__getitem__, refs))
-    return RefTable(batch, list(msg.names)).resolve(msg.positions)
-
-
-def _bitmask(msg: GrammarMsg) -> Any:
-    """The message's bitmask (a frame, deflated or sparse words: exactly one, or none)."""
-    ways = (msg.bitmask is not None) + (msg.deflated is not None) + (msg.sparse is not None)
-    if ways > 1:
-        raise MalformedMessage("grammar bitmask sent more than one way")
-    if msg.deflated is not None:
-        return inflate(msg.deflated)
-    return msg.bitmask if msg.sparse is None else expand(msg.sparse)
 
 
 def _ints(packed: bytes) -> list[int]:
@@ -150,9 +121,7 @@ class SchedulerOutputDecoder:
         self._lengths_stale = False  # blocks appended since (see _refresh_lengths)
         self._aux: list[Any] = []
         self._reply_enc = msgspec.msgpack.Encoder(enc_hook=make_enc_hook(self._aux))
-        self._row_table = RowTable()  # see engine_side.vllm.rowrefs
-        #: (batch, packed positions, request ids) of the last GrammarMsg without names
-        self._last_grammar: tuple[list[str], bytes, list[str]] = ([], b"", [])
+        self._grammar = GrammarDecoder()
 
     # ------------------------------------------------------------ execute_model
     def decode(self, frames: list[Any]) -> Any:
@@ -427,21 +396,8 @@ class SchedulerOutputDecoder:
     def decode_grammar(self, frames: list[Any]) -> Any:
         """The GrammarOutput sent with the step just decoded (None stays None)."""
         if len(frames) == 1 and not bytes(frames[0]):
-            return None
-        msg = decode_frames(frames, _GRAMMAR, GrammarMsg, "grammar")
-        if msg.seq not in self.batches:
-            raise InvalidDelta("grammar output for an unknown step", seq=msg.seq)
-        batch, last = self.batches[msg.seq], self._last_grammar
-        if last[0] is batch and last[1] == msg.positions and not msg.names:
-            ids = list(last[2])  # the structured requests of the last step (fresh list)
-        else:
-            ids = _grammar_ids(batch, msg)
-            if not msg.names:
-                self._last_grammar = (batch, msg.positions, list(ids))
-        bitmask = _bitmask(msg)
-        if msg.rows is not None:  # the fresh rows and the references that rebuild it
-            bitmask = self._row_table.decode(msg.rows, bitmask)
-        return vllm_types()[2](ids, bitmask, msg.drafts)
+            return None  # most steps: one empty frame
+        return self._grammar.decode(frames, self.batches)
 
     # ------------------------------------------------------------ replies
     def encode_reply(self, out: Any) -> list[Frame]:
