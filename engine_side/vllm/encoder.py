@@ -27,7 +27,7 @@ decoder in order; the transport adds sequencing and resync.
 
 from __future__ import annotations
 
-from itertools import chain, compress, filterfalse, repeat
+from itertools import compress, filterfalse, repeat
 from operator import is_not, not_
 from typing import Any
 
@@ -54,6 +54,7 @@ from engine_side.vllm.schema import (
     TokenRef,
     check_schema,
 )
+from engine_side.vllm.tables import append_rows, keyed_rows, ragged, table_hint
 from engine_side.vllm.turnover import turnover_delta
 from protocol import codec
 from protocol.codec import Frame
@@ -271,8 +272,8 @@ class SchedulerOutputEncoder:
             req_ids=batch, specs=list(map(self.specs.__getitem__, batch)),
             num_scheduled_tokens=np.fromiter(so.num_scheduled_tokens.values(), np.int64, n),
             num_computed_tokens=computed, block_tables=blocks,
-            spec_token_ids=self._rows(so.scheduled_spec_decode_tokens, batch, shift=1),
-            encoder_inputs=self._rows(so.scheduled_encoder_inputs, batch),
+            spec_token_ids=keyed_rows(so.scheduled_spec_decode_tokens, batch, shift=1),
+            encoder_inputs=keyed_rows(so.scheduled_encoder_inputs, batch),
             finished_req_ids=frozenset(so.finished_req_ids),
             preempted_req_ids=frozenset(so.preempted_req_ids or ()),
             resumed_req_ids=frozenset(cached.resumed_req_ids),
@@ -301,7 +302,7 @@ class SchedulerOutputEncoder:
             self._carried(last, batch, {nr.req_id for nr in so.scheduled_new_reqs})
         self._hint = None
         if carried is None:
-            tables = tuple(self._ragged([self.tables[rid][g] for rid in batch])
+            tables = tuple(ragged([self.tables[rid][g] for rid in batch])
                            for g in range(self.kv_groups or 1))
         else:
             tables, kept = carried
@@ -311,8 +312,8 @@ class SchedulerOutputEncoder:
             rows = [p for p, _ in grown]
             new = [[cached.new_block_ids[k][g] for _, k in grown] for g in range(len(tables))]
             if grown:
-                tables = tuple(_append_rows(t, rows, new[g]) for g, t in enumerate(tables))
-            self._hint = _hint(kept, rows, new)
+                tables = tuple(append_rows(t, rows, new[g]) for g, t in enumerate(tables))
+            self._hint = table_hint(kept, rows, new)
         self._last_blocks, self._last_batch = tables, batch
         return tables
 
@@ -336,25 +337,11 @@ class SchedulerOutputEncoder:
         mask = np.array(keep, dtype=bool)
         tables = []
         for g, table in enumerate(last):
-            rows = self._ragged([self.tables[rid][g] for rid in batch[kept:]])
+            rows = ragged([self.tables[rid][g] for rid in batch[kept:]])
             values = table.values[np.repeat(mask, table.lengths)]
             tables.append(Ragged(np.concatenate([table.lengths[mask], rows.lengths]),
                                  np.concatenate([values, rows.values])))
         return tuple(tables), kept
-
-    @staticmethod
-    def _ragged(rows: list[list[int]]) -> Ragged:
-        lengths = np.fromiter(map(len, rows), np.int64, len(rows))
-        values = np.fromiter(chain.from_iterable(rows), np.int64, int(lengths.sum()))
-        return Ragged(lengths, values)
-
-    @staticmethod
-    def _rows(d: dict[str, list[int]], batch: list[str], shift: int = 0) -> Ragged:
-        if not d:
-            return Ragged.empty(len(batch))
-        rows = [d.get(rid, []) for rid in batch]
-        r = SchedulerOutputEncoder._ragged(rows)
-        return Ragged(r.lengths, r.values + shift) if shift else r
 
     # ------------------------------------------------------------ requests
     def _new_requests(self, new_reqs: list[Any], batch: list[str], pos: dict[str, int],
@@ -489,29 +476,6 @@ class SchedulerOutputEncoder:
         if out is not None:
             self.mem.record_output(out)
         return out
-
-
-def _append_rows(table: Ragged, rows: list[int], new: list[list[int]]) -> Ragged:
-    """``table`` with ``new[j]`` appended to row ``rows[j]`` (a fresh Ragged)."""
-    counts = np.fromiter((len(b) for b in new), np.int64, len(new))
-    if not counts.any():
-        return table
-    ends = table.offsets()[np.asarray(rows, dtype=np.int64) + 1]
-    flat = np.fromiter((v for b in new for v in b), np.int64, int(counts.sum()))
-    lengths = table.lengths.copy()
-    np.add.at(lengths, np.asarray(rows, dtype=np.int64), counts)
-    return Ragged(lengths, np.insert(table.values, np.repeat(ends, counts), flat))
-
-
-def _hint(kept: int, rows: list[int], new: list[list[list[int]]]) -> BlockHint:
-    """The BlockHint of carried tables: ``kept`` rows, ``new[g][j]`` appended to row
-    ``rows[j]`` (ascending) in group ``g`` (rows gaining nothing in a group left out)."""
-    grown, added = [], []
-    for ids in new:
-        counts = [len(b) for b in ids]
-        grown.append([r for r, c in zip(rows, counts, strict=True) if c])
-        added.append([c for c in counts if c])
-    return BlockHint(kept, tuple(grown), tuple(added))
 
 
 def _same_spec(a: RequestSpec, b: RequestSpec) -> bool:
