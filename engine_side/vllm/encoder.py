@@ -150,6 +150,26 @@ class SchedulerOutputEncoder:
         Raises LocalProtocolError for a stream vLLM cannot produce (a cached request
         never scheduled, ...); the encoder is then unusable: start a new epoch.
         """
+        mirror, lane = self.mirror, self.lane
+        if mirror is None or lane is None or lane.state is not mirror.state:
+            mirror, lane = self._start(so)
+        quick = self.quick
+        body = quick.plain_step(so) if self.fast else None
+        if body is STEADY_BODY:  # the steady decode step: the empty body
+            delta = mirror.lane_delta(STEADY_BODY, lane.steady())
+            self.quick_steps += 1
+            self.batches[delta.seq] = quick.batch
+            self.batches.pop(delta.seq - HISTORY, None)
+            return codec.encode(delta)
+        if body is None and self.fast:
+            body = quick.body(so)  # a same-batch step that is not plain
+        if body is not None:
+            return self._same_batch(mirror, lane, body)
+        frames = turnover_delta(self, so) if self.fast else None
+        return frames if frames is not None else self._general(mirror, lane, so)
+
+    def _start(self, so: Any) -> tuple[EngineMirror, SteadyLane]:
+        """The mirror (made by the first step, which tells the KV groups) and its lane."""
         if self.mirror is None:
             if self.kv_groups is None:
                 first = so.scheduled_new_reqs[0].block_ids if so.scheduled_new_reqs else (0,)
@@ -157,65 +177,40 @@ class SchedulerOutputEncoder:
             self.mirror = EngineMirror(self.epoch, kv_groups=self.kv_groups, verify=self.verify)
         if self.lane is None or self.lane.state is not self.mirror.state:
             self.lane = SteadyLane(self.mirror.state)
-        quick = self.quick
-        body = quick.plain_step(so) if self.fast else None
-        if body is STEADY_BODY:  # the steady decode step: the empty body
-            delta = self.mirror.lane_delta(STEADY_BODY, self.lane.steady())
-            self.quick_steps += 1
-            self.batches[delta.seq] = quick.batch
-            self.batches.pop(delta.seq - HISTORY, None)
-            return codec.encode(delta)
-        if body is not None:  # a plain step with appends: straight to the lane's append
-            return self._plain_appends(body)
-        body = quick.body(so) if self.fast else None
-        if body is not None:
-            digest = self.lane.step(body, quick.appends, rows=quick.rows,
-                                    own_appends=True, own_rows=True)
-            if digest is None:
-                self.lane.settle()
-                delta = self.mirror.apply_body(body)
-            else:
-                delta = self.mirror.lane_delta(body, digest)
-            self._quick_blocks()
-            self.quick_steps += 1
-            batch = self.quick.batch
-        else:
-            frames = turnover_delta(self, so) if self.fast else None
-            if frames is not None:
-                return frames
-            self.lane.settle()
-            self._file_blocks()
-            ext: dict[str, Any] = {"kv_groups": self.kv_groups} if self.mirror.seq == 0 else {}
-            request = self._request(so, ext)
-            delta = self.mirror.diff(request, self._hint) if self.items is None else \
-                self.items.diff(self.mirror, request, self._hint)
-            self.after_general(delta.seq, request.req_ids, request.num_computed_tokens.tolist(),
-                               list(so.num_scheduled_tokens.values()))
-            return codec.encode(delta)
-        self.batches[delta.seq] = batch
-        self.batches.pop(delta.seq - HISTORY, None)
-        return codec.encode(delta)
+        return self.mirror, self.lane
 
-    def _plain_appends(self, body: DeltaBody) -> list[Frame]:
-        """The frames of a plain step whose one change is one KV group's appends
-        (:meth:`QuickEncoder.plain_step` made ``body``; :meth:`SteadyLane.appended`
-        takes it, or the lane's general step, or the mirror's state)."""
-        assert self.mirror is not None and self.lane is not None  # noqa: S101 - encode
+    def _same_batch(self, mirror: EngineMirror, lane: SteadyLane, body: DeltaBody,
+                    ) -> list[Frame]:
+        """The frames of a same-batch step (:class:`QuickEncoder` made ``body``): a plain
+        step with one KV group's appends goes straight to :meth:`SteadyLane.appended`,
+        any other to the lane's step; a body the lane refuses to the mirror's state."""
         quick = self.quick
-        digest = self.lane.appended(quick.appends[0], None, body, own=True) \
-            if len(quick.appends) == 1 else None
+        digest = lane.appended(quick.appends[0], None, body, own=True) \
+            if quick.rows is NO_ROWS and len(quick.appends) == 1 else None
         if digest is None:
-            digest = self.lane.step(body, quick.appends, rows=NO_ROWS, own_appends=True,
-                                    own_rows=True)
+            digest = lane.step(body, quick.appends, rows=quick.rows, own_appends=True,
+                               own_rows=True)
         if digest is None:
-            self.lane.settle()
-            delta = self.mirror.apply_body(body)
+            lane.settle()
+            delta = mirror.apply_body(body)
         else:
-            delta = self.mirror.lane_delta(body, digest)
+            delta = mirror.lane_delta(body, digest)
         self._quick_blocks()
         self.quick_steps += 1
         self.batches[delta.seq] = quick.batch
         self.batches.pop(delta.seq - HISTORY, None)
+        return codec.encode(delta)
+
+    def _general(self, mirror: EngineMirror, lane: SteadyLane, so: Any) -> list[Frame]:
+        """The frames of a general step: the whole request diffed against the mirror."""
+        lane.settle()
+        self._file_blocks()
+        ext: dict[str, Any] = {"kv_groups": self.kv_groups} if mirror.seq == 0 else {}
+        request = self._request(so, ext)
+        delta = mirror.diff(request, self._hint) if self.items is None else \
+            self.items.diff(mirror, request, self._hint)
+        self.after_general(delta.seq, request.req_ids, request.num_computed_tokens.tolist(),
+                           list(so.num_scheduled_tokens.values()))
         return codec.encode(delta)
 
     def after_general(self, seq: int, batch: list[str], computed: list[int],
