@@ -14,29 +14,20 @@ import numpy as np
 import numpy.typing as npt
 
 from protocol import digest as dg
-from protocol.errors import InvalidDelta
-from protocol.messages import DeltaBody, Rows
+from protocol.messages import Rows
 from protocol.packing import unpack_uint_list
-from protocol.planned import _EMPTY, _NO_EDIT, BlockEdit, _row_sums
+from protocol.planned import _EMPTY, _NO_EDIT, BlockEdit, PlannerPart, _row_sums
 from protocol.request import IntArray, has_duplicates, member_mask
 
 if TYPE_CHECKING:
     from protocol.state import ReplicaState
 
 
-class BlockPlanner:
+class BlockPlanner(PlannerPart):
     """The block part of :class:`protocol.plan._Planner` (a mixin: it uses the planner's
     state, body, liveness, reset handles, digest and row decoding)."""
 
-    state: ReplicaState
-    body: DeltaBody
-    live: npt.NDArray[np.bool_]
-    reset: set[int]
-    digest: int
     appended: dict[int, tuple[IntArray, IntArray, IntArray]]
-
-    def fail(self, message: str, **fields: object) -> InvalidDelta:
-        raise NotImplementedError
 
     def check_live(self, handles: IntArray, what: str) -> None:
         raise NotImplementedError

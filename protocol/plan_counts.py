@@ -14,35 +14,25 @@ from operator import add, sub
 from typing import TYPE_CHECKING
 
 import numpy as np
-import numpy.typing as npt
 
 from protocol import digest as dg
-from protocol.errors import InvalidDelta
-from protocol.messages import DeltaBody, Rows
-from protocol.planned import Added, advance_delta
+from protocol.messages import Rows
+from protocol.planned import Added, PlannerPart, advance_delta
 from protocol.request import IntArray, member_mask
 
 if TYPE_CHECKING:
-    from protocol.state import ReplicaState
+    pass
 
 #: changed schedules up to this many rows take the Python-int paths of the counts
 FEW_ROWS = 64
 
 
-class CountPlanner:
+class CountPlanner(PlannerPart):
     """The count part of :class:`protocol.plan._Planner` (a mixin: it uses the planner's
     state, body, liveness, reset handles, digest and exception decoding)."""
 
-    state: ReplicaState
-    body: DeltaBody
-    live: npt.NDArray[np.bool_]
-    reset: set[int]
-    digest: int
     advance: int | None
     schedule_term: tuple[IntArray, IntArray, int] | None
-
-    def fail(self, message: str, **fields: object) -> InvalidDelta:
-        raise NotImplementedError
 
     def positions(self, rows: Rows | None, sched: IntArray, signed: bool) -> tuple[IntArray,
                                                                                   IntArray]:

@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from protocol import digest as dg
+from protocol.errors import InvalidDelta
 from protocol.messages import DeltaBody
 from protocol.request import IntArray, Ragged, RequestSpec
 
@@ -164,3 +165,18 @@ def steady_step(state: ReplicaState) -> StepInfo:
         step = StepInfo(spec_tokens=empty, encoder_inputs=empty)
         state._rebuild_cache["steady_step"] = step
     return cast(StepInfo, step)
+
+
+class PlannerPart:
+    """What a part of :class:`protocol.plan._Planner` (a mixin: :mod:`protocol.plan_blocks`,
+    :mod:`protocol.plan_counts`) uses of the planner: its state, body, liveness, reset
+    handles, running digest and typed failure."""
+
+    state: ReplicaState
+    body: DeltaBody
+    live: npt.NDArray[np.bool_]
+    reset: set[int]
+    digest: int
+
+    def fail(self, message: str, **fields: object) -> InvalidDelta:
+        raise NotImplementedError
