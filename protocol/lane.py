@@ -81,6 +81,10 @@ def lane_shaped(body: DeltaBody) -> bool:
             and not body.free_encoder_mm_hashes and not body.blocks_to_zero)
 
 
+#: one group's appends with their plan (handles, starts, row terms, their sum)
+_Planned = tuple[int, Appends, tuple[list[int], list[int], list[int], int]]
+
+
 class SteadyLane:
     """Steady steps of one :class:`ReplicaState` (see the module docstring)."""
 
@@ -205,23 +209,11 @@ class SteadyLane:
             return None
         else:
             counts = self._plan_counts(rows)
-        if counts is None:
+        planned = None if counts is None else self._plan_groups(appends, own_appends)
+        if counts is None or planned is None:
             return None
-        if appends and len(appends) != self.groups:
-            return None
-        planned = []
         digest = self.digest + self.advance + counts[0]
-        for g, added in enumerate(appends):
-            if not added[0]:
-                if added[1] or added[2]:
-                    return None  # ids without rows: the state refuses the shape
-                continue
-            plan = self._plan(g, added, own_appends)
-            if plan is None:
-                return None
-            digest += plan[-1]
-            planned.append((g, added, plan))
-        digest &= dg.MASK
+        digest = (digest + sum(plan[-1] for _, _, plan in planned)) & dg.MASK
         if expected_digest is not None and digest != expected_digest:
             raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
         for g, (pos, rows_n, values), (hs, starts, terms, _) in planned:
@@ -229,6 +221,23 @@ class SteadyLane:
         self._commit_counts(*counts[1:])
         self._taken(digest, body)
         return digest
+
+    def _plan_groups(self, appends: list[Appends], own: bool) -> list[_Planned] | None:
+        """(group, appends, :meth:`_plan`) of every group with appends; None when the lane
+        cannot take them (one entry per KV group, or none at all, is required)."""
+        if appends and len(appends) != self.groups:
+            return None
+        planned = []
+        for g, added in enumerate(appends):
+            if not added[0]:
+                if added[1] or added[2]:
+                    return None  # ids without rows: the state refuses the shape
+                continue
+            plan = self._plan(g, added, own)
+            if plan is None:
+                return None
+            planned.append((g, added, plan))
+        return planned
 
     def appended(self, rows: Appends, expected_digest: int | None = None,
                  body: DeltaBody = STEADY_BODY, own: bool = False) -> int | None:

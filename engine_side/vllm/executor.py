@@ -105,6 +105,24 @@ class DeltaExecutor(Executor):
         from vllm.utils.torch_utils import set_torch_threads_for_runtime
         from vllm.v1.executor.multiproc_executor import set_multiprocessing_worker_envs
 
+        extra: dict[str, Any] = self.vllm_config.additional_config \
+            if isinstance(self.vllm_config.additional_config, dict) else {}
+        self._init_state(extra)
+        self._init_channels(extra)
+        set_multiprocessing_worker_envs(self.world_size)
+        try:
+            self._start_ranks()
+            self._wait_ready()
+            self._attach_store()
+        except BaseException:
+            self.shutdown()
+            raise
+        set_torch_threads_for_runtime()
+        threading.Thread(target=self._monitor, daemon=True, name="DeltaMonitor").start()
+
+    def _init_state(self, extra: dict[str, Any]) -> None:
+        """Ranks, token-hash board, secret, store and encoder (``extra``: vLLM's
+        additional_config, the deltacast_* options)."""
         self.is_failed = False
         self.shutting_down = False
         self.failure_callback: FailureCallback | None = None
@@ -116,8 +134,6 @@ class DeltaExecutor(Executor):
         self.divergent: list[RankDiverged] = []
         self._divergence_callbacks: list[Callable[[RankDiverged], None]] = []
         self.secret = secrets.token_bytes(32)
-        extra: dict[str, Any] = self.vllm_config.additional_config \
-            if isinstance(self.vllm_config.additional_config, dict) else {}
         store_mb = extra.get("deltacast_mm_store_mb", 0)
         self.spin_s = float(extra.get("deltacast_spin_ms", self.spin_ms)) / 1e3
         self._replied = 0.0  # monotonic time of the last message from a rank
@@ -127,6 +143,12 @@ class DeltaExecutor(Executor):
         # per rank, replies in call order; None: its place, the reply comes on the ROUTER
         self._inbox: list[deque[list[bytes] | None]] = [deque() for _ in range(self.world_size)]
         self.procs: list[BaseProcess] = []
+        self._calls = 0
+
+    def _init_channels(self, extra: dict[str, Any]) -> None:
+        """The control socket (a ROUTER on a private directory), the reply ring and the
+        finalizer that closes them and reaps the ranks.  The zmq context is made here, in
+        the engine process, and never crosses a fork."""
         self._deaths: list[Connection] = []
         self._lock: Any = None
         self._dir = PrivateDir()
@@ -146,17 +168,6 @@ class DeltaExecutor(Executor):
         self._finalizer = weakref.finalize(self, DeltaExecutor._cleanup, self.procs,
                                            self._deaths, self._sock, self._ctx, self._dir,
                                            self.ring)
-        self._calls = 0
-        set_multiprocessing_worker_envs(self.world_size)
-        try:
-            self._start_ranks()
-            self._wait_ready()
-            self._attach_store()
-        except BaseException:
-            self.shutdown()
-            raise
-        set_torch_threads_for_runtime()
-        threading.Thread(target=self._monitor, daemon=True, name="DeltaMonitor").start()
 
     def _start_ranks(self) -> None:
         """Start every rank before waiting on any (device init is collective)."""
