@@ -32,9 +32,8 @@ class GrammarEncoder:
 
     def encode(self, grammar: Any, seq: int, batch: list[str],
                quick: QuickEncoder) -> list[Frame]:
-        """The frames of ``grammar`` (None: one empty frame) for step ``seq`` of ``batch``."""
-        if grammar is None:
-            return [b""]
+        """The frames of a GrammarOutput for step ``seq`` of ``batch`` (the encoder answers
+        a step without one, None, itself: one empty frame)."""
         ids = grammar.structured_output_request_ids
         names: tuple[str, ...] = ()
         positions = self._positions(ids, batch, quick)
