@@ -131,10 +131,15 @@ class EngineMirror:
     def lane_delta(self, body: DeltaBody, digest: int) -> Delta:
         """The Delta of a body a :class:`protocol.lane.SteadyLane` over :attr:`state`
         took (its digest); the mirror advances without touching the state."""
-        if body.block_append:
+        return Delta(self.epoch, self.lane_seq(bool(body.block_append)), digest, body)
+
+    def lane_seq(self, appended: bool) -> int:
+        """:meth:`lane_delta`'s seq, for a caller that writes the Delta's frame itself
+        (``appended``: the body appends blocks)."""
+        if appended:
             self._last_tables = ()  # the last request's tables are stale now
         self.seq += 1
-        return Delta(self.epoch, self.seq, digest, body)
+        return self.seq
 
     def _diff(self, request: ExecuteModelRequest, hint: BlockHint | None = None) -> Delta:
         ctx = DiffContext(self, request, hint)

@@ -152,22 +152,44 @@ attr(PyObject *obj, int a)
     return PyObject_GetAttr(obj, attrs[a]);
 }
 
-/* plain_check(so, batch, nsched, total, basis, plen_less_one, rare, plain, one_group)
- * -> (appends, structured, pending, computed) | None: engine_side.vllm.quick.
- * plain_check_py in one call -- the step is the forecast step (batch, scheduled counts
- * and their total, computed and output counts as forecast) but for one KV group's
- * block appends (one_group_appends' rows, None for none) and the structured-output
- * flags, and ``rare(so) == plain``.  ``computed`` is a fresh copy of the step's
- * computed counts.  None for any other step or input (Python's paths decide); an
- * object without these attributes raises AttributeError, as its reference does. */
+static PyObject *pack_appends(PyObject *self, PyObject *args);
+
+/* pack_appends of ``appends`` (positions, counts, ids) and ``handles``: a new reference
+ * (Py_None when not taken) or NULL. */
+static PyObject *
+packed_appends(PyObject *appends, PyObject *handles)
+{
+    if (appends == NULL || !PyTuple_CheckExact(appends) || PyTuple_GET_SIZE(appends) != 3) {
+        return Py_NewRef(Py_None);
+    }
+    PyObject *args = PyTuple_Pack(4, PyTuple_GET_ITEM(appends, 0), PyTuple_GET_ITEM(appends, 1),
+                                  PyTuple_GET_ITEM(appends, 2), handles);
+    if (args == NULL) {
+        return NULL;
+    }
+    PyObject *out = pack_appends(NULL, args);
+    Py_DECREF(args);
+    return out;
+}
+
+/* plain_check(so, batch, nsched, total, basis, plen_less_one, rare, plain, one_group,
+ * handles) -> (appends, packed, structured, pending, computed) | None: engine_side.vllm.
+ * quick.plain_check_py in one call -- the step is the forecast step (batch, scheduled
+ * counts and their total, computed and output counts as forecast) but for one KV
+ * group's block appends (one_group_appends' rows, None for none) and the
+ * structured-output flags, and ``rare(so) == plain``.  ``packed``: pack_appends of the
+ * appends and ``handles`` (None for none, or when it does not take them);
+ * ``computed`` a fresh copy of the step's computed counts.  None for any other step or
+ * input (Python's paths decide); an object without these attributes raises
+ * AttributeError, as its reference does. */
 static PyObject *
 plain_check(PyObject *self, PyObject *args)
 {
-    PyObject *so, *batch, *nsched, *total_obj, *basis, *plm1, *rare, *plain;
+    PyObject *so, *batch, *nsched, *total_obj, *basis, *plm1, *rare, *plain, *handles;
     long long total, got_total;
     int one_group;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOp", &so, &batch, &nsched, &total_obj, &basis, &plm1,
-                          &rare, &plain, &one_group) || intern_attrs() < 0) {
+    if (!PyArg_ParseTuple(args, "OOOOOOOOpO", &so, &batch, &nsched, &total_obj, &basis, &plm1,
+                          &rare, &plain, &one_group, &handles) || intern_attrs() < 0) {
         return NULL;
     }
     if (!PyList_CheckExact(batch) || as_i64(total_obj, &total) < 0) {
@@ -235,17 +257,21 @@ plain_check(PyObject *self, PyObject *args)
     if (!on_forecast(actual, outs, basis, nsched, plm1, n)) {
         goto done;
     }
-    PyObject *structured, *pending, *copy;
+    PyObject *structured, *pending, *copy, *packed;
     READ(structured, so, A_STRUCTURED);
     int s = PyObject_IsTrue(structured);
     Py_DECREF(structured);
     READ(pending, so, A_PENDING);
     int p = PyObject_IsTrue(pending);
     Py_DECREF(pending);
-    if (s < 0 || p < 0 || (copy = PyList_GetSlice(actual, 0, n)) == NULL) {
+    if (s < 0 || p < 0 || (packed = packed_appends(appends, handles)) == NULL) {
         goto error;
     }
-    result = Py_BuildValue("(ONNN)", appends ? appends : Py_None, PyBool_FromLong(s),
+    if ((copy = PyList_GetSlice(actual, 0, n)) == NULL) {
+        Py_DECREF(packed);
+        goto error;
+    }
+    result = Py_BuildValue("(ONNNN)", appends ? appends : Py_None, packed, PyBool_FromLong(s),
                            PyBool_FromLong(p), copy);
     goto finish;
 #undef FLAG
@@ -410,6 +436,176 @@ finish:
     return result;
 }
 
+/* The offset of a Delta frame's body map: past the array header byte and four msgpack
+ * ints (tag, epoch, seq, digest); len or more when the frame ends before it. */
+static Py_ssize_t
+body_offset(const unsigned char *b, Py_ssize_t len)
+{
+    Py_ssize_t at = 1;
+    for (int k = 0; k < 4 && at < len; k++) {
+        unsigned char h = b[at];
+        at += h == 0xCC || h == 0xD0 ? 2 : h == 0xCD || h == 0xD1 ? 3
+            : h == 0xCE || h == 0xD2 ? 5 : h == 0xCF || h == 0xD3 ? 9 : 1;
+    }
+    return at;
+}
+
+/* plain_frame(frame: bytes) -> bool: protocol.codec.may_be_plain -- the frame of a Delta
+ * whose body map is empty or opens with one of the plain fields' keys ("ba", "so",
+ * "ps"; keys come in field order and every other field but two precedes them).  False
+ * for anything else, a frame too short to tell included; never raises. */
+static PyObject *
+plain_frame(PyObject *self, PyObject *frame)
+{
+    if (!PyBytes_CheckExact(frame)) {
+        Py_RETURN_FALSE;
+    }
+    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(frame);
+    Py_ssize_t len = PyBytes_GET_SIZE(frame), at = body_offset(b, len);
+    if (at >= len) {
+        Py_RETURN_FALSE;
+    }
+    unsigned char h = b[at];
+    Py_ssize_t n = (h & 0xF0) == 0x80 ? h & 0x0F : -1;
+    if (h == 0xDE && at + 2 < len) { /* map16: msgspec's header for a DeltaBody */
+        n = (Py_ssize_t)b[at + 1] << 8 | b[at + 2];
+        at += 2;
+    }
+    if (n == 0) {
+        Py_RETURN_TRUE;
+    }
+    if (n < 0 || at + 3 >= len || b[at + 1] != 0xA2) {
+        Py_RETURN_FALSE;
+    }
+    const unsigned char *key = b + at + 2;
+    return PyBool_FromLong((key[0] == 'b' && key[1] == 'a') || (key[0] == 's' && key[1] == 'o')
+                           || (key[0] == 'p' && key[1] == 's'));
+}
+
+/* Writes the msgpack form of ``v`` as msgspec does (the shortest unsigned form); the
+ * bytes written. */
+static Py_ssize_t
+put_uint(unsigned char *o, unsigned long long v)
+{
+    int n = v < 0x80 ? 0 : v <= 0xFF ? 1 : v <= 0xFFFF ? 2 : v <= 0xFFFFFFFFULL ? 4 : 8;
+    if (n == 0) {
+        o[0] = (unsigned char)v;
+        return 1;
+    }
+    o[0] = n == 1 ? 0xCC : n == 2 ? 0xCD : n == 4 ? 0xCE : 0xCF;
+    for (int k = 0; k < n; k++) {
+        o[1 + k] = (unsigned char)(v >> (8 * (n - 1 - k)));
+    }
+    return 1 + n;
+}
+
+/* Writes the map entry ``key: bin`` of a non-empty bytes object; the bytes written. */
+static Py_ssize_t
+put_bin_entry(unsigned char *o, char key, PyObject *bin)
+{
+    Py_ssize_t n = PyBytes_GET_SIZE(bin), at = 2;
+    o[0] = 0xA1;
+    o[1] = (unsigned char)key;
+    if (n <= 0xFF) {
+        o[at++] = 0xC4;
+        o[at++] = (unsigned char)n;
+    } else if (n <= 0xFFFF) {
+        o[at++] = 0xC5;
+        o[at++] = (unsigned char)(n >> 8);
+        o[at++] = (unsigned char)n;
+    } else {
+        o[at++] = 0xC6;
+        for (int k = 3; k >= 0; k--) {
+            o[at++] = (unsigned char)(n >> (8 * k));
+        }
+    }
+    memcpy(o + at, PyBytes_AS_STRING(bin), (size_t)n);
+    return at + n;
+}
+
+/* plain_delta(epoch, seq, digest, handles, counts, values, structured, pending) -> bytes
+ * | None: protocol.codec.plain_delta_frame -- the frame codec.encode writes for
+ * Delta(epoch, seq, digest, DeltaBody(block_append=(Rows(handles, counts, values),),
+ * has_structured_output=structured, pending_structured_output=pending)), without
+ * making the objects.  None unless the three ints are in [0, 2**64), the Rows fields
+ * bytes objects under 4 GiB, and the flags bools. */
+static PyObject *
+plain_delta(PyObject *self, PyObject *args)
+{
+    unsigned long long head[3];
+    PyObject *ints[3], *rows[3], *s, *p;
+    if (!PyArg_ParseTuple(args, "OOOOOOOO", &ints[0], &ints[1], &ints[2], &rows[0], &rows[1],
+                          &rows[2], &s, &p) || !PyBool_Check(s) || !PyBool_Check(p)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    /* all but the Rows' bytes: at most array and tag 2, ints 27, map16 3, "ba" and its
+     * array 4, the Rows map 1, three keys and bin headers 21, two flags 8 */
+    Py_ssize_t size = 66, fields = 0;
+    for (int k = 0; k < 3; k++) {
+        if (!PyLong_CheckExact(ints[k]) || !PyBytes_CheckExact(rows[k])) {
+            Py_RETURN_NONE;
+        }
+        head[k] = PyLong_AsUnsignedLongLong(ints[k]); /* all ones: 2**64 - 1, or an error */
+        if (head[k] == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        if (PyBytes_GET_SIZE(rows[k]) >= 0xFFFFFFFFLL) {
+            Py_RETURN_NONE;
+        }
+        size += PyBytes_GET_SIZE(rows[k]);
+        fields += PyBytes_GET_SIZE(rows[k]) > 0;
+    }
+    unsigned char *o = PyMem_Malloc((size_t)size);
+    if (o == NULL) {
+        return PyErr_NoMemory();
+    }
+    int entries = 1 + (s == Py_True) + (p == Py_True);
+    Py_ssize_t at = 2, body;
+    o[0] = 0x95; /* [tag, epoch, seq, digest, body] */
+    o[1] = 0x04;
+    for (int k = 0; k < 3; k++) {
+        at += put_uint(o + at, head[k]);
+    }
+    body = at;
+    o[at++] = 0xDE; /* msgspec's map16 header, made a fixmap below when the frame is small */
+    o[at++] = 0;
+    o[at++] = (unsigned char)entries;
+    static const unsigned char ba[4] = {0xA2, 'b', 'a', 0x91}, so[4] = {0xA2, 's', 'o', 0xC3},
+                               ps[4] = {0xA2, 'p', 's', 0xC3}; /* keys; [1 Rows]; true */
+    memcpy(o + at, ba, 4);
+    at += 4;
+    o[at++] = (unsigned char)(0x80 | fields);
+    const char keys[3] = {'h', 'n', 'v'};
+    for (int k = 0; k < 3; k++) {
+        if (PyBytes_GET_SIZE(rows[k]) > 0) {
+            at += put_bin_entry(o + at, keys[k], rows[k]);
+        }
+    }
+    if (s == Py_True) {
+        memcpy(o + at, so, 4);
+        at += 4;
+    }
+    if (p == Py_True) {
+        memcpy(o + at, ps, 4);
+        at += 4;
+    }
+    PyObject *out;
+    if (at <= 1024) { /* codec.COMPACT_LIMIT: compact_delta_map's fixmap */
+        o[body + 2] = (unsigned char)(0x80 | entries);
+        out = PyBytes_FromStringAndSize(NULL, at - 2);
+        if (out != NULL) {
+            memcpy(PyBytes_AS_STRING(out), o, (size_t)body);
+            memcpy(PyBytes_AS_STRING(out) + body, o + body + 2, (size_t)(at - body - 2));
+        }
+    } else {
+        out = PyBytes_FromStringAndSize((const char *)o, at);
+    }
+    PyMem_Free(o);
+    return out;
+}
+
 /* compact_map(frame: bytes) -> bytes: protocol.codec.compact_delta_map (the frame itself
  * when it has nothing to compact, or is not the frame of a Delta it can read). */
 static PyObject *
@@ -419,15 +615,7 @@ compact_map(PyObject *self, PyObject *frame)
         return Py_NewRef(frame);
     }
     const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(frame);
-    Py_ssize_t len = PyBytes_GET_SIZE(frame), at = 1;
-    for (int k = 0; k < 4; k++) { /* tag, epoch, seq, digest: msgpack ints */
-        if (at >= len) {
-            return Py_NewRef(frame);
-        }
-        unsigned char h = b[at];
-        at += h == 0xCC || h == 0xD0 ? 2 : h == 0xCD || h == 0xD1 ? 3
-            : h == 0xCE || h == 0xD2 ? 5 : h == 0xCF || h == 0xD3 ? 9 : 1;
-    }
+    Py_ssize_t len = PyBytes_GET_SIZE(frame), at = body_offset(b, len);
     if (at + 2 >= len || b[at] != 0xDE || b[at + 1] != 0 || b[at + 2] > 15) {
         return Py_NewRef(frame);
     }
@@ -445,6 +633,10 @@ compact_map(PyObject *self, PyObject *frame)
 PyMethodDef step_methods[] = {
     {"pack_appends", pack_appends, METH_VARARGS,
      "One group's appends as packed Rows fields (None: not taken)."},
+    {"plain_delta", plain_delta, METH_VARARGS,
+     "The frame of a plain step's Delta, written without the objects (None: not taken)."},
+    {"plain_frame", plain_frame, METH_O,
+     "Whether a Delta frame's body may be a plain step's (its first key)."},
     {"compact_map", compact_map, METH_O,
      "A Delta frame with its body map's header in the shortest form."},
     {"append_rows", append_rows, METH_VARARGS,

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from protocol.errors import MalformedMessage, ProtocolError
-from protocol.messages import AnyMessage, Delta, Message
+from protocol.messages import AnyMessage, Delta, DeltaBody, Message, Rows
 from protocol.plan import STEADY_BODY
 from protocol.speedups import C as _C
 from protocol.tensors import make_enc_hook, make_ext_hook
@@ -55,6 +55,22 @@ def encode(msg: Message) -> list[Frame]:
         return [compact_delta_map(body), *tensors]
     body, tensors = _encode(msg)
     return [body, *tensors]
+
+
+def plain_delta_frame(epoch: int, seq: int, digest: int, rows: tuple[bytes, bytes, bytes],
+                      structured: bool = False, pending: bool = False) -> bytes:
+    """The frame -- the only one -- :func:`encode` writes for ``Delta(epoch, seq, digest,
+    DeltaBody(block_append=(Rows(*rows),), has_structured_output=structured,
+    pending_structured_output=pending))``: a plain step with one KV group's appends,
+    written by one C call without making the objects (made and encoded without the
+    speedups, or for values the C call does not take)."""
+    if _C is not None:
+        frame = _C.plain_delta(epoch, seq, digest, *rows, structured, pending)
+        if frame is not None:
+            return frame  # type: ignore[no-any-return]
+    body = DeltaBody(block_append=(Rows(handles=rows[0], counts=rows[1], values=rows[2]),),
+                     has_structured_output=structured, pending_structured_output=pending)
+    return bytes(encode(Delta(epoch, seq, digest, body))[0])
 
 
 def _encode(msg: Message) -> tuple[bytes, list[Frame]]:
@@ -140,6 +156,65 @@ def _decoder() -> msgspec.msgpack.Decoder[AnyMessage]:
         dec = msgspec.msgpack.Decoder(AnyMessage, ext_hook=_ext_hook)
         _local.decoder = dec
     return dec
+
+
+#: the DeltaBody fields of a plain step: block appends and the structured-output flags
+PLAIN_BODY_FIELDS = ("block_append", "has_structured_output", "pending_structured_output")
+#: frames longer than this are not tried as plain (a plain step's frame is a few dozen
+#: bytes; the try costs a failed decode on any other)
+PLAIN_FRAME_LIMIT = 256
+
+
+def _plain_view() -> Any:
+    """A Delta's wire shape whose body may carry :data:`PLAIN_BODY_FIELDS` alone: the
+    same field names and defaults as DeltaBody's, any other field refused."""
+    fields = [(f.name, f.type, msgspec.field(default=f.default, name=f.encode_name))
+              for f in msgspec.structs.fields(DeltaBody) if f.name in PLAIN_BODY_FIELDS]
+    body = msgspec.defstruct("PlainBody", fields, frozen=True, omit_defaults=True,
+                             forbid_unknown_fields=True, gc=False)
+    return msgspec.defstruct("PlainDelta", [("epoch", int), ("seq", int), ("digest", int),
+                                            ("body", body)],
+                             frozen=True, array_like=True, tag=Delta.__struct_config__.tag,
+                             gc=False)
+
+
+PlainDelta = _plain_view()
+_PLAIN_DECODER = msgspec.msgpack.Decoder(PlainDelta)
+
+
+def may_be_plain(frame: bytes) -> bool:
+    """Whether a Delta frame's body map is empty or opens with a plain field's key (keys
+    come in field order; all but two other fields precede the plain ones): the test
+    that spares :func:`decode_plain` a failed decode of most other bodies.  The
+    reference of the C ``plain_frame``."""
+    at = 1 + _INT_SIZE[frame[1]] if len(frame) > 1 else len(frame)
+    for _ in range(3):  # epoch, seq, digest
+        at += _INT_SIZE[frame[at]] if at < len(frame) else 1
+    if at >= len(frame):
+        return False
+    head, n = frame[at], -1
+    if head & 0xF0 == 0x80:
+        n = head & 0x0F
+    elif head == 0xDE and at + 2 < len(frame):
+        n, at = frame[at + 1] << 8 | frame[at + 2], at + 2
+    if n == 0:
+        return True
+    return n > 0 and at + 3 < len(frame) and frame[at + 1] == 0xA2 \
+        and frame[at + 2:at + 4] in (b"ba", b"so", b"ps")
+
+
+def decode_plain(frame: Any) -> Any:
+    """The frame (``bytes``) of a Delta whose body sets nothing but
+    :data:`PLAIN_BODY_FIELDS`, read as a :data:`PlainDelta` (its ``body`` has those
+    fields alone); None for any other frame, bad ones and other buffer types included
+    (:func:`decode` then decides, and raises for bad frames)."""
+    if type(frame) is not bytes or len(frame) > PLAIN_FRAME_LIMIT \
+            or not (_C.plain_frame(frame) if _C is not None else may_be_plain(frame)):
+        return None
+    try:
+        return _PLAIN_DECODER.decode(frame)
+    except _DECODE_ERRORS:
+        return None
 
 
 def decode(frames: Sequence[Any], *, copy: bool = False,

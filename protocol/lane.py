@@ -251,9 +251,22 @@ class SteadyLane:
             self._open()
         if self.groups != 1 or not rows[0]:
             return None
+        lengths = self._lengths or self.lengths
         done = None if _C is None else _C.lane_append(
-            *rows, self.handles, self.lengths[0], _SALT0, *dg.BLOCK_KEYS,
+            *rows, self.handles, lengths[0], _SALT0, *dg.BLOCK_KEYS,
             not own, self.digest + self.advance, expected_digest)  # plan, digest, lengths
+        if done is not None and type(done) is not int:  # taken: journaled inline (the
+            hs, starts, terms, digest = done  # common step of a large batch; see _taken)
+            self.journal[0].append((hs, starts, rows[1], rows[2], terms))
+            self.rows += len(hs)
+            self.segments[-1][1] += 1
+            if self.comp is not None:
+                self.comp = list(map(add, self.comp, self.nsched))
+            self.digest, self.last = digest, body
+            self.steps += 1
+            if self.rows > MAX_ROWS or len(self.segments) > MAX_SEGMENTS:
+                self.settle()
+            return digest
         if done is None:  # not taken: the same in Python
             plan = self._plan(0, rows, own)
             if plan is None:
@@ -263,12 +276,8 @@ class SteadyLane:
             if expected_digest is not None and digest != expected_digest:
                 raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
             self._commit(0, *rows, hs, starts, terms)
-        elif type(done) is int:  # the digest, which differs: nothing done
+        else:  # the digest, which differs: nothing done
             raise InvalidDelta("state digest mismatch", expected=expected_digest, got=done)
-        else:
-            hs, starts, terms, digest = done
-            self.journal[0].append((hs, starts, rows[1], rows[2], terms))
-            self.rows += len(hs)
         self._advanced()
         self._taken(digest, body)
         return digest

@@ -124,9 +124,12 @@ def encode_spec_for_hash(spec: RequestSpec) -> bytes:
     return msgspec.msgpack.encode(meta) + prompt + embeds
 
 
-
-
 STEADY_BODY = DeltaBody()  # the empty delta: a steady decode step
+#: the bodies of steps that set nothing but the structured-output flags, by (structured,
+#: pending): the steady body and three more (frozen, shared)
+FLAG_BODIES = {(False, False): STEADY_BODY,
+               **{(s, p): DeltaBody(has_structured_output=s, pending_structured_output=p)
+                  for s in (False, True) for p in (False, True) if s or p}}
 _NO_EDIT = BlockEdit(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY,
                      np.zeros(0, dtype=np.uint64))  # a KV group the delta leaves untouched
 

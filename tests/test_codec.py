@@ -264,6 +264,40 @@ def test_the_steady_delta_shortcut_writes_the_general_bytes(epoch: int, seq: int
     assert_same(msg, codec.decode(frames))
 
 
+_PLAIN_VALUES = {k: v for k, v in _DELTA_VALUES.items() if k in codec.PLAIN_BODY_FIELDS}
+plain_bodies = st.fixed_dictionaries({}, optional=_PLAIN_VALUES).map(lambda f: DeltaBody(**f))
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(st.builds(Delta, ints, ints, digest=u64, body=plain_bodies | delta_bodies),
+       st.booleans())
+def test_the_plain_view_reads_plain_deltas_and_nothing_else(msg: Delta, compact: bool) -> None:
+    """decode_plain reads the frame of a Delta that sets no body field but the plain
+    ones (under either map header) as decode does, and refuses every other frame:
+    the worker's plain step may only ever see a body that is plain."""
+    frames = codec.encode(msg)
+    frame = bytes(frames[0]) if compact or len(frames) > 1 else msgspec.msgpack.encode(msg)
+    view = codec.decode_plain(frame)
+    default = DeltaBody()
+    plain = all(getattr(msg.body, f) == getattr(default, f) for f in DeltaBody.__struct_fields__
+                if f not in codec.PLAIN_BODY_FIELDS)
+    if not plain or len(frames) != 1 or len(frame) > codec.PLAIN_FRAME_LIMIT:
+        assert view is None
+        return
+    assert view is not None
+    assert (view.epoch, view.seq, view.digest) == (msg.epoch, msg.seq, msg.digest)
+    for f in codec.PLAIN_BODY_FIELDS:
+        assert getattr(view.body, f) == getattr(msg.body, f)
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=64))
+def test_the_plain_view_of_random_bytes_is_none_or_a_plain_delta(frame: bytes) -> None:
+    view = codec.decode_plain(frame)
+    assert view is None or isinstance(view, codec.PlainDelta)
+    assert codec.decode_plain(memoryview(frame)) is None  # bytes only
+
+
 ZOO: dict[str, Any] = {
     "bf16": lambda: torch.tensor([1.5, -2.0, float("nan")], dtype=torch.bfloat16),
     "scalar_0d": lambda: torch.tensor(3.25),

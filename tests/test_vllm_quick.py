@@ -268,7 +268,7 @@ def _plain_checks(enc: SchedulerOutputEncoder, so: SchedulerOutput) -> tuple[Any
     q = enc.quick
     fc = q.forecast
     args = (so, q.batch, fc.nsched, fc.total, fc.basis(), fc.plen_less_one, quick._RARE,
-            quick._PLAIN, q.kv_groups == 1)
+            quick._PLAIN, q.kv_groups == 1, q.handles)
     assert C is not None
     return C.plain_check(*args), quick.plain_check_py(*args)
 
@@ -328,7 +328,7 @@ def test_append_rows_answer_as_the_python_lists(data: st.DataObject) -> None:
     assert C is not None
     got = C.append_rows(*rows, dec.at, n)
     body = DeltaBody(block_append=(Rows(handles=rows[0], counts=rows[1], values=rows[2]),))
-    blocks = dec.blocks(body)
+    blocks = dec.blocks(body.block_append)
     if blocks is None or sum(blocks[0][1]) != len(values):
         assert got is None
     else:
@@ -343,8 +343,9 @@ def test_plain_check_refuses_what_is_not_a_plain_step() -> None:
     enc = SchedulerOutputEncoder(secret=SECRET)
     enc.encode(_first())
     enc.encode(_step(1))
+    packed = (packing.pack_uints([enc.quick.handles[1]]), b"", packing.pack_uints([77]))
     assert _plain_checks(enc, _step(2, blocks=[None, ([77],), None]))[0] == (
-        ([1], [1], [77]), False, False, [PROMPT + 1] * 3)
+        ([1], [1], [77]), packed, False, False, [PROMPT + 1] * 3)
     for bad in (_step(2, blocks=(None, None, None)), _step(2, blocks=[None, ([],), None]),
                 _step(2, blocks=[None, ([1], [2]), None]), _step(2, blocks=[None, 5, None]),
                 _step(2, computed=[PROMPT + 1, True, PROMPT + 1]),

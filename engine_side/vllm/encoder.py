@@ -47,7 +47,7 @@ from engine_side.vllm.convert import (
 from engine_side.vllm.grammar import GrammarEncoder
 from engine_side.vllm.mm import StoreChannel
 from engine_side.vllm.params import SpecReader, new_request_spec
-from engine_side.vllm.quick import QuickEncoder
+from engine_side.vllm.quick import Packed, QuickEncoder
 from engine_side.vllm.replies import IndexCache, decode_reply
 from engine_side.vllm.schema import (
     StepExt,
@@ -60,7 +60,7 @@ from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import LocalProtocolError
 from protocol.lane import NO_ROWS, SteadyLane
-from protocol.messages import DeltaBody
+from protocol.messages import DeltaBody, Rows
 from protocol.packing import pack_sints, pack_uints
 from protocol.plan import STEADY_BODY
 from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
@@ -154,19 +154,43 @@ class SchedulerOutputEncoder:
         if mirror is None or lane is None or lane.state is not mirror.state:
             mirror, lane = self._start(so)
         quick = self.quick
-        body = quick.plain_step(so) if self.fast else None
-        if body is STEADY_BODY:  # the steady decode step: the empty body
-            delta = mirror.lane_delta(STEADY_BODY, lane.steady())
-            self.quick_steps += 1
-            self.batches[delta.seq] = quick.batch
-            self.batches.pop(delta.seq - HISTORY, None)
-            return codec.encode(delta)
-        if body is None and self.fast:
-            body = quick.body(so)  # a same-batch step that is not plain
-        if body is not None:
+        plain = quick.plain_step(so) if self.fast else None
+        if plain is not None:
+            flags, packed = plain
+            if flags is STEADY_BODY and packed is None:  # the steady decode step
+                delta = mirror.lane_delta(STEADY_BODY, lane.steady())
+                self.quick_steps += 1
+                self.batches[delta.seq] = quick.batch
+                self.batches.pop(delta.seq - HISTORY, None)
+                return codec.encode(delta)
+            if packed is not None:
+                return self._plain_appended(mirror, lane, flags, packed)
+        body = (flags if plain is not None else quick.body(so)) if self.fast else None
+        if body is not None:  # a same-batch step that is not plain, or only sets flags
             return self._same_batch(mirror, lane, body)
         frames = turnover_delta(self, so) if self.fast else None
         return frames if frames is not None else self._general(mirror, lane, so)
+
+    def _plain_appended(self, mirror: EngineMirror, lane: SteadyLane, flags: DeltaBody,
+                        packed: Packed) -> list[Frame]:
+        """The frame of a plain step with one KV group's appends (:attr:`quick` holds
+        them, ``packed`` their Rows fields; ``flags`` the step's flag body), written
+        without making its body when the lane takes it directly."""
+        quick = self.quick
+        digest = lane.appended(quick.appends[0], None, flags, own=True)
+        if digest is None:  # more KV groups, or rows the short path does not take
+            body = DeltaBody(block_append=(Rows(*packed),), has_structured_output=flags.
+                             has_structured_output, pending_structured_output=flags.
+                             pending_structured_output)
+            return self._same_batch(mirror, lane, body)
+        seq = mirror.lane_seq(True)
+        self._quick_blocks()
+        self.quick_steps += 1
+        self.batches[seq] = quick.batch
+        self.batches.pop(seq - HISTORY, None)
+        return [codec.plain_delta_frame(mirror.epoch, seq, digest, packed,
+                                        flags.has_structured_output,
+                                        flags.pending_structured_output)]
 
     def _start(self, so: Any) -> tuple[EngineMirror, SteadyLane]:
         """The mirror (made by the first step, which tells the KV groups) and its lane."""

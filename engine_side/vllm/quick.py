@@ -34,6 +34,7 @@ from protocol.lane import NO_ROWS, Appends, LaneRows
 from protocol.messages import DeltaBody, Rows
 from protocol.packing import pack_row_counts, pack_sints, pack_uints, pack_uints_plus_one
 from protocol.plan import STEADY_BODY
+from protocol.planned import FLAG_BODIES
 from protocol.speedups import C as _C
 
 SMALL = 32  # batches up to this size predict with Python lists, larger ones with numpy
@@ -210,28 +211,34 @@ class QuickEncoder:
                                                                        out_delta=counts[1]))}
         return DeltaBody(**fields) if fields else STEADY_BODY
 
-    def plain_step(self, so: Any) -> DeltaBody | None:
-        """The body of ``so`` when it is exactly the forecast step but for one KV group's
-        block appends and the structured-output flags -- :data:`STEADY_BODY` when it has
-        none -- found by one C call (:func:`plain_check_py` without the speedups; the
-        forecast then advances, :attr:`appends` and :attr:`rows` are set as :meth:`body`
-        sets them); None, nothing changed, for any other step (:meth:`body` decides)."""
+    def plain_step(self, so: Any) -> tuple[DeltaBody, Packed | None] | None:
+        """(the step's structured-output flags as their body -- :data:`FLAG_BODIES` --, the
+        packed Rows fields of its block appends or None for none) when ``so`` is exactly
+        the forecast step but for one KV group's block appends and those flags, found by
+        one C call (:func:`plain_check_py` without the speedups; the forecast then
+        advances, :attr:`appends` and :attr:`rows` are set as :meth:`body` sets them);
+        None, nothing changed, for any other step (:meth:`body` decides).  The step's
+        body is the flags' with ``block_append=(Rows(*packed),)``."""
         if not self.ready:
             return None
         fc = self.forecast
         got = (_C.plain_check if _C is not None else plain_check_py)(
-            so, self.batch, fc.nsched, fc.total, fc.basis(), fc.plen_less_one, _RARE, _PLAIN,
-            self.kv_groups == 1)
+            so, self.batch, fc.nsched, fc.total, fc.comp_rows[fc.next - 1] if fc.next
+            else fc._base, fc.plen_less_one, _RARE, _PLAIN, self.kv_groups == 1,
+            self.handles)  # (the basis: Forecast.basis inline)
         if got is None:
             return None
-        appends, structured, pending, actual = got
-        fc.rebase(actual, fc.nsched, True)
+        appends, packed, structured, pending, actual = got
+        if appends is not None and packed is None:
+            grown, lens, flat = appends
+            packed = packed_appends(grown, lens, flat, self.handles)
+            if packed is None:
+                return None  # ids that do not pack: the general path refuses them
+        fc._base, fc.comp_rows, fc.out_rows, fc.next = actual, [], [], 0  # rebase, same nsched
+        fc._last, fc._decoding = None, False
         self.rows = NO_ROWS
-        if appends is None:
-            self.appends = []
-            return _FLAG_BODIES[structured, pending]
-        return DeltaBody(block_append=self._one_group_rows(*appends),
-                         has_structured_output=structured, pending_structured_output=pending)
+        self.appends = [] if appends is None else [appends]
+        return FLAG_BODIES[structured, pending], packed
 
     def _nsched(self, counts: Any) -> tuple[list[int] | None, bool]:
         """(this step's scheduled counts, whether they are the forecast's); None when the
@@ -412,14 +419,17 @@ def _one_block_group(grown: list[int], new_blocks: list[Any],
 
 def plain_check_py(so: Any, batch: list[str], nsched: list[int], total: int,
                    basis: list[int], plen_less_one: list[int], rare: Any, plain: tuple[Any, ...],
-                   one_group: bool) -> tuple[Appends | None, bool, bool, list[int]] | None:
-    """(appends, structured, pending, a copy of the computed counts) when ``so`` is the
-    forecast step -- ``batch`` in order with ``nsched`` tokens each (``total`` in all),
-    computed counts ``basis + nsched``, output counts as :meth:`Forecast.outputs`
+                   one_group: bool, handles: list[int],
+                   ) -> tuple[Appends | None, Packed | None, bool, bool, list[int]] | None:
+    """(appends, packed, structured, pending, a copy of the computed counts) when ``so``
+    is the forecast step -- ``batch`` in order with ``nsched`` tokens each (``total`` in
+    all), computed counts ``basis + nsched``, output counts as :meth:`Forecast.outputs`
     predicts -- but for one KV group's block appends (positions, counts, flat ids; None
     for none; any appends need ``one_group``) and the structured-output flags, and
-    ``rare(so) == plain``; None for any other step.  The reference of the C
-    ``plain_check``, which may refuse more (None) but never answers otherwise."""
+    ``rare(so) == plain``; None for any other step.  ``packed``: the appends' Rows
+    fields, the rows named by their ``handles`` (:func:`packed_appends`; None for no
+    appends).  The reference of the C ``plain_check``, which may refuse more (None)
+    but never answers otherwise."""
     cached = so.scheduled_cached_reqs
     new_blocks = cached.new_block_ids
     if (type(new_blocks) is not list or len(new_blocks) != len(batch)
@@ -443,14 +453,25 @@ def plain_check_py(so: Any, batch: list[str], nsched: list[int], total: int,
             or actual != list(map(add, basis, nsched))
             or outs != [max(c - p, 0) for c, p in zip(actual, plen_less_one, strict=True)]):
         return None
-    return (appends, bool(so.has_structured_output_requests),
-            bool(so.pending_structured_output_tokens), list(actual))
+    return (appends, None if appends is None else packed_appends(*appends, handles),
+            bool(so.has_structured_output_requests), bool(so.pending_structured_output_tokens),
+            list(actual))
 
 
-#: the bodies of plain steps without appends, by (structured, pending) flags (frozen)
-_FLAG_BODIES = {(False, False): STEADY_BODY,
-                **{(s, p): DeltaBody(has_structured_output=s, pending_structured_output=p)
-                   for s in (False, True) for p in (False, True) if s or p}}
+#: one group's appends as Rows fields: (packed handles, packed counts, packed ids)
+Packed = tuple[bytes, bytes, bytes]
+
+
+def packed_appends(grown: list[int], lens: list[int], flat: list[int], handles: list[int],
+                   ) -> Packed | None:
+    """The Rows fields of one group's appends (rows ``grown`` named by ``handles``; b""
+    for counts that are all one); None when the lists do not pack.  The reference of
+    the C ``pack_appends``."""
+    try:
+        return (pack_uints(list(map(handles.__getitem__, grown))), pack_row_counts(lens),
+                pack_uints(flat))
+    except (ValueError, OverflowError, TypeError, IndexError):
+        return None
 
 
 #: A plain step's rare fields and their values in a plain step, in the order

@@ -44,9 +44,10 @@ from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import InvalidDelta, MalformedMessage
 from protocol.lane import NO_ROWS, SteadyLane
-from protocol.messages import TOKEN_MODE_WORKER, Delta, DeltaBody
+from protocol.messages import TOKEN_MODE_WORKER, Delta, DeltaBody, Rows
 from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
 from protocol.plan import STEADY_BODY
+from protocol.planned import FLAG_BODIES
 from protocol.request import ExecuteModelRequest, IntArray, Ragged
 from protocol.state import ReplicaState
 from protocol.tensors import make_enc_hook
@@ -125,14 +126,23 @@ class SchedulerOutputDecoder:
 
     # ------------------------------------------------------------ execute_model
     def decode(self, frames: list[Any]) -> Any:
+        quick = self.quick
+        if quick.ready and self.fast and len(frames) == 1:  # a plain step, read as one
+            view = codec.decode_plain(frames[0])
+            if view is not None and view.seq == self.seq + 1:
+                body = view.body
+                so = self._plain_step(view.seq, view.digest, body.block_append, FLAG_BODIES[
+                    body.has_structured_output, body.pending_structured_output], quick)
+                if so is not None:
+                    return so
         msg = codec.decode(frames, copy=True)
         if not isinstance(msg, Delta):
             raise MalformedMessage("expected a Delta", got=type(msg).__name__)
         if msg.seq != self.seq + 1:
             raise InvalidDelta("step out of order", expected=self.seq + 1, got=msg.seq)
-        body, quick = msg.body, self.quick
-        if quick.ready and self.fast:
-            so = self._plain_step(msg, body, quick)
+        body = msg.body
+        if quick.ready and self.fast and (body == STEADY_BODY or plain(body)):
+            so = self._plain_step(msg.seq, msg.digest, body.block_append, body, quick)
             if so is not None:
                 return so
         raw = body.extension.get("v")
@@ -183,30 +193,32 @@ class SchedulerOutputDecoder:
         self.quick.reset(batch, self.lane.handles, computed, nsched,
                          list(map(self.mem.plen.__getitem__, batch)), self.state.kv_groups)
 
-    def _plain_step(self, msg: Delta, body: DeltaBody, quick: QuickDecoder) -> Any:
-        """The SchedulerOutput of the forecast step (the empty body) or of one that only
-        appends blocks and sets the structured-output flags, answered without the
-        extension, the count rows or the general checks (the lane still checks the appends
-        and the digest); None, nothing changed, for any other body."""
+    def _plain_step(self, seq: int, digest: int, appends: tuple[Rows, ...], body: DeltaBody,
+                    quick: QuickDecoder) -> Any:
+        """The SchedulerOutput of step ``seq`` when it is the forecast step but for the block
+        appends ``appends`` (the step's block_append) and the structured-output flags of
+        ``body`` (a :func:`plain` body), answered without the extension, the count rows or
+        the general checks (the lane still checks the appends and the digest); None,
+        nothing changed, when the lane does not take the appends."""
         new_blocks = None
-        if body == STEADY_BODY:
-            self.lane.steady(msg.digest)
+        if not appends:
+            self.lane.steady(digest, body)
             blocks = None
         else:
-            got = quick.plain_blocks(body) if plain(body) else None
+            got = quick.plain_blocks(appends)
             if got is None:
                 return None
             blocks, new_blocks = got
             lane = self.lane
-            if (len(blocks) != 1 or lane.appended(blocks[0], msg.digest, body) is None) \
-                    and lane.step(body, blocks, msg.digest, NO_ROWS) is None:
+            if (len(blocks) != 1 or lane.appended(blocks[0], digest, body) is None) \
+                    and lane.step(body, blocks, digest, NO_ROWS) is None:
                 return None
-            self._lengths_stale |= bool(blocks)
-        self.seq = msg.seq
-        self.batches.pop(msg.seq - HISTORY, None)
-        self.batches[msg.seq] = quick.batch
+            self._lengths_stale = True
+        self.seq = seq
+        self.batches.pop(seq - HISTORY, None)
+        self.batches[seq] = quick.batch
         self.quick_steps += 1
-        return quick.steady_output(blocks or None, body, new_blocks)
+        return quick.steady_output(blocks, body, new_blocks)
 
     def _refresh_lengths(self) -> None:
         """The last batch's table lengths after same-batch steps appended blocks (read

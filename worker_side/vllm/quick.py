@@ -19,7 +19,7 @@ from engine_side.vllm.convert import split_rows
 from engine_side.vllm.quick import Forecast
 from engine_side.vllm.schema import StepExt
 from protocol.lane import Appends, LaneRows, lane_rows, lane_shaped
-from protocol.messages import DeltaBody
+from protocol.messages import DeltaBody, Rows
 from protocol.packing import unpack_sint_list, unpack_uint_list
 from protocol.plan import STEADY_BODY
 from protocol.speedups import C as _C
@@ -84,6 +84,7 @@ class QuickDecoder:
         self.forecast = Forecast([])
         self.kv_groups = 1
         self.ready = False
+        self.types = vllm_types()
 
     def reset(self, batch: list[str], handles: list[int], computed: list[int],
               nsched: dict[str, int], plen: list[int], kv_groups: int) -> None:
@@ -104,14 +105,15 @@ class QuickDecoder:
         field that does not unpack included: the state raises it, typed)."""
         if not plain_body(body, ext):
             return None
-        blocks = self.blocks(body)
+        blocks = self.blocks(body.block_append)
         rows = None if blocks is None else lane_rows(body, len(self.batch))
         return None if blocks is None or rows is None else (blocks, rows)
 
-    def blocks(self, body: DeltaBody) -> list[tuple[list[int], list[int], list[int]]] | None:
-        """Per group (positions, counts, flat ids) of the appends; None if one is unscheduled."""
+    def blocks(self, appends: tuple[Rows, ...]) -> list[Appends] | None:
+        """Per group (positions, counts, flat ids) of a body's block_append ``appends``; None
+        if one is unscheduled."""
         out = []
-        for rows in body.block_append:
+        for rows in appends:
             hs = _ints(rows.handles)
             counts = _ints(rows.counts) if rows.counts else [1] * len(hs)  # absent: one each
             pos = list(map(self.at.get, hs, repeat(-1, len(hs))))
@@ -120,16 +122,17 @@ class QuickDecoder:
             out.append((pos, counts, _ints(rows.values)))
         return out
 
-    def plain_blocks(self, body: DeltaBody) -> tuple[list[Appends], list[Any] | None] | None:
+    def plain_blocks(self, appends: tuple[Rows, ...],
+                     ) -> tuple[list[Appends], list[Any] | None] | None:
         """(:meth:`blocks`, the step's ``new_block_ids`` when already made -- one C call for
-        one group's appends -- else None) of a :func:`plain` body; None as :meth:`blocks`."""
-        appends = body.block_append
+        one group's appends -- else None) of a :func:`plain` body's block_append; None as
+        :meth:`blocks`."""
         if _C is not None and self.kv_groups == 1 and len(appends) == 1:
             rows = appends[0]
             got = _C.append_rows(rows.handles, rows.counts, rows.values, self.at, len(self.batch))
             if got is not None:
                 return [got[:3]], got[3]
-        blocks = self.blocks(body)
+        blocks = self.blocks(appends)
         return None if blocks is None else (blocks, None)
 
     def scheduler_output(self, body: DeltaBody, ext: StepExt,
@@ -149,8 +152,10 @@ class QuickDecoder:
         :func:`plain` ``body`` whose appends are ``blocks`` (:meth:`blocks`; None: none) and
         ``new_blocks`` the step's new_block_ids when :meth:`plain_blocks` made them."""
         fc = self.forecast
-        computed, outputs = fc.take()  # _counts of no exceptions
-        fc.advanced()
+        if fc.next >= len(fc.comp_rows):  # Forecast.take and advanced, inline
+            fc.take()
+        computed, outputs = fc.comp_rows[fc.next], fc.out_rows[fc.next]
+        fc.next += 1
         if new_blocks is None:
             new_blocks = [None] * len(self.batch) if blocks is None else self._new_blocks(blocks)
         # the forecast predicts from its computed rows (copied: vLLM owns what it gets);
@@ -161,7 +166,7 @@ class QuickDecoder:
                   total: int, drafts: dict[str, list[int]], body: DeltaBody) -> Any:
         """The step's objects, all fresh, from this step's lists (one C call with the
         speedups, the lines below without)."""
-        CachedRequestData, SchedulerOutput, _ = vllm_types()  # noqa: N806 - classes
+        CachedRequestData, SchedulerOutput, _ = self.types  # noqa: N806 - classes
         if _C is not None:
             so = _C.step_output(CachedRequestData, SchedulerOutput, self.batch, self.nsched_map,
                                 new_blocks, computed, outputs, total, drafts,
