@@ -542,7 +542,7 @@ fail:
 
 /* add_at(target: list, positions: list, counts: list) -> True | None: target[p] += c
  * for each aligned pair, all or nothing; None (target untouched) unless every
- * position is in range, every count in [0, 2**31) and every target value at most
+ * position is in range, every count in [-2**31, 2**31) and every target value at most
  * 2**62 in size (so no sum overflows, positions repeated or not). */
 static PyObject *
 add_at(PyObject *self, PyObject *args)
@@ -561,7 +561,7 @@ add_at(PyObject *self, PyObject *args)
     for (Py_ssize_t i = 0; i < n; i++) { /* check everything before changing anything */
         long long p, c, v;
         if (as_i64(PyList_GET_ITEM(positions, i), &p) < 0 || p < 0 || p >= size
-                || as_i64(PyList_GET_ITEM(counts, i), &c) < 0 || c < 0 || c > INT32_MAX
+                || as_i64(PyList_GET_ITEM(counts, i), &c) < 0 || c < INT32_MIN || c > INT32_MAX
                 || as_i64(PyList_GET_ITEM(target, p), &v) < 0 || v > big || v < -big) {
             Py_RETURN_NONE;
         }

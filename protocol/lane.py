@@ -107,7 +107,7 @@ class SteadyLane:
         self.nsched: list[int] = []  # the scheduled counts now (replaced, never edited)
         #: the advances so far: [scheduled counts, steps advanced by them]
         self.segments: list[list[Any]] = []
-        self.extra: dict[int, int] = {}  # position -> computed-count exceptions summed
+        self.extra: list[int] = []  # by position: computed-count exceptions summed
         #: the computed counts now, made when an exception first needs them and then kept
         #: up to date (a lane without exceptions never pays for them)
         self.comp: list[int] | None = None
@@ -169,7 +169,7 @@ class SteadyLane:
     def _restart(self) -> None:
         """Counts journal empty: advances start from the state's scheduled counts."""
         self.nsched = self.state.nsched.tolist()
-        self.segments, self.extra, self.comp = [[self.nsched, 0]], {}, None
+        self.segments, self.extra, self.comp = [[self.nsched, 0]], [0] * len(self.nsched), None
 
     def step(self, body: DeltaBody, appends: list[Appends],
              expected_digest: int | None = None, rows: LaneRows | None = None,
@@ -391,29 +391,23 @@ class SteadyLane:
             for ns, k in self.segments:
                 if k:
                     comp = [c + k * x for c, x in zip(comp, ns, strict=True)]
-            for p, d in self.extra.items():
-                comp[p] += d
-            self.comp = comp
+            self.comp = list(map(add, comp, self.extra))
         return self.comp
 
     def _commit_counts(self, at: list[int], moves: list[int], nsched: list[int] | None,
                        advance: int) -> None:
         self._advanced()  # this step advanced by the counts before its exceptions
-        comp = self.comp
-        for p, d in zip(at, moves, strict=True):
-            self.extra[p] = self.extra.get(p, 0) + d
-            if comp is not None:
-                comp[p] += d
+        if at:
+            add_at(self.extra, at, moves)
+            if self.comp is not None:
+                add_at(self.comp, at, moves)
         if nsched is not None:
             self.nsched, self.advance = nsched, advance
             self.segments.append([nsched, 0])
 
     def _commit(self, g: int, pos: list[int], counts: list[int], values: list[int],
                 hs: list[int], starts: list[int], terms: list[int]) -> None:
-        lengths = self.lengths[g]
-        if _C is None or _C.add_at(lengths, pos, counts) is None:  # None: nothing done
-            for p, c in zip(pos, counts, strict=True):
-                lengths[p] += c
+        add_at(self.lengths[g], pos, counts)
         self.journal[g].append((hs, starts, counts, values, terms))
         self.rows += len(hs)
 
@@ -438,6 +432,13 @@ def _dot(values: list[int], keys: list[int], at: list[int] | None = None) -> int
         if total is not None:
             return total
     return sum(map(mul, values, keys if at is None else map(keys.__getitem__, at)))
+
+
+def add_at(target: list[int], at: list[int], values: list[int]) -> None:
+    """``target[at[j]] += values[j]`` for each j (one C call when it takes them)."""
+    if _C is None or _C.add_at(target, at, values) is None:  # None: nothing done
+        for p, d in zip(at, values, strict=True):
+            target[p] += d
 
 
 def _rows_fit(pos: list[int], counts: list[int], ids: int, n: int) -> bool:

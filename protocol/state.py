@@ -159,7 +159,7 @@ class ReplicaState:
         """The digest change of one steady advance of the current schedule (cached)."""
         return self._steady()[2]  # type: ignore[no-any-return]
 
-    def absorb_lane(self, segments: list[list[Any]], extra: dict[int, int],
+    def absorb_lane(self, segments: list[list[Any]], extra: list[int],
                     journal: list[list[tuple[list[int], list[int], list[int], list[int],
                                              list[int]]]],
                     lengths: list[list[int]], last: DeltaBody, digest: int,
@@ -176,9 +176,8 @@ class ReplicaState:
         for nsched, steps in segments:  # int64 arithmetic wraps like repeated adds
             if steps:
                 computed[sched] += steps * np.array(nsched, dtype=np.int64)
-        if extra:
-            computed[sched[list(extra)]] += np.fromiter(extra.values(), dtype=np.int64,
-                                                        count=len(extra))
+        if any(extra):
+            computed[sched] += np.array(extra, dtype=np.int64)
         final = segments[-1][0]
         if final != self.nsched.tolist():
             nsched = np.array(final, dtype=np.int64)

@@ -515,9 +515,10 @@ def test_add_at_adds_in_place_all_or_nothing(target: list[int], data: st.DataObj
     assert C is not None
     k = data.draw(st.integers(0, 10))
     pos = data.draw(st.lists(st.integers(-2, len(target) + 1), min_size=k, max_size=k))
-    counts = data.draw(st.lists(st.integers(-1, 1 << 31), min_size=k, max_size=k))
+    counts = data.draw(st.lists(st.integers(-(1 << 31) - 1, 1 << 31), min_size=k, max_size=k))
     expected = list(target)
-    taken = all(0 <= p < len(target) for p in pos) and all(0 <= c < 1 << 31 for c in counts)
+    taken = all(0 <= p < len(target) for p in pos) \
+        and all(-(1 << 31) <= c < 1 << 31 for c in counts)
     if taken:
         for p, c in zip(pos, counts, strict=True):
             expected[p] += c

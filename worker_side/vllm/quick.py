@@ -18,7 +18,7 @@ from typing import Any
 from engine_side.vllm.convert import split_rows
 from engine_side.vllm.quick import Forecast
 from engine_side.vllm.schema import StepExt
-from protocol.lane import Appends, LaneRows, lane_rows, lane_shaped
+from protocol.lane import Appends, LaneRows, add_at, lane_rows, lane_shaped
 from protocol.messages import DeltaBody, Rows
 from protocol.packing import unpack_sint_list, unpack_uint_list
 from protocol.plan import STEADY_BODY
@@ -213,8 +213,7 @@ class QuickDecoder:
             computed, outputs = list(comp), list(outs)
         else:  # departures: the advance from the basis, corrected (no forecast row made)
             computed = list(map(add, fc.basis(), fc.nsched))
-            for i, d in zip(*rows, strict=True):  # (signed: add_at takes counts >= 0)
-                computed[i] += d
+            add_at(computed, *rows)
             outputs = fc.outputs(computed)
         if rows is None and nsched is self.nsched:
             fc.advanced()
@@ -222,8 +221,7 @@ class QuickDecoder:
             self.nsched = nsched
             fc.restart(list(computed), nsched)
         if ext.out_pos:
-            for i, d in zip(_ints(ext.out_pos), unpack_sint_list(ext.out_delta), strict=True):
-                outputs[i] += d
+            add_at(outputs, _ints(ext.out_pos), unpack_sint_list(ext.out_delta))
         return computed, outputs
 
     def _new_blocks(self, blocks: list[tuple[list[int], list[int], list[int]]],
