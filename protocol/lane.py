@@ -251,22 +251,12 @@ class SteadyLane:
             self._open()
         if self.groups != 1 or not rows[0]:
             return None
-        lengths = self._lengths or self.lengths
+        lengths = self.lengths
         done = None if _C is None else _C.lane_append(
             *rows, self.handles, lengths[0], _SALT0, *dg.BLOCK_KEYS,
             not own, self.digest + self.advance, expected_digest)  # plan, digest, lengths
-        if done is not None and type(done) is not int:  # taken: journaled inline (the
-            hs, starts, terms, digest = done  # common step of a large batch; see _taken)
-            self.journal[0].append((hs, starts, rows[1], rows[2], terms))
-            self.rows += len(hs)
-            self.segments[-1][1] += 1
-            if self.comp is not None:
-                self.comp = list(map(add, self.comp, self.nsched))
-            self.digest, self.last = digest, body
-            self.steps += 1
-            if self.rows > MAX_ROWS or len(self.segments) > MAX_SEGMENTS:
-                self.settle()
-            return digest
+        if type(done) is int:  # the digest, which differs: nothing done
+            raise InvalidDelta("state digest mismatch", expected=expected_digest, got=done)
         if done is None:  # not taken: the same in Python
             plan = self._plan(0, rows, own)
             if plan is None:
@@ -275,9 +265,11 @@ class SteadyLane:
             digest = (self.digest + self.advance + total) & dg.MASK
             if expected_digest is not None and digest != expected_digest:
                 raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
-            self._commit(0, *rows, hs, starts, terms)
-        else:  # the digest, which differs: nothing done
-            raise InvalidDelta("state digest mismatch", expected=expected_digest, got=done)
+            add_at(lengths[0], rows[0], rows[1])
+        else:
+            hs, starts, terms, digest = done
+        self.journal[0].append((hs, starts, rows[1], rows[2], terms))
+        self.rows += len(hs)
         self._advanced()
         self._taken(digest, body)
         return digest

@@ -177,20 +177,18 @@ class SchedulerOutputEncoder:
         them, ``packed`` their Rows fields; ``flags`` the step's flag body), written
         without making its body when the lane takes it directly."""
         quick = self.quick
+        structured, pending = flags.has_structured_output, flags.pending_structured_output
         digest = lane.appended(quick.appends[0], None, flags, own=True)
-        if digest is None:  # more KV groups, or rows the short path does not take
-            body = DeltaBody(block_append=(Rows(*packed),), has_structured_output=flags.
-                             has_structured_output, pending_structured_output=flags.
-                             pending_structured_output)
-            return self._same_batch(mirror, lane, body)
+        if digest is None:  # rows the short path does not take: the lane's step decides
+            return self._same_batch(mirror, lane, DeltaBody(
+                block_append=(Rows(*packed),), has_structured_output=structured,
+                pending_structured_output=pending))
         seq = mirror.lane_seq(True)
         self._quick_blocks()
         self.quick_steps += 1
         self.batches[seq] = quick.batch
         self.batches.pop(seq - HISTORY, None)
-        return [codec.plain_delta_frame(mirror.epoch, seq, digest, packed,
-                                        flags.has_structured_output,
-                                        flags.pending_structured_output)]
+        return [codec.plain_delta_frame(mirror.epoch, seq, digest, packed, structured, pending)]
 
     def _start(self, so: Any) -> tuple[EngineMirror, SteadyLane]:
         """The mirror (made by the first step, which tells the KV groups) and its lane."""

@@ -131,8 +131,8 @@ class SchedulerOutputDecoder:
             view = codec.decode_plain(frames[0])
             if view is not None and view.seq == self.seq + 1:
                 body = view.body
-                so = self._plain_step(view.seq, view.digest, body.block_append, FLAG_BODIES[
-                    body.has_structured_output, body.pending_structured_output], quick)
+                flags = FLAG_BODIES[body.has_structured_output, body.pending_structured_output]
+                so = self._plain_step(view.seq, view.digest, body.block_append, flags, quick)
                 if so is not None:
                     return so
         msg = codec.decode(frames, copy=True)
