@@ -8,6 +8,7 @@ second.  Parts that need vLLM are skipped cleanly when it is not installed.
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +156,25 @@ def test_diagnose_explains_a_recording(recording: Path) -> None:
     steps, over = got["steady_by_new_blocks"][0]
     assert steps > 20 and over == 0  # header-only steady steps are within 32 B
     assert got["bitmask"] == {} and got["drafts"] == {}
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_step_kinds_sort_every_step_of_a_recording(recording: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Every execute_model step lands in one kind; the synthetic decode stream is one
+    general step (the first), then same-batch steps: header-only ones, and appends
+    wherever a request crosses a block."""
+    from engine_side.bench.vllm_step_kinds import KINDS, main, step_kinds
+
+    got = step_kinds(recording, passes=2)
+    assert set(got) <= set(KINDS)
+    assert sum(k["steps"] for k in got.values()) == 40
+    assert got["general"]["steps"] == 1 and got["steady"]["steps"] > 20
+    assert "appends" in got and "turnover" not in got
+    assert all(k[f] > 0 for k in got.values() for f in ("encode_us", "decode_us", "pickle_us"))
+    assert main([str(recording), "--passes", "1", "--json"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["recording"] == str(recording) and set(line["kinds"]) == set(got)
+    with pytest.raises(SystemExit):
+        main([str(recording.with_suffix(".missing"))])
