@@ -101,13 +101,21 @@ def compact_delta_map(frame: bytes) -> bytes:
         return frame
     if _C is not None:
         return _C.compact_map(frame)  # type: ignore[no-any-return]
-    at = 1 + _INT_SIZE[frame[1]]  # fixarray header, then tag, epoch, seq, digest
-    at += _INT_SIZE[frame[at]]
-    at += _INT_SIZE[frame[at]]
-    at += _INT_SIZE[frame[at]]
-    if frame[at] != 0xDE or frame[at + 1] or frame[at + 2] > 15:
+    at = _body_offset(frame)
+    if at + 2 >= len(frame) or frame[at] != 0xDE or frame[at + 1] or frame[at + 2] > 15:
         return frame
     return frame[:at] + _FIXMAP[frame[at + 2]] + frame[at + 3:]
+
+
+def _body_offset(frame: bytes) -> int:
+    """Where a Delta frame's body map starts: past the fixarray header and four msgpack
+    ints (tag, epoch, seq, digest); ``len(frame)`` or more when the frame ends first."""
+    at = 1
+    for _ in range(4):
+        if at >= len(frame):
+            break
+        at += _INT_SIZE[frame[at]]
+    return at
 
 
 _FIXMAP = [bytes((0x80 | n,)) for n in range(16)]
@@ -187,9 +195,7 @@ def may_be_plain(frame: bytes) -> bool:
     come in field order; all but two other fields precede the plain ones): the test
     that spares :func:`decode_plain` a failed decode of most other bodies.  The
     reference of the C ``plain_frame``."""
-    at = 1 + _INT_SIZE[frame[1]] if len(frame) > 1 else len(frame)
-    for _ in range(3):  # epoch, seq, digest
-        at += _INT_SIZE[frame[at]] if at < len(frame) else 1
+    at = _body_offset(frame)
     if at >= len(frame):
         return False
     head, n = frame[at], -1

@@ -157,16 +157,17 @@ class SchedulerOutputEncoder:
         plain = quick.plain_step(so) if self.fast else None
         if plain is not None:
             flags, packed = plain
-            if flags is STEADY_BODY and packed is None:  # the steady decode step
-                delta = mirror.lane_delta(STEADY_BODY, lane.steady())
-                self.quick_steps += 1
-                self.batches[delta.seq] = quick.batch
-                self.batches.pop(delta.seq - HISTORY, None)
-                return codec.encode(delta)
             if packed is not None:
                 return self._plain_appended(mirror, lane, flags, packed)
-        body = (flags if plain is not None else quick.body(so)) if self.fast else None
-        if body is not None:  # a same-batch step that is not plain, or only sets flags
+            if flags is not STEADY_BODY:  # nothing but structured-output flags
+                return self._same_batch(mirror, lane, flags)
+            delta = mirror.lane_delta(STEADY_BODY, lane.steady())  # the steady decode step
+            self.quick_steps += 1
+            self.batches[delta.seq] = quick.batch
+            self.batches.pop(delta.seq - HISTORY, None)
+            return codec.encode(delta)
+        body = quick.body(so) if self.fast else None  # a same-batch step that is not plain
+        if body is not None:
             return self._same_batch(mirror, lane, body)
         frames = turnover_delta(self, so) if self.fast else None
         return frames if frames is not None else self._general(mirror, lane, so)

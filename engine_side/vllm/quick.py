@@ -367,18 +367,17 @@ class QuickEncoder:
                      for g in range(groups))
 
     def _one_group_rows(self, grown: list[int], lens: list[int], flat: list[int],
-                        ) -> tuple[Rows, ...]:
+                        ) -> tuple[Rows, ...] | None:
         """The block_append of one KV group's appends (() for none), kept as
-        :attr:`appends`."""
+        :attr:`appends`; None when the ids do not pack (the general path refuses them)."""
         if not grown:
             self.appends = []
             return ()
         self.appends = [(grown, lens, flat)]
         packed = _C.pack_appends(grown, lens, flat, self.handles) if _C is not None else None
-        if packed is not None:
-            return (Rows(handles=packed[0], counts=packed[1], values=packed[2]),)
-        return (Rows(handles=pack_uints(list(map(self.handles.__getitem__, grown))),
-                     counts=pack_row_counts(lens), values=pack_uints(flat)),)
+        if packed is None:
+            packed = packed_appends(grown, lens, flat, self.handles)
+        return None if packed is None else (Rows(*packed),)
 
     def _spec(self, drafts: dict[str, list[int]],
               ) -> tuple[Rows, tuple[list[int], list[int]]] | Literal[True] | None:
