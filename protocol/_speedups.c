@@ -43,7 +43,7 @@ bit_length(uint64_t v)
 }
 
 /* The packed bytes of n values: width byte, LEB128 count, bit-packed payload. */
-static PyObject *
+PyObject *
 pack_values(const uint64_t *values, Py_ssize_t n)
 {
     uint64_t top = 0;
@@ -255,14 +255,14 @@ raw_list(PyObject *self, PyObject *args)
 
 /* raw_list_minus_one(buf, limit=2**26) -> list | None: raw_list, each value minus one
  * (None too when a value is 2**63 or more). */
-static PyObject *
+PyObject *
 raw_list_minus_one(PyObject *self, PyObject *args)
 {
     return unpacked(args, 2);
 }
 
 /* raw_signed_list(buf, limit=2**26) -> list | None: raw_list, zig-zag decoded. */
-static PyObject *
+PyObject *
 raw_signed_list(PyObject *self, PyObject *args)
 {
     return unpacked(args, 1);
@@ -429,63 +429,6 @@ unit_terms(PyObject *self, PyObject *args)
         PyList_SET_ITEM(out, i, term);
     }
     return out;
-}
-
-/* Positions i where have[i] != predict(i, b[i], c[i]) over three equally long lists of
- * int64-range ints; None when the lists are not such lists. */
-static PyObject *
-departures(PyObject *args, int clamp)
-{
-    PyObject *have, *b, *c;
-    if (!PyArg_ParseTuple(args, "OOO", &have, &b, &c)) {
-        return NULL;
-    }
-    if (!PyList_CheckExact(have) || !PyList_CheckExact(b) || !PyList_CheckExact(c)) {
-        Py_RETURN_NONE;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(have);
-    if (PyList_GET_SIZE(b) != n || PyList_GET_SIZE(c) != n) {
-        Py_RETURN_NONE;
-    }
-    PyObject *out = PyList_New(0);
-    if (out == NULL) {
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long long x, y, z;
-        if (as_i64(PyList_GET_ITEM(have, i), &x) < 0 || as_i64(PyList_GET_ITEM(b, i), &y) < 0
-                || as_i64(PyList_GET_ITEM(c, i), &z) < 0) {
-            Py_DECREF(out);
-            Py_RETURN_NONE;
-        }
-        if (departs(x, y, z, clamp)) {
-            PyObject *at = PyLong_FromSsize_t(i);
-            if (at == NULL || PyList_Append(out, at) < 0) {
-                Py_XDECREF(at);
-                Py_DECREF(out);
-                return NULL;
-            }
-            Py_DECREF(at);
-        }
-    }
-    return out;
-}
-
-/* advance_departures(computed, base, nsched) -> list | None: the positions where
- * computed[i] != base[i] + nsched[i] (engine_side.vllm.quick.changed of the advanced
- * row, which is never built). */
-static PyObject *
-advance_departures(PyObject *self, PyObject *args)
-{
-    return departures(args, 0);
-}
-
-/* output_departures(outputs, computed, plen_less_one) -> list | None: the positions
- * where outputs[i] != max(computed[i] - plen_less_one[i], 0). */
-static PyObject *
-output_departures(PyObject *self, PyObject *args)
-{
-    return departures(args, 1);
 }
 
 /* one_group_appends(new_block_ids: list) -> (positions, counts, flat ids) | None: a
@@ -780,15 +723,9 @@ dict_match(PyObject *d, PyObject *keys, PyObject *values)
  * lengths in [0, 2**62]; with ``check`` also positions distinct and scheduled and
  * counts >= 1 summing to the ids (without it those are trusted, but never read past a
  * list). */
-typedef struct {
-    PyObject *pos, *counts, *ids, *handles, *lengths;
-    unsigned long long salt, k_block, k_pos, k_handle;
-    int check;
-} PlanArgs;
-
 /* plan_rows' answer (hs, starts, terms, total) as a fresh tuple, the total also in
  * *total; Py_None (a new reference) when not taken, NULL with an exception set. */
-static PyObject *
+PyObject *
 plan_lists(const PlanArgs *a, uint64_t *total)
 {
     PyObject *pos = a->pos, *counts = a->counts, *ids = a->ids;
@@ -873,6 +810,26 @@ plan_rows(PyObject *self, PyObject *args)
     return plan_lists(&a, &total);
 }
 
+/* lengths[positions[i]] += counts[i] for the rows plan_lists took; 0, or -1 with an
+ * exception set (some lengths then grown). */
+int
+grow_lengths(const PlanArgs *a)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(a->pos); i++) { /* checked by plan_lists:
+                                                                   in range, no overflow */
+        long long p = 0, c = 0, v = 0;
+        as_i64(PyList_GET_ITEM(a->pos, i), &p);
+        as_i64(PyList_GET_ITEM(a->counts, i), &c);
+        as_i64(PyList_GET_ITEM(a->lengths, p), &v); /* read again: a trusted repeat adds twice */
+        PyObject *sum = PyLong_FromLongLong(v + c);
+        if (sum == NULL) {
+            return -1;
+        }
+        PyList_SetItem(a->lengths, p, sum); /* steals sum, releases the old item */
+    }
+    return 0;
+}
+
 /* lane_append(positions, counts, ids, handles, lengths, salt, k_block, k_pos, k_handle,
  * check, base, expected) -> (row handles, row starts, row terms, digest) | int | None:
  * plan_rows, then the step's digest (base + the terms' sum) mod 2**64 and, when it is
@@ -907,19 +864,10 @@ lane_append(PyObject *self, PyObject *args)
         Py_XDECREF(digest);
         return NULL;
     }
-    Py_ssize_t rows = PyList_GET_SIZE(a.pos);
-    for (Py_ssize_t i = 0; i < rows; i++) { /* checked by plan_lists: in range, no overflow */
-        long long p = 0, c = 0, v = 0;
-        as_i64(PyList_GET_ITEM(a.pos, i), &p);
-        as_i64(PyList_GET_ITEM(a.counts, i), &c);
-        as_i64(PyList_GET_ITEM(a.lengths, p), &v); /* read again: a trusted repeat adds twice */
-        PyObject *sum = PyLong_FromLongLong(v + c);
-        if (sum == NULL) {
-            Py_DECREF(plan);
-            Py_DECREF(digest);
-            return NULL;
-        }
-        PyList_SetItem(a.lengths, p, sum); /* steals sum, releases the old item */
+    if (grow_lengths(&a) < 0) {
+        Py_DECREF(plan);
+        Py_DECREF(digest);
+        return NULL;
     }
     if (PyTuple_SetItem(plan, 3, digest) < 0) { /* fresh and ours alone: the total gives way */
         Py_DECREF(plan); /* (SetItem released the digest) */
@@ -1405,10 +1353,6 @@ static PyMethodDef methods[] = {
      "A step's draft tokens as lengths by batch position and one flat list (None: not taken)."},
     {"split_rows", split_rows, METH_VARARGS,
      "Consecutive rows of a flat list keyed by their non-empty lengths (None: not taken)."},
-    {"advance_departures", advance_departures, METH_VARARGS,
-     "Positions where computed != base + nsched (None: not taken)."},
-    {"output_departures", output_departures, METH_VARARGS,
-     "Positions where outputs != max(computed - plen_less_one, 0) (None: not taken)."},
     {"one_group_appends", one_group_appends, METH_O,
      "A one-group step's new blocks as (positions, counts, flat ids) (None: not taken)."},
     {"add_at", add_at, METH_VARARGS, "target[p] += c for aligned pairs, all or nothing."},
@@ -1447,7 +1391,8 @@ PyInit__speedups(void)
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddFunctions(m, step_methods) < 0
                       || PyModule_AddFunctions(m, output_methods) < 0
-                      || PyModule_AddFunctions(m, lane_methods) < 0)) {
+                      || PyModule_AddFunctions(m, lane_methods) < 0
+                      || PyModule_AddFunctions(m, counts_methods) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

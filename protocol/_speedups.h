@@ -68,16 +68,35 @@ departs(long long x, long long y, long long z, int clamp)
 }
 
 /* _speedups.c's dict_matches as an int (-2: not taken, -1: an exception is set), its
- * one_group_appends, raw_list and pack_list, for the fused same-step functions of _speedups_step.c. */
+ * one_group_appends, the raw_list family, pack_list and pack_values, for the
+ * fused same-step functions of _speedups_step.c and _speedups_counts.c. */
 int dict_match(PyObject *d, PyObject *keys, PyObject *values);
 PyObject *one_group_appends(PyObject *self, PyObject *arg);
 PyObject *raw_list(PyObject *self, PyObject *args);
+PyObject *raw_signed_list(PyObject *self, PyObject *args);
+PyObject *raw_list_minus_one(PyObject *self, PyObject *args);
 PyObject *pack_list(PyObject *self, PyObject *arg);
+PyObject *pack_values(const uint64_t *values, Py_ssize_t n);
 
-/* The functions of _speedups_step.c, _speedups_output.c and _speedups_lane.c, added to
- * the module at import. */
+/* The arguments of _speedups.c's plan_rows: one KV group's appends and the lane's
+ * lists (see plan_rows). */
+typedef struct {
+    PyObject *pos, *counts, *ids, *handles, *lengths;
+    unsigned long long salt, k_block, k_pos, k_handle;
+    int check;
+} PlanArgs;
+
+/* plan_rows' plan of ``a`` (its total in *total; Py_None when not taken, NULL with an
+ * exception set), and lane_append's commit of a plan taken (0, or -1 with an exception
+ * set), for the steady lane's fused step in _speedups_lane.c. */
+PyObject *plan_lists(const PlanArgs *a, uint64_t *total);
+int grow_lengths(const PlanArgs *a);
+
+/* The functions of _speedups_step.c, _speedups_output.c, _speedups_lane.c and
+ * _speedups_counts.c, added to the module at import. */
 extern PyMethodDef step_methods[];
 extern PyMethodDef output_methods[];
 extern PyMethodDef lane_methods[];
+extern PyMethodDef counts_methods[];
 
 #endif

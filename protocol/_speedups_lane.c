@@ -1,6 +1,8 @@
 /* Optional C version of the steady lane's count plan (protocol.lane.SteadyLane.
  * _plan_counts): the digest change of a step's computed-count corrections and changed
- * scheduled counts, the new scheduled counts and the next advance term, in one call.
+ * scheduled counts, the new scheduled counts and the next advance term, in one call;
+ * and of the lane's whole step of such rows with one KV group's appends
+ * (SteadyLane._counted: both plans, the digest check and the commit).
  *
  * Contract: as protocol/_speedups.c -- the same answer as the Python lines for every
  * input it accepts, None for every input it does not (the Python path then decides,
@@ -130,8 +132,205 @@ plan_counts(PyObject *self, PyObject *args)
                          (unsigned long long)next);
 }
 
+/* 1 when the exact ints of ``pos`` are distinct positions in [0, n); 0 otherwise (-1
+ * with an exception set).  ``seen``: n zeroed bytes, left dirty. */
+static int
+distinct(PyObject *pos, Py_ssize_t n, unsigned char *seen)
+{
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(pos); j++) {
+        long long p;
+        if (as_i64(PyList_GET_ITEM(pos, j), &p) < 0 || p < 0 || p >= n || seen[p]++) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Whether the count rows (at, moves) and (pos, values) are lists with distinct
+ * positions in [0, n) (SteadyLane's LaneRows.fits of the count rows): 1, 0, or -1 with
+ * an exception set. */
+static int
+rows_fit(PyObject *at, PyObject *moves, PyObject *pos, PyObject *values, Py_ssize_t n)
+{
+    if (PyList_GET_SIZE(at) != PyList_GET_SIZE(moves)
+            || PyList_GET_SIZE(pos) != PyList_GET_SIZE(values)) {
+        return 0;
+    }
+    unsigned char *seen = PyMem_Calloc((size_t)(n ? 2 * n : 1), 1);
+    if (seen == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int fit = distinct(at, n, seen) && distinct(pos, n, seen + n);
+    PyMem_Free(seen);
+    return fit;
+}
+
+/* ``comp`` advanced by ``ns`` with moves[j] added at at[j]: a new list (NULL with an
+ * exception set); the values were checked by computed_term. */
+static PyObject *
+advanced(PyObject *comp, PyObject *ns, PyObject *at, PyObject *moves)
+{
+    Py_ssize_t n = PyList_GET_SIZE(comp);
+    long long stack[256], *v = n <= 256 ? stack : PyMem_Malloc(sizeof(long long) * (size_t)n);
+    if (v == NULL) {
+        return PyErr_NoMemory();
+    }
+    PyObject *out = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long c, s;
+        if (as_i64(PyList_GET_ITEM(comp, i), &c) < 0 || as_i64(PyList_GET_ITEM(ns, i), &s) < 0
+                || __builtin_add_overflow(c, s, &v[i])) {
+            goto done; /* out stays NULL: the caller refuses before any change */
+        }
+    }
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(at); j++) {
+        long long p = 0, d = 0;
+        as_i64(PyList_GET_ITEM(at, j), &p);
+        as_i64(PyList_GET_ITEM(moves, j), &d);
+        v[p] += d; /* |each| <= 2**62 after computed_term's checks */
+    }
+    if ((out = PyList_New(n)) == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyLong_FromLongLong(v[i]);
+        if (item == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+done:
+    if (v != stack) {
+        PyMem_Free(v);
+    }
+    return out;
+}
+
+/* extra[at[j]] += moves[j] (positions checked by computed_term); 0, or -1 with an
+ * exception set. */
+static int
+add_moves(PyObject *extra, PyObject *at, PyObject *moves)
+{
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(at); j++) {
+        long long p = 0, d = 0, e;
+        as_i64(PyList_GET_ITEM(at, j), &p);
+        as_i64(PyList_GET_ITEM(moves, j), &d);
+        if (p >= PyList_GET_SIZE(extra)) {
+            continue; /* not reached: the caller checked the lengths */
+        }
+        PyObject *sum = as_i64(PyList_GET_ITEM(extra, p), &e) == 0
+            && !__builtin_add_overflow(e, d, &e) ? PyLong_FromLongLong(e)
+            : PyNumber_Add(PyList_GET_ITEM(extra, p), PyList_GET_ITEM(moves, j));
+        if (sum == NULL) {
+            return -1;
+        }
+        PyList_SetItem(extra, p, sum); /* steals sum */
+    }
+    return 0;
+}
+
+/* lane_counts(comp, ns, keys, at, moves, pos, values, skeys, advance, extra, appends,
+ * handles, lengths, salt, k_block, k_pos, k_handle, check, base, expected) -> (digest,
+ * nsched | None, advance, plan | None, comp | None) | int | None: the steady lane's
+ * step of a body with count rows and at most one KV group's appends
+ * (protocol.lane.SteadyLane.step) in one call -- plan_counts of the count rows, plan_rows
+ * of ``appends`` ((positions, counts, ids), None for none), the digest base + advance +
+ * both changes mod 2**64 and, when it is ``expected`` (None: anything), the commit:
+ * lengths grown by the appends, extra[at[j]] += moves[j], and a new ``comp`` (None: the
+ * lane keeps none) advanced by ``ns`` and moved.  ``check``: the rows' positions are
+ * also checked distinct (LaneRows.fits of the count rows) and the appends' as plan_rows
+ * checks them.  An int: the digest, which differs from ``expected``; None: not taken;
+ * both change nothing (the Python path decides). */
+static PyObject *
+lane_counts(PyObject *self, PyObject *args)
+{
+    PyObject *comp, *ns, *keys, *at, *moves, *pos, *values, *skeys, *extra, *appends, *expected;
+    PyObject *nsched = NULL, *plan = NULL, *digest = NULL, *made = NULL;
+    unsigned long long advance, base;
+    PlanArgs a;
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!KO!OOOKKKKpKO", &comp, &PyList_Type, &ns,
+                          &PyList_Type, &keys, &PyList_Type, &at, &PyList_Type, &moves,
+                          &PyList_Type, &pos, &PyList_Type, &values, &PyList_Type, &skeys,
+                          &advance, &PyList_Type, &extra, &appends, &a.handles, &a.lengths,
+                          &a.salt, &a.k_block, &a.k_pos, &a.k_handle, &a.check, &base,
+                          &expected)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(ns);
+    int fit = a.check ? rows_fit(at, moves, pos, values, n) : 1;
+    if (fit < 0) {
+        return NULL;
+    }
+    int has_comp = PyList_CheckExact(comp);
+    if (!fit || PyList_GET_SIZE(extra) != n || (has_comp && PyList_GET_SIZE(comp) != n)
+            || (!has_comp && (comp != Py_None || PyList_GET_SIZE(at) != 0))) {
+        Py_RETURN_NONE;
+    }
+    uint64_t change = 0, next = advance, total = 0;
+    if (computed_term(has_comp ? comp : ns, ns, keys, at, moves, &change) < 0) {
+        Py_RETURN_NONE; /* (no rows without a comp: ns stands in, unread) */
+    }
+    int got = scheduled_terms(ns, keys, skeys, pos, values, &change, &next, &nsched);
+    if (got < 0) {
+        return got == -2 ? NULL : Py_NewRef(Py_None);
+    }
+    if (appends != Py_None) {
+        if (!PyTuple_CheckExact(appends) || PyTuple_GET_SIZE(appends) != 3) {
+            Py_XDECREF(nsched);
+            Py_RETURN_NONE;
+        }
+        a.pos = PyTuple_GET_ITEM(appends, 0);
+        a.counts = PyTuple_GET_ITEM(appends, 1);
+        a.ids = PyTuple_GET_ITEM(appends, 2);
+        if ((plan = plan_lists(&a, &total)) == NULL || plan == Py_None) {
+            Py_XDECREF(nsched);
+            return plan;
+        }
+    }
+    uint64_t sum = (uint64_t)base + (uint64_t)advance + change + total;
+    if ((digest = PyLong_FromUnsignedLongLong((unsigned long long)sum)) == NULL) {
+        goto fail;
+    }
+    int same = expected == Py_None ? 1 : PyObject_RichCompareBool(digest, expected, Py_EQ);
+    if (same < 0) {
+        goto fail;
+    }
+    if (!same) {
+        Py_XDECREF(nsched);
+        Py_XDECREF(plan);
+        return digest;
+    }
+    if (has_comp && (made = advanced(comp, ns, at, moves)) == NULL) {
+        if (PyErr_Occurred()) {
+            goto fail;
+        }
+        Py_XDECREF(nsched);
+        Py_XDECREF(plan);
+        Py_DECREF(digest);
+        Py_RETURN_NONE;
+    }
+    if ((plan != NULL && grow_lengths(&a) < 0) || add_moves(extra, at, moves) < 0) {
+        goto fail; /* memory only, after the checks */
+    }
+    return Py_BuildValue("(NNKNN)", digest, nsched ? nsched : Py_NewRef(Py_None),
+                         (unsigned long long)next, plan ? plan : Py_NewRef(Py_None),
+                         made ? made : Py_NewRef(Py_None));
+fail:
+    Py_XDECREF(nsched);
+    Py_XDECREF(plan);
+    Py_XDECREF(digest);
+    Py_XDECREF(made);
+    return NULL;
+}
+
 PyMethodDef lane_methods[] = {
     {"plan_counts", plan_counts, METH_VARARGS,
      "The steady lane's count plan: change, new scheduled counts, advance (None: not taken)."},
+    {"lane_counts", lane_counts, METH_VARARGS,
+     "The steady lane's step of count rows and one group's appends, planned and committed "
+     "(None: not taken)."},
     {NULL, NULL, 0, NULL},
 };

@@ -203,6 +203,10 @@ class SteadyLane:
             digest = self.appended(appends[0], expected_digest, body, own_appends)
             if digest is not None:
                 return digest
+        if rows is not NO_ROWS and rows is not None and len(appends) <= self.groups == 1:
+            digest = self._counted(body, rows, appends, expected_digest, own_rows, own_appends)
+            if digest is not None:
+                return digest
         if rows is NO_ROWS:  # nothing to check or plan for the counts
             counts: _Counts | None = (0, _NONE, _NONE, None, self.advance)
         elif rows is None or (not own_rows and not rows.fits(n)):
@@ -219,6 +223,43 @@ class SteadyLane:
         for g, (pos, rows_n, values), (hs, starts, terms, _) in planned:
             self._commit(g, pos, rows_n, values, hs, starts, terms)
         self._commit_counts(*counts[1:])
+        self._taken(digest, body)
+        return digest
+
+    def _counted(self, body: DeltaBody, rows: LaneRows, appends: list[Appends],
+                 expected_digest: int | None, own_rows: bool, own_appends: bool) -> int | None:
+        """:meth:`step` of count rows and at most one KV group's appends in one C call
+        (``lane_counts``: both plans, the digest and the commit); None, nothing done,
+        without the speedups or when C does not take them (the lines of :meth:`step`
+        decide, refusals included)."""
+        drafts = rows.drafts
+        if _C is None or (not own_rows and drafts is not None and (
+                len(drafts[0]) != len(self.handles) or sum(drafts[0]) != len(drafts[1]))):
+            return None
+        at, moves = rows.computed or (_NONE, _NONE)
+        pos, values = rows.scheduled or (_NONE, _NONE)
+        added = appends[0] if appends and appends[0][0] else None
+        if appends and added is None and (appends[0][1] or appends[0][2]):
+            return None  # ids without rows: the state refuses the shape
+        done = _C.lane_counts(
+            self._computed() if moves else self.comp, self.nsched,
+            self._keys() if moves or pos else _NONE, at, moves, pos, values,
+            self._schedule_keys() if pos else _NONE, self.advance, self.extra, added,
+            self.handles, self.lengths[0] if added else _NONE, _SALT0, *dg.BLOCK_KEYS,
+            not own_rows or not own_appends, self.digest, expected_digest)
+        if type(done) is int:  # the digest, which differs: nothing done
+            raise InvalidDelta("state digest mismatch", expected=expected_digest, got=done)
+        if done is None:
+            return None
+        digest, nsched, advance, plan, comp = done
+        if plan is not None and added is not None:  # (a plan is made of appends only)
+            self.journal[0].append((plan[0], plan[1], added[1], added[2], plan[2]))
+            self.rows += len(plan[0])
+        self.segments[-1][1] += 1
+        self.comp = comp
+        if nsched is not None:
+            self.nsched, self.advance = nsched, advance
+            self.segments.append([nsched, 0])
         self._taken(digest, body)
         return digest
 
@@ -476,6 +517,9 @@ def lane_rows(body: DeltaBody, n: int) -> LaneRows | None:
     computed, scheduled, spec = body.computed_tokens, body.scheduled_tokens, body.spec_tokens
     if computed is None and scheduled is None and spec is None:
         return NO_ROWS
+    got = None if _C is None else _C.lane_rows(computed, scheduled, spec, n)  # one C call
+    if got is not None:
+        return LaneRows(*got)
     try:
         drafts = None
         if spec is not None:

@@ -8,12 +8,14 @@ replies' token lists (:mod:`engine_side.vllm.convert`); ``protocol/_speedups_ste
 in the same module, the same-batch step's fused checks and rows
 (:mod:`engine_side.vllm.quick`, :mod:`worker_side.vllm.quick`),
 ``protocol/_speedups_output.c`` the worker's same-batch SchedulerOutput
-(``QuickDecoder._assemble``), and ``protocol/_speedups_lane.c`` the steady lane's
-count plan (:mod:`protocol.lane`).  Each returns exactly
+(``QuickDecoder._assemble``), ``protocol/_speedups_lane.c`` the steady lane's count
+plan and its fused count step (:mod:`protocol.lane`), and ``protocol/_speedups_counts.c``
+a same-batch step's count rows on both ends and a lane body's rows unpacked in one
+call.  Each returns exactly
 what its Python reference returns, or None for an input it does not take (the
-Python path then decides, errors included); ``tests/test_speedups.py`` and
-``tests/test_vllm_quick.py`` hold the two together.  The bytes on the wire never
-depend on which one ran.
+Python path then decides, errors included); ``tests/test_speedups.py``,
+``tests/test_vllm_quick.py`` and ``tests/test_speedups_counts.py`` hold the two
+together.  The bytes on the wire never depend on which one ran.
 
 ``DELTACAST_PURE_PYTHON=1`` in the environment selects the pure-Python paths (the
 A/B benchmark and the fallback tests).  ``python -m protocol.speedups`` says which

@@ -334,26 +334,6 @@ I64_SMALL = st.integers(-(1 << 40), 1 << 40)
 
 @needs_c
 @given(st.data())
-def test_departures_match_the_forecast_comparisons(data: st.DataObject) -> None:
-    """advance_departures and output_departures are quick.changed of the rows the
-    Python forecast builds (Forecast.take and Forecast.outputs)."""
-    assert C is not None
-    n = data.draw(st.integers(0, 50))
-    base, nsched = (data.draw(st.lists(I64_SMALL, min_size=n, max_size=n)) for _ in range(2))
-    row = [b + s for b, s in zip(base, nsched, strict=True)]
-    actual = [v + data.draw(st.sampled_from([0, 0, 0, 1, -2])) for v in row]
-    # prompt lengths less one around the computed counts: outputs 0 (clamped), 0, 1, 2
-    plm1 = [a + data.draw(st.integers(-2, 2)) for a in actual]
-    outs_want = [max(a - p, 0) for a, p in zip(actual, plm1, strict=True)]
-    outs = [v + data.draw(st.sampled_from([0, 0, 3])) for v in outs_want]
-    assert C.advance_departures(actual, base, nsched) == [
-        i for i in range(n) if actual[i] != row[i]]
-    assert C.output_departures(outs, actual, plm1) == [
-        i for i in range(n) if outs[i] != outs_want[i]]
-
-
-@needs_c
-@given(st.data())
 def test_forecast_rows_match_the_python_rows(data: st.DataObject) -> None:
     """forecast_rows is the Forecast's Python row, k times over: computed advanced by
     j * nsched, outputs clamped at 0 -- fresh lists of exact ints."""
@@ -475,16 +455,6 @@ def test_forecast_rows_refuse_what_they_cannot_make() -> None:
     assert C.forecast_rows([top - 4], [2], [0], 3) is None  # the last row overflows
     assert C.forecast_rows([-top], [0], [top], 1) is None  # an output overflows
     assert C.forecast_rows([0], [1 << 62], [0], 4) is None  # the step times k overflows
-
-
-@needs_c
-def test_departures_refuse_what_they_cannot_compare() -> None:
-    assert C is not None
-    assert C.advance_departures([1], [1, 2], [0, 0]) is None  # lengths differ
-    assert C.advance_departures((1,), [1], [0]) is None  # not a list
-    assert C.advance_departures([1 << 63], [1], [0]) is None  # past int64
-    assert C.output_departures([True], [1], [0]) is None  # not an exact int
-    assert C.advance_departures([(1 << 63) - 1], [(1 << 63) - 1], [1]) == [0]  # no overflow
 
 
 #: entries of a one-group new_block_ids list: the shapes vLLM sends and impostors

@@ -292,33 +292,23 @@ class QuickEncoder:
     def _counts_c(self, actual: Any, outs: Any, nsched: list[int], same_ns: bool,
                   fields: dict[str, Any], lists: dict[str, tuple[list[int], list[int]]],
                   ) -> tuple[bytes, bytes] | None | bool:
-        """:meth:`_counts` with the C speedups: the departures are found without building
-        the predicted rows (the forecast then restarts from ``actual``).  False: C did not
-        take the lists, the Python path decides."""
-        fc, c = self.forecast, _C
-        if c is None:
+        """:meth:`_counts` in one C call (``count_rows``): the departures are found and
+        packed without building the predicted rows (the forecast then restarts from
+        ``actual``).  False: C did not take the lists, the Python path decides."""
+        fc = self.forecast
+        got = None if _C is None else _C.count_rows(actual, outs, fc.basis(), fc.nsched,
+                                                     nsched, fc.plen_less_one)
+        if got is None:
             return False
-        base, ns, plm1 = fc.basis(), fc.nsched, fc.plen_less_one
-        moved = c.advance_departures(actual, base, ns)
-        off = None if moved is None else c.output_departures(outs, actual, plm1)
-        if off is None:
-            return False
-        if moved:
-            now = list(map(actual.__getitem__, moved))
-            if min(now) < 0:
-                return None  # the general path refuses it
-            was = map(add, map(base.__getitem__, moved), map(ns.__getitem__, moved))
-            moves = list(map(sub, now, was))
-            fields["computed_tokens"] = Rows(handles=pack_uints(moved), values=pack_sints(moves))
-            lists["computed"] = (moved, moves)
-        if not same_ns:
-            self._scheduled(nsched, fields, lists)
-        ext = (b"", b"")
-        if off:
-            want = [max(actual[i] - plm1[i], 0) for i in off]
-            ext = (pack_uints(off), pack_sints(list(map(sub, map(outs.__getitem__, off), want))))
-        fc.rebase(list(actual), nsched, same_ns)
-        return ext
+        computed, scheduled, outputs, copy = got
+        if computed is not None:
+            fields["computed_tokens"] = Rows(handles=computed[2], values=computed[3])
+            lists["computed"] = computed[:2]
+        if scheduled is not None:
+            fields["scheduled_tokens"] = Rows(handles=scheduled[2], values=scheduled[3])
+            lists["scheduled"] = scheduled[:2]
+        fc.rebase(copy, nsched, same_ns)
+        return (b"", b"") if outputs is None else outputs[2:]
 
     def _scheduled(self, nsched: list[int], fields: dict[str, Any],
                    lists: dict[str, tuple[list[int], list[int]]]) -> None:
@@ -455,6 +445,38 @@ def plain_check_py(so: Any, batch: list[str], nsched: list[int], total: int,
     return (appends, None if appends is None else packed_appends(*appends, handles),
             bool(so.has_structured_output_requests), bool(so.pending_structured_output_tokens),
             list(actual))
+
+
+#: one set of count rows: (positions, values, packed positions, packed values)
+CountRows = tuple[list[int], list[int], bytes, bytes]
+
+
+def count_rows_py(computed: list[int], outputs: list[int], basis: list[int],
+                  nsched_before: list[int], nsched: list[int], plen_less_one: list[int],
+                  ) -> tuple[CountRows | None, CountRows | None, CountRows | None,
+                             list[int]] | None:
+    """(computed rows, scheduled rows, output rows, a copy of ``computed``) of a same-batch
+    step against the forecast: the signed moves where ``computed`` departs from ``basis
+    + nsched_before``, the counts where ``nsched`` departs from ``nsched_before``, the
+    signed moves where ``outputs`` departs from ``max(computed - plen_less_one, 0)``
+    (None for no rows; signed values packed zig-zag).  None when a moved computed count
+    or a scheduled count is negative.  The reference of the C ``count_rows``, which
+    also refuses (None) values past int64."""
+    moved = changed(computed, list(map(add, basis, nsched_before)))
+    if min(map(computed.__getitem__, moved), default=0) < 0 or min(nsched, default=0) < 0:
+        return None
+    moves = [computed[i] - basis[i] - nsched_before[i] for i in moved]
+    sched = changed(nsched, nsched_before)
+    values = list(map(nsched.__getitem__, sched))
+    want = list(map(max, map(sub, computed, plen_less_one), repeat(0)))
+    off = changed(outputs, want)
+    deltas = [outputs[i] - want[i] for i in off]
+    return (_rows(moved, moves, pack_sints), _rows(sched, values, pack_uints),
+            _rows(off, deltas, pack_sints), list(computed))
+
+
+def _rows(at: list[int], values: list[int], pack: Any) -> CountRows | None:
+    return (at, values, pack_uints(at), pack(values)) if at else None
 
 
 #: one group's appends as Rows fields: (packed handles, packed counts, packed ids)

@@ -99,15 +99,16 @@ class QuickDecoder:
         self.ready = True
 
     def lane_inputs(self, body: DeltaBody, ext: StepExt,
-                    ) -> tuple[list[tuple[list[int], list[int], list[int]]], LaneRows] | None:
-        """(block appends, count and draft rows) of a same-batch body, unpacked once for the
-        steady lane and :meth:`scheduler_output`; None when the general path decides (a
-        field that does not unpack included: the state raises it, typed)."""
+                    ) -> tuple[list[Appends], LaneRows, list[Any] | None] | None:
+        """(block appends, count and draft rows, the step's new_block_ids when already
+        made) of a same-batch body, unpacked once for the steady lane and
+        :meth:`scheduler_output`; None when the general path decides (a field that does
+        not unpack included: the state raises it, typed)."""
         if not plain_body(body, ext):
             return None
-        blocks = self.blocks(body.block_append)
-        rows = None if blocks is None else lane_rows(body, len(self.batch))
-        return None if blocks is None or rows is None else (blocks, rows)
+        got = self.plain_blocks(body.block_append) if body.block_append else ([], None)
+        rows = None if got is None else lane_rows(body, len(self.batch))
+        return None if got is None or rows is None else (got[0], rows, got[1])
 
     def blocks(self, appends: tuple[Rows, ...]) -> list[Appends] | None:
         """Per group (positions, counts, flat ids) of a body's block_append ``appends``; None
@@ -135,16 +136,42 @@ class QuickDecoder:
         blocks = self.blocks(appends)
         return None if blocks is None else (blocks, None)
 
-    def scheduler_output(self, body: DeltaBody, ext: StepExt,
-                         blocks: list[tuple[list[int], list[int], list[int]]],
-                         rows: LaneRows) -> Any:
+    def scheduler_output(self, body: DeltaBody, ext: StepExt, blocks: list[Appends],
+                         rows: LaneRows, new_blocks: list[Any] | None = None) -> Any:
         """The step's SchedulerOutput (state already applied; ``blocks`` from :meth:`blocks`,
-        ``rows`` the body's :func:`protocol.lane.lane_rows`)."""
-        nsched = self._nsched(rows.scheduled)
-        total = self.forecast.total if nsched is self.nsched else sum(nsched)
-        computed, outputs = self._counts(rows.computed, nsched, ext)
-        return self._assemble(computed, outputs, self._new_blocks(blocks), total,
-                              self._drafts(rows.drafts), body)
+        ``rows`` the body's :func:`protocol.lane.lane_rows`, ``new_blocks`` the step's
+        new_block_ids when :meth:`plain_blocks` made them)."""
+        counts = self._count_lists(rows, ext)
+        if counts is None:
+            nsched = self._nsched(rows.scheduled)
+            total = self.forecast.total if nsched is self.nsched else sum(nsched)
+            computed, outputs = self._counts(rows.computed, nsched, ext)
+        else:
+            computed, outputs, total = counts
+        if new_blocks is None:
+            new_blocks = self._new_blocks(blocks)
+        return self._assemble(computed, outputs, new_blocks, total, self._drafts(rows.drafts),
+                              body)
+
+    def _count_lists(self, rows: LaneRows, ext: StepExt,
+                     ) -> tuple[list[int], list[int], int] | None:
+        """(computed, outputs, total scheduled) of a step with count rows in one C call
+        (``count_lists``; the forecast restarts from them); None, nothing changed, for
+        a step without count rows or when C does not take them (:meth:`_nsched` and
+        :meth:`_counts` decide)."""
+        if _C is None or (rows.computed is None and rows.scheduled is None):
+            return None
+        fc = self.forecast
+        got = _C.count_lists(fc.basis(), fc.nsched, fc.plen_less_one, rows.computed,
+                             rows.scheduled, ext.out_pos, ext.out_delta, self.batch,
+                             self.nsched_map)
+        if got is None:
+            return None
+        computed, outputs, nsched, copy = got
+        if nsched is not None:
+            self.nsched = nsched
+        fc.restart(copy, self.nsched)
+        return computed, outputs, fc.total
 
     def steady_output(self, blocks: list[tuple[list[int], list[int], list[int]]] | None = None,
                       body: DeltaBody = STEADY_BODY, new_blocks: list[Any] | None = None) -> Any:
@@ -253,3 +280,32 @@ class QuickDecoder:
         if rows is None:
             return {}
         return split_rows(self.batch, *rows)
+
+
+def count_lists_py(basis: list[int], nsched_before: list[int], plen_less_one: list[int],
+                   computed_rows: tuple[list[int], list[int]] | None,
+                   scheduled_rows: tuple[list[int], list[int]] | None,
+                   out_pos: bytes, out_delta: bytes, batch: list[str],
+                   nsched_map: dict[str, int],
+                   ) -> tuple[list[int], list[int], list[int] | None, list[int]]:
+    """(computed, outputs, scheduled counts or None for no scheduled rows, a copy of
+    computed) of a same-batch step with count rows: the advance ``basis +
+    nsched_before`` moved by ``computed_rows``, outputs ``max(computed - plen_less_one,
+    0)`` moved by the packed output rows, ``nsched_before`` with ``scheduled_rows`` set
+    (each also written to ``nsched_map`` under its id in ``batch``).  The reference of
+    the C ``count_lists``, which refuses (None, nothing changed) positions out of range
+    and values past int64 instead of raising."""
+    computed = list(map(add, basis, nsched_before))
+    if computed_rows is not None:
+        for i, d in zip(*computed_rows, strict=True):
+            computed[i] += d
+    outputs = [max(c - p, 0) for c, p in zip(computed, plen_less_one, strict=True)]
+    for i, d in zip(_ints(out_pos), unpack_sint_list(out_delta) if out_delta else [],
+                    strict=True):
+        outputs[i] += d
+    nsched = None
+    if scheduled_rows is not None:
+        nsched = list(nsched_before)
+        for i, v in zip(*scheduled_rows, strict=True):
+            nsched[i] = nsched_map[batch[i]] = v
+    return computed, outputs, nsched, list(computed)

@@ -1,0 +1,186 @@
+"""The count rows of a same-batch step in C (protocol/_speedups_counts.c) against their
+Python references: the engine's ``count_rows`` (engine_side.vllm.quick.count_rows_py),
+the worker's ``count_lists`` (worker_side.vllm.quick.count_lists_py) and ``lane_rows``
+(protocol.lane.lane_rows on its Python lines).  Each must
+give its reference's answer for every input it takes, refuse (None, nothing changed)
+only inputs past int64 or out of range, and take every ordinary step.  The steady
+lane's fused ``lane_counts`` is held to ReplicaState.apply by tests/test_lane.py."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+from unittest import mock
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("vllm", reason="the same-batch modules are vLLM's adapters")
+
+from engine_side.vllm.quick import count_rows_py  # noqa: E402
+from protocol import lane  # noqa: E402
+from protocol.messages import DeltaBody, Rows  # noqa: E402
+from protocol.packing import pack_sints, pack_uints  # noqa: E402
+from protocol.speedups import C  # noqa: E402
+from worker_side.vllm.quick import count_lists_py  # noqa: E402
+
+pytestmark = pytest.mark.skipif(C is None, reason="C speedups not built")
+I64 = (1 << 63) - 1
+
+
+def _near(draw: st.DrawFn, values: list[int], wide: bool) -> list[int]:
+    """``values`` with some entries moved a little (or, when ``wide``, to int64's edges
+    and past them)."""
+    moves = st.sampled_from([0, 0, 0, 0, 1, -1, 3, -40])
+    edges = st.sampled_from([I64, -I64 - 1, I64 + 1, 1 << 62, -(1 << 62)])
+    return [draw(edges) if wide and draw(st.integers(0, 9)) == 0 else v + draw(moves)
+            for v in values]
+
+
+@st.composite
+def _count_steps(draw: st.DrawFn) -> tuple[list[int], ...]:
+    """(computed, outputs, basis, nsched_before, nsched, plen_less_one) of a batch."""
+    n = draw(st.integers(0, 40))
+    wide = draw(st.integers(0, 4)) == 0
+    basis = [draw(st.integers(0, 5000)) for _ in range(n)]
+    before = [draw(st.integers(0, 6)) for _ in range(n)]
+    plm1 = [draw(st.integers(0, 5000)) for _ in range(n)]
+    computed = _near(draw, [b + s for b, s in zip(basis, before, strict=True)], wide)
+    outputs = _near(draw, [max(c - p, 0) for c, p in zip(computed, plm1, strict=True)], wide)
+    nsched = _near(draw, before, wide)
+    return computed, outputs, basis, before, nsched, plm1
+
+
+def _fits_int64(*lists: list[int]) -> bool:
+    return all(-I64 - 1 <= v <= I64 for values in lists for v in values)
+
+
+@settings(max_examples=300, deadline=None)
+@given(step=_count_steps())
+@example(step=([5, 7], [0, 0], [4, 6], [1, 1], [1, 1], [9, 9]))  # on the forecast
+@example(step=([-1], [0], [4], [1], [1], [9]))  # a moved count below zero: refused
+def test_count_rows_answers_as_its_reference(step: tuple[list[int], ...]) -> None:
+    assert C is not None
+    got = C.count_rows(*step)
+    if got is None:  # refused: only values past int64, or what the reference refuses
+        try:
+            want = count_rows_py(*step)
+        except (ValueError, OverflowError):
+            want = None  # a value the packers refuse
+        assert want is None or not _fits_int64(*step) or any(
+            abs(v) > 1 << 62 for values in step for v in values)
+        return
+    assert got == count_rows_py(*step)
+    computed, scheduled, outputs, made = got
+    assert made == step[0] and made is not step[0]  # a copy for the forecast
+
+
+def test_count_rows_takes_a_speculative_step() -> None:
+    """A step of accepted drafts: every kind of row at once, each packed."""
+    assert C is not None
+    basis, before, plm1 = [100, 200, 300], [5, 1, 3], [90, 190, 290]
+    computed, outputs, nsched = [103, 201, 303], [13, 11, 13], [2, 5, 3]
+    got = C.count_rows(computed, outputs, basis, before, nsched, plm1)
+    assert got is not None
+    rows, sched, outs, _ = got
+    assert rows == ([0], [-2], pack_uints([0]), pack_sints([-2]))
+    assert sched == ([0, 1], [2, 5], pack_uints([0, 1]), pack_uints([2, 5]))
+    assert outs is None
+    assert C.count_rows(computed, outputs, basis, before, (2, 5, 3), plm1) is None  # a tuple
+
+
+@st.composite
+def _worker_steps(draw: st.DrawFn) -> dict[str, Any]:
+    """count_lists' arguments: rows mostly in range, sometimes out of it or past int64."""
+    n = draw(st.integers(1, 30))
+    bad = draw(st.integers(0, 9)) == 0
+    batch = [f"r{i}" for i in range(n)]
+    position = st.integers(0, n if bad else n - 1)
+    move = st.integers(-5, 5) | (st.sampled_from([I64, I64 + 1]) if bad else st.just(0))
+
+    def rows(values: st.SearchStrategy[int]) -> tuple[list[int], list[int]] | None:
+        if draw(st.booleans()):
+            return None
+        at = draw(st.lists(position, max_size=5, unique=True))
+        return at, [draw(values) for _ in at]
+
+    out_at = draw(st.lists(position, max_size=4, unique=True))
+    out_moves = [draw(st.integers(-3, 3)) for _ in out_at]
+    return {
+        "basis": [draw(st.integers(10, 900)) for _ in range(n)],
+        "nsched_before": [draw(st.integers(1, 5)) for _ in range(n)],
+        "plen_less_one": [draw(st.integers(0, 900)) for _ in range(n)],
+        "computed_rows": rows(move), "scheduled_rows": rows(st.integers(0, 6)),
+        "out_pos": pack_uints(out_at) if out_at else b"",
+        "out_delta": pack_sints(out_moves) if out_at else b"",
+        "batch": batch, "nsched_map": dict.fromkeys(batch, 1)}
+
+
+def _call(fn: Any, args: dict[str, Any]) -> Any:
+    return fn(**args) if fn is count_lists_py else fn(*args.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(args=_worker_steps())
+def test_count_lists_answers_as_its_reference(args: dict[str, Any]) -> None:
+    assert C is not None
+    mine, theirs = copy.deepcopy(args), copy.deepcopy(args)
+    got = _call(C.count_lists, mine)
+    if got is None:  # refused: nothing changed, and the reference fails or overflows
+        assert mine == args
+        try:
+            want = _call(count_lists_py, theirs)
+        except IndexError:
+            return
+        assert not _fits_int64(*want[:2])
+        return
+    assert got == _call(count_lists_py, theirs)
+    assert mine["nsched_map"] == theirs["nsched_map"]
+    assert list(mine["nsched_map"]) == args["batch"]  # key order kept
+
+
+def test_count_lists_refuses_malformed_output_rows_unchanged() -> None:
+    assert C is not None
+    names = {"a": 1, "b": 1}
+    args = ([5, 6], [1, 1], [0, 0], None, ([1], [3]), b"\x07", b"", ["a", "b"], names)
+    assert C.count_lists(*args) is None
+    assert names == {"a": 1, "b": 1}
+
+
+def _packed(draw: st.DrawFn, signed: bool = False) -> bytes:
+    """A packed array: mostly well formed, sometimes empty, truncated or 64 bits wide."""
+    kind = draw(st.sampled_from(["ok"] * 6 + ["empty", "cut", "wide"]))
+    values = draw(st.lists(st.integers(-3 if signed else 0, 9), max_size=6))
+    if kind == "wide":
+        return pack_uints([(1 << 64) - 1, 1])
+    packed = (pack_sints if signed else pack_uints)(values)
+    return b"" if kind == "empty" else packed[:-1] if kind == "cut" and len(packed) > 2 \
+        else packed
+
+
+@st.composite
+def _lane_bodies(draw: st.DrawFn) -> tuple[DeltaBody, int]:
+    n = draw(st.integers(0, 8))
+    fields: dict[str, Any] = {}
+    if draw(st.booleans()):
+        fields["computed_tokens"] = Rows(handles=_packed(draw), values=_packed(draw, True))
+    if draw(st.booleans()):
+        fields["scheduled_tokens"] = Rows(handles=_packed(draw), values=_packed(draw))
+    if draw(st.booleans()):
+        fields["spec_tokens"] = Rows(handles=b"" if draw(st.integers(0, 5)) else _packed(draw),
+                                     counts=_packed(draw), values=_packed(draw))
+    return DeltaBody(**fields), n
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=_lane_bodies())
+def test_lane_rows_in_c_lists_what_python_lists(case: tuple[DeltaBody, int]) -> None:
+    """lane_rows with the C unpacking and on the Python lines: the same rows, or the same
+    refusal (None) -- fresh lists each time."""
+    body, n = case
+    with_c = lane.lane_rows(body, n)
+    with mock.patch.object(lane, "_C", None):
+        assert lane.lane_rows(body, n) == with_c
+    if with_c is not None and with_c.scheduled is not None and with_c.computed is not None:
+        assert with_c.scheduled[0] is not with_c.computed[0]  # never one shared list
