@@ -145,7 +145,7 @@ as_plus_one(PyObject *item, uint64_t *out)
 }
 
 /* pack_plus_one(values: list) -> bytes | None: protocol.packing.pack_uints_plus_one. */
-static PyObject *
+PyObject *
 pack_plus_one(PyObject *self, PyObject *arg)
 {
     return pack_with(arg, as_plus_one);
@@ -1229,7 +1229,7 @@ done:
  * the number of tokens of the request at position ``pos[key]`` (0 for none), ``flat``
  * every token in dict order.  None unless ``drafts`` is a dict of non-empty lists whose
  * keys ``pos`` (a dict) maps to strictly increasing exact ints in [0, n). */
-static PyObject *
+PyObject *
 draft_rows(PyObject *self, PyObject *args)
 {
     PyObject *drafts, *pos;
@@ -1289,7 +1289,7 @@ fail:
  * lengths[i]]} for the non-zero lengths, rows consecutive in ``flat`` (fresh lists), as
  * engine_side.vllm.convert.split_rows_py; None unless three lists, one length per key,
  * lengths exact ints >= 0 adding up to len(flat), and hashable keys. */
-static PyObject *
+PyObject *
 split_rows(PyObject *self, PyObject *args)
 {
     PyObject *keys, *lengths, *flat;

@@ -68,8 +68,9 @@ departs(long long x, long long y, long long z, int clamp)
 }
 
 /* _speedups.c's dict_matches as an int (-2: not taken, -1: an exception is set), its
- * one_group_appends, the raw_list family, pack_list and pack_values, for the
- * fused same-step functions of _speedups_step.c and _speedups_counts.c. */
+ * one_group_appends, the raw_list family, the packers, draft_rows and split_rows,
+ * _speedups_step.c's pack_appends and _speedups_output.c's step_output, for the fused
+ * same-step functions of _speedups_step.c and _speedups_counts.c. */
 int dict_match(PyObject *d, PyObject *keys, PyObject *values);
 PyObject *one_group_appends(PyObject *self, PyObject *arg);
 PyObject *raw_list(PyObject *self, PyObject *args);
@@ -77,6 +78,11 @@ PyObject *raw_signed_list(PyObject *self, PyObject *args);
 PyObject *raw_list_minus_one(PyObject *self, PyObject *args);
 PyObject *pack_list(PyObject *self, PyObject *arg);
 PyObject *pack_values(const uint64_t *values, Py_ssize_t n);
+PyObject *pack_plus_one(PyObject *self, PyObject *arg);
+PyObject *draft_rows(PyObject *self, PyObject *args);
+PyObject *split_rows(PyObject *self, PyObject *args);
+PyObject *pack_appends(PyObject *self, PyObject *args); /* _speedups_step.c's */
+PyObject *step_output(PyObject *self, PyObject *args); /* _speedups_output.c's */
 
 /* The arguments of _speedups.c's plan_rows: one KV group's appends and the lane's
  * lists (see plan_rows). */

@@ -148,7 +148,7 @@ instance(PyObject *cls, const Field *fields, PyObject *const *keys, size_t n,
  * QuickDecoder._assemble's objects (``batch`` and ``nsched`` copied, the other values
  * placed as given).  None unless both classes are types, ``batch`` a list and
  * ``nsched`` a dict. */
-static PyObject *
+PyObject *
 step_output(PyObject *self, PyObject *args)
 {
     PyObject *cached_cls, *so_cls, *batch, *nsched, *blocks, *computed, *outputs, *total,

@@ -152,7 +152,6 @@ attr(PyObject *obj, int a)
     return PyObject_GetAttr(obj, attrs[a]);
 }
 
-static PyObject *pack_appends(PyObject *self, PyObject *args);
 
 /* pack_appends of ``appends`` (positions, counts, ids) and ``handles``: a new reference
  * (Py_None when not taken) or NULL. */
@@ -393,7 +392,7 @@ finish:
  * _one_group_rows): pack_uints of handles[p] for each position, pack_row_counts of the
  * counts (b"" when every count is 1) and pack_uints of the ids.  None unless the lists
  * pack and every position indexes ``handles``. */
-static PyObject *
+PyObject *
 pack_appends(PyObject *self, PyObject *args)
 {
     PyObject *pos, *counts, *ids, *handles;

@@ -203,8 +203,8 @@ class SteadyLane:
             digest = self.appended(appends[0], expected_digest, body, own_appends)
             if digest is not None:
                 return digest
-        if rows is not NO_ROWS and rows is not None and len(appends) <= self.groups == 1:
-            digest = self._counted(body, rows, appends, expected_digest, own_rows, own_appends)
+        if rows is not NO_ROWS and rows is not None:
+            digest = self.counted(body, rows, appends, expected_digest, own_rows, own_appends)
             if digest is not None:
                 return digest
         if rows is NO_ROWS:  # nothing to check or plan for the counts
@@ -226,37 +226,46 @@ class SteadyLane:
         self._taken(digest, body)
         return digest
 
-    def _counted(self, body: DeltaBody, rows: LaneRows, appends: list[Appends],
-                 expected_digest: int | None, own_rows: bool, own_appends: bool) -> int | None:
-        """:meth:`step` of count rows and at most one KV group's appends in one C call
-        (``lane_counts``: both plans, the digest and the commit); None, nothing done,
-        without the speedups or when C does not take them (the lines of :meth:`step`
-        decide, refusals included)."""
+    def counted(self, body: DeltaBody, rows: LaneRows, appends: list[Appends],
+                expected_digest: int | None = None, own_rows: bool = False,
+                own_appends: bool = False) -> int | None:
+        """:meth:`step` of a lane body with count or draft ``rows`` (not NO_ROWS) and at
+        most one KV group's appends in one C call (``lane_counts``: both plans, the
+        digest and the commit); :meth:`step` tries it first for such a body, and callers
+        that know they have one may call it directly.  None, nothing done, without the
+        speedups, with more KV groups or when C does not take them (:meth:`step` then
+        decides, refusals included).  Raises InvalidDelta, nothing done, when the digest
+        differs from ``expected_digest``."""
+        if self.steps == 0 and self.version != self.state.version:
+            self._open()
         drafts = rows.drafts
-        if _C is None or (not own_rows and drafts is not None and (
-                len(drafts[0]) != len(self.handles) or sum(drafts[0]) != len(drafts[1]))):
+        if _C is None or self.groups != 1 or len(appends) > 1 or (
+                not own_rows and drafts is not None and (
+                    len(drafts[0]) != len(self.handles) or sum(drafts[0]) != len(drafts[1]))):
             return None
         at, moves = rows.computed or (_NONE, _NONE)
         pos, values = rows.scheduled or (_NONE, _NONE)
         added = appends[0] if appends and appends[0][0] else None
         if appends and added is None and (appends[0][1] or appends[0][2]):
             return None  # ids without rows: the state refuses the shape
+        comp = self.comp if self.comp is not None or not moves else self._computed()
+        keys = self.keys if self.keys is not None else \
+            self._keys() if moves or pos else _NONE
+        skeys = self.skeys if self.skeys is not None else \
+            self._schedule_keys() if pos else _NONE
         done = _C.lane_counts(
-            self._computed() if moves else self.comp, self.nsched,
-            self._keys() if moves or pos else _NONE, at, moves, pos, values,
-            self._schedule_keys() if pos else _NONE, self.advance, self.extra, added,
-            self.handles, self.lengths[0] if added else _NONE, _SALT0, *dg.BLOCK_KEYS,
+            comp, self.nsched, keys, at, moves, pos, values, skeys, self.advance, self.extra,
+            added, self.handles, self.lengths[0] if added else _NONE, _SALT0, *dg.BLOCK_KEYS,
             not own_rows or not own_appends, self.digest, expected_digest)
         if type(done) is int:  # the digest, which differs: nothing done
             raise InvalidDelta("state digest mismatch", expected=expected_digest, got=done)
         if done is None:
             return None
-        digest, nsched, advance, plan, comp = done
+        digest, nsched, advance, plan, self.comp = done
         if plan is not None and added is not None:  # (a plan is made of appends only)
             self.journal[0].append((plan[0], plan[1], added[1], added[2], plan[2]))
             self.rows += len(plan[0])
         self.segments[-1][1] += 1
-        self.comp = comp
         if nsched is not None:
             self.nsched, self.advance = nsched, advance
             self.segments.append([nsched, 0])

@@ -13,10 +13,12 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("vllm", reason="the same-batch modules are vLLM's adapters")
+
+from vllm_paths import run_both_paths  # noqa: E402
 
 from engine_side.vllm.quick import count_rows_py  # noqa: E402
 from protocol import lane  # noqa: E402
@@ -184,3 +186,80 @@ def test_lane_rows_in_c_lists_what_python_lists(case: tuple[DeltaBody, int]) -> 
         assert lane.lane_rows(body, n) == with_c
     if with_c is not None and with_c.scheduled is not None and with_c.computed is not None:
         assert with_c.scheduled[0] is not with_c.computed[0]  # never one shared list
+
+
+PROMPT = 40
+SECRET = b"s" * 32
+
+
+@st.composite
+def _speculative_streams(draw: st.DrawFn) -> list[Any]:
+    """A batch, then same-batch steps as speculative decoding makes them: drafts for
+    some requests, scheduled counts of one plus the drafts (sometimes not), computed
+    counts advanced by the tokens accepted, output counts that now and then depart from
+    the forecast, blocks appended and the step flags set at random."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    n = draw(st.integers(1, 12))
+    ids = [f"r{i}" for i in range(n)]
+    new = [NewRequestData(rid, list(range(PROMPT)), [], SamplingParams(temperature=0), None,
+                          ([k],), 0, None) for k, rid in enumerate(ids)]
+    steps: list[Any] = [SchedulerOutput(new, CachedRequestData.make_empty(),
+                                        dict.fromkeys(ids, PROMPT), PROMPT * n, {}, {}, set(),
+                                        [], preempted_req_ids=set())]
+    computed, nsched, block = [PROMPT] * n, [PROMPT] * n, 100
+    for _ in range(draw(st.integers(1, 8))):
+        accepted = [s - draw(st.integers(0, max(s - 1, 0))) if s > 1 else s for s in nsched]
+        computed = [c + a for c, a in zip(computed, accepted, strict=True)]
+        drafts = {rid: draw(st.lists(st.integers(-1, 500), min_size=1, max_size=4))
+                  for rid in ids if draw(st.booleans())}
+        nsched = [1 + len(drafts.get(rid, [])) + (draw(st.integers(0, 2))
+                                                  if draw(st.integers(0, 9)) == 0 else 0)
+                  for rid in ids]
+        outputs = [max(c - PROMPT + 1, 0) + (draw(st.integers(-1, 2))
+                                               if draw(st.integers(0, 7)) == 0 else 0)
+                   for c in computed]
+        blocks: list[Any] = []
+        for _rid in ids:
+            grow = draw(st.integers(0, 5))
+            blocks.append(None if grow > 1 else ([block + j for j in range(grow + 1)],))
+            block += 3
+        cached = CachedRequestData(list(ids), set(), [], {}, blocks, list(computed),
+                                   [max(o, 0) for o in outputs])
+        steps.append(SchedulerOutput(
+            scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+            num_scheduled_tokens=dict(zip(ids, nsched, strict=True)),
+            total_num_scheduled_tokens=sum(nsched), scheduled_spec_decode_tokens=drafts,
+            scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
+            preempted_req_ids=set(),
+            has_structured_output_requests=draw(st.integers(0, 4)) == 0,
+            pending_structured_output_tokens=draw(st.integers(0, 4)) == 0,
+            num_spec_tokens_to_schedule=draw(st.sampled_from([0, 4]))))
+    return steps
+
+
+@pytest.fixture(params=["c", "pure"])
+def speedups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the C speedups and again on the pure-Python paths."""
+    from engine_side.vllm import quick as engine_quick
+    from protocol import digest, packing
+    from worker_side.vllm import quick as worker_quick
+
+    if request.param == "pure":
+        for module in (packing, digest, lane, engine_quick, worker_quick):
+            monkeypatch.setattr(module, "_C", None)
+    return str(request.param)
+
+
+@settings(max_examples=60, deadline=None,  # the fixture only patches modules: shared is fine
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=_speculative_streams())
+def test_speculative_steps_give_the_general_paths_frames(steps: list[Any],
+                                                         speedups: str) -> None:
+    """Same-batch steps with drafts and count departures (the fused C calls above: the
+    engine's scan, the lane's count step, the worker's rows and SchedulerOutput) give
+    the general path's frames and the original objects, with and without the speedups;
+    every step after the first takes the fast path on both ends."""
+    enc, dec = run_both_paths(steps, 1, SECRET)
+    assert enc.quick_steps == dec.quick_steps == len(steps) - 1

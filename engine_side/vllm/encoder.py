@@ -154,7 +154,8 @@ class SchedulerOutputEncoder:
         if mirror is None or lane is None or lane.state is not mirror.state:
             mirror, lane = self._start(so)
         quick = self.quick
-        plain = quick.plain_step(so) if self.fast else None
+        # a step after one with drafts (speculative decoding) rarely is plain: skip the test
+        plain = quick.plain_step(so) if self.fast and quick.rows.drafts is None else None
         if plain is not None:
             flags, packed = plain
             if packed is not None:
@@ -208,8 +209,11 @@ class SchedulerOutputEncoder:
         step with one KV group's appends goes straight to :meth:`SteadyLane.appended`,
         any other to the lane's step; a body the lane refuses to the mirror's state."""
         quick = self.quick
-        digest = lane.appended(quick.appends[0], None, body, own=True) \
-            if quick.rows is NO_ROWS and len(quick.appends) == 1 else None
+        if quick.rows is NO_ROWS:
+            digest = lane.appended(quick.appends[0], None, body, own=True) \
+                if len(quick.appends) == 1 else None
+        else:
+            digest = lane.counted(body, quick.rows, quick.appends, None, True, True)
         if digest is None:
             digest = lane.step(body, quick.appends, rows=quick.rows, own_appends=True,
                                own_rows=True)

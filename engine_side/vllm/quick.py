@@ -43,6 +43,7 @@ FEW_ROWS = 16  # grown rows up to this many take a Python loop (measured ~1 µs 
 CONNECTOR_FIELDS = ("kv_connector_metadata", "ec_connector_metadata",
                     "aux_output_connector_metadata", "ec_manager_metadata")
 _NO_ROWS = Rows(handles=pack_uints(np.zeros(0, dtype=np.int64)))
+_ENCODE = msgspec.msgpack.encode
 
 
 class Forecast:
@@ -176,7 +177,12 @@ class QuickEncoder:
         """The Delta body of ``so`` if it is a same-batch step, else None (nothing changed).
         Callers try :meth:`plain_step` first, which answers a plain step without building
         field dicts; this reads any same-batch step."""
-        if not self.ready or not _plain(so):
+        if not self.ready:
+            return None
+        scanned = self._scanned(so)
+        if scanned is not False:
+            return scanned
+        if not _plain(so):
             return None
         cached, batch = so.scheduled_cached_reqs, self.batch
         if cached.req_ids != batch or len(cached.new_block_ids) != len(batch):
@@ -207,8 +213,47 @@ class QuickEncoder:
         if so.num_spec_tokens_to_schedule:
             fields["num_spec_tokens_to_schedule"] = so.num_spec_tokens_to_schedule
         if counts[0]:
-            fields["extension"] = {"v": msgspec.msgpack.encode(StepExt(out_pos=counts[0],
-                                                                       out_delta=counts[1]))}
+            fields["extension"] = {"v": _ENCODE(StepExt(out_pos=counts[0], out_delta=counts[1]))}
+        return DeltaBody(**fields) if fields else STEADY_BODY
+
+    def _scanned(self, so: Any) -> DeltaBody | Literal[False]:
+        """:meth:`body` from one C call (``same_batch_scan``: the reads, checks and packed
+        rows of :meth:`_nsched`, :meth:`_blocks`, :meth:`_spec` and :meth:`_counts`);
+        False, nothing changed, without the speedups or when C does not take the step
+        (:meth:`body`'s lines decide, refusals included)."""
+        fc = self.forecast
+        got = None if _C is None else _C.same_batch_scan(
+            so, self.batch, self.pos, fc.basis(), fc.nsched, fc.total, fc.plen_less_one,
+            self.handles, _RARE, _PLAIN, self.kv_groups == 1)
+        if got is None:
+            return False
+        nsched, same_ns, appends, packed, drafts, counts, structured, pending, nspec = got
+        computed, scheduled, outputs, actual = counts
+        fields: dict[str, Any] = {}
+        lists: dict[str, tuple[list[int], list[int]]] = {}
+        self.appends = [] if appends is None else [appends]
+        if packed is not None:
+            fields["block_append"] = (Rows(*packed),)
+        if drafts is not None:
+            fields["spec_tokens"] = Rows(counts=drafts[2], values=drafts[3])
+            lists["drafts"] = drafts[:2]
+        if computed is not None:
+            fields["computed_tokens"] = Rows(handles=computed[2], values=computed[3])
+            lists["computed"] = computed[:2]
+        if scheduled is not None:
+            fields["scheduled_tokens"] = Rows(handles=scheduled[2], values=scheduled[3])
+            lists["scheduled"] = scheduled[:2]
+        self.rows = LaneRows(**lists) if lists else NO_ROWS
+        if structured:
+            fields["has_structured_output"] = True
+        if pending:
+            fields["pending_structured_output"] = True
+        if nspec:
+            fields["num_spec_tokens_to_schedule"] = nspec
+        if outputs is not None:
+            fields["extension"] = {"v": _ENCODE(StepExt(out_pos=outputs[2],
+                                                        out_delta=outputs[3]))}
+        fc.rebase(actual, nsched, same_ns)
         return DeltaBody(**fields) if fields else STEADY_BODY
 
     def plain_step(self, so: Any) -> tuple[DeltaBody, Packed | None] | None:

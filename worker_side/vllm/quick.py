@@ -141,37 +141,43 @@ class QuickDecoder:
         """The step's SchedulerOutput (state already applied; ``blocks`` from :meth:`blocks`,
         ``rows`` the body's :func:`protocol.lane.lane_rows`, ``new_blocks`` the step's
         new_block_ids when :meth:`plain_blocks` made them)."""
-        counts = self._count_lists(rows, ext)
-        if counts is None:
-            nsched = self._nsched(rows.scheduled)
-            total = self.forecast.total if nsched is self.nsched else sum(nsched)
-            computed, outputs = self._counts(rows.computed, nsched, ext)
-        else:
-            computed, outputs, total = counts
-        if new_blocks is None:
+        if new_blocks is None and blocks:  # (one C call made them for one KV group)
             new_blocks = self._new_blocks(blocks)
+        so = self._counted_output(body, ext, rows, new_blocks)
+        if so is not None:
+            return so
+        nsched = self._nsched(rows.scheduled)
+        total = self.forecast.total if nsched is self.nsched else sum(nsched)
+        computed, outputs = self._counts(rows.computed, nsched, ext)
+        if new_blocks is None:
+            new_blocks = [None] * len(self.batch)
         return self._assemble(computed, outputs, new_blocks, total, self._drafts(rows.drafts),
                               body)
 
-    def _count_lists(self, rows: LaneRows, ext: StepExt,
-                     ) -> tuple[list[int], list[int], int] | None:
-        """(computed, outputs, total scheduled) of a step with count rows in one C call
-        (``count_lists``; the forecast restarts from them); None, nothing changed, for
-        a step without count rows or when C does not take them (:meth:`_nsched` and
-        :meth:`_counts` decide)."""
+    def _counted_output(self, body: DeltaBody, ext: StepExt, rows: LaneRows,
+                        new_blocks: list[Any] | None) -> Any:
+        """:meth:`scheduler_output` of a step with count rows (``new_blocks`` its
+        new_block_ids, None for no appends) in one C call
+        (``count_output``: :func:`count_lists_py`'s counts, the drafts split and the
+        objects assembled; the forecast restarts from the counts); None, nothing changed
+        but the id -> count map set to the same counts, without count rows or when C
+        does not take the step (the lines of :meth:`scheduler_output` decide)."""
         if _C is None or (rows.computed is None and rows.scheduled is None):
             return None
         fc = self.forecast
-        got = _C.count_lists(fc.basis(), fc.nsched, fc.plen_less_one, rows.computed,
-                             rows.scheduled, ext.out_pos, ext.out_delta, self.batch,
-                             self.nsched_map)
+        cached_cls, so_cls, _ = self.types
+        got = _C.count_output(cached_cls, so_cls, fc.basis(), fc.nsched, fc.plen_less_one,
+                              rows.computed, rows.scheduled, ext.out_pos, ext.out_delta,
+                              self.batch, self.nsched_map, new_blocks, rows.drafts,
+                              body.has_structured_output, body.pending_structured_output,
+                              body.num_spec_tokens_to_schedule)
         if got is None:
             return None
-        computed, outputs, nsched, copy = got
+        so, computed, nsched, _ = got
         if nsched is not None:
             self.nsched = nsched
-        fc.restart(copy, self.nsched)
-        return computed, outputs, fc.total
+        fc.restart(computed, self.nsched)
+        return so
 
     def steady_output(self, blocks: list[tuple[list[int], list[int], list[int]]] | None = None,
                       body: DeltaBody = STEADY_BODY, new_blocks: list[Any] | None = None) -> Any:
