@@ -1392,7 +1392,8 @@ PyInit__speedups(void)
     if (m != NULL && (PyModule_AddFunctions(m, step_methods) < 0
                       || PyModule_AddFunctions(m, output_methods) < 0
                       || PyModule_AddFunctions(m, lane_methods) < 0
-                      || PyModule_AddFunctions(m, counts_methods) < 0)) {
+                      || PyModule_AddFunctions(m, counts_methods) < 0
+                      || PyModule_AddFunctions(m, fused_methods) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

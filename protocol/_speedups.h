@@ -69,8 +69,9 @@ departs(long long x, long long y, long long z, int clamp)
 
 /* _speedups.c's dict_matches as an int (-2: not taken, -1: an exception is set), its
  * one_group_appends, the raw_list family, the packers, draft_rows and split_rows,
- * _speedups_step.c's pack_appends and _speedups_output.c's step_output, for the fused
- * same-step functions of _speedups_step.c and _speedups_counts.c. */
+ * _speedups_step.c's pack_appends, _speedups_output.c's step_output and
+ * _speedups_counts.c's count_rows and count_lists, for the fused same-step functions of
+ * _speedups_step.c, _speedups_counts.c and _speedups_fused.c. */
 int dict_match(PyObject *d, PyObject *keys, PyObject *values);
 PyObject *one_group_appends(PyObject *self, PyObject *arg);
 PyObject *raw_list(PyObject *self, PyObject *args);
@@ -83,6 +84,8 @@ PyObject *draft_rows(PyObject *self, PyObject *args);
 PyObject *split_rows(PyObject *self, PyObject *args);
 PyObject *pack_appends(PyObject *self, PyObject *args); /* _speedups_step.c's */
 PyObject *step_output(PyObject *self, PyObject *args); /* _speedups_output.c's */
+PyObject *count_rows(PyObject *self, PyObject *args); /* _speedups_counts.c's */
+PyObject *count_lists(PyObject *self, PyObject *args); /* _speedups_counts.c's */
 
 /* The arguments of _speedups.c's plan_rows: one KV group's appends and the lane's
  * lists (see plan_rows). */
@@ -98,11 +101,12 @@ typedef struct {
 PyObject *plan_lists(const PlanArgs *a, uint64_t *total);
 int grow_lengths(const PlanArgs *a);
 
-/* The functions of _speedups_step.c, _speedups_output.c, _speedups_lane.c and
- * _speedups_counts.c, added to the module at import. */
+/* The functions of _speedups_step.c, _speedups_output.c, _speedups_lane.c,
+ * _speedups_counts.c and _speedups_fused.c, added to the module at import. */
 extern PyMethodDef step_methods[];
 extern PyMethodDef output_methods[];
 extern PyMethodDef lane_methods[];
 extern PyMethodDef counts_methods[];
+extern PyMethodDef fused_methods[];
 
 #endif

@@ -32,3 +32,14 @@ def lane_counts(comp: object, ns: object, keys: object, at: object, moves: objec
                 appends: object, handles: object, lengths: object, salt: int, k_block: int,
                 k_pos: int, k_handle: int, check: bool, base: int,
                 expected: int | None) -> tuple[object, ...] | int | None: ...
+def same_batch_scan(so: object, batch: object, pos: object, basis: object,
+                    nsched_before: object, total: object, plen_less_one: object,
+                    handles: object, rare: object, plain: object,
+                    one_group: bool) -> tuple[object, ...] | None: ...
+def count_output(cached_cls: object, so_cls: object, basis: object, nsched_before: object,
+                 plen_less_one: object, computed_rows: object, scheduled_rows: object,
+                 out_pos: object, out_delta: object, batch: object, nsched_map: object,
+                 new_blocks: object, drafts: object, structured: object, pending: object,
+                 nspec: object) -> tuple[object, list[int], list[int] | None, int] | None: ...
+def lane_rows(computed: object, scheduled: object, spec: object,
+              n: int) -> tuple[object, object, object] | None: ...

@@ -1,14 +1,16 @@
-/* Optional C versions of a same-batch step's count rows, one call a side: the engine's
- * departures from the forecast, packed (engine_side.vllm.quick.count_rows_py), and the
- * worker's counts made from them (worker_side.vllm.quick.count_lists_py).  A step with
- * count exceptions (speculative decoding's every step: accepted drafts move the
- * computed counts, new drafts the scheduled ones) otherwise pays a dozen Python-level
- * list passes a side.
+/* Optional C versions of a same-batch step's count rows (the step of speculative
+ * decoding: accepted drafts move the computed counts, new drafts the scheduled ones,
+ * every step).  Engine: the departures from the forecast, packed (count_rows; reference
+ * engine_side.vllm.quick.count_rows_py).  Worker: a lane body's rows unpacked
+ * (lane_rows; reference protocol.lane.lane_rows's lines) and the counts made from them
+ * (count_lists; reference worker_side.vllm.quick.count_lists_py).  _speedups_fused.c
+ * calls the first and the last inside its one-call steps.
  *
  * Contract: as protocol/_speedups.c -- each function returns exactly what its Python
  * reference returns for the inputs it accepts and None for every input it does not
  * accept (the caller then runs the Python path, refusals included);
- * tests/test_speedups_counts.py holds the two together.
+ * tests/test_speedups_counts.py holds the two together, its speculative streams
+ * included (every step against the general path's frames, with and without C).
  */
 #include "_speedups.h"
 
@@ -96,7 +98,7 @@ row_set(const long long *at, const long long *values, Py_ssize_t k, int zigzag, 
  * packed values, zig-zag for signed).  None unless six equally long lists of
  * int64-range ints, counts whose forecasts stay in range, a moved computed count >= 0
  * and scheduled counts >= 0 (the Python path decides, refusals included). */
-static PyObject *
+PyObject *
 count_rows(PyObject *self, PyObject *args)
 {
     PyObject *lists[6];
@@ -251,7 +253,7 @@ rows_arg(PyObject *rows, PyObject **at, PyObject **values)
  * request's id in ``batch``.  Rows are (positions, values) pairs of lists or None.
  * None, nothing changed, unless the lists are equally long lists of int64-range ints,
  * positions are in range, counts stay in int64 and the packed rows unpack. */
-static PyObject *
+PyObject *
 count_lists(PyObject *self, PyObject *args)
 {
     PyObject *lists[3], *crows, *srows, *opos, *odelta, *batch, *names;
@@ -427,293 +429,6 @@ finish:
     return result;
 }
 
-/* fn(NULL, args) for one of the module's METH_VARARGS functions, the tuple released
- * (NULL in: NULL out). */
-static PyObject *
-call_c(PyObject *(*fn)(PyObject *, PyObject *), PyObject *args)
-{
-    if (args == NULL) {
-        return NULL;
-    }
-    PyObject *out = fn(NULL, args);
-    Py_DECREF(args);
-    return out;
-}
-
-/* The sum of a list of int64-range ints in *total: 0, or -1 when not such a list or
- * the sum overflows. */
-static int
-list_sum(PyObject *list, long long *total)
-{
-    *total = 0;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
-        long long v;
-        if (as_i64(PyList_GET_ITEM(list, i), &v) < 0 || __builtin_add_overflow(*total, v, total)) {
-            return -1;
-        }
-    }
-    return 0;
-}
-
-/* count_output(CachedRequestData, SchedulerOutput, basis, nsched_before, plen_less_one,
- * computed_rows, scheduled_rows, out_pos, out_delta, batch, nsched_map, new_blocks,
- * drafts, structured, pending, nspec) -> (SchedulerOutput, computed copy, nsched | None,
- * total) | None: the worker's SchedulerOutput of a same-batch step with count rows in
- * one call -- count_lists' counts (nsched_map updated), their total, ``new_blocks``
- * (None: n Nones), split_rows of ``drafts`` ((lengths, flat); None: {}) and
- * step_output's objects, as worker_side.vllm.quick.QuickDecoder.scheduler_output makes
- * them.  None when one of those does not take its part (nsched_map then holds the same
- * counts count_lists would write: setting them again changes nothing). */
-static PyObject *
-count_output(PyObject *self, PyObject *args)
-{
-    PyObject *cls[2], *basis, *before, *plm1, *crows, *srows, *opos, *odelta, *batch, *names,
-             *blocks, *drafts, *structured, *pending, *nspec;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOO!O!OOOOO", &cls[0], &cls[1], &basis, &before, &plm1,
-                          &crows, &srows, &opos, &odelta, &PyList_Type, &batch, &PyDict_Type,
-                          &names, &blocks, &drafts, &structured, &pending, &nspec)) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(batch);
-    PyObject *split = NULL, *made = NULL, *counts = NULL, *total = NULL, *so = NULL,
-             *result = NULL;
-    long long sum;
-    if (!PyType_Check(cls[0]) || !PyType_Check(cls[1])) {
-        Py_RETURN_NONE;
-    }
-    if (drafts == Py_None) {
-        split = PyDict_New();
-    } else if (PyTuple_CheckExact(drafts) && PyTuple_GET_SIZE(drafts) == 2) {
-        split = call_c(split_rows, PyTuple_Pack(3, batch, PyTuple_GET_ITEM(drafts, 0),
-                                                PyTuple_GET_ITEM(drafts, 1)));
-    } else {
-        split = Py_NewRef(Py_None);
-    }
-    if (split == NULL || split == Py_None) {
-        result = split;
-        split = NULL;
-        goto finish;
-    }
-    if (blocks == Py_None && (made = PyList_New(n)) != NULL) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyList_SET_ITEM(made, i, Py_NewRef(Py_None));
-        }
-    }
-    if (blocks == Py_None && made == NULL) {
-        goto finish;
-    }
-    counts = call_c(count_lists, PyTuple_Pack(9, basis, before, plm1, crows, srows, opos,
-                                              odelta, batch, names));
-    if (counts == NULL || counts == Py_None) {
-        result = counts;
-        counts = NULL;
-        goto finish;
-    }
-    PyObject *nsched = PyTuple_GET_ITEM(counts, 2);
-    if (list_sum(nsched == Py_None ? before : nsched, &sum) < 0) {
-        result = Py_NewRef(Py_None);
-        goto finish;
-    }
-    if ((total = PyLong_FromLongLong(sum)) == NULL) {
-        goto finish;
-    }
-    so = call_c(step_output, PyTuple_Pack(12, cls[0], cls[1], batch, names,
-                                          made ? made : blocks, PyTuple_GET_ITEM(counts, 0),
-                                          PyTuple_GET_ITEM(counts, 1), total, split, structured,
-                                          pending, nspec));
-    if (so == NULL || so == Py_None) {
-        result = so;
-        so = NULL;
-        goto finish;
-    }
-    result = PyTuple_Pack(4, so, PyTuple_GET_ITEM(counts, 3), nsched, total);
-finish:
-    Py_XDECREF(split);
-    Py_XDECREF(made);
-    Py_XDECREF(counts);
-    Py_XDECREF(total);
-    Py_XDECREF(so);
-    return result;
-}
-
-/* The SchedulerOutput attributes same_batch_scan reads, interned once. */
-enum { S_CACHED, S_BLOCKS, S_IDS, S_NSCHED, S_TOTAL, S_SPEC, S_COMPUTED, S_OUTPUTS,
-       S_STRUCTURED, S_PENDING, S_NSPEC, S_COUNT };
-static const char *scan_spelled[S_COUNT] = {
-    "scheduled_cached_reqs", "new_block_ids", "req_ids", "num_scheduled_tokens",
-    "total_num_scheduled_tokens", "scheduled_spec_decode_tokens", "num_computed_tokens",
-    "num_output_tokens", "has_structured_output_requests", "pending_structured_output_tokens",
-    "num_spec_tokens_to_schedule"};
-static PyObject *scan_names[S_COUNT];
-
-/* Reads every attribute same_batch_scan needs into got[] (new references); 0, or -1
- * with an exception set (an object without one is not a SchedulerOutput). */
-static int
-read_step(PyObject *so, PyObject **got)
-{
-    for (int a = 0; a < S_COUNT; a++) {
-        if (scan_names[a] == NULL
-                && (scan_names[a] = PyUnicode_InternFromString(scan_spelled[a])) == NULL) {
-            return -1;
-        }
-    }
-    int on_cached[S_COUNT] = {[S_BLOCKS] = 1, [S_IDS] = 1, [S_COMPUTED] = 1, [S_OUTPUTS] = 1};
-    if ((got[S_CACHED] = PyObject_GetAttr(so, scan_names[S_CACHED])) == NULL) {
-        return -1;
-    }
-    for (int a = 1; a < S_COUNT; a++) {
-        PyObject *owner = on_cached[a] ? got[S_CACHED] : so;
-        if ((got[a] = PyObject_GetAttr(owner, scan_names[a])) == NULL) {
-            return -1;
-        }
-    }
-    return 0;
-}
-
-/* The step's scheduled counts as (list, same as ``before``) when its dict names the
- * batch in order: 1 and *nsched set (a new reference), 0 when not taken, -1 with an
- * exception set (QuickEncoder._nsched). */
-static int
-scheduled_counts(PyObject *counts, PyObject *batch, PyObject *before, PyObject **nsched,
-                 int *same)
-{
-    int match = dict_match(counts, batch, before);
-    if (match == -1) {
-        return -1;
-    }
-    if (match == 2) {
-        *nsched = Py_NewRef(before);
-        *same = 1;
-        return 1;
-    }
-    if (match != 1 || (*nsched = PyDict_Values(counts)) == NULL) {
-        return match == 1 ? -1 : 0;
-    }
-    *same = PyObject_RichCompareBool(*nsched, before, Py_EQ);
-    return *same < 0 ? -1 : 1;
-}
-
-/* A step's drafts as (lengths, flat, packed lengths, packed flat plus one): a new
- * reference, Py_None when not taken, NULL with an exception set (QuickEncoder._spec). */
-static PyObject *
-packed_drafts(PyObject *drafts, PyObject *pos, Py_ssize_t n)
-{
-    PyObject *rows = call_c(draft_rows, Py_BuildValue("(OOn)", drafts, pos, n));
-    if (rows == NULL || rows == Py_None) {
-        return rows;
-    }
-    PyObject *lengths = PyTuple_GET_ITEM(rows, 0), *flat = PyTuple_GET_ITEM(rows, 1);
-    PyObject *pc = pack_list(NULL, lengths), *pv = pc == NULL ? NULL : pack_plus_one(NULL, flat);
-    PyObject *out = pc == NULL || pv == NULL ? NULL
-        : pc == Py_None || pv == Py_None ? Py_NewRef(Py_None)
-        : PyTuple_Pack(4, lengths, flat, pc, pv);
-    Py_XDECREF(pc);
-    Py_XDECREF(pv);
-    Py_DECREF(rows);
-    return out;
-}
-
-/* same_batch_scan(so, batch, pos, basis, nsched_before, total, plen_less_one, handles,
- * rare, plain, one_group) -> (nsched, same, appends | None, packed | None, drafts | None,
- * counts, structured, pending, nspec) | None: what engine_side.vllm.quick.QuickEncoder.
- * body reads of a same-batch step, in one call -- ``rare(so) == plain``; the batch in
- * order with its scheduled counts (nsched, and whether they equal ``nsched_before``)
- * adding up to the step's total (``total`` when they are the same); one KV group's
- * appends (one_group_appends' rows and pack_appends' fields; None for none); the
- * drafts (draft_rows' lists with their packed counts and their values packed plus
- * one; None for none); count_rows of the counts; the structured-output flags as bools
- * and num_spec_tokens_to_schedule as read.  None for any step or input one of those
- * does not take, or when ``one_group`` is false (QuickEncoder.body's lines decide); an
- * object without these attributes raises AttributeError, as those lines do. */
-static PyObject *
-same_batch_scan(PyObject *self, PyObject *args)
-{
-    PyObject *so, *batch, *pos, *basis, *before, *total_obj, *plm1, *handles, *rare, *plain;
-    int one_group;
-    if (!PyArg_ParseTuple(args, "OO!O!OO!OOOOOp", &so, &PyList_Type, &batch, &PyDict_Type,
-                          &pos, &basis, &PyList_Type, &before, &total_obj, &plm1, &handles,
-                          &rare, &plain, &one_group)) {
-        return NULL;
-    }
-    PyObject *got[S_COUNT] = {NULL}, *obj = NULL, *nsched = NULL, *appends = NULL,
-             *packed = NULL, *drafts = NULL, *counts = NULL, *result = NULL;
-    Py_ssize_t n = PyList_GET_SIZE(batch);
-    int ok, same = 0, structured, pending, has_drafts; /* ok: 1 so far, 0 not taken, -1 error */
-    long long total, want;
-#define CHECK(cond) do { ok = (cond); if (ok <= 0) goto done; } while (0)
-    if ((obj = PyObject_CallOneArg(rare, so)) == NULL) {
-        goto error;
-    }
-    CHECK(PyObject_RichCompareBool(obj, plain, Py_EQ));
-    if (read_step(so, got) < 0) {
-        goto error;
-    }
-    CHECK(one_group && PyList_CheckExact(got[S_BLOCKS]) && PyList_GET_SIZE(got[S_BLOCKS]) == n
-          && as_i64(got[S_TOTAL], &total) == 0);
-    CHECK(PyObject_RichCompareBool(got[S_IDS], batch, Py_EQ));
-    CHECK(scheduled_counts(got[S_NSCHED], batch, before, &nsched, &same));
-    CHECK((same ? as_i64(total_obj, &want) : list_sum(nsched, &want)) == 0 && want == total);
-    if ((appends = one_group_appends(NULL, got[S_BLOCKS])) == NULL) {
-        goto error;
-    }
-    CHECK(appends != Py_None);
-    if (PyList_GET_SIZE(PyTuple_GET_ITEM(appends, 0)) == 0) {
-        Py_CLEAR(appends); /* no row grew */
-    } else {
-        packed = call_c(pack_appends, PyTuple_Pack(4, PyTuple_GET_ITEM(appends, 0),
-                                                   PyTuple_GET_ITEM(appends, 1),
-                                                   PyTuple_GET_ITEM(appends, 2), handles));
-        if (packed == NULL) {
-            goto error;
-        }
-        CHECK(packed != Py_None);
-    }
-    if ((has_drafts = PyObject_IsTrue(got[S_SPEC])) < 0) {
-        goto error;
-    }
-    if (has_drafts) {
-        if ((drafts = packed_drafts(got[S_SPEC], pos, n)) == NULL) {
-            goto error;
-        }
-        CHECK(drafts != Py_None);
-    }
-    counts = call_c(count_rows, PyTuple_Pack(6, got[S_COMPUTED], got[S_OUTPUTS], basis, before,
-                                             nsched, plm1));
-    if (counts == NULL) {
-        goto error;
-    }
-    CHECK(counts != Py_None);
-    if ((structured = PyObject_IsTrue(got[S_STRUCTURED])) < 0
-            || (pending = PyObject_IsTrue(got[S_PENDING])) < 0) {
-        goto error;
-    }
-    result = Py_BuildValue("(OOOOOOOOO)", nsched, same ? Py_True : Py_False,
-                           appends ? appends : Py_None, packed ? packed : Py_None,
-                           drafts ? drafts : Py_None, counts, structured ? Py_True : Py_False,
-                           pending ? Py_True : Py_False, got[S_NSPEC]);
-    goto finish;
-#undef CHECK
-done:
-    if (ok == 0) {
-        result = Py_NewRef(Py_None);
-        goto finish;
-    }
-error:
-    result = NULL;
-finish:
-    for (int a = 0; a < S_COUNT; a++) {
-        Py_XDECREF(got[a]);
-    }
-    Py_XDECREF(obj);
-    Py_XDECREF(nsched);
-    Py_XDECREF(appends);
-    Py_XDECREF(packed);
-    Py_XDECREF(drafts);
-    Py_XDECREF(counts);
-    return result;
-}
-
 PyMethodDef counts_methods[] = {
     {"count_rows", count_rows, METH_VARARGS,
      "A same-batch step's count exceptions against the forecast, packed (None: not taken)."},
@@ -721,9 +436,5 @@ PyMethodDef counts_methods[] = {
      "The worker's counts of a same-batch step with count rows (None: not taken)."},
     {"lane_rows", lane_rows, METH_VARARGS,
      "A lane body's count and draft rows as lists, unpacked in one call (None: not taken)."},
-    {"count_output", count_output, METH_VARARGS,
-     "The worker's SchedulerOutput of a same-batch step with count rows (None: not taken)."},
-    {"same_batch_scan", same_batch_scan, METH_VARARGS,
-     "What the engine reads of a same-batch step, in one call (None: not taken)."},
     {NULL, NULL, 0, NULL},
 };

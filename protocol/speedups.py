@@ -9,9 +9,10 @@ in the same module, the same-batch step's fused checks and rows
 (:mod:`engine_side.vllm.quick`, :mod:`worker_side.vllm.quick`),
 ``protocol/_speedups_output.c`` the worker's same-batch SchedulerOutput
 (``QuickDecoder._assemble``), ``protocol/_speedups_lane.c`` the steady lane's count
-plan and its fused count step (:mod:`protocol.lane`), and ``protocol/_speedups_counts.c``
-a same-batch step's count rows on both ends and a lane body's rows unpacked in one
-call.  Each returns exactly
+plan and its fused count step (:mod:`protocol.lane`), ``protocol/_speedups_counts.c`` a
+same-batch step's count rows on both ends, and ``protocol/_speedups_fused.c`` such a
+step in one call a side (the engine's read of the step, the worker's
+SchedulerOutput).  Each returns exactly
 what its Python reference returns, or None for an input it does not take (the
 Python path then decides, errors included); ``tests/test_speedups.py``,
 ``tests/test_vllm_quick.py`` and ``tests/test_speedups_counts.py`` hold the two
