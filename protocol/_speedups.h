@@ -87,6 +87,14 @@ PyObject *step_output(PyObject *self, PyObject *args); /* _speedups_output.c's *
 PyObject *count_rows(PyObject *self, PyObject *args); /* _speedups_counts.c's */
 PyObject *count_lists(PyObject *self, PyObject *args); /* _speedups_counts.c's */
 
+/* The SchedulerOutput attributes the same-batch steps read (_speedups_step.c's
+ * plain_check, _speedups_fused.c's same_batch_scan): attrs[a] once intern_attrs() has
+ * returned 0 (-1 with an exception set). */
+enum { A_CACHED, A_NEW_BLOCKS, A_REQ_IDS, A_SPEC, A_TOTAL, A_NSPEC, A_NSCHED, A_COMPUTED,
+       A_OUTPUTS, A_STRUCTURED, A_PENDING, A_COUNT };
+extern PyObject *attrs[A_COUNT];
+int intern_attrs(void);
+
 /* The arguments of _speedups.c's plan_rows: one KV group's appends and the lane's
  * lists (see plan_rows). */
 typedef struct {

@@ -123,34 +123,19 @@ finish:
     return result;
 }
 
-/* The SchedulerOutput attributes same_batch_scan reads, interned once. */
-enum { S_CACHED, S_BLOCKS, S_IDS, S_NSCHED, S_TOTAL, S_SPEC, S_COMPUTED, S_OUTPUTS,
-       S_STRUCTURED, S_PENDING, S_NSPEC, S_COUNT };
-static const char *scan_spelled[S_COUNT] = {
-    "scheduled_cached_reqs", "new_block_ids", "req_ids", "num_scheduled_tokens",
-    "total_num_scheduled_tokens", "scheduled_spec_decode_tokens", "num_computed_tokens",
-    "num_output_tokens", "has_structured_output_requests", "pending_structured_output_tokens",
-    "num_spec_tokens_to_schedule"};
-static PyObject *scan_names[S_COUNT];
-
 /* Reads every attribute same_batch_scan needs into got[] (new references); 0, or -1
  * with an exception set (an object without one is not a SchedulerOutput). */
 static int
 read_step(PyObject *so, PyObject **got)
 {
-    for (int a = 0; a < S_COUNT; a++) {
-        if (scan_names[a] == NULL
-                && (scan_names[a] = PyUnicode_InternFromString(scan_spelled[a])) == NULL) {
-            return -1;
-        }
-    }
-    int on_cached[S_COUNT] = {[S_BLOCKS] = 1, [S_IDS] = 1, [S_COMPUTED] = 1, [S_OUTPUTS] = 1};
-    if ((got[S_CACHED] = PyObject_GetAttr(so, scan_names[S_CACHED])) == NULL) {
+    int on_cached[A_COUNT] = {[A_NEW_BLOCKS] = 1, [A_REQ_IDS] = 1, [A_COMPUTED] = 1,
+                              [A_OUTPUTS] = 1};
+    if (intern_attrs() < 0 || (got[A_CACHED] = PyObject_GetAttr(so, attrs[A_CACHED])) == NULL) {
         return -1;
     }
-    for (int a = 1; a < S_COUNT; a++) {
-        PyObject *owner = on_cached[a] ? got[S_CACHED] : so;
-        if ((got[a] = PyObject_GetAttr(owner, scan_names[a])) == NULL) {
+    for (int a = A_CACHED + 1; a < A_COUNT; a++) { /* (A_CACHED is the first) */
+        PyObject *owner = on_cached[a] ? got[A_CACHED] : so;
+        if ((got[a] = PyObject_GetAttr(owner, attrs[a])) == NULL) {
             return -1;
         }
     }
@@ -222,7 +207,7 @@ same_batch_scan(PyObject *self, PyObject *args)
                           &rare, &plain, &one_group)) {
         return NULL;
     }
-    PyObject *got[S_COUNT] = {NULL}, *obj = NULL, *nsched = NULL, *appends = NULL,
+    PyObject *got[A_COUNT] = {NULL}, *obj = NULL, *nsched = NULL, *appends = NULL,
              *packed = NULL, *drafts = NULL, *counts = NULL, *result = NULL;
     Py_ssize_t n = PyList_GET_SIZE(batch);
     int ok, same = 0, structured, pending, has_drafts; /* ok: 1 so far, 0 not taken, -1 error */
@@ -235,12 +220,12 @@ same_batch_scan(PyObject *self, PyObject *args)
     if (read_step(so, got) < 0) {
         goto error;
     }
-    CHECK(one_group && PyList_CheckExact(got[S_BLOCKS]) && PyList_GET_SIZE(got[S_BLOCKS]) == n
-          && as_i64(got[S_TOTAL], &total) == 0);
-    CHECK(PyObject_RichCompareBool(got[S_IDS], batch, Py_EQ));
-    CHECK(scheduled_counts(got[S_NSCHED], batch, before, &nsched, &same));
+    CHECK(one_group && PyList_CheckExact(got[A_NEW_BLOCKS]) && PyList_GET_SIZE(got[A_NEW_BLOCKS]) == n
+          && as_i64(got[A_TOTAL], &total) == 0);
+    CHECK(PyObject_RichCompareBool(got[A_REQ_IDS], batch, Py_EQ));
+    CHECK(scheduled_counts(got[A_NSCHED], batch, before, &nsched, &same));
     CHECK((same ? as_i64(total_obj, &want) : list_sum(nsched, &want)) == 0 && want == total);
-    if ((appends = one_group_appends(NULL, got[S_BLOCKS])) == NULL) {
+    if ((appends = one_group_appends(NULL, got[A_NEW_BLOCKS])) == NULL) {
         goto error;
     }
     CHECK(appends != Py_None);
@@ -255,29 +240,29 @@ same_batch_scan(PyObject *self, PyObject *args)
         }
         CHECK(packed != Py_None);
     }
-    if ((has_drafts = PyObject_IsTrue(got[S_SPEC])) < 0) {
+    if ((has_drafts = PyObject_IsTrue(got[A_SPEC])) < 0) {
         goto error;
     }
     if (has_drafts) {
-        if ((drafts = packed_drafts(got[S_SPEC], pos, n)) == NULL) {
+        if ((drafts = packed_drafts(got[A_SPEC], pos, n)) == NULL) {
             goto error;
         }
         CHECK(drafts != Py_None);
     }
-    counts = call_c(count_rows, PyTuple_Pack(6, got[S_COMPUTED], got[S_OUTPUTS], basis, before,
+    counts = call_c(count_rows, PyTuple_Pack(6, got[A_COMPUTED], got[A_OUTPUTS], basis, before,
                                              nsched, plm1));
     if (counts == NULL) {
         goto error;
     }
     CHECK(counts != Py_None);
-    if ((structured = PyObject_IsTrue(got[S_STRUCTURED])) < 0
-            || (pending = PyObject_IsTrue(got[S_PENDING])) < 0) {
+    if ((structured = PyObject_IsTrue(got[A_STRUCTURED])) < 0
+            || (pending = PyObject_IsTrue(got[A_PENDING])) < 0) {
         goto error;
     }
     result = Py_BuildValue("(OOOOOOOOO)", nsched, same ? Py_True : Py_False,
                            appends ? appends : Py_None, packed ? packed : Py_None,
                            drafts ? drafts : Py_None, counts, structured ? Py_True : Py_False,
-                           pending ? Py_True : Py_False, got[S_NSPEC]);
+                           pending ? Py_True : Py_False, got[A_NSPEC]);
     goto finish;
 #undef CHECK
 done:
@@ -288,7 +273,7 @@ done:
 error:
     result = NULL;
 finish:
-    for (int a = 0; a < S_COUNT; a++) {
+    for (int a = 0; a < A_COUNT; a++) {
         Py_XDECREF(got[a]);
     }
     Py_XDECREF(obj);

@@ -88,17 +88,15 @@ fail:
     return NULL;
 }
 
-/* Attribute names, interned once. */
-enum { A_CACHED, A_NEW_BLOCKS, A_REQ_IDS, A_SPEC, A_TOTAL, A_NSPEC, A_NSCHED, A_COMPUTED,
-       A_OUTPUTS, A_STRUCTURED, A_PENDING, A_COUNT };
+/* The SchedulerOutput attribute names (see _speedups.h), interned once. */
 static const char *attr_names[A_COUNT] = {
     "scheduled_cached_reqs", "new_block_ids", "req_ids", "scheduled_spec_decode_tokens",
     "total_num_scheduled_tokens", "num_spec_tokens_to_schedule", "num_scheduled_tokens",
     "num_computed_tokens", "num_output_tokens", "has_structured_output_requests",
     "pending_structured_output_tokens"};
-static PyObject *attrs[A_COUNT];
+PyObject *attrs[A_COUNT];
 
-static int
+int
 intern_attrs(void)
 {
     for (int i = 0; i < A_COUNT; i++) {

@@ -237,12 +237,7 @@ class QuickEncoder:
         if drafts is not None:
             fields["spec_tokens"] = Rows(counts=drafts[2], values=drafts[3])
             lists["drafts"] = drafts[:2]
-        if computed is not None:
-            fields["computed_tokens"] = Rows(handles=computed[2], values=computed[3])
-            lists["computed"] = computed[:2]
-        if scheduled is not None:
-            fields["scheduled_tokens"] = Rows(handles=scheduled[2], values=scheduled[3])
-            lists["scheduled"] = scheduled[:2]
+        _count_fields(computed, scheduled, fields, lists)
         self.rows = LaneRows(**lists) if lists else NO_ROWS
         if structured:
             fields["has_structured_output"] = True
@@ -346,12 +341,7 @@ class QuickEncoder:
         if got is None:
             return False
         computed, scheduled, outputs, copy = got
-        if computed is not None:
-            fields["computed_tokens"] = Rows(handles=computed[2], values=computed[3])
-            lists["computed"] = computed[:2]
-        if scheduled is not None:
-            fields["scheduled_tokens"] = Rows(handles=scheduled[2], values=scheduled[3])
-            lists["scheduled"] = scheduled[:2]
+        _count_fields(computed, scheduled, fields, lists)
         fc.rebase(copy, nsched, same_ns)
         return (b"", b"") if outputs is None else outputs[2:]
 
@@ -425,6 +415,19 @@ class QuickEncoder:
             return None  # an unknown request, an empty list, or out of batch order
         lengths, flat = got
         return Rows(counts=pack_uints(lengths), values=pack_uints_plus_one(flat)), got
+
+
+def _count_fields(computed: CountRows | None, scheduled: CountRows | None,
+                  fields: dict[str, Any], lists: dict[str, tuple[list[int], list[int]]],
+                  ) -> None:
+    """The computed and scheduled count rows (``count_rows``' first two) into the body's
+    ``fields`` as Rows and into ``lists`` for the lane."""
+    if computed is not None:
+        fields["computed_tokens"] = Rows(handles=computed[2], values=computed[3])
+        lists["computed"] = computed[:2]
+    if scheduled is not None:
+        fields["scheduled_tokens"] = Rows(handles=scheduled[2], values=scheduled[3])
+        lists["scheduled"] = scheduled[:2]
 
 
 def _one_block_group(grown: list[int], new_blocks: list[Any],
