@@ -231,8 +231,8 @@ class SteadyLane:
                 own_appends: bool = False) -> int | None:
         """:meth:`step` of a lane body with count or draft ``rows`` (not NO_ROWS) and at
         most one KV group's appends in one C call (``lane_counts``: both plans, the
-        digest and the commit); :meth:`step` tries it first for such a body, and callers
-        that know they have one may call it directly.  None, nothing done, without the
+        digest and the commit); :meth:`step` tries it first for such a body.  None,
+        nothing done, without the
         speedups, with more KV groups or when C does not take them (:meth:`step` then
         decides, refusals included).  Raises InvalidDelta, nothing done, when the digest
         differs from ``expected_digest``."""

@@ -209,11 +209,8 @@ class SchedulerOutputEncoder:
         step with one KV group's appends goes straight to :meth:`SteadyLane.appended`,
         any other to the lane's step; a body the lane refuses to the mirror's state."""
         quick = self.quick
-        if quick.rows is NO_ROWS:
-            digest = lane.appended(quick.appends[0], None, body, own=True) \
-                if len(quick.appends) == 1 else None
-        else:
-            digest = lane.counted(body, quick.rows, quick.appends, None, True, True)
+        digest = lane.appended(quick.appends[0], None, body, own=True) \
+            if quick.rows is NO_ROWS and len(quick.appends) == 1 else None
         if digest is None:
             digest = lane.step(body, quick.appends, rows=quick.rows, own_appends=True,
                                own_rows=True)

@@ -43,7 +43,7 @@ from engine_side.vllm.schema import (
 from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import InvalidDelta, MalformedMessage
-from protocol.lane import NO_ROWS, Appends, LaneRows, SteadyLane
+from protocol.lane import NO_ROWS, SteadyLane
 from protocol.messages import TOKEN_MODE_WORKER, Delta, DeltaBody, Rows
 from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
 from protocol.plan import STEADY_BODY
@@ -158,7 +158,7 @@ class SchedulerOutputDecoder:
             self.lane = SteadyLane(self.state)
         fast = quick.lane_inputs(body, ext) if self.fast and quick.ready else None
         turnover = fast is None and self.fast and turnover_shaped(self, body, ext)
-        if fast is None or not self._laned(body, fast[0], fast[1], msg.digest):
+        if fast is None or self.lane.step(body, fast[0], msg.digest, fast[1]) is None:
             self.lane.settle()
             if fast is None and self._lengths_stale:
                 self._refresh_lengths()
@@ -184,16 +184,6 @@ class SchedulerOutputDecoder:
         self.after_general(request.req_ids, request.num_computed_tokens.tolist(),
                            so.num_scheduled_tokens)
         return so
-
-    def _laned(self, body: DeltaBody, appends: list[Appends], rows: LaneRows,
-               digest: int) -> bool:
-        """Whether the steady lane took a same-batch body (``appends`` and ``rows`` from
-        :meth:`QuickDecoder.lane_inputs`): count or draft rows go to its one-call step
-        first.  Raises InvalidDelta, nothing done, when the digest differs."""
-        lane = self.lane
-        if rows is not NO_ROWS and lane.counted(body, rows, appends, digest) is not None:
-            return True
-        return lane.step(body, appends, digest, rows) is not None
 
     def after_general(self, batch: list[str], computed: list[int],
                       nsched: dict[str, int]) -> None:
