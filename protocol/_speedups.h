@@ -69,7 +69,7 @@ departs(long long x, long long y, long long z, int clamp)
 
 /* _speedups.c's dict_matches as an int (-2: not taken, -1: an exception is set), its
  * one_group_appends, the raw_list family, the packers, draft_rows and split_rows,
- * _speedups_step.c's pack_appends, _speedups_output.c's step_output and
+ * _speedups_step.c's packed_appends, _speedups_output.c's step_output and
  * _speedups_counts.c's count_rows and count_lists, for the fused same-step functions of
  * _speedups_step.c, _speedups_counts.c and _speedups_fused.c. */
 int dict_match(PyObject *d, PyObject *keys, PyObject *values);
@@ -82,10 +82,23 @@ PyObject *pack_values(const uint64_t *values, Py_ssize_t n);
 PyObject *pack_plus_one(PyObject *self, PyObject *arg);
 PyObject *draft_rows(PyObject *self, PyObject *args);
 PyObject *split_rows(PyObject *self, PyObject *args);
-PyObject *pack_appends(PyObject *self, PyObject *args); /* _speedups_step.c's */
+PyObject *packed_appends(PyObject *appends, PyObject *handles); /* _speedups_step.c's */
 PyObject *step_output(PyObject *self, PyObject *args); /* _speedups_output.c's */
 PyObject *count_rows(PyObject *self, PyObject *args); /* _speedups_counts.c's */
 PyObject *count_lists(PyObject *self, PyObject *args); /* _speedups_counts.c's */
+
+/* fn(NULL, args) for one of the module's METH_VARARGS functions, the tuple released
+ * (NULL in: NULL out): how the fused functions call the others. */
+static inline PyObject *
+call_c(PyObject *(*fn)(PyObject *, PyObject *), PyObject *args)
+{
+    if (args == NULL) {
+        return NULL;
+    }
+    PyObject *out = fn(NULL, args);
+    Py_DECREF(args);
+    return out;
+}
 
 /* The SchedulerOutput attributes the same-batch steps read (_speedups_step.c's
  * plain_check, _speedups_fused.c's same_batch_scan): attrs[a] once intern_attrs() has

@@ -178,13 +178,7 @@ unpacked_or_empty(PyObject *packed, PyObject *(*unpack)(PyObject *, PyObject *))
     if (PyBytes_CheckExact(packed) && PyBytes_GET_SIZE(packed) == 0) {
         return PyList_New(0);
     }
-    PyObject *args = PyTuple_Pack(1, packed);
-    if (args == NULL) {
-        return NULL;
-    }
-    PyObject *out = unpack(NULL, args);
-    Py_DECREF(args);
-    return out;
+    return call_c(unpack, PyTuple_Pack(1, packed));
 }
 
 /* Adds values[j] to col[at[j]] for the rows of two equally long lists; 0, or -1 when

@@ -13,19 +13,6 @@
  */
 #include "_speedups.h"
 
-/* fn(NULL, args) for one of the module's METH_VARARGS functions, the tuple released
- * (NULL in: NULL out). */
-static PyObject *
-call_c(PyObject *(*fn)(PyObject *, PyObject *), PyObject *args)
-{
-    if (args == NULL) {
-        return NULL;
-    }
-    PyObject *out = fn(NULL, args);
-    Py_DECREF(args);
-    return out;
-}
-
 /* The sum of a list of int64-range ints in *total: 0, or -1 when not such a list or
  * the sum overflows. */
 static int
@@ -191,7 +178,7 @@ packed_drafts(PyObject *drafts, PyObject *pos, Py_ssize_t n)
  * body reads of a same-batch step, in one call -- ``rare(so) == plain``; the batch in
  * order with its scheduled counts (nsched, and whether they equal ``nsched_before``)
  * adding up to the step's total (``total`` when they are the same); one KV group's
- * appends (one_group_appends' rows and pack_appends' fields; None for none); the
+ * appends (one_group_appends' rows and packed_appends' fields; None for none); the
  * drafts (draft_rows' lists with their packed counts and their values packed plus
  * one; None for none); count_rows of the counts; the structured-output flags as bools
  * and num_spec_tokens_to_schedule as read.  None for any step or input one of those
@@ -232,9 +219,7 @@ same_batch_scan(PyObject *self, PyObject *args)
     if (PyList_GET_SIZE(PyTuple_GET_ITEM(appends, 0)) == 0) {
         Py_CLEAR(appends); /* no row grew */
     } else {
-        packed = call_c(pack_appends, PyTuple_Pack(4, PyTuple_GET_ITEM(appends, 0),
-                                                   PyTuple_GET_ITEM(appends, 1),
-                                                   PyTuple_GET_ITEM(appends, 2), handles));
+        packed = packed_appends(appends, handles);
         if (packed == NULL) {
             goto error;
         }

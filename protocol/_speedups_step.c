@@ -151,22 +151,19 @@ attr(PyObject *obj, int a)
 }
 
 
-/* pack_appends of ``appends`` (positions, counts, ids) and ``handles``: a new reference
- * (Py_None when not taken) or NULL. */
-static PyObject *
+static PyObject *pack_appends(PyObject *self, PyObject *args);
+
+/* pack_appends of ``appends`` (one_group_appends' (positions, counts, ids)) and
+ * ``handles``: a new reference (Py_None when not taken) or NULL. */
+PyObject *
 packed_appends(PyObject *appends, PyObject *handles)
 {
     if (appends == NULL || !PyTuple_CheckExact(appends) || PyTuple_GET_SIZE(appends) != 3) {
         return Py_NewRef(Py_None);
     }
-    PyObject *args = PyTuple_Pack(4, PyTuple_GET_ITEM(appends, 0), PyTuple_GET_ITEM(appends, 1),
-                                  PyTuple_GET_ITEM(appends, 2), handles);
-    if (args == NULL) {
-        return NULL;
-    }
-    PyObject *out = pack_appends(NULL, args);
-    Py_DECREF(args);
-    return out;
+    return call_c(pack_appends, PyTuple_Pack(4, PyTuple_GET_ITEM(appends, 0),
+                                             PyTuple_GET_ITEM(appends, 1),
+                                             PyTuple_GET_ITEM(appends, 2), handles));
 }
 
 /* plain_check(so, batch, nsched, total, basis, plen_less_one, rare, plain, one_group,
@@ -295,13 +292,7 @@ finish:
 static PyObject *
 unpack(PyObject *packed)
 {
-    PyObject *args = PyTuple_Pack(1, packed);
-    if (args == NULL) {
-        return NULL;
-    }
-    PyObject *out = raw_list(NULL, args);
-    Py_DECREF(args);
-    return out;
+    return call_c(raw_list, PyTuple_Pack(1, packed));
 }
 
 /* append_rows(handles, counts, values, at, n) -> (positions, counts, ids, new_blocks) |
@@ -390,7 +381,7 @@ finish:
  * _one_group_rows): pack_uints of handles[p] for each position, pack_row_counts of the
  * counts (b"" when every count is 1) and pack_uints of the ids.  None unless the lists
  * pack and every position indexes ``handles``. */
-PyObject *
+static PyObject *
 pack_appends(PyObject *self, PyObject *args)
 {
     PyObject *pos, *counts, *ids, *handles;
