@@ -591,6 +591,43 @@ keyed_sum(PyObject *self, PyObject *args)
     return PyLong_FromUnsignedLongLong(total);
 }
 
+/* key_list(handles, k_handle, k_add, k_pos) -> list | None: the keys of keyed_sum,
+ * [mix64(handles[i]*k_handle + i*k_pos + k_add) | 1 for i], for a list of int64-range
+ * ints (protocol.digest.handle_keys with k_pos = 0, schedule_keys with k_add = 0).
+ * None for anything else. */
+static PyObject *
+key_list(PyObject *self, PyObject *args)
+{
+    PyObject *handles;
+    unsigned long long k_handle, k_add, k_pos;
+    if (!PyArg_ParseTuple(args, "OKKK", &handles, &k_handle, &k_add, &k_pos)) {
+        return NULL;
+    }
+    if (!PyList_CheckExact(handles)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(handles);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long h;
+        if (as_i64(PyList_GET_ITEM(handles, i), &h) < 0) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        PyObject *key = PyLong_FromUnsignedLongLong(
+            mix64((uint64_t)h * k_handle + (uint64_t)i * k_pos + k_add) | 1ULL);
+        if (key == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, key);
+    }
+    return out;
+}
+
 /* single_items(rows: list) -> list | None: [row[0] for row in rows] when every row is
  * a list of exactly one item (a step's sampled tokens, one per request); None for
  * anything else (the caller's general path decides). */
@@ -1361,6 +1398,8 @@ static PyMethodDef methods[] = {
     {"singletons", singletons, METH_O, "[[item] for item in items] (None: not a list)."},
     {"keyed_sum", keyed_sum, METH_VARARGS,
      "The digest's linear count terms summed over two lists (None: not taken)."},
+    {"key_list", key_list, METH_VARARGS,
+     "The keys keyed_sum multiplies by, as a list (None: not taken)."},
     {"dict_matches", dict_matches, METH_VARARGS,
      "0: keys differ, 1: values differ, 2: both match a dict's (None: not taken)."},
     {"plan_rows", plan_rows, METH_VARARGS,

@@ -46,11 +46,10 @@ Journaled = tuple[list[int], list[int], list[int], list[int], list[int]]
 MAX_ROWS = 1 << 16
 #: ... or this many changes of the scheduled counts (bounds a computed count's lookup)
 MAX_SEGMENTS = 16
-#: schedules up to this long open with one keyed sum and take their keys, when count
-#: exceptions first need them, from a per-handle cache; longer ones use numpy (measured:
-#: the numpy advance term costs ~5 µs, a cached key ~0.1 µs)
+#: schedules up to this long open with one keyed sum; longer ones take the state's numpy
+#: advance term (the keys themselves are made, in one C loop, when count exceptions
+#: first need them)
 FEW_KEYS = 64
-MAX_KEYS = 1 << 16  # the per-handle key cache is emptied past this many handles
 _NONE: list[int] = []  # no count exceptions (shared, never extended)
 #: a step's planned counts: (digest change, computed positions, their corrections, the new
 #: scheduled counts or None, the next advance term)
@@ -96,9 +95,6 @@ class SteadyLane:
         self.handles: list[int] = []
         self.keys: list[int] | None = None  # see _keys
         self.skeys: list[int] | None = None  # see _schedule_keys
-        #: handle -> computed-term key, kept across opens (a key depends on the handle
-        #: only; a handle's requests come and go, its key stays valid)
-        self.key_of: dict[int, int] = {}
         self.groups = 0  # KV groups of the state
         #: the scheduled rows' table lengths per group, read from the state when appends
         #: first need them (see lengths): a lane of steady steps never pays for them
@@ -155,16 +151,6 @@ class SteadyLane:
     def _state_lengths(self) -> list[list[int]]:
         state = self.state
         return [table.lengths[state.schedule].tolist() for table in state.blocks]
-
-    def _small_keys(self, handles: list[int]) -> list[int]:
-        """``dg.handle_key_int`` of each handle, through :attr:`key_of`."""
-        key_of = self.key_of
-        missing = [h for h in handles if h not in key_of]
-        if missing:
-            if len(key_of) > MAX_KEYS:
-                key_of.clear()
-            key_of.update(zip(missing, map(dg.handle_key_int, missing), strict=True))
-        return list(map(key_of.__getitem__, handles))
 
     def _restart(self) -> None:
         """Counts journal empty: advances start from the state's scheduled counts."""
@@ -415,15 +401,14 @@ class SteadyLane:
         """The schedule's computed-term multipliers by position (``dg.handle_keys``; made
         when count exceptions first need them, kept while the schedule stays)."""
         if self.keys is None:
-            self.keys = self._small_keys(self.handles) if len(self.handles) <= FEW_KEYS \
-                else dg.handle_keys(self.handles).tolist()
+            self.keys = dg.handle_key_list(self.handles)
         return self.keys
 
     def _schedule_keys(self) -> list[int]:
         """The schedule's scheduled-count multipliers by position (``dg.schedule_keys``;
         made when a scheduled count first changes, kept while the schedule stays)."""
         if self.skeys is None:
-            self.skeys = dg.schedule_keys(self.handles).tolist()
+            self.skeys = dg.schedule_key_list(self.handles)
         return self.skeys
 
     def _computed(self) -> list[int]:
@@ -459,7 +444,7 @@ class SteadyLane:
             return
         assert self.last is not None  # noqa: S101 - set by every journaled step
         self.state.absorb_lane(self.segments, self.extra, self.journal, self._lengths or [],
-                               self.last, self.digest, self.advance)
+                               self.last, self.digest, self.advance, self.comp)
         self.steps, self.last = 0, None
         self.journal = [[] for _ in range(self.groups)]
         self.version, self.rows = self.state.version, 0

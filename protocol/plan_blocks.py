@@ -47,7 +47,9 @@ class BlockPlanner(PlannerPart):
                 raise self.fail(f"{name} must have one entry per KV group", groups=groups)
         if not self.body.block_replace and not self.body.block_append:
             return [_NO_EDIT] * groups
-        if not self.body.block_replace and not self.reset:  # appends alone: the common step
+        # appends alone (the common step; finished handles reset nothing they could name:
+        # an append to one fails the liveness check either way)
+        if not self.body.block_replace and not any(map(self.live.item, self.reset)):
             return [self._few_appends(g, rows) or self._block_edit(
                 g, (_EMPTY, _EMPTY, _EMPTY), self._block_rows(rows, sched, g))
                 for g, rows in enumerate(self.body.block_append)]

@@ -79,7 +79,10 @@ class ReplicaState:
         self.schedule: IntArray = _EMPTY
         self.nsched: IntArray = _EMPTY
         self.digest = 0
-        self.step = StepInfo()
+        self._step = StepInfo()
+        #: the last lane body whose step fields :attr:`step` makes when first read (a
+        #: settle before a general step, which replaces them, never pays for them)
+        self._lane_last: DeltaBody | None = None
         self.version = 0  # counts changes (a :class:`protocol.lane.SteadyLane` checks it)
         self._rebuild_cache: dict[object, object] = {}
         #: (schedule, nsched, their schedule term): see :meth:`schedule_term`
@@ -155,6 +158,19 @@ class ReplicaState:
         self.version += 1
         return True
 
+    @property
+    def step(self) -> StepInfo:
+        """The step-only fields of the last applied delta."""
+        last = self._lane_last
+        if last is not None:  # a settled lane's last body: the state is as it left it
+            self._lane_last = None
+            self._step = lane_step(self, last, self._steady()[3])
+        return self._step
+
+    @step.setter
+    def step(self, value: StepInfo) -> None:
+        self._step, self._lane_last = value, None
+
     def steady_advance_term(self) -> int:
         """The digest change of one steady advance of the current schedule (cached)."""
         return self._steady()[2]  # type: ignore[no-any-return]
@@ -163,21 +179,24 @@ class ReplicaState:
                     journal: list[list[tuple[list[int], list[int], list[int], list[int],
                                              list[int]]]],
                     lengths: list[list[int]], last: DeltaBody, digest: int,
-                    advance: int) -> None:
+                    advance: int, computed_now: list[int] | None = None) -> None:
         """Commit the steps a :class:`protocol.lane.SteadyLane` checked and journaled (see
         :mod:`protocol.lane`): the advances ([scheduled counts, steps] per stretch of
         unchanged counts, the last stretch's counts now current) and computed-count
         exceptions by position; per group the appends ((handles, starts, counts, ids,
         row terms) per step) and the schedule's final table lengths; the last body's
-        step fields; the digest and the next advance term.  Cannot fail."""
+        step fields; the digest and the next advance term.  ``computed_now``: the
+        schedule's computed counts after all that, when the lane keeps them (one write
+        instead of one add per stretch).  Cannot fail."""
         self._flush()
         self._ahead = self._fresh = None
         computed, sched = self._cols.computed, self.schedule
-        for nsched, steps in segments:  # int64 arithmetic wraps like repeated adds
-            if steps:
-                computed[sched] += steps * np.array(nsched, dtype=np.int64)
-        if any(extra):
-            computed[sched] += np.array(extra, dtype=np.int64)
+        if not _write_counts(computed, sched, computed_now):
+            for nsched, steps in segments:  # int64 arithmetic wraps like repeated adds
+                if steps:
+                    computed[sched] += steps * np.array(nsched, dtype=np.int64)
+            if any(extra):
+                computed[sched] += np.array(extra, dtype=np.int64)
         final = segments[-1][0]
         if final != self.nsched.tolist():
             nsched = np.array(final, dtype=np.int64)
@@ -189,8 +208,8 @@ class ReplicaState:
             if rows:
                 self._absorb_appends(g, rows, lengths[g])
         self._rebuild_cache.pop("template", None)
-        self.step = steady_step(self) if last == STEADY_BODY else \
-            lane_step(self, last, self._steady()[3])
+        self.step = steady_step(self) if last == STEADY_BODY else self._step
+        self._lane_last = None if last == STEADY_BODY else last  # made when read
         self.digest = digest
         self.version += 1
 
@@ -474,3 +493,15 @@ class ReplicaState:
     def rebuild(self) -> ExecuteModelRequest:
         """The full request of the last applied step, made of fresh containers."""
         return rebuild_request(self)
+
+
+def _write_counts(computed: IntArray, sched: IntArray, counts: list[int] | None) -> bool:
+    """``computed[sched] = counts``; False, nothing written, without counts or when one
+    does not fit int64 (the caller then adds the advances, which wrap as int64 does)."""
+    if counts is None:
+        return False
+    try:
+        computed[sched] = np.array(counts, dtype=np.int64)
+    except OverflowError:
+        return False
+    return True

@@ -556,6 +556,32 @@ def test_keyed_sum_refuses_what_it_cannot_take() -> None:
         dg.schedule_term([1], [1 << 63])
 
 
+@needs_c
+@settings(max_examples=200)
+@given(st.lists(st.integers(0, 1 << 40), max_size=80))
+def test_key_list_is_the_numpy_keys(handles: list[int]) -> None:
+    """C's key lists are the numpy references (schedule keys by position, handle keys),
+    and the Python fallbacks give the same lists."""
+    assert C is not None
+    want_sched, want_handle = dg.schedule_keys(handles).tolist(), dg.handle_keys(handles).tolist()
+    assert C.key_list(handles, dg._SCHED_I, 0, dg._POS_I) == want_sched
+    assert dg.schedule_key_list(handles) == want_sched
+    assert dg.handle_key_list(handles) == want_handle
+    assert list(map(dg.handle_key_int, handles)) == want_handle
+
+
+@needs_c
+def test_key_list_refuses_what_it_cannot_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert C is not None
+    assert C.key_list((1, 2), 3, 0, 5) is None  # not a list
+    assert C.key_list([1, 1 << 63], 3, 0, 5) is None  # past int64
+    assert C.key_list([1, 2.0], 3, 0, 5) is None  # not an int
+    monkeypatch.setattr(dg, "_C", None)  # the fallbacks, small and numpy-sized
+    for handles in ([3, 1, 2], list(range(100))):
+        assert dg.handle_key_list(handles) == dg.handle_keys(handles).tolist()
+        assert dg.schedule_key_list(handles) == dg.schedule_keys(handles).tolist()
+
+
 ROWS = st.lists(st.one_of(st.lists(st.integers(), min_size=1, max_size=1),
                          st.lists(st.integers(), max_size=3),
                          st.tuples(st.integers()), st.integers()), max_size=12)
