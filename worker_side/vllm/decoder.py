@@ -30,6 +30,7 @@ from engine_side.vllm.convert import (
     resolve_ref,
     seal,
     single_items,
+    split_rows,
     unseal,
 )
 from engine_side.vllm.params import SamplingMaker, spec_to_lora, spec_to_pooling
@@ -71,6 +72,9 @@ def _keyed(r: Ragged, batch: list[str], keys: bytes | None, shift: int = 0,
     """A per-request dict from aligned rows: non-empty rows in batch order unless ``keys``."""
     if keys is None and not r.values.size:
         return {}
+    if keys is None and r.lengths.size == len(batch):  # one C call (the usual drafts)
+        return split_rows(batch, r.lengths.tolist(),
+                          (r.values - shift).tolist() if shift else r.values.tolist())
     off = [0, *accumulate(r.lengths.tolist())]
     vals = (r.values - shift).tolist() if shift else r.values.tolist()
     positions = [i for i in range(len(batch)) if off[i + 1] > off[i]] if keys is None \
