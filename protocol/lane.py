@@ -107,18 +107,25 @@ class SteadyLane:
         #: the computed counts now, made when an exception first needs them and then kept
         #: up to date (a lane without exceptions never pays for them)
         self.comp: list[int] | None = None
+        #: the state's computed counts of the schedule as a caller gave them (see open)
+        self._base: list[int] | None = None
         #: per group, per journaled step: (handles, starts, counts, ids, row terms)
         self.journal: list[list[Journaled]] = []
         self.rows = 0
         self.last: DeltaBody | None = None
 
-    def open(self) -> None:
+    def open(self, computed: list[int] | None = None) -> None:
         """Open the lane on the state now, its block lengths included (a no-op while steps
         are journaled or when it is open on this version).  The adapters call it at the
         end of a general step, which costs far more, so that the next same-schedule step
-        does not pay for the lists."""
+        does not pay for the lists.  ``computed``: the schedule's computed counts as the
+        state now holds them, when the caller has them (a general step's actual counts;
+        kept, never changed): the first count exception copies them instead of reading
+        the state."""
         if self.steps == 0 and self.version != self.state.version:
             self._open()
+        if self.steps == 0 and computed is not None and len(computed) == len(self.handles):
+            self._base = computed
         if self._lengths is None:
             self._lengths = self._state_lengths()
 
@@ -154,6 +161,7 @@ class SteadyLane:
 
     def _restart(self) -> None:
         """Counts journal empty: advances start from the state's scheduled counts."""
+        self._base = None  # (see open)
         self.nsched = self.state.nsched.tolist()
         self.segments, self.extra, self.comp = [[self.nsched, 0]], [0] * len(self.nsched), None
 
@@ -414,7 +422,9 @@ class SteadyLane:
     def _computed(self) -> list[int]:
         """The computed counts now, by position (the state's plus the journal's)."""
         if self.comp is None:
-            comp = self.state.cols.computed[self.state.schedule].tolist()
+            # (the caller's list is only read: the lines below make a new one)
+            comp = self._base if self._base is not None else \
+                self.state.cols.computed[self.state.schedule].tolist()
             for ns, k in self.segments:
                 if k:
                     comp = [c + k * x for c, x in zip(comp, ns, strict=True)]

@@ -246,7 +246,7 @@ class SchedulerOutputEncoder:
         assert self.lane is not None  # noqa: S101 - made by encode
         if not tables_built:
             self._last_blocks, self._hint = None, None
-        self.lane.open()  # here, not in the next same-batch step
+        self.lane.open(computed)  # here, not in the next same-batch step
         self.quick.reset(batch, self.lane.handles, computed, nsched,
                          list(map(self.mem.plen.__getitem__, batch)), self.kv_groups or 1)
         self.batches[seq] = batch

@@ -26,7 +26,7 @@ Contract: the encoder calls it only after a general or same-batch step has set i
 from __future__ import annotations
 
 from itertools import compress, repeat
-from operator import add, attrgetter, not_
+from operator import attrgetter, not_
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -35,12 +35,17 @@ import numpy as np
 from engine_side.diffing import finish_fields, new_request
 from engine_side.vllm.convert import draft_rows
 from engine_side.vllm.params import new_request_spec
-from engine_side.vllm.quick import JOINS_AND_LEAVES, RARE_FIELDS, changed
+from engine_side.vllm.quick import (
+    JOINS_AND_LEAVES,
+    RARE_FIELDS,
+    CountRows,
+    count_rows_py,
+)
 from engine_side.vllm.schema import StepExt
 from protocol import codec
 from protocol.codec import Frame
 from protocol.messages import DeltaBody, NewRequest, Rows
-from protocol.packing import pack_row_counts, pack_sints, pack_uints, pack_uints_plus_one
+from protocol.packing import pack_row_counts, pack_uints, pack_uints_plus_one
 from protocol.request import RequestSpec
 from protocol.speedups import C as _C
 
@@ -186,7 +191,7 @@ def _encode(enc: SchedulerOutputEncoder, so: Any, step: _Step) -> list[Frame]:
     mem.prev_batch = set(step.batch)
     reset = {h for _, h in freed}
     added = _adds(enc, step, specs, reset, fields)
-    _body_rows(enc, so, step, [h for _, h, _ in added], fields)
+    _body_rows(enc, so, step, [h for _, h, _ in added], fields, ext)
     wire = StepExt(**ext)
     fields["extension"] = {"v": msgspec.msgpack.encode(wire)} if wire != StepExt() else {}
     delta = mirror.apply_turnover(DeltaBody(**fields), freed, added, step.batch,
@@ -231,8 +236,9 @@ def _new_requests(enc: SchedulerOutputEncoder, step: _Step,
 
 
 def _cached_requests(enc: SchedulerOutputEncoder, step: _Step, ext: dict[str, Any]) -> None:
-    """The stayers' appended blocks into the encoder's tables and their output-count
-    departures into ``ext`` (the encoder's _cached_requests, in batch order)."""
+    """The stayers' appended blocks into the encoder's tables and their empty-block
+    flips into ``ext`` (the encoder's _cached_requests, in batch order; the output-count
+    departures are :func:`_body_rows`')."""
     tables, stay = enc.tables, step.stay
     pos, counts, flat, empty = step.appends
     at = 0
@@ -242,10 +248,6 @@ def _cached_requests(enc: SchedulerOutputEncoder, step: _Step, ext: dict[str, An
         at += c
     if empty:
         ext["none_flip"] = pack_uints(empty)
-    departures = enc.mem.output_departures(
-        stay, np.asarray(step.computed[:len(stay)], dtype=np.int64), step.outputs)
-    if departures is not None:
-        ext["out_pos"], ext["out_delta"] = departures
 
 
 def _adds(enc: SchedulerOutputEncoder, step: _Step, specs: list[RequestSpec],
@@ -266,9 +268,10 @@ def _adds(enc: SchedulerOutputEncoder, step: _Step, specs: list[RequestSpec],
 
 
 def _body_rows(enc: SchedulerOutputEncoder, so: Any, step: _Step, joined: list[int],
-               fields: dict[str, Any]) -> None:
-    """The schedule edits, appended blocks, count departures and step fields."""
-    mirror, n = enc.mirror, len(step.stay)
+               fields: dict[str, Any], ext: dict[str, Any]) -> None:
+    """The schedule edits, appended blocks, count departures (the output counts' into
+    ``ext``) and step fields."""
+    mirror = enc.mirror
     assert mirror is not None  # noqa: S101 - checked by _shape
     drop = sorted(set(range(len(enc.quick.batch))).difference(step.stay_at))
     if drop:
@@ -276,18 +279,19 @@ def _body_rows(enc: SchedulerOutputEncoder, so: Any, step: _Step, joined: list[i
     if joined:
         fields["schedule_append"] = pack_uints(joined)
     _blocks(step, joined, fields)
-    cols, hs = mirror.state.cols, np.array(step.handles, dtype=np.int64)
-    last = cols.last_nsched[hs].tolist()
-    predicted = list(map(add, cols.computed[hs].tolist(), last))
-    moved = changed(step.computed[:n], predicted)
-    if moved:
-        fields["computed_tokens"] = Rows(handles=pack_uints(moved), values=pack_sints(
-            [step.computed[k] - predicted[k] for k in moved]))
-    ns = step.nsched
-    moved = changed(ns[:n], last) + [i for i in range(n, len(ns)) if ns[i] != 1]
-    if moved:
-        fields["scheduled_tokens"] = Rows(handles=pack_uints(moved),
-                                          values=pack_uints([ns[i] for i in moved]))
+    computed, scheduled, outputs = _stayer_rows(enc, step)
+    if computed is not None:
+        fields["computed_tokens"] = Rows(handles=computed[2], values=computed[3])
+    ns, n = step.nsched, len(step.stay)
+    joining = [i for i in range(n, len(ns)) if ns[i] != 1]  # new requests predict 1
+    if joining:
+        at, values = scheduled[:2] if scheduled is not None else ([], [])
+        fields["scheduled_tokens"] = Rows(handles=pack_uints(at + joining), values=pack_uints(
+            values + list(map(ns.__getitem__, joining))))
+    elif scheduled is not None:
+        fields["scheduled_tokens"] = Rows(handles=scheduled[2], values=scheduled[3])
+    if outputs is not None:
+        ext["out_pos"], ext["out_delta"] = outputs[2:]
     if step.drafts is not None:  # (the request's aligned rows, each token plus one)
         fields["spec_tokens"] = Rows(counts=pack_uints(step.drafts[0]),
                                      values=pack_uints_plus_one(step.drafts[1]))
@@ -297,6 +301,26 @@ def _body_rows(enc: SchedulerOutputEncoder, so: Any, step: _Step, joined: list[i
     fields["has_structured_output"] = so.has_structured_output_requests
     fields["pending_structured_output"] = so.pending_structured_output_tokens
     fields["num_spec_tokens_to_schedule"] = so.num_spec_tokens_to_schedule
+
+
+def _stayer_rows(enc: SchedulerOutputEncoder, step: _Step,
+                 ) -> tuple[CountRows | None, CountRows | None, CountRows | None]:
+    """The stayers' (computed, scheduled, output) count departures from the mirror's
+    predictions -- its computed plus last scheduled counts, the last scheduled counts,
+    and the outputs past the prompt -- found and packed by one C call (``count_rows``;
+    its Python reference without the speedups)."""
+    mirror, n = enc.mirror, len(step.stay)
+    assert mirror is not None  # noqa: S101 - checked by _shape
+    cols, hs = mirror.state.cols, np.array(step.handles, dtype=np.int64)
+    args = (step.computed[:n], step.outputs, cols.computed[hs].tolist(),
+            cols.last_nsched[hs].tolist(), step.nsched[:n],
+            # the last batch's prompt lengths less one (a stayer's prompt is unchanged)
+            list(map(enc.quick.forecast.plen_less_one.__getitem__, step.stay_at)))
+    got = _C.count_rows(*args) if _C is not None else None
+    if got is None:
+        got = count_rows_py(*args)
+    assert got is not None  # noqa: S101 - _shape refused negative counts
+    return got[0], got[1], got[2]
 
 
 def _blocks(step: _Step, joined: list[int], fields: dict[str, Any]) -> None:

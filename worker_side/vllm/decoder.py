@@ -195,7 +195,7 @@ class SchedulerOutputDecoder:
         batch, the lane opens on the new schedule, the quick decoder predicts from it."""
         assert self.state is not None  # noqa: S101 - a step was applied
         self.batches[self.seq] = batch
-        self.lane.open()  # here, not in the next same-batch step
+        self.lane.open(computed)  # here, not in the next same-batch step
         self.quick.reset(batch, self.lane.handles, computed, nsched,
                          list(map(self.mem.plen.__getitem__, batch)), self.state.kv_groups)
 

@@ -15,16 +15,17 @@ the SchedulerOutput from the applied state.
 
 from __future__ import annotations
 
-from itertools import compress
-from operator import not_
+from itertools import compress, repeat
+from operator import not_, sub
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from msgspec.structs import replace
 
 from engine_side.vllm.schema import StepExt
+from protocol.lane import add_at
 from protocol.messages import DeltaBody
-from protocol.packing import unpack_sints, unpack_uint_list, unpack_uints
+from protocol.packing import unpack_sint_list, unpack_uint_list
 from protocol.plan import STEADY_BODY
 from worker_side.vllm.quick import NO_EXT
 
@@ -68,8 +69,9 @@ def turnover_output(dec: SchedulerOutputDecoder, body: DeltaBody, ext: StepExt) 
     step = state.step
     mem.finish(step.finished_ids)
     drop = set(unpack_uint_list(body.schedule_drop)) if body.schedule_drop else set()
-    stay = list(compress(quick.batch, map(not_, map(drop.__contains__,
-                                                    range(len(quick.batch))))))
+    kept = list(compress(range(len(quick.batch)), map(not_, map(drop.__contains__,
+                                                                range(len(quick.batch))))))
+    stay = list(map(quick.batch.__getitem__, kept))
     sched = state.schedule.tolist()
     n = len(stay)
     joining = [state.specs[h].req_id for h in sched[n:]]  # type: ignore[union-attr]
@@ -79,12 +81,15 @@ def turnover_output(dec: SchedulerOutputDecoder, body: DeltaBody, ext: StepExt) 
         return None  # not the predicted new and cached rows: the general path
     batch = stay + joining
     computed = state.scheduled_computed()
+    counts = computed.tolist()
     rows = _appended(body, sched, n)
-    cached = _cached(dec, ext, stay, computed[:n], rows)
+    # the stayers' prompt lengths less one, from the last batch's (a prompt is unchanged)
+    cached = _cached(ext, stay, counts[:n], rows,
+                     list(map(quick.forecast.plen_less_one.__getitem__, kept)))
     news = _new_requests(dec, ext, state, sched, computed, rows, n)
     so = dec.assemble(batch, state.nsched.tolist(), news, cached, _step_request(state), ext, {})
     _remember_lengths(dec, batch, sched, n, rows)
-    dec.after_general(batch, computed.tolist(), so.num_scheduled_tokens)
+    dec.after_general(batch, counts, so.num_scheduled_tokens)
     return so
 
 
@@ -104,14 +109,17 @@ def _appended(body: DeltaBody, sched: list[int], n: int) -> dict[int, list[int]]
     return out
 
 
-def _cached(dec: SchedulerOutputDecoder, ext: StepExt, stay: list[str], computed: Any,
-            rows: dict[int, list[int]]) -> Any:
-    """The stayers' CachedRequestData (the general path's, none resumed)."""
+def _cached(ext: StepExt, stay: list[str], computed: list[int], rows: dict[int, list[int]],
+            plen_less_one: list[int]) -> Any:
+    """The stayers' CachedRequestData (the general path's, none resumed): output counts
+    past the prompt (``max(computed - plen + 1, 0)``) plus the body's departures."""
     from vllm.v1.core.sched.output import CachedRequestData
 
-    outputs = dec.mem.predicted_outputs(stay, computed)
+    outputs = list(map(sub, computed, plen_less_one))
+    if min(outputs, default=0) < 0:  # a request still in its prompt
+        outputs = list(map(max, outputs, repeat(0)))
     if ext.out_pos:
-        outputs[unpack_uints(ext.out_pos)] += unpack_sints(ext.out_delta)
+        add_at(outputs, unpack_uint_list(ext.out_pos), unpack_sint_list(ext.out_delta))
     new_blocks: list[Any] = [None] * len(stay)
     for k in sorted(rows):
         if k < len(stay):
@@ -120,8 +128,7 @@ def _cached(dec: SchedulerOutputDecoder, ext: StepExt, stay: list[str], computed
         new_blocks[k] = None if new_blocks[k] is not None else ([],)
     return CachedRequestData(
         req_ids=stay, resumed_req_ids=set(), new_token_ids=[], all_token_ids={},
-        new_block_ids=new_blocks, num_computed_tokens=computed.tolist(),
-        num_output_tokens=outputs.tolist())
+        new_block_ids=new_blocks, num_computed_tokens=computed, num_output_tokens=outputs)
 
 
 def _new_requests(dec: SchedulerOutputDecoder, ext: StepExt, state: Any, sched: list[int],
