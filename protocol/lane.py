@@ -46,9 +46,8 @@ Journaled = tuple[list[int], list[int], list[int], list[int], list[int]]
 MAX_ROWS = 1 << 16
 #: ... or this many changes of the scheduled counts (bounds a computed count's lookup)
 MAX_SEGMENTS = 16
-#: schedules up to this long open with one keyed sum; longer ones take the state's numpy
-#: advance term (the keys themselves are made, in one C loop, when count exceptions
-#: first need them)
+#: without the speedups, schedules up to this long open with one keyed sum in Python;
+#: longer ones take the state's numpy advance term
 FEW_KEYS = 64
 _NONE: list[int] = []  # no count exceptions (shared, never extended)
 #: a step's planned counts: (digest change, computed positions, their corrections, the new
@@ -138,10 +137,10 @@ class SteadyLane:
         self.journal = [[] for _ in state.blocks]
         self.digest, self.version, self.rows = state.digest, state.version, 0
         self._restart()
-        # the advance term of the schedule (it stays while the lane runs): a small one
-        # in one keyed sum (the keys are made when count exceptions first need them), a
-        # large one from the state's numpy term
-        if len(self.handles) <= FEW_KEYS:
+        # the advance term of the schedule (it stays while the lane runs): one keyed sum
+        # of the lists at hand (one C loop, or a small one in Python; the keys are made
+        # when count exceptions first need them), else the state's numpy term
+        if len(self.handles) <= FEW_KEYS or _C is not None:
             self.advance = dg.computed_change(self.handles, self.nsched)
         else:
             self.advance = state.steady_advance_term()
