@@ -557,6 +557,13 @@ dot(PyObject *self, PyObject *args)
     return PyLong_FromUnsignedLongLong(total);
 }
 
+/* The odd multiplier of the linear count terms of handle h at position i (see keyed_sum). */
+static inline uint64_t
+linear_key(long long h, Py_ssize_t i, uint64_t k_handle, uint64_t k_add, uint64_t k_pos)
+{
+    return mix64((uint64_t)h * k_handle + (uint64_t)i * k_pos + k_add) | 1ULL;
+}
+
 /* keyed_sum(handles, values, k_handle, k_add, k_pos, plus) -> int | None:
  * sum((values[i] + plus) * (mix64(handles[i]*k_handle + i*k_pos + k_add) | 1)) mod 2**64
  * over two equally long lists of int64-range ints: the digest's linear count terms
@@ -585,7 +592,7 @@ keyed_sum(PyObject *self, PyObject *args)
                 || as_i64(PyList_GET_ITEM(values, i), &v) < 0) {
             Py_RETURN_NONE;
         }
-        uint64_t key = mix64((uint64_t)h * k_handle + (uint64_t)i * k_pos + k_add) | 1ULL;
+        uint64_t key = linear_key(h, i, k_handle, k_add, k_pos);
         total += ((uint64_t)v + plus) * key; /* wraps: the sum mod 2**64 */
     }
     return PyLong_FromUnsignedLongLong(total);
@@ -617,8 +624,7 @@ key_list(PyObject *self, PyObject *args)
             Py_DECREF(out);
             Py_RETURN_NONE;
         }
-        PyObject *key = PyLong_FromUnsignedLongLong(
-            mix64((uint64_t)h * k_handle + (uint64_t)i * k_pos + k_add) | 1ULL);
+        PyObject *key = PyLong_FromUnsignedLongLong(linear_key(h, i, k_handle, k_add, k_pos));
         if (key == NULL) {
             Py_DECREF(out);
             return NULL;

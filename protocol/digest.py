@@ -204,7 +204,7 @@ def handle_key_list(handles: list[int]) -> list[int]:
         got: list[int] | None = _C.key_list(handles, _COMP_I, _HANDLE_I, 0)
         if got is not None:
             return got
-    if len(handles) <= 64:  # a few: Python ints beat numpy's call chain
+    if len(handles) <= SMALL:  # a few: Python ints beat numpy's call chain
         return list(map(handle_key_int, handles))
     return handle_keys(handles).tolist()  # type: ignore[no-any-return]
 

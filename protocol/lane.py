@@ -119,8 +119,8 @@ class SteadyLane:
         end of a general step, which costs far more, so that the next same-schedule step
         does not pay for the lists.  ``computed``: the schedule's computed counts as the
         state now holds them, when the caller has them (a general step's actual counts;
-        kept, never changed): the first count exception copies them instead of reading
-        the state."""
+        kept and only read): the first count exception starts from them instead of
+        reading the state."""
         if self.steps == 0 and self.version != self.state.version:
             self._open()
         if self.steps == 0 and computed is not None and len(computed) == len(self.handles):
@@ -225,10 +225,9 @@ class SteadyLane:
         """:meth:`step` of a lane body with count or draft ``rows`` (not NO_ROWS) and at
         most one KV group's appends in one C call (``lane_counts``: both plans, the
         digest and the commit); :meth:`step` tries it first for such a body.  None,
-        nothing done, without the
-        speedups, with more KV groups or when C does not take them (:meth:`step` then
-        decides, refusals included).  Raises InvalidDelta, nothing done, when the digest
-        differs from ``expected_digest``."""
+        nothing done, without the speedups, with more KV groups or when C does not take
+        them (:meth:`step` then decides, refusals included).  Raises InvalidDelta,
+        nothing done, when the digest differs from ``expected_digest``."""
         if self.steps == 0 and self.version != self.state.version:
             self._open()
         drafts = rows.drafts

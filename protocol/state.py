@@ -208,8 +208,10 @@ class ReplicaState:
             if rows:
                 self._absorb_appends(g, rows, lengths[g])
         self._rebuild_cache.pop("template", None)
-        self.step = steady_step(self) if last == STEADY_BODY else self._step
-        self._lane_last = None if last == STEADY_BODY else last  # made when read
+        if last == STEADY_BODY:
+            self.step = steady_step(self)
+        else:
+            self._lane_last = last  # its step fields are made when first read
         self.digest = digest
         self.version += 1
 

@@ -106,9 +106,8 @@ class Forecast:
         self._last, self._decoding = None, False
 
     def outputs(self, computed: list[int]) -> list[int]:
-        """``max(computed - plen + 1, 0)`` per request (C-level maps)."""
-        outs = list(map(sub, computed, self.plen_less_one))
-        return list(map(max, outs, repeat(0))) if min(outs, default=0) < 0 else outs
+        """``max(computed - plen + 1, 0)`` per request of the batch."""
+        return past_prompt(computed, self.plen_less_one)
 
     def _build(self, computed: list[int]) -> None:
         ns, self.next = self.nsched, 0
@@ -138,6 +137,13 @@ class Forecast:
         self._last = table[-1]
         self.comp_rows = table.tolist()
         self.out_rows = np.maximum(table - (self.plen_np - 1), 0).tolist()
+
+
+def past_prompt(computed: list[int], plen_less_one: list[int]) -> list[int]:
+    """Output counts ``max(computed - plen + 1, 0)`` per request (C-level maps; the clamp
+    only while some request is still in its prompt)."""
+    outs = list(map(sub, computed, plen_less_one))
+    return list(map(max, outs, repeat(0))) if min(outs, default=0) < 0 else outs
 
 
 def changed(new: list[int], old: list[int]) -> list[int]:

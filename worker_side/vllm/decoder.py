@@ -72,11 +72,11 @@ def _keyed(r: Ragged, batch: list[str], keys: bytes | None, shift: int = 0,
     """A per-request dict from aligned rows: non-empty rows in batch order unless ``keys``."""
     if keys is None and not r.values.size:
         return {}
-    if keys is None and r.lengths.size == len(batch):  # one C call (the usual drafts)
-        return split_rows(batch, r.lengths.tolist(),
-                          (r.values - shift).tolist() if shift else r.values.tolist())
-    off = [0, *accumulate(r.lengths.tolist())]
     vals = (r.values - shift).tolist() if shift else r.values.tolist()
+    lengths = r.lengths.tolist()
+    if keys is None and len(lengths) == len(batch):  # one C call (the usual drafts)
+        return split_rows(batch, lengths, vals)
+    off = [0, *accumulate(lengths)]
     positions = [i for i in range(len(batch)) if off[i + 1] > off[i]] if keys is None \
         else _ints(keys)
     return {batch[i]: vals[off[i]:off[i + 1]] for i in positions}

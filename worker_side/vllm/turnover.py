@@ -15,13 +15,13 @@ the SchedulerOutput from the applied state.
 
 from __future__ import annotations
 
-from itertools import compress, repeat
-from operator import not_, sub
+from itertools import filterfalse
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from msgspec.structs import replace
 
+from engine_side.vllm.quick import past_prompt
 from engine_side.vllm.schema import StepExt
 from protocol.lane import add_at
 from protocol.messages import DeltaBody
@@ -69,8 +69,7 @@ def turnover_output(dec: SchedulerOutputDecoder, body: DeltaBody, ext: StepExt) 
     step = state.step
     mem.finish(step.finished_ids)
     drop = set(unpack_uint_list(body.schedule_drop)) if body.schedule_drop else set()
-    kept = list(compress(range(len(quick.batch)), map(not_, map(drop.__contains__,
-                                                                range(len(quick.batch))))))
+    kept = list(filterfalse(drop.__contains__, range(len(quick.batch))))
     stay = list(map(quick.batch.__getitem__, kept))
     sched = state.schedule.tolist()
     n = len(stay)
@@ -115,9 +114,7 @@ def _cached(ext: StepExt, stay: list[str], computed: list[int], rows: dict[int, 
     past the prompt (``max(computed - plen + 1, 0)``) plus the body's departures."""
     from vllm.v1.core.sched.output import CachedRequestData
 
-    outputs = list(map(sub, computed, plen_less_one))
-    if min(outputs, default=0) < 0:  # a request still in its prompt
-        outputs = list(map(max, outputs, repeat(0)))
+    outputs = past_prompt(computed, plen_less_one)
     if ext.out_pos:
         add_at(outputs, unpack_uint_list(ext.out_pos), unpack_sint_list(ext.out_delta))
     new_blocks: list[Any] = [None] * len(stay)
