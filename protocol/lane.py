@@ -131,6 +131,12 @@ class SteadyLane:
     def _open(self) -> None:
         state = self.state
         sched = state.schedule
+        # A schedule after one whose steps had count exceptions (speculative decoding,
+        # chunked prefill) will most likely have them too: its keys are made now, by the
+        # general step that opens it, instead of by its first steady step (which
+        # follows a turnover's cold caches).  Other lanes make them when first needed.
+        counting = _C is not None and self.keys is not None
+        reschedules = counting and self.skeys is not None
         self.handles = sched.tolist()
         self.keys = self.skeys = None
         self.groups, self._lengths = len(state.blocks), None
@@ -138,9 +144,13 @@ class SteadyLane:
         self.digest, self.version, self.rows = state.digest, state.version, 0
         self._restart()
         # the advance term of the schedule (it stays while the lane runs): one keyed sum
-        # of the lists at hand (one C loop, or a small one in Python; the keys are made
-        # when count exceptions first need them), else the state's numpy term
-        if len(self.handles) <= FEW_KEYS or _C is not None:
+        # of the lists at hand (one C loop, or a small one in Python), else the state's
+        # numpy term
+        if counting:
+            self.advance = _dot(self.nsched, self._keys()) & dg.MASK
+            if reschedules:
+                self._schedule_keys()
+        elif len(self.handles) <= FEW_KEYS or _C is not None:
             self.advance = dg.computed_change(self.handles, self.nsched)
         else:
             self.advance = state.steady_advance_term()

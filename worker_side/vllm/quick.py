@@ -30,12 +30,16 @@ def _ints(packed: bytes) -> list[int]:
 
 
 NO_EXT = StepExt()  # the extension of a step that carries none (shared: frozen)
+#: the StepExt fields besides the output departures, read by one C call (see plain_body)
+_EXT_OTHERS = attrgetter(*(f for f in StepExt.__struct_fields__
+                           if f not in ("out_pos", "out_delta")))
+_NO_EXT_OTHERS = _EXT_OTHERS(NO_EXT)
 
 
 def plain_body(body: DeltaBody, ext: StepExt) -> bool:
     """Whether ``body`` keeps the batch (:func:`protocol.lane.lane_shaped`) and ``ext``
     departs only in output counts."""
-    if ext is not NO_EXT and ext != StepExt(out_pos=ext.out_pos, out_delta=ext.out_delta):
+    if ext is not NO_EXT and _EXT_OTHERS(ext) != _NO_EXT_OTHERS:
         return False
     return lane_shaped(body)
 
