@@ -69,9 +69,10 @@ departs(long long x, long long y, long long z, int clamp)
 
 /* _speedups.c's dict_matches as an int (-2: not taken, -1: an exception is set), its
  * one_group_appends, the raw_list family, the packers, draft_rows and split_rows,
- * _speedups_step.c's packed_appends, _speedups_output.c's step_output and
- * _speedups_counts.c's count_rows and count_lists, for the fused same-step functions of
- * _speedups_step.c, _speedups_counts.c and _speedups_fused.c. */
+ * _speedups_step.c's packed_appends and append_rows, _speedups_output.c's step_output,
+ * _speedups_counts.c's count_rows, count_lists and lane_rows and _speedups_lane.c's
+ * lane_counts, for the fused same-step functions of _speedups_step.c,
+ * _speedups_counts.c and _speedups_fused.c. */
 int dict_match(PyObject *d, PyObject *keys, PyObject *values);
 PyObject *one_group_appends(PyObject *self, PyObject *arg);
 PyObject *raw_list(PyObject *self, PyObject *args);
@@ -86,6 +87,9 @@ PyObject *packed_appends(PyObject *appends, PyObject *handles); /* _speedups_ste
 PyObject *step_output(PyObject *self, PyObject *args); /* _speedups_output.c's */
 PyObject *count_rows(PyObject *self, PyObject *args); /* _speedups_counts.c's */
 PyObject *count_lists(PyObject *self, PyObject *args); /* _speedups_counts.c's */
+PyObject *lane_rows(PyObject *self, PyObject *args); /* _speedups_counts.c's */
+PyObject *lane_counts(PyObject *self, PyObject *args); /* _speedups_lane.c's */
+PyObject *append_rows(PyObject *self, PyObject *args); /* _speedups_step.c's */
 
 /* fn(NULL, args) for one of the module's METH_VARARGS functions, the tuple released
  * (NULL in: NULL out): how the fused functions call the others. */

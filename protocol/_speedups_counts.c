@@ -370,7 +370,7 @@ rows_pair(PyObject *rows, PyObject *a, PyObject *(*ua)(PyObject *, PyObject *), 
  * (handles, values), drafts (counts, b"" meaning n ones; values less one) -- in one call.
  * None unless every array present unpacks and is narrower than 64 bits, and ``spec``
  * has no handles (the Python path decides). */
-static PyObject *
+PyObject *
 lane_rows(PyObject *self, PyObject *args)
 {
     PyObject *computed, *scheduled, *spec, *empty = NULL, *ones = NULL, *out[3] = {0};

@@ -3,7 +3,8 @@
  * the batch, counts, appends, drafts and count rows; reference engine_side.vllm.quick.
  * QuickEncoder.body's lines) and the worker's SchedulerOutput from the rows
  * (count_output; reference worker_side.vllm.quick.QuickDecoder.scheduler_output's
- * lines).
+ * lines), and the worker's whole step with the lane's (counted_step; reference the lines
+ * of QuickDecoder.lane_inputs, protocol.lane.SteadyLane.counted and scheduler_output).
  *
  * Contract: as protocol/_speedups.c -- each function returns exactly what its Python
  * reference returns for the inputs it accepts and None for every input it does not
@@ -270,10 +271,157 @@ finish:
     return result;
 }
 
+/* The three fields of a Rows (handles, counts, values) as new references in f[]: 0, or
+ * -1 (f[] cleared) when one is missing (an exception is then set). */
+static int
+rows_fields(PyObject *rows, PyObject **f)
+{
+    static PyObject *names[3]; /* interned once */
+    static const char *spelled[3] = {"handles", "counts", "values"};
+    for (int j = 0; j < 3; j++) {
+        f[j] = NULL;
+    }
+    for (int j = 0; j < 3; j++) {
+        if ((names[j] == NULL && (names[j] = PyUnicode_InternFromString(spelled[j])) == NULL)
+                || (f[j] = PyObject_GetAttr(rows, names[j])) == NULL) {
+            for (int k = 0; k < j; k++) {
+                Py_CLEAR(f[k]);
+            }
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* A body's block_append of at most one KV group as append_rows lists it: *added the
+ * (positions, counts, ids) of the rows (None for none) and *blocks the step's
+ * new_block_ids (None for no appends), both new references; 1, 0 when not taken (more
+ * groups, or rows append_rows refuses), -1 with an exception set. */
+static int
+one_group_added(PyObject *appended, PyObject *at, Py_ssize_t n, PyObject **added,
+                PyObject **blocks)
+{
+    *added = Py_NewRef(Py_None);
+    *blocks = Py_NewRef(Py_None);
+    if (PyTuple_GET_SIZE(appended) == 0) {
+        return 1;
+    }
+    PyObject *f[3];
+    if (PyTuple_GET_SIZE(appended) != 1 || rows_fields(PyTuple_GET_ITEM(appended, 0), f) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *got = call_c(append_rows, Py_BuildValue("(OOOOn)", f[0], f[1], f[2], at, n));
+    for (int j = 0; j < 3; j++) {
+        Py_DECREF(f[j]);
+    }
+    if (got == NULL || got == Py_None) {
+        Py_XDECREF(got);
+        return got == NULL ? -1 : 0;
+    }
+    Py_SETREF(*blocks, Py_NewRef(PyTuple_GET_ITEM(got, 3)));
+    if (PyList_GET_SIZE(PyTuple_GET_ITEM(got, 0)) > 0) { /* (no rows: no ids either) */
+        Py_SETREF(*added, PyTuple_GetSlice(got, 0, 3));
+    }
+    Py_DECREF(got);
+    return *added == NULL ? -1 : 1;
+}
+
+/* Whether the drafts (lengths, flat) of lane_rows align with a batch of n: n lengths
+ * adding up to the flat tokens (LaneRows.fits); None always does. */
+static int
+drafts_fit(PyObject *drafts, Py_ssize_t n)
+{
+    long long sum;
+    return drafts == Py_None
+        || (PyList_GET_SIZE(PyTuple_GET_ITEM(drafts, 0)) == n
+            && list_sum(PyTuple_GET_ITEM(drafts, 0), &sum) == 0
+            && sum == PyList_GET_SIZE(PyTuple_GET_ITEM(drafts, 1)));
+}
+
+/* counted_step(CachedRequestData, SchedulerOutput, computed, scheduled, spec,
+ * block_append, out_pos, out_delta, structured, pending, nspec, at, batch, nsched_map,
+ * basis, nsched_before, plen_less_one, comp, ns, keys, skeys, advance, extra, handles,
+ * lengths, salt, k_block, k_pos, k_handle, base, expected) -> (lane, output | None,
+ * rows, added | None, new_blocks | None) | int | None: the worker's same-batch step
+ * with count rows in one call, the lines of worker_side.vllm.quick.QuickDecoder.
+ * lane_inputs, protocol.lane.SteadyLane.counted and QuickDecoder.scheduler_output --
+ * lane_rows of the body's three Rows fields (``rows``) and append_rows of its
+ * block_append of one KV group (``added``: positions, counts and ids; None for no
+ * rows), then lane_counts of them on the lane's lists (the rows checked as a
+ * caller's; ``lane``: its result, the lane's commit done) and count_output of them
+ * (``output``: its result; None when it does not take them: the lane's step stands and
+ * the caller makes the SchedulerOutput).  An int: the digest, which differs from
+ * ``expected``; None: not taken (no count rows, more KV groups, rows that do not unpack
+ * or align, lane_counts refused); both change nothing. */
+static PyObject *
+counted_step(PyObject *self, PyObject *args)
+{
+    PyObject *a[31];
+    if (!PyArg_UnpackTuple(args, "counted_step", 31, 31, &a[0], &a[1], &a[2], &a[3], &a[4],
+                           &a[5], &a[6], &a[7], &a[8], &a[9], &a[10], &a[11], &a[12], &a[13],
+                           &a[14], &a[15], &a[16], &a[17], &a[18], &a[19], &a[20], &a[21],
+                           &a[22], &a[23], &a[24], &a[25], &a[26], &a[27], &a[28], &a[29],
+                           &a[30])
+            || !PyTuple_CheckExact(a[5]) || !PyList_CheckExact(a[12])) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject **lane_args = a + 17; /* comp .. k_handle, then base and expected */
+    Py_ssize_t n = PyList_GET_SIZE(a[12]);
+    PyObject *rows = NULL, *added = NULL, *blocks = NULL, *lane = NULL, *out = NULL,
+             *result = NULL, *empty = NULL;
+    rows = call_c(lane_rows, Py_BuildValue("(OOOn)", a[2], a[3], a[4], n));
+    if (rows == NULL || rows == Py_None) {
+        return rows;
+    }
+    PyObject *crows = PyTuple_GET_ITEM(rows, 0), *srows = PyTuple_GET_ITEM(rows, 1),
+             *drafts = PyTuple_GET_ITEM(rows, 2);
+    int got = (crows != Py_None || srows != Py_None) && drafts_fit(drafts, n)
+        ? one_group_added(a[5], a[11], n, &added, &blocks) : 0;
+    if (got <= 0 || (empty = PyList_New(0)) == NULL) {
+        result = got < 0 || (got == 1 && empty == NULL) ? NULL : Py_NewRef(Py_None);
+        goto finish;
+    }
+    PyObject *at = crows == Py_None ? empty : PyTuple_GET_ITEM(crows, 0),
+             *moves = crows == Py_None ? empty : PyTuple_GET_ITEM(crows, 1),
+             *pos = srows == Py_None ? empty : PyTuple_GET_ITEM(srows, 0),
+             *values = srows == Py_None ? empty : PyTuple_GET_ITEM(srows, 1);
+    lane = call_c(lane_counts, PyTuple_Pack(
+        20, lane_args[0], lane_args[1], lane_args[2], at, moves, pos, values, lane_args[3],
+        lane_args[4], lane_args[5], added, lane_args[6], lane_args[7], lane_args[8],
+        lane_args[9], lane_args[10], lane_args[11], Py_True, lane_args[12], lane_args[13]));
+    if (lane == NULL || !PyTuple_Check(lane)) { /* an int (the digest differs), or None */
+        result = lane;
+        lane = NULL;
+        goto finish;
+    }
+    out = call_c(count_output, PyTuple_Pack(
+        16, a[0], a[1], a[14], a[15], a[16], crows, srows, a[6], a[7], a[12], a[13], blocks,
+        drafts, a[8], a[9], a[10]));
+    if (out == NULL) { /* the lane's step is done: the caller's lines make the output
+                          (and raise what this raised) */
+        PyErr_Clear();
+        out = Py_NewRef(Py_None);
+    }
+    result = PyTuple_Pack(5, lane, out, rows, added, blocks);
+finish:
+    Py_XDECREF(rows);
+    Py_XDECREF(added);
+    Py_XDECREF(blocks);
+    Py_XDECREF(lane);
+    Py_XDECREF(out);
+    Py_XDECREF(empty);
+    return result;
+}
+
 PyMethodDef fused_methods[] = {
     {"count_output", count_output, METH_VARARGS,
      "The worker's SchedulerOutput of a same-batch step with count rows (None: not taken)."},
     {"same_batch_scan", same_batch_scan, METH_VARARGS,
      "What the engine reads of a same-batch step, in one call (None: not taken)."},
+    {"counted_step", counted_step, METH_VARARGS,
+     "The worker's same-batch step with count rows, lane and output, in one call "
+     "(None: not taken)."},
     {NULL, NULL, 0, NULL},
 };

@@ -243,7 +243,7 @@ add_moves(PyObject *extra, PyObject *at, PyObject *moves)
  * also checked distinct (LaneRows.fits of the count rows) and the appends' as plan_rows
  * checks them.  An int: the digest, which differs from ``expected``; None: not taken;
  * both change nothing (the Python path decides). */
-static PyObject *
+PyObject *
 lane_counts(PyObject *self, PyObject *args)
 {
     PyObject *comp, *ns, *keys, *at, *moves, *pos, *values, *skeys, *extra, *appends, *expected;

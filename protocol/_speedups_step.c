@@ -301,7 +301,7 @@ unpack(PyObject *packed)
  * ``new_block_ids`` made from it (QuickDecoder._new_blocks: n entries, None or a tuple
  * holding a fresh list).  None unless the arrays unpack, every handle is a key of
  * ``at`` (handle -> batch position < n), every count is >= 1 and they add up to the ids. */
-static PyObject *
+PyObject *
 append_rows(PyObject *self, PyObject *args)
 {
     PyObject *handles_b, *counts_b, *values_b, *at;

@@ -261,8 +261,30 @@ class SteadyLane:
             not own_rows or not own_appends, self.digest, expected_digest)
         if type(done) is int:  # the digest, which differs: nothing done
             raise InvalidDelta("state digest mismatch", expected=expected_digest, got=done)
-        if done is None:
+        return None if done is None else self.counts_taken(done, added, body)
+
+    def count_inputs(self, computed: bool, scheduled: bool, appends: bool,
+                     ) -> tuple[Any, ...] | None:
+        """The lane's arguments of a one-call step with count rows (``lane_counts``'s
+        ``comp`` .. ``k_handle`` and ``base``; its rows and appends are the caller's), made
+        for a body with computed rows, scheduled rows and appends as told; None with
+        more than one KV group (the lane is then open, nothing else done).  Such a step
+        is committed by :meth:`counts_taken`."""
+        if self.steps == 0 and self.version != self.state.version:
+            self._open()
+        if self.groups != 1:
             return None
+        return (self._computed() if computed else self.comp, self.nsched,
+                self._keys() if computed or scheduled else _NONE,
+                self._schedule_keys() if scheduled else _NONE, self.advance, self.extra,
+                self.handles, self.lengths[0] if appends else _NONE, _SALT0, *dg.BLOCK_KEYS,
+                self.digest)
+
+    def counts_taken(self, done: tuple[int, list[int] | None, int, Any, list[int] | None],
+                     added: Appends | None, body: DeltaBody) -> int:
+        """Journal a step ``lane_counts`` took (``done``: its result, the lengths and
+        corrections already written; ``added``: the step's one group of appends, None for
+        none); returns its digest."""
         digest, nsched, advance, plan, self.comp = done
         if plan is not None and added is not None:  # (a plan is made of appends only)
             self.journal[0].append((plan[0], plan[1], added[1], added[2], plan[2]))

@@ -263,3 +263,60 @@ def test_speculative_steps_give_the_general_paths_frames(steps: list[Any],
     every step after the first takes the fast path on both ends."""
     enc, dec = run_both_paths(steps, 1, SECRET)
     assert enc.quick_steps == dec.quick_steps == len(steps) - 1
+
+
+class _OutputDeclined:
+    """The speedups, but ``counted_step`` leaves the output to the caller, as when its
+    ``count_output`` does not take the rows (the lane's step is then already done)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(C, name)
+
+    @staticmethod
+    def counted_step(*args: Any) -> Any:
+        assert C is not None  # noqa: S101 - the module skips without the speedups
+        got = C.counted_step(*args)
+        return (got[0], None, *got[2:]) if type(got) is tuple else got
+
+
+@settings(max_examples=30, deadline=None)
+@given(steps=_speculative_streams())
+def test_a_counted_step_whose_output_c_declines_answers_from_the_lines(
+        steps: list[Any]) -> None:
+    """The worker's one-call count step keeps the lane's step and makes the
+    SchedulerOutput on the Python lines when C does not make it: the same frames and
+    objects as the general path, every step on the fast path."""
+    from worker_side.vllm import quick as worker_quick
+
+    with mock.patch.object(worker_quick, "_C", _OutputDeclined()):
+        enc, dec = run_both_paths(steps, 1, SECRET)
+    assert enc.quick_steps == dec.quick_steps == len(steps) - 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(steps=_speculative_streams(), at=st.integers(1, 8))
+def test_a_counted_step_with_a_wrong_digest_raises_and_changes_nothing(
+        steps: list[Any], at: int) -> None:
+    """A count step whose Delta carries a wrong digest raises InvalidDelta at the
+    worker, which then decodes the true frames of that step and every later one as
+    if the bad one had never come."""
+    from vllm_equal import assert_vllm_equal
+
+    from engine_side.vllm import SchedulerOutputEncoder
+    from protocol import codec
+    from protocol.errors import InvalidDelta
+    from protocol.messages import Delta
+    from worker_side.vllm import SchedulerOutputDecoder
+
+    enc, dec = SchedulerOutputEncoder(1, secret=SECRET), SchedulerOutputDecoder(SECRET)
+    for k, so in enumerate(steps):
+        expected = copy.deepcopy(so)
+        frames = [bytes(f) for f in enc.encode(so)]
+        msg = codec.decode(frames)
+        assert isinstance(msg, Delta)
+        if k == min(at, len(steps) - 1) and msg.body.computed_tokens is not None:
+            bad = codec.encode(Delta(msg.epoch, msg.seq, (msg.digest + 1) % (1 << 64),
+                                     msg.body))
+            with pytest.raises(InvalidDelta):
+                dec.decode(bad)
+        assert_vllm_equal(expected, dec.decode(frames))

@@ -160,6 +160,11 @@ class SchedulerOutputDecoder:
         if self.state is None:
             self.state = ReplicaState(TOKEN_MODE_WORKER, ext.kv_groups or 1)
             self.lane = SteadyLane(self.state)
+        counted = quick.counted_step(self.lane, body, ext, msg.digest) \
+            if self.fast and quick.ready else None
+        if counted is not None:  # a same-batch step with count rows, in one call
+            self._quick_step(msg.seq, bool(body.block_append))
+            return counted
         fast = quick.lane_inputs(body, ext) if self.fast and quick.ready else None
         turnover = fast is None and self.fast and turnover_shaped(self, body, ext)
         if fast is None or self.lane.step(body, fast[0], msg.digest, fast[1]) is None:
@@ -167,13 +172,11 @@ class SchedulerOutputDecoder:
             if fast is None and self._lengths_stale:
                 self._refresh_lengths()
             self.state.apply(msg.body, expected_digest=msg.digest)
+        if fast is not None:
+            self._quick_step(msg.seq, bool(body.block_append))
+            return quick.scheduler_output(msg.body, ext, *fast)
         self.seq = msg.seq
         self.batches.pop(msg.seq - HISTORY, None)
-        if fast is not None:
-            self.batches[msg.seq] = quick.batch
-            self._lengths_stale |= bool(msg.body.block_append)
-            self.quick_steps += 1
-            return quick.scheduler_output(msg.body, ext, *fast)
         if turnover:
             so = turnover_output(self, msg.body, ext)
             if so is not None:
@@ -188,6 +191,15 @@ class SchedulerOutputDecoder:
         self.after_general(request.req_ids, request.num_computed_tokens.tolist(),
                            so.num_scheduled_tokens)
         return so
+
+    def _quick_step(self, seq: int, appended: bool) -> None:
+        """Step ``seq`` was answered by the same-batch path (``appended``: its body
+        appended blocks, so the last batch's table lengths are stale)."""
+        self.seq = seq
+        self.batches.pop(seq - HISTORY, None)
+        self.batches[seq] = self.quick.batch
+        self._lengths_stale |= appended
+        self.quick_steps += 1
 
     def after_general(self, batch: list[str], computed: list[int],
                       nsched: dict[str, int]) -> None:
@@ -219,11 +231,7 @@ class SchedulerOutputDecoder:
             if (len(blocks) != 1 or lane.appended(blocks[0], digest, body) is None) \
                     and lane.step(body, blocks, digest, NO_ROWS) is None:
                 return None
-            self._lengths_stale = True
-        self.seq = seq
-        self.batches.pop(seq - HISTORY, None)
-        self.batches[seq] = quick.batch
-        self.quick_steps += 1
+        self._quick_step(seq, blocks is not None)
         return quick.steady_output(blocks, body, new_blocks)
 
     def _refresh_lengths(self) -> None:

@@ -18,7 +18,8 @@ from typing import Any
 from engine_side.vllm.convert import split_rows
 from engine_side.vllm.quick import Forecast
 from engine_side.vllm.schema import StepExt
-from protocol.lane import Appends, LaneRows, add_at, lane_rows, lane_shaped
+from protocol.errors import InvalidDelta
+from protocol.lane import Appends, LaneRows, SteadyLane, add_at, lane_rows, lane_shaped
 from protocol.messages import DeltaBody, Rows
 from protocol.packing import unpack_sint_list, unpack_uint_list
 from protocol.plan import STEADY_BODY
@@ -113,6 +114,44 @@ class QuickDecoder:
         got = self.plain_blocks(body.block_append) if body.block_append else ([], None)
         rows = None if got is None else lane_rows(body, len(self.batch))
         return None if got is None or rows is None else (got[0], rows, got[1])
+
+    def counted_step(self, lane: SteadyLane, body: DeltaBody, ext: StepExt,
+                     digest: int) -> Any:
+        """The SchedulerOutput of a same-batch body with count rows, its step applied to
+        ``lane``, in one C call (``counted_step``: the lines of :meth:`lane_inputs`,
+        :meth:`SteadyLane.counted <protocol.lane.SteadyLane.counted>` and
+        :meth:`scheduler_output`); None, nothing changed, without the speedups or when
+        C does not take it (those lines decide).  Raises InvalidDelta, nothing
+        changed, when the step's digest is not ``digest``."""
+        computed, scheduled = body.computed_tokens is not None, body.scheduled_tokens is not None
+        if _C is None or self.kv_groups != 1 or not (computed or scheduled) \
+                or not plain_body(body, ext):
+            return None
+        inputs = lane.count_inputs(computed, scheduled, bool(body.block_append))
+        if inputs is None:
+            return None
+        fc = self.forecast
+        cached_cls, so_cls, _ = self.types
+        got = _C.counted_step(cached_cls, so_cls, body.computed_tokens, body.scheduled_tokens,
+                              body.spec_tokens, body.block_append, ext.out_pos, ext.out_delta,
+                              body.has_structured_output, body.pending_structured_output,
+                              body.num_spec_tokens_to_schedule, self.at, self.batch,
+                              self.nsched_map, fc.basis(), fc.nsched, fc.plen_less_one,
+                              *inputs, digest)
+        if type(got) is int:  # the digest, which differs: nothing done
+            raise InvalidDelta("state digest mismatch", expected=digest, got=got)
+        if got is None:
+            return None
+        done, out, rows, added, new_blocks = got
+        lane.counts_taken(done, added, body)
+        if out is None:  # the lane took the step, C did not make its output
+            return self.scheduler_output(body, ext, [] if added is None else [added],
+                                         LaneRows(*rows), new_blocks)
+        so, computed_now, nsched, _ = out
+        if nsched is not None:
+            self.nsched = nsched
+        fc.restart(computed_now, self.nsched)
+        return so
 
     def blocks(self, appends: tuple[Rows, ...]) -> list[Appends] | None:
         """Per group (positions, counts, flat ids) of a body's block_append ``appends``; None
