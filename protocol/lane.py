@@ -13,7 +13,9 @@ ints -- the scheduled rows' table lengths are a list per KV group -- and journal
 the step: appends, computed-count corrections by position, and the stretches of
 unchanged scheduled counts the requests advanced by.  :meth:`SteadyLane.settle`
 writes the journal into the state with a few vectorised calls.  It settles itself
-past ``MAX_ROWS`` appended rows or ``MAX_SEGMENTS`` count changes.
+past ``MAX_ROWS`` appended rows, or past ``MAX_SEGMENTS`` count changes while it
+does not keep the computed counts (the segments are then how it finds them; one that
+keeps them settles past ``MAX_ROWS`` counts journaled in its segments).
 
 Contract: between two settles nothing but the lane touches the state; a user
 calls :meth:`settle` before anything else reads or changes it (the vLLM adapter
@@ -44,7 +46,8 @@ Appends = tuple[list[int], list[int], list[int]]
 Journaled = tuple[list[int], list[int], list[int], list[int], list[int]]
 #: settle once the journal holds this many appended rows (bounds its memory)
 MAX_ROWS = 1 << 16
-#: ... or this many changes of the scheduled counts (bounds a computed count's lookup)
+#: ... or this many changes of the scheduled counts while it keeps no computed counts
+#: (bounds a computed count's lookup through the segments)
 MAX_SEGMENTS = 16
 #: without the speedups, schedules up to this long open with one keyed sum in Python;
 #: longer ones take the state's numpy advance term
@@ -358,8 +361,9 @@ class SteadyLane:
         """The step is journaled: its digest and body are the lane's last."""
         self.digest, self.last = digest, body
         self.steps += 1
-        if self.rows > MAX_ROWS or len(self.segments) > MAX_SEGMENTS:
-            self.settle()
+        if self.rows > MAX_ROWS or len(self.segments) > (
+                MAX_SEGMENTS if self.comp is None else MAX_ROWS // (len(self.handles) or 1)):
+            self.settle()  # (speculative decoding changes the counts every step)
 
     def steady(self, expected_digest: int | None = None, body: DeltaBody = STEADY_BODY) -> int:
         """:meth:`step` of the empty body (the steady decode step: every scheduled request

@@ -15,7 +15,15 @@ from replica_bodies import first_body
 from protocol import digest, packing
 from protocol import lane as lane_module
 from protocol.errors import InvalidDelta, MalformedMessage
-from protocol.lane import MAX_ROWS, NO_ROWS, Appends, SteadyLane, lane_rows, lane_shaped
+from protocol.lane import (
+    MAX_ROWS,
+    MAX_SEGMENTS,
+    NO_ROWS,
+    Appends,
+    SteadyLane,
+    lane_rows,
+    lane_shaped,
+)
 from protocol.messages import DeltaBody, Rows
 from protocol.packing import pack_sints, pack_uints
 from protocol.plan import STEADY_BODY
@@ -224,6 +232,27 @@ def test_the_lane_settles_itself_before_its_journal_grows_unbounded() -> None:
     assert lane.rows <= MAX_ROWS and state.version > 1
     lane.settle()
     assert state.digest == state.recompute_digest()
+
+
+def test_a_lane_keeping_computed_counts_journals_count_changes_up_to_its_bound() -> None:
+    """Speculative decoding changes the scheduled counts every step: a lane that keeps
+    the computed counts journals those changes until they hold MAX_ROWS counts (one
+    lookup-bound settle every MAX_SEGMENTS steps would cost those steps tens of µs);
+    one that does not keep them settles past MAX_SEGMENTS."""
+    for moves in (True, False):
+        state = ReplicaState()
+        state.apply(first_body(4, 1))
+        lane = SteadyLane(state)
+        steps = 0
+        while state.version == 1:
+            body = DeltaBody(scheduled_tokens=Rows(pack_uints([0]), values=pack_uints(
+                [1 + steps % 2])), computed_tokens=Rows(pack_uints([1]), values=pack_sints(
+                    [1])) if moves else None)
+            assert lane.step(body, []) is not None
+            steps += 1
+        assert abs(steps - (MAX_ROWS // 4 if moves else MAX_SEGMENTS)) <= 1  # (the first
+        # segment is the opening counts')
+        assert state.digest == state.recompute_digest()
 
 
 def test_appends_to_rows_ending_at_one_offset_rebuild_in_batch_order() -> None:

@@ -178,3 +178,39 @@ def test_step_kinds_sort_every_step_of_a_recording(recording: Path,
     assert line["recording"] == str(recording) and set(line["kinds"]) == set(got)
     with pytest.raises(SystemExit):
         main([str(recording.with_suffix(".missing"))])
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_replay_passes_take_each_steps_median_of_both_paths(
+        recording: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With passes, each step's µs on either path is the median of its passes (the
+    passes here report known figures); bytes are one pass's, the other path goes
+    first in every other pass, and a pass count below one is refused."""
+    from engine_side.bench import vllm_replay
+    from engine_side.bench.vllm_replay import load_recording, replay
+
+    messages = load_recording(recording)
+    real = vllm_replay._one_pass
+    orders: list[bool] = []
+
+    def scripted(msgs: Any, breakdown: bool, ours_first: bool) -> Any:
+        steps, fields = real(msgs, breakdown, ours_first)
+        k = len(orders)
+        orders.append(ours_first)
+        for i, step in enumerate(steps):  # pass k: µs (10k + i, 100k + i) per path
+            for acc in step.figures.values():
+                acc[2], acc[3] = 10.0 * k + i, 100.0 * k + i
+        return steps, fields
+
+    monkeypatch.setattr(vllm_replay, "_one_pass", scripted)
+    one, three = replay(messages), replay(messages, passes=3)
+    assert orders == [False, False, True, False]
+    assert three["passes"] == 3 and three["steps"] == one["steps"] == 40
+    assert three["request"]["bytes"] == one["request"]["bytes"]
+    # step i of the three passes (k = 1, 2, 3) reads 10k + i: its median is 20 + i
+    assert three["request"]["us"] == pytest.approx(sum(20.0 + i for i in range(40)))
+    assert three["request"]["pickle_us"] == pytest.approx(sum(200.0 + i for i in range(40)))
+    assert three["request"]["median_us"] == pytest.approx(20.0 + 19.5)
+    with pytest.raises(ValueError, match="passes"):
+        replay(messages, passes=0)

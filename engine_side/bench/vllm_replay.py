@@ -195,8 +195,34 @@ def _route(enc: Any, dec: Any) -> dict[str, tuple[Any, Any]]:
             "sample_reply": (dec.encode_reply, enc.decode_reply)}
 
 
-def replay(messages: list[tuple[str, Any]], breakdown: bool = False) -> dict[str, Any]:
-    """Per-step bytes and µs, ours (fresh encoder → fresh decoder) vs pickle, summarised."""
+def replay(messages: list[tuple[str, Any]], breakdown: bool = False,
+           passes: int = 1) -> dict[str, Any]:
+    """Per-step bytes and µs, ours (fresh encoder → fresh decoder) vs pickle, summarised.
+    With ``passes`` > 1 the stream is replayed that many times, each pass with a fresh
+    encoder and decoder and the other path first at every step, and each step's µs on
+    either path is its median over the passes (a noisy machine's outliers then move no
+    median; bytes are the same in every pass)."""
+    if passes < 1:
+        raise ValueError(f"passes must be >= 1, got {passes}")
+    runs = [_one_pass(messages, breakdown and k == 0, ours_first=k % 2 == 1)
+            for k in range(passes)]
+    steps, fields = runs[0]
+    for i, step in enumerate(steps):
+        for path, acc in step.figures.items():
+            for col in (2, 3):
+                acc[col] = statistics.median(run[0][i].figures[path][col] for run in runs)
+    out = summarise(steps)
+    out["passes"] = passes
+    if breakdown:
+        out["request_fields"] = dict(fields.most_common())
+    return out
+
+
+def _one_pass(messages: list[tuple[str, Any]], breakdown: bool, ours_first: bool,
+              ) -> tuple[list[_Step], Counter[str]]:
+    """One replay of ``messages``: per step the figures of both paths (which one goes
+    first alternates per message kind, starting with pickle unless ``ours_first``), and
+    the request fields' byte counts when ``breakdown``."""
     from engine_side.vllm.encoder import SchedulerOutputEncoder
     from worker_side.vllm.decoder import SchedulerOutputDecoder
 
@@ -213,7 +239,7 @@ def replay(messages: list[tuple[str, Any]], breakdown: bool = False) -> dict[str
             steps.append(_Step(obj, prev))
             prev = dict(obj.num_scheduled_tokens)
         seen[kind] += 1
-        theirs = pickled(kind, obj) if seen[kind] % 2 else None
+        theirs = pickled(kind, obj) if (seen[kind] + ours_first) % 2 else None
         ours, frames = _ours(kind, obj, route[kind])
         theirs = theirs or pickled(kind, obj)
         if steps:
@@ -222,10 +248,7 @@ def replay(messages: list[tuple[str, Any]], breakdown: bool = False) -> dict[str
         if breakdown and kind in REQUEST:
             fields.update(request_fields(kind, frames))
     gc.unfreeze()
-    out = summarise(steps)
-    if breakdown:
-        out["request_fields"] = dict(fields.most_common())
-    return out
+    return steps, fields
 
 
 def summarise(steps: list[_Step]) -> dict[str, Any]:

@@ -183,13 +183,14 @@ def _meta(argv: list[str]) -> dict[str, Any]:
 
 def replay_all(paths: dict[str, Path], synthetic: list[int],
                live: dict[str, dict[str, Any]] | None = None,
-               churn: tuple[int, ...] = ()) -> dict[str, Any]:
+               churn: tuple[int, ...] = (), passes: int = 1) -> dict[str, Any]:
     """The BENCHMARKS document: per workload and synthetic stream (steady decode at
     each ``synthetic`` size, continuous batching at each ``churn`` size), then the
-    totals (recorded workloads only)."""
+    totals (recorded workloads only); each step's µs the median of ``passes`` replays
+    (see :func:`engine_side.bench.vllm_replay.replay`)."""
     doc: dict[str, Any] = {"workloads": {}, "synthetic": {}}
     for i, (name, path) in enumerate(paths.items(), 1):
-        row = replay(load_recording(path), breakdown=True)
+        row = replay(load_recording(path), breakdown=True, passes=passes)
         if name in SCENARIOS:
             row["summary"] = SCENARIOS[name].summary
         if live and name in live:
@@ -200,9 +201,9 @@ def replay_all(paths: dict[str, Path], synthetic: list[int],
               f"{row['request']['pickle_bytes'] / max(1, row['request']['bytes']):.1f}x fewer "
               f"bytes", file=sys.stderr, flush=True)
     for n in synthetic:
-        doc["synthetic"][str(n)] = replay(synthetic_decode(n, 20))
+        doc["synthetic"][str(n)] = replay(synthetic_decode(n, 20), passes=passes)
     for n in churn:
-        doc["synthetic"][f"churn-{n}"] = replay(synthetic_churn(n, 20))
+        doc["synthetic"][f"churn-{n}"] = replay(synthetic_churn(n, 20), passes=passes)
     doc["total"] = {path: {k: sum(w[path][k] for w in doc["workloads"].values())
                            for k in ("bytes", "pickle_bytes", "us", "pickle_us")}
                     for path in ("request", "reply")}
@@ -227,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
             live = record_all(model, names, directory, args.check, args.reuse)
             paths = {n: directory / f"{n}.dcrec" for n in names}
         churn = tuple(int(n) for n in args.churn)
-        doc = {"meta": _meta(sys.argv), **replay_all(paths, synthetic, live, churn)}
+        doc = {"meta": {**_meta(sys.argv), "passes": args.passes},
+               **replay_all(paths, synthetic, live, churn, args.passes)}
         if args.json:
             Path(args.json).write_text(json.dumps(doc, indent=1))
         print(render(doc))
@@ -239,6 +241,14 @@ def run(args: argparse.Namespace) -> int:
                             args.check, Path(args.record) if args.record else None)
     print(json.dumps({k: v for k, v in stats.items() if k != "outputs"}, indent=1))
     return 1 if stats["failures"] else 0
+
+
+def _positive(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -259,6 +269,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--churn", nargs="*", default=["16", "256"],
                         help="synthetic continuous-batching sizes (a request leaves and one "
                              "joins every step: every step takes the general path)")
+    parser.add_argument("--passes", type=_positive, default=3,
+                        help="replays per stream; each step's µs is its median over them "
+                             "(default 3)")
     parser.add_argument("--json", default="", help="write the replay document (JSON) here")
     parser.add_argument("--render", default="", help="print the tables of a saved JSON document")
 
