@@ -234,25 +234,29 @@ def test_the_lane_settles_itself_before_its_journal_grows_unbounded() -> None:
     assert state.digest == state.recompute_digest()
 
 
-def test_a_lane_keeping_computed_counts_journals_count_changes_up_to_its_bound() -> None:
+@pytest.mark.parametrize(("moves", "max_rows", "bound"), [
+    (True, MAX_ROWS, MAX_ROWS // 4), (False, MAX_ROWS, MAX_SEGMENTS),
+    (True, 16, MAX_SEGMENTS)])  # a batch too large for MAX_SEGMENTS changes: no fewer
+def test_a_lane_keeping_computed_counts_journals_count_changes_up_to_its_bound(
+        moves: bool, max_rows: int, bound: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Speculative decoding changes the scheduled counts every step: a lane that keeps
     the computed counts journals those changes until they hold MAX_ROWS counts (one
-    lookup-bound settle every MAX_SEGMENTS steps would cost those steps tens of µs);
-    one that does not keep them settles past MAX_SEGMENTS."""
-    for moves in (True, False):
-        state = ReplicaState()
-        state.apply(first_body(4, 1))
-        lane = SteadyLane(state)
-        steps = 0
-        while state.version == 1:
-            body = DeltaBody(scheduled_tokens=Rows(pack_uints([0]), values=pack_uints(
-                [1 + steps % 2])), computed_tokens=Rows(pack_uints([1]), values=pack_sints(
-                    [1])) if moves else None)
-            assert lane.step(body, []) is not None
-            steps += 1
-        assert abs(steps - (MAX_ROWS // 4 if moves else MAX_SEGMENTS)) <= 1  # (the first
-        # segment is the opening counts')
-        assert state.digest == state.recompute_digest()
+    lookup-bound settle every MAX_SEGMENTS steps would cost those steps tens of µs),
+    never fewer than MAX_SEGMENTS; one that does not keep them settles past
+    MAX_SEGMENTS."""
+    monkeypatch.setattr(lane_module, "MAX_ROWS", max_rows)
+    state = ReplicaState()
+    state.apply(first_body(4, 1))
+    lane = SteadyLane(state)
+    steps = 0
+    while state.version == 1:
+        body = DeltaBody(scheduled_tokens=Rows(pack_uints([0]), values=pack_uints(
+            [1 + steps % 2])), computed_tokens=Rows(pack_uints([1]), values=pack_sints(
+                [1])) if moves else None)
+        assert lane.step(body, []) is not None
+        steps += 1
+    assert abs(steps - bound) <= 1  # (the first segment is the opening counts')
+    assert state.digest == state.recompute_digest()
 
 
 def test_appends_to_rows_ending_at_one_offset_rebuild_in_batch_order() -> None:
