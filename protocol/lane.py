@@ -361,7 +361,8 @@ class SteadyLane:
         """The step is journaled: its digest and body are the lane's last."""
         self.digest, self.last = digest, body
         self.steps += 1
-        if self.rows > MAX_ROWS or len(self.segments) > self._segment_limit():
+        if self.rows > MAX_ROWS or (len(self.segments) > MAX_SEGMENTS  # (the common test)
+                                    and len(self.segments) > self._segment_limit()):
             self.settle()
 
     def _segment_limit(self) -> int:
