@@ -112,6 +112,11 @@ enum { A_CACHED, A_NEW_BLOCKS, A_REQ_IDS, A_SPEC, A_TOTAL, A_NSPEC, A_NSCHED, A_
 extern PyObject *attrs[A_COUNT];
 int intern_attrs(void);
 
+/* A Rows' field names (handles, counts, values), interned: rows_names[j] once
+ * intern_rows_names() has returned 0 (-1 with an exception set); _speedups_counts.c's. */
+extern PyObject *rows_names[3];
+int intern_rows_names(void);
+
 /* The arguments of _speedups.c's plan_rows: one KV group's appends and the lane's
  * lists (see plan_rows). */
 typedef struct {

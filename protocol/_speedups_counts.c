@@ -364,6 +364,21 @@ rows_pair(PyObject *rows, PyObject *a, PyObject *(*ua)(PyObject *, PyObject *), 
     return Py_BuildValue("(NN)", x, y);
 }
 
+PyObject *rows_names[3];
+
+int
+intern_rows_names(void)
+{
+    static const char *spelled[3] = {"handles", "counts", "values"};
+    for (int j = 0; j < 3; j++) {
+        if (rows_names[j] == NULL
+                && (rows_names[j] = PyUnicode_InternFromString(spelled[j])) == NULL) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* lane_rows(computed, scheduled, spec, n) -> (computed, scheduled, drafts) | None: the
  * count and draft rows of a lane body's three Rows fields (each None when absent) as
  * protocol.lane.lane_rows lists them -- computed (handles, signed values), scheduled
@@ -379,13 +394,10 @@ lane_rows(PyObject *self, PyObject *args)
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    static PyObject *names[3]; /* handles, counts, values: interned once */
-    static const char *spelled[3] = {"handles", "counts", "values"};
-    for (int j = 0; j < 3; j++) {
-        if (names[j] == NULL && (names[j] = PyUnicode_InternFromString(spelled[j])) == NULL) {
-            return NULL;
-        }
+    if (intern_rows_names() < 0) {
+        return NULL;
     }
+    PyObject **names = rows_names;
     int taken = 1;
     PyObject *result = NULL;
     if ((empty = PyList_New(0)) == NULL) {

@@ -276,14 +276,14 @@ finish:
 static int
 rows_fields(PyObject *rows, PyObject **f)
 {
-    static PyObject *names[3]; /* interned once */
-    static const char *spelled[3] = {"handles", "counts", "values"};
     for (int j = 0; j < 3; j++) {
         f[j] = NULL;
     }
+    if (intern_rows_names() < 0) {
+        return -1;
+    }
     for (int j = 0; j < 3; j++) {
-        if ((names[j] == NULL && (names[j] = PyUnicode_InternFromString(spelled[j])) == NULL)
-                || (f[j] = PyObject_GetAttr(rows, names[j])) == NULL) {
+        if ((f[j] = PyObject_GetAttr(rows, rows_names[j])) == NULL) {
             for (int k = 0; k < j; k++) {
                 Py_CLEAR(f[k]);
             }

@@ -361,18 +361,13 @@ class SteadyLane:
         """The step is journaled: its digest and body are the lane's last."""
         self.digest, self.last = digest, body
         self.steps += 1
-        if self.rows > MAX_ROWS or (len(self.segments) > MAX_SEGMENTS  # (the common test)
-                                    and len(self.segments) > self._segment_limit()):
+        # count changes: past MAX_SEGMENTS while no computed counts are kept (the
+        # segments are how they are found), else once they hold MAX_ROWS counts
+        # (speculative decoding changes the counts every step)
+        segments = len(self.segments)
+        if self.rows > MAX_ROWS or (segments > MAX_SEGMENTS and (
+                self.comp is None or segments * len(self.handles) > MAX_ROWS)):
             self.settle()
-
-    def _segment_limit(self) -> int:
-        """Count changes journaled before a settle (speculative decoding changes the
-        counts every step): :data:`MAX_SEGMENTS` while the lane keeps no computed counts
-        (its segments are how it finds them), else as many as hold :data:`MAX_ROWS`
-        counts, and no fewer."""
-        if self.comp is None or not self.handles:
-            return MAX_SEGMENTS
-        return max(MAX_SEGMENTS, MAX_ROWS // len(self.handles))
 
     def steady(self, expected_digest: int | None = None, body: DeltaBody = STEADY_BODY) -> int:
         """:meth:`step` of the empty body (the steady decode step: every scheduled request
