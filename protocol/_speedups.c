@@ -1438,7 +1438,8 @@ PyInit__speedups(void)
                       || PyModule_AddFunctions(m, output_methods) < 0
                       || PyModule_AddFunctions(m, lane_methods) < 0
                       || PyModule_AddFunctions(m, counts_methods) < 0
-                      || PyModule_AddFunctions(m, fused_methods) < 0)) {
+                      || PyModule_AddFunctions(m, fused_methods) < 0
+                      || PyModule_AddFunctions(m, frame_methods) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

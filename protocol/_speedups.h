@@ -112,10 +112,10 @@ enum { A_CACHED, A_NEW_BLOCKS, A_REQ_IDS, A_SPEC, A_TOTAL, A_NSPEC, A_NSCHED, A_
 extern PyObject *attrs[A_COUNT];
 int intern_attrs(void);
 
-/* A Rows' field names (handles, counts, values), interned: rows_names[j] once
- * intern_rows_names() has returned 0 (-1 with an exception set); _speedups_counts.c's. */
-extern PyObject *rows_names[3];
-int intern_rows_names(void);
+/* Field j (0 handles, 1 counts, 2 values) of a Rows, or of the (handles, counts, values)
+ * tuple of bytes that lane_view reads in its place: a new reference, NULL with an
+ * exception set; _speedups_counts.c's. */
+PyObject *rows_item(PyObject *rows, int j);
 
 /* The arguments of _speedups.c's plan_rows: one KV group's appends and the lane's
  * lists (see plan_rows). */
@@ -138,5 +138,6 @@ extern PyMethodDef output_methods[];
 extern PyMethodDef lane_methods[];
 extern PyMethodDef counts_methods[];
 extern PyMethodDef fused_methods[];
+extern PyMethodDef frame_methods[];
 
 #endif

@@ -325,10 +325,10 @@ finish:
  * when not taken -- a 64-bit wide array included, whose values may not fit int64 --,
  * NULL with an exception set. */
 static PyObject *
-rows_field(PyObject *rows, PyObject *name, PyObject *(*unpack)(PyObject *, PyObject *),
+rows_field(PyObject *rows, int j, PyObject *(*unpack)(PyObject *, PyObject *),
            PyObject *empty)
 {
-    PyObject *packed = PyObject_GetAttr(rows, name);
+    PyObject *packed = rows_item(rows, j);
     if (packed == NULL) {
         return NULL;
     }
@@ -349,8 +349,8 @@ rows_field(PyObject *rows, PyObject *name, PyObject *(*unpack)(PyObject *, PyObj
 /* The pair rows_field makes of two fields of ``rows`` (None: Py_None, a new
  * reference); *taken cleared when one is not taken.  NULL with an exception set. */
 static PyObject *
-rows_pair(PyObject *rows, PyObject *a, PyObject *(*ua)(PyObject *, PyObject *), PyObject *ea,
-          PyObject *b, PyObject *(*ub)(PyObject *, PyObject *), PyObject *eb, int *taken)
+rows_pair(PyObject *rows, int a, PyObject *(*ua)(PyObject *, PyObject *), PyObject *ea,
+          int b, PyObject *(*ub)(PyObject *, PyObject *), PyObject *eb, int *taken)
 {
     if (rows == Py_None || !*taken) {
         return Py_NewRef(Py_None);
@@ -364,9 +364,9 @@ rows_pair(PyObject *rows, PyObject *a, PyObject *(*ua)(PyObject *, PyObject *), 
     return Py_BuildValue("(NN)", x, y);
 }
 
-PyObject *rows_names[3];
+static PyObject *rows_names[3];
 
-int
+static int
 intern_rows_names(void)
 {
     static const char *spelled[3] = {"handles", "counts", "values"};
@@ -377,6 +377,15 @@ intern_rows_names(void)
         }
     }
     return 0;
+}
+
+PyObject *
+rows_item(PyObject *rows, int j)
+{
+    if (PyTuple_CheckExact(rows) && PyTuple_GET_SIZE(rows) == 3) { /* lane_view's */
+        return Py_NewRef(PyTuple_GET_ITEM(rows, j));
+    }
+    return intern_rows_names() < 0 ? NULL : PyObject_GetAttr(rows, rows_names[j]);
 }
 
 /* lane_rows(computed, scheduled, spec, n) -> (computed, scheduled, drafts) | None: the
@@ -394,17 +403,13 @@ lane_rows(PyObject *self, PyObject *args)
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    if (intern_rows_names() < 0) {
-        return NULL;
-    }
-    PyObject **names = rows_names;
     int taken = 1;
     PyObject *result = NULL;
     if ((empty = PyList_New(0)) == NULL) {
         return NULL;
     }
     if (spec != Py_None) {
-        PyObject *handles = PyObject_GetAttr(spec, names[0]);
+        PyObject *handles = rows_item(spec, 0);
         if (handles == NULL) {
             goto finish;
         }
@@ -417,12 +422,12 @@ lane_rows(PyObject *self, PyObject *args)
             PyList_SET_ITEM(ones, i, PyLong_FromLong(1)); /* a cached small int */
         }
     }
-    if ((out[0] = rows_pair(computed, names[0], raw_list, empty, names[2], raw_signed_list,
-                            NULL, &taken)) == NULL
-            || (out[1] = rows_pair(scheduled, names[0], raw_list, empty, names[2], raw_list,
-                                   empty, &taken)) == NULL
-            || (out[2] = rows_pair(spec, names[1], raw_list, ones, names[2], raw_list_minus_one,
-                                   NULL, &taken)) == NULL) {
+    if ((out[0] = rows_pair(computed, 0, raw_list, empty, 2, raw_signed_list, NULL,
+                            &taken)) == NULL
+            || (out[1] = rows_pair(scheduled, 0, raw_list, empty, 2, raw_list, empty,
+                                   &taken)) == NULL
+            || (out[2] = rows_pair(spec, 1, raw_list, ones, 2, raw_list_minus_one, NULL,
+                                   &taken)) == NULL) {
         goto finish;
     }
     result = taken ? PyTuple_Pack(3, out[0], out[1], out[2]) : Py_NewRef(Py_None);

@@ -279,11 +279,8 @@ rows_fields(PyObject *rows, PyObject **f)
     for (int j = 0; j < 3; j++) {
         f[j] = NULL;
     }
-    if (intern_rows_names() < 0) {
-        return -1;
-    }
     for (int j = 0; j < 3; j++) {
-        if ((f[j] = PyObject_GetAttr(rows, rows_names[j])) == NULL) {
+        if ((f[j] = rows_item(rows, j)) == NULL) {
             for (int k = 0; k < j; k++) {
                 Py_CLEAR(f[k]);
             }

@@ -30,9 +30,11 @@ from __future__ import annotations
 from operator import add, attrgetter, mul, sub
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import msgspec
+
 from protocol import digest as dg
 from protocol.errors import InvalidDelta, MalformedMessage
-from protocol.messages import DeltaBody
+from protocol.messages import Delta, DeltaBody
 from protocol.packing import unpack_sint_list, unpack_uint_list, unpack_uint_list_minus_one
 from protocol.planned import STEADY_BODY
 from protocol.speedups import C as _C
@@ -82,6 +84,11 @@ def lane_shaped(body: DeltaBody) -> bool:
             and not body.free_encoder_mm_hashes and not body.blocks_to_zero)
 
 
+#: ``lane_counts``' answer for a step it took: (digest, the new scheduled counts or None,
+#: their advance, the appends' plan or None, the computed counts kept or None)
+Counted = tuple[int, list[int] | None, int, Any, list[int] | None]
+_DELTA = msgspec.msgpack.Decoder(Delta)
+
 #: one group's appends with their plan (handles, starts, row terms, their sum)
 _Planned = tuple[int, Appends, tuple[list[int], list[int], list[int], int]]
 
@@ -114,7 +121,8 @@ class SteadyLane:
         #: per group, per journaled step: (handles, starts, counts, ids, row terms)
         self.journal: list[list[Journaled]] = []
         self.rows = 0
-        self.last: DeltaBody | None = None
+        #: the last step's body, or its Delta's frame (see counts_taken)
+        self.last: DeltaBody | bytes | None = None
 
     def open(self, computed: list[int] | None = None) -> None:
         """Open the lane on the state now, its block lengths included (a no-op while steps
@@ -248,11 +256,29 @@ class SteadyLane:
                 not own_rows and drafts is not None and (
                     len(drafts[0]) != len(self.handles) or sum(drafts[0]) != len(drafts[1]))):
             return None
-        at, moves = rows.computed or (_NONE, _NONE)
-        pos, values = rows.scheduled or (_NONE, _NONE)
         added = appends[0] if appends and appends[0][0] else None
         if appends and added is None and (appends[0][1] or appends[0][2]):
             return None  # ids without rows: the state refuses the shape
+        done = self.count_step(rows.computed, rows.scheduled, added,
+                               not own_rows or not own_appends, expected_digest)
+        return None if done is None else self.counts_taken(done, added, body)
+
+    def count_step(self, computed: tuple[list[int], list[int]] | None,
+                   scheduled: tuple[list[int], list[int]] | None, added: Appends | None,
+                   check: bool = True, expected_digest: int | None = None) -> Counted | None:
+        """The C step of :meth:`counted` (``lane_counts``) from the count rows as lists
+        (``computed``, ``scheduled``: (positions, values), None for none) and one group's
+        appends ``added`` (None for none); ``check``: the rows are not the caller's own
+        (their positions are checked).  Its answer is for :meth:`counts_taken`, which the
+        caller must call next (the lengths and corrections are written); None, nothing
+        done, when the lane has more KV groups or C does not take the rows.  Raises
+        InvalidDelta, nothing done, when the digest differs from ``expected_digest``."""
+        if self.steps == 0 and self.version != self.state.version:
+            self._open()
+        if _C is None or self.groups != 1:
+            return None
+        at, moves = computed or (_NONE, _NONE)
+        pos, values = scheduled or (_NONE, _NONE)
         comp = self.comp if self.comp is not None or not moves else self._computed()
         keys = self.keys if self.keys is not None else \
             self._keys() if moves or pos else _NONE
@@ -261,10 +287,10 @@ class SteadyLane:
         done = _C.lane_counts(
             comp, self.nsched, keys, at, moves, pos, values, skeys, self.advance, self.extra,
             added, self.handles, self.lengths[0] if added else _NONE, _SALT0, *dg.BLOCK_KEYS,
-            not own_rows or not own_appends, self.digest, expected_digest)
+            check, self.digest, expected_digest)
         if type(done) is int:  # the digest, which differs: nothing done
             raise InvalidDelta("state digest mismatch", expected=expected_digest, got=done)
-        return None if done is None else self.counts_taken(done, added, body)
+        return done  # type: ignore[no-any-return]
 
     def count_inputs(self, computed: bool, scheduled: bool, appends: bool,
                      ) -> tuple[Any, ...] | None:
@@ -283,11 +309,12 @@ class SteadyLane:
                 self.handles, self.lengths[0] if appends else _NONE, _SALT0, *dg.BLOCK_KEYS,
                 self.digest)
 
-    def counts_taken(self, done: tuple[int, list[int] | None, int, Any, list[int] | None],
-                     added: Appends | None, body: DeltaBody) -> int:
+    def counts_taken(self, done: Counted, added: Appends | None, body: DeltaBody | bytes,
+                     ) -> int:
         """Journal a step ``lane_counts`` took (``done``: its result, the lengths and
         corrections already written; ``added``: the step's one group of appends, None for
-        none); returns its digest."""
+        none; ``body``: the step's body, or the frame of its Delta when the caller wrote
+        that without the body, decoded only if a settle needs it); returns its digest."""
         digest, nsched, advance, plan, self.comp = done
         if plan is not None and added is not None:  # (a plan is made of appends only)
             self.journal[0].append((plan[0], plan[1], added[1], added[2], plan[2]))
@@ -357,7 +384,7 @@ class SteadyLane:
         if self.comp is not None:
             self.comp = list(map(add, self.comp, self.nsched))
 
-    def _taken(self, digest: int, body: DeltaBody) -> None:
+    def _taken(self, digest: int, body: DeltaBody | bytes) -> None:
         """The step is journaled: its digest and body are the lane's last."""
         self.digest, self.last = digest, body
         self.steps += 1
@@ -491,8 +518,9 @@ class SteadyLane:
         if not self.steps:
             return
         assert self.last is not None  # noqa: S101 - set by every journaled step
+        last = self.last if isinstance(self.last, DeltaBody) else _DELTA.decode(self.last).body
         self.state.absorb_lane(self.segments, self.extra, self.journal, self._lengths or [],
-                               self.last, self.digest, self.advance, self.comp)
+                               last, self.digest, self.advance, self.comp)
         self.steps, self.last = 0, None
         self.journal = [[] for _ in range(self.groups)]
         self.version, self.rows = self.state.version, 0

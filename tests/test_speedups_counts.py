@@ -263,6 +263,20 @@ def test_speculative_steps_give_the_general_paths_frames(steps: list[Any],
     every step after the first takes the fast path on both ends."""
     enc, dec = run_both_paths(steps, 1, SECRET)
     assert enc.quick_steps == dec.quick_steps == len(steps) - 1
+    _settles_to_the_general_state(enc, steps)
+
+
+def _settles_to_the_general_state(enc: Any, steps: list[Any]) -> None:
+    """``enc``'s mirror, its lane settled, rebuilds what a general-path encoder's does
+    after ``steps`` (the lane's last step -- a body, or a frame it wrote -- included)."""
+    from engine_side.vllm import SchedulerOutputEncoder
+    from protocol.request import request_differences
+
+    slow = SchedulerOutputEncoder(1, secret=SECRET, fast=False)
+    for so in steps:
+        slow.encode(so)
+    enc.lane.settle()
+    assert request_differences(enc.mirror.state.rebuild(), slow.mirror.state.rebuild()) == []
 
 
 class _OutputDeclined:
@@ -291,6 +305,32 @@ def test_a_counted_step_whose_output_c_declines_answers_from_the_lines(
     with mock.patch.object(worker_quick, "_C", _OutputDeclined()):
         enc, dec = run_both_paths(steps, 1, SECRET)
     assert enc.quick_steps == dec.quick_steps == len(steps) - 1
+
+
+class _FrameDeclined:
+    """The speedups, but ``lane_frame`` takes nothing (as for values it refuses)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(C, name)
+
+    @staticmethod
+    def lane_frame(*args: Any) -> None:
+        return None
+
+
+@settings(max_examples=30, deadline=None)
+@given(steps=_speculative_streams())
+def test_a_counted_step_whose_frame_c_declines_is_encoded_from_the_objects(
+        steps: list[Any]) -> None:
+    """The engine's one-call count step keeps the lane's step and encodes the body's
+    objects when C does not write the frame: the general path's frames, every step on
+    the fast path."""
+    from engine_side.vllm import encoder
+
+    with mock.patch.object(encoder, "_C", _FrameDeclined()):
+        enc, dec = run_both_paths(steps, 1, SECRET)
+    assert enc.quick_steps == dec.quick_steps == len(steps) - 1
+    _settles_to_the_general_state(enc, steps)
 
 
 @settings(max_examples=30, deadline=None)

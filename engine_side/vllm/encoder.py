@@ -47,7 +47,7 @@ from engine_side.vllm.convert import (
 from engine_side.vllm.grammar import GrammarEncoder
 from engine_side.vllm.mm import StoreChannel
 from engine_side.vllm.params import SpecReader, new_request_spec
-from engine_side.vllm.quick import Packed, QuickEncoder
+from engine_side.vllm.quick import Packed, QuickEncoder, Scan
 from engine_side.vllm.replies import IndexCache, decode_reply
 from engine_side.vllm.schema import (
     StepExt,
@@ -60,10 +60,11 @@ from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import LocalProtocolError
 from protocol.lane import NO_ROWS, SteadyLane
-from protocol.messages import DeltaBody, Rows
+from protocol.messages import Delta, DeltaBody, Rows
 from protocol.packing import pack_sints, pack_uints
 from protocol.plan import STEADY_BODY
 from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
+from protocol.speedups import C as _C
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 CONNECTOR_FIELDS = ("kv_connector_metadata", "ec_connector_metadata",
@@ -167,11 +168,48 @@ class SchedulerOutputEncoder:
             self.batches[delta.seq] = quick.batch
             self.batches.pop(delta.seq - HISTORY, None)
             return codec.encode(delta)
-        body = quick.body(so) if self.fast else None  # a same-batch step that is not plain
+        if not self.fast:
+            return self._general(mirror, lane, so)
+        scan = quick.scan(so)  # a same-batch step that is not plain, read by C
+        if scan is not None:
+            frames = self._counted(mirror, lane, scan)
+            if frames is not None:
+                return frames
+        body = quick.scanned_body(scan) if scan is not None else quick.body(so, scanned=True)
         if body is not None:
             return self._same_batch(mirror, lane, body)
-        frames = turnover_delta(self, so) if self.fast else None
+        frames = turnover_delta(self, so)
         return frames if frames is not None else self._general(mirror, lane, so)
+
+    def _counted(self, mirror: EngineMirror, lane: SteadyLane, scan: Scan,
+                 ) -> list[Frame] | None:
+        """The frame of a same-batch step with count rows (``scan``), the lane's step
+        taken by one C call (:meth:`SteadyLane.count_step`) and the frame written by
+        another (``lane_frame``), no body or Delta made; None, nothing changed, for a
+        step without count rows or one the lane's C step does not take."""
+        _, _, appends, packed, drafts, counts, structured, pending, nspec = scan
+        computed, scheduled, outputs, _ = counts
+        if _C is None or (computed is None and scheduled is None):
+            return None
+        done = lane.count_step(computed and computed[:2], scheduled and scheduled[:2],
+                               appends, check=False)
+        if done is None:
+            return None
+        seq = mirror.lane_seq(appends is not None)
+        frame = _C.lane_frame(mirror.epoch, seq, done[0], computed, scheduled, packed, drafts,
+                              outputs, structured, pending, nspec)
+        quick = self.quick
+        if frame is None:  # values the C writer does not take: the objects, then msgspec
+            body = quick.scanned_body(scan)
+            frame = bytes(codec.encode(Delta(mirror.epoch, seq, done[0], body))[0])
+        else:
+            quick.scanned(scan)
+        lane.counts_taken(done, appends, frame)
+        self._quick_blocks()
+        self.quick_steps += 1
+        self.batches[seq] = quick.batch
+        self.batches.pop(seq - HISTORY, None)
+        return [frame]
 
     def _plain_appended(self, mirror: EngineMirror, lane: SteadyLane, flags: DeltaBody,
                         packed: Packed) -> list[Frame]:

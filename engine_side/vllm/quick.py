@@ -179,15 +179,17 @@ class QuickEncoder:
         self.forecast.restart(computed, nsched)
         self.ready = True
 
-    def body(self, so: Any) -> DeltaBody | None:
+    def body(self, so: Any, scanned: bool = False) -> DeltaBody | None:
         """The Delta body of ``so`` if it is a same-batch step, else None (nothing changed).
         Callers try :meth:`plain_step` first, which answers a plain step without building
-        field dicts; this reads any same-batch step."""
+        field dicts, then :meth:`scan` (``scanned``: it did not take ``so``); this reads
+        any same-batch step."""
         if not self.ready:
             return None
-        scanned = self._scanned(so)
-        if scanned is not False:
-            return scanned
+        if not scanned:
+            scan = self.scan(so)
+            if scan is not None:
+                return self.scanned_body(scan)
         if not _plain(so):
             return None
         cached, batch = so.scheduled_cached_reqs, self.batch
@@ -222,29 +224,45 @@ class QuickEncoder:
             fields["extension"] = {"v": _ENCODE(StepExt(out_pos=counts[0], out_delta=counts[1]))}
         return DeltaBody(**fields) if fields else STEADY_BODY
 
-    def _scanned(self, so: Any) -> DeltaBody | Literal[False]:
-        """:meth:`body` from one C call (``same_batch_scan``: the reads, checks and packed
-        rows of :meth:`_nsched`, :meth:`_blocks`, :meth:`_spec` and :meth:`_counts`);
-        False, nothing changed, without the speedups or when C does not take the step
-        (:meth:`body`'s lines decide, refusals included)."""
+    def scan(self, so: Any) -> Scan | None:
+        """What :meth:`body` reads of a same-batch step, by one C call (``same_batch_scan``:
+        the reads, checks and packed rows of :meth:`_nsched`, :meth:`_blocks`,
+        :meth:`_spec` and :meth:`_counts`); None, nothing changed, without the speedups or
+        when C does not take the step (:meth:`body`'s lines decide, refusals included).
+        A scan is taken by :meth:`scanned` (then :meth:`scanned_body` or the caller's
+        own frame of it)."""
+        if not self.ready or _C is None:
+            return None
         fc = self.forecast
-        got = None if _C is None else _C.same_batch_scan(
+        return _C.same_batch_scan(  # type: ignore[no-any-return]
             so, self.batch, self.pos, fc.basis(), fc.nsched, fc.total, fc.plen_less_one,
             self.handles, _RARE, _PLAIN, self.kv_groups == 1)
-        if got is None:
-            return False
-        nsched, same_ns, appends, packed, drafts, counts, structured, pending, nspec = got
-        computed, scheduled, outputs, actual = counts
-        fields: dict[str, Any] = {}
-        lists: dict[str, tuple[list[int], list[int]]] = {}
+
+    def scanned(self, scan: Scan) -> None:
+        """The step of ``scan`` is taken: the forecast rebases on its actual counts and
+        :attr:`appends` and :attr:`rows` are its own."""
+        nsched, same_ns, appends, _, drafts, counts, _, _, _ = scan
+        computed, scheduled, _, actual = counts
         self.appends = [] if appends is None else [appends]
+        self.rows = NO_ROWS if computed is None and scheduled is None and drafts is None \
+            else LaneRows(computed and computed[:2], scheduled and scheduled[:2],
+                          drafts and drafts[:2])
+        self.forecast.rebase(actual, nsched, same_ns)
+
+    def scanned_body(self, scan: Scan) -> DeltaBody:
+        """The Delta body of ``scan``, taken (:meth:`scanned`)."""
+        self.scanned(scan)
+        _, _, _, packed, drafts, counts, structured, pending, nspec = scan
+        computed, scheduled, outputs, _ = counts
+        fields: dict[str, Any] = {}
+        if computed is not None:
+            fields["computed_tokens"] = Rows(handles=computed[2], values=computed[3])
+        if scheduled is not None:
+            fields["scheduled_tokens"] = Rows(handles=scheduled[2], values=scheduled[3])
         if packed is not None:
             fields["block_append"] = (Rows(*packed),)
         if drafts is not None:
             fields["spec_tokens"] = Rows(counts=drafts[2], values=drafts[3])
-            lists["drafts"] = drafts[:2]
-        _count_fields(computed, scheduled, fields, lists)
-        self.rows = LaneRows(**lists) if lists else NO_ROWS
         if structured:
             fields["has_structured_output"] = True
         if pending:
@@ -254,7 +272,6 @@ class QuickEncoder:
         if outputs is not None:
             fields["extension"] = {"v": _ENCODE(StepExt(out_pos=outputs[2],
                                                         out_delta=outputs[3]))}
-        fc.rebase(actual, nsched, same_ns)
         return DeltaBody(**fields) if fields else STEADY_BODY
 
     def plain_step(self, so: Any) -> tuple[DeltaBody, Packed | None] | None:
@@ -535,6 +552,15 @@ def _rows(at: list[int], values: list[int], pack: Any) -> CountRows | None:
 
 #: one group's appends as Rows fields: (packed handles, packed counts, packed ids)
 Packed = tuple[bytes, bytes, bytes]
+
+#: ``same_batch_scan``'s answer: (scheduled counts, whether they are the forecast's, one
+#: group's appends, their packed Rows fields, the drafts as (tokens per position, flat
+#: tokens, packed counts, packed values plus one), (computed rows, scheduled rows, output
+#: rows, a copy of the computed counts), the structured-output flags,
+#: num_spec_tokens_to_schedule); None for no appends, drafts or rows
+Scan = tuple[list[int], bool, Appends | None, Packed | None, CountRows | None,
+             tuple[CountRows | None, CountRows | None, CountRows | None, list[int]],
+             bool, bool, int]
 
 
 def packed_appends(grown: list[int], lens: list[int], flat: list[int], handles: list[int],

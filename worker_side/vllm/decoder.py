@@ -50,6 +50,7 @@ from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
 from protocol.plan import STEADY_BODY
 from protocol.planned import FLAG_BODIES
 from protocol.request import ExecuteModelRequest, IntArray, Ragged
+from protocol.speedups import C as _C
 from protocol.state import ReplicaState
 from protocol.tensors import make_enc_hook
 from worker_side.shm_reader import ShmReader
@@ -131,8 +132,13 @@ class SchedulerOutputDecoder:
     # ------------------------------------------------------------ execute_model
     def decode(self, frames: list[Any]) -> Any:
         quick = self.quick
-        if quick.ready and self.fast and len(frames) == 1:  # a plain step, read as one
-            view = codec.decode_plain(frames[0])
+        if quick.ready and self.fast and len(frames) == 1:
+            counted = _C.lane_view(frames[0]) if _C is not None else None
+            if counted is not None:  # a same-batch step with count rows, read as one
+                so = self._counted_frame(counted, frames[0])
+                if so is not None:
+                    return so
+            view = codec.decode_plain(frames[0])  # a plain step, read as one
             if view is not None and view.seq == self.seq + 1:
                 body = view.body
                 flags = FLAG_BODIES[body.has_structured_output, body.pending_structured_output]
@@ -190,6 +196,19 @@ class SchedulerOutputDecoder:
         so = self._scheduler_output(request, ext, opaque)
         self.after_general(request.req_ids, request.num_computed_tokens.tolist(),
                            so.num_scheduled_tokens)
+        return so
+
+    def _counted_frame(self, view: tuple[Any, ...], frame: bytes) -> Any:
+        """The SchedulerOutput of a same-batch step with count rows, its ``frame`` read by
+        one C call (``lane_view``: ``view``) and answered by another
+        (:meth:`QuickDecoder.counted_view`), no message objects made; None, nothing
+        changed, when those calls do not take it or it is out of order (the general
+        lines decide, and raise)."""
+        if view[1] != self.seq + 1 or self.state is None:
+            return None
+        so = self.quick.counted_view(self.lane, view, frame)
+        if so is not None:
+            self._quick_step(view[1], bool(view[6]))
         return so
 
     def _quick_step(self, seq: int, appended: bool) -> None:

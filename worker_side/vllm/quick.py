@@ -10,17 +10,21 @@ The SchedulerOutput is equal to the general path's and made of fresh objects.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from itertools import repeat
 from operator import add, attrgetter
 from typing import Any
 
+import msgspec
+
 from engine_side.vllm.convert import split_rows
 from engine_side.vllm.quick import Forecast
 from engine_side.vllm.schema import StepExt
+from protocol import codec
 from protocol.errors import InvalidDelta
 from protocol.lane import Appends, LaneRows, SteadyLane, add_at, lane_rows, lane_shaped
-from protocol.messages import DeltaBody, Rows
+from protocol.messages import Delta, DeltaBody, Rows
 from protocol.packing import unpack_sint_list, unpack_uint_list
 from protocol.plan import STEADY_BODY
 from protocol.speedups import C as _C
@@ -30,11 +34,20 @@ def _ints(packed: bytes) -> list[int]:
     return unpack_uint_list(packed) if packed else []
 
 
+_EXT = msgspec.msgpack.Decoder(StepExt)
 NO_EXT = StepExt()  # the extension of a step that carries none (shared: frozen)
 #: the StepExt fields besides the output departures, read by one C call (see plain_body)
 _EXT_OTHERS = attrgetter(*(f for f in StepExt.__struct_fields__
                            if f not in ("out_pos", "out_delta")))
 _NO_EXT_OTHERS = _EXT_OTHERS(NO_EXT)
+
+
+def frame_objects(frame: bytes) -> tuple[DeltaBody, StepExt]:
+    """The body and extension of a Delta frame ``lane_view`` read."""
+    msg = codec.decode([frame])
+    assert isinstance(msg, Delta)  # noqa: S101 - lane_view reads Deltas alone
+    raw = msg.body.extension.get("v")
+    return msg.body, _EXT.decode(raw) if raw else NO_EXT
 
 
 def plain_body(body: DeltaBody, ext: StepExt) -> bool:
@@ -123,28 +136,46 @@ class QuickDecoder:
         :meth:`scheduler_output`); None, nothing changed, without the speedups or when
         C does not take it (those lines decide).  Raises InvalidDelta, nothing
         changed, when the step's digest is not ``digest``."""
-        computed, scheduled = body.computed_tokens is not None, body.scheduled_tokens is not None
-        if _C is None or self.kv_groups != 1 or not (computed or scheduled) \
+        if (body.computed_tokens is None and body.scheduled_tokens is None) \
                 or not plain_body(body, ext):
             return None
-        inputs = lane.count_inputs(computed, scheduled, bool(body.block_append))
+        return self._counted(lane, (
+            body.computed_tokens, body.scheduled_tokens, body.spec_tokens, body.block_append,
+            ext.out_pos, ext.out_delta, body.has_structured_output,
+            body.pending_structured_output, body.num_spec_tokens_to_schedule), digest, body,
+            lambda: (body, ext))
+
+    def counted_view(self, lane: SteadyLane, view: tuple[Any, ...], frame: bytes) -> Any:
+        """:meth:`counted_step` of the frame of a Delta read by ``lane_view`` (``view``;
+        its seq is the caller's to check), no body or extension made: the lane keeps the
+        frame as its last step's body."""
+        return self._counted(lane, view[3:], view[2], frame, lambda: frame_objects(frame))
+
+    def _counted(self, lane: SteadyLane, fields: tuple[Any, ...], digest: int,
+                 last: DeltaBody | bytes, objects: Callable[[], tuple[DeltaBody, StepExt]],
+                 ) -> Any:
+        """:meth:`counted_step` of a body's fields in ``counted_step``'s order
+        (``computed`` .. ``nspec``; Rows or lane_view's tuples), ``last`` the lane's
+        record of it and ``objects`` making (body, extension) if C leaves the output to
+        the Python lines."""
+        if _C is None or self.kv_groups != 1:
+            return None
+        inputs = lane.count_inputs(fields[0] is not None, fields[1] is not None,
+                                   bool(fields[3]))
         if inputs is None:
             return None
         fc = self.forecast
         cached_cls, so_cls, _ = self.types
-        got = _C.counted_step(cached_cls, so_cls, body.computed_tokens, body.scheduled_tokens,
-                              body.spec_tokens, body.block_append, ext.out_pos, ext.out_delta,
-                              body.has_structured_output, body.pending_structured_output,
-                              body.num_spec_tokens_to_schedule, self.at, self.batch,
-                              self.nsched_map, fc.basis(), fc.nsched, fc.plen_less_one,
-                              *inputs, digest)
+        got = _C.counted_step(cached_cls, so_cls, *fields, self.at, self.batch, self.nsched_map,
+                              fc.basis(), fc.nsched, fc.plen_less_one, *inputs, digest)
         if type(got) is int:  # the digest, which differs: nothing done
             raise InvalidDelta("state digest mismatch", expected=digest, got=got)
         if got is None:
             return None
         done, out, rows, added, new_blocks = got
-        lane.counts_taken(done, added, body)
+        lane.counts_taken(done, added, last)
         if out is None:  # the lane took the step, C did not make its output
+            body, ext = objects()
             return self.scheduler_output(body, ext, [] if added is None else [added],
                                          LaneRows(*rows), new_blocks)
         so, computed_now, nsched, _ = out
