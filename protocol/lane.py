@@ -114,7 +114,8 @@ class SteadyLane:
         self.segments: list[list[Any]] = []
         self.extra: list[int] = []  # by position: computed-count exceptions summed
         #: the computed counts now, made when an exception first needs them and then kept
-        #: up to date (a lane without exceptions never pays for them)
+        #: up to date (a lane without exceptions never pays for them); replaced by every
+        #: step, never edited in place (it may be the caller's list, see _computed)
         self.comp: list[int] | None = None
         #: the state's computed counts of the schedule as a caller gave them (see open)
         self._base: list[int] | None = None
@@ -486,6 +487,10 @@ class SteadyLane:
 
     def _computed(self) -> list[int]:
         """The computed counts now, by position (the state's plus the journal's)."""
+        if self.comp is None and self.steps == 0 and self._base is not None:
+            # nothing journaled since the open: the counts are the caller's, taken as
+            # they are (never edited in place: every commit makes a new list first)
+            self.comp = self._base
         if self.comp is None:
             # (the caller's list is only read: the lines below make a new one)
             comp = self._base if self._base is not None else \
@@ -501,7 +506,7 @@ class SteadyLane:
         self._advanced()  # this step advanced by the counts before its exceptions
         if at:
             add_at(self.extra, at, moves)
-            if self.comp is not None:
+            if self.comp is not None:  # (the new list _advanced just made)
                 add_at(self.comp, at, moves)
         if nsched is not None:
             self.nsched, self.advance = nsched, advance

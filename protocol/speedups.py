@@ -10,13 +10,14 @@ in the same module, the same-batch step's fused checks and rows
 ``protocol/_speedups_output.c`` the worker's same-batch SchedulerOutput
 (``QuickDecoder._assemble``), ``protocol/_speedups_lane.c`` the steady lane's count
 plan and its fused count step (:mod:`protocol.lane`), ``protocol/_speedups_counts.c`` a
-same-batch step's count rows on both ends, and ``protocol/_speedups_fused.c`` such a
+same-batch step's count rows on both ends, ``protocol/_speedups_fused.c`` such a
 step in one call a side (the engine's read of the step, the worker's
-SchedulerOutput).  Each returns exactly
+SchedulerOutput) and ``protocol/_speedups_frame.c`` its Delta frame, written by the
+engine and read by the worker without the message objects.  Each returns exactly
 what its Python reference returns, or None for an input it does not take (the
 Python path then decides, errors included); ``tests/test_speedups.py``,
-``tests/test_vllm_quick.py`` and ``tests/test_speedups_counts.py`` hold the two
-together.  The bytes on the wire never depend on which one ran.
+``tests/test_vllm_quick.py``, ``tests/test_speedups_counts.py`` and
+``tests/test_lane_frame.py`` hold the two together.  The bytes on the wire never depend on which one ran.
 
 ``DELTACAST_PURE_PYTHON=1`` in the environment selects the pure-Python paths (the
 A/B benchmark and the fallback tests).  ``python -m protocol.speedups`` says which
