@@ -137,6 +137,11 @@ extern PyMethodDef step_methods[];
 extern PyMethodDef output_methods[];
 extern PyMethodDef lane_methods[];
 extern PyMethodDef counts_methods[];
+/* msgpack writers (_speedups_frame.c's): an unsigned int in msgspec's shortest form, and
+ * a bytes object (under 4 GiB) as bin; the bytes written. */
+Py_ssize_t put_uint(unsigned char *o, unsigned long long v);
+Py_ssize_t put_bin(unsigned char *o, PyObject *bin);
+
 extern PyMethodDef fused_methods[];
 extern PyMethodDef frame_methods[];
 

@@ -36,8 +36,7 @@ put_bin_header(unsigned char *o, Py_ssize_t n)
     return at;
 }
 
-/* Writes ``bin`` as msgpack bin; the bytes written. */
-static Py_ssize_t
+Py_ssize_t
 put_bin(unsigned char *o, PyObject *bin)
 {
     Py_ssize_t n = PyBytes_GET_SIZE(bin), at = put_bin_header(o, n);
@@ -45,7 +44,7 @@ put_bin(unsigned char *o, PyObject *bin)
     return at + n;
 }
 
-/* Writes a msgpack fixstr key of one or two characters; the bytes written. */
+/* Writes a msgpack fixstr key (under 32 bytes); the bytes written. */
 static Py_ssize_t
 put_key(unsigned char *o, const char *key)
 {
@@ -55,9 +54,8 @@ put_key(unsigned char *o, const char *key)
     return 1 + n;
 }
 
-/* Writes an unsigned int as msgspec does (its shortest form); the bytes written. */
-static Py_ssize_t
-put_u64(unsigned char *o, uint64_t v)
+Py_ssize_t
+put_uint(unsigned char *o, unsigned long long v)
 {
     int n = v < 0x80 ? 0 : v <= 0xFF ? 1 : v <= 0xFFFF ? 2 : v <= 0xFFFFFFFFULL ? 4 : 8;
     if (n == 0) {
@@ -162,7 +160,7 @@ write_frame(const uint64_t *head, const Sparse *rows, const Sparse *ext, const i
     o[0] = 0x95; /* [tag, epoch, seq, digest, body] */
     o[1] = 0x04;
     for (int k = 0; k < 3; k++) {
-        at += put_u64(o + at, head[k]);
+        at += put_uint(o + at, head[k]);
     }
     body = at;
     o[at++] = 0xDE; /* msgspec's map16 header for a DeltaBody, compacted below */
@@ -181,7 +179,7 @@ write_frame(const uint64_t *head, const Sparse *rows, const Sparse *ext, const i
         } else if (e == E_SO || e == E_PS) {
             o[at++] = 0xC3;
         } else if (e == E_NS) {
-            at += put_u64(o + at, nspec);
+            at += put_uint(o + at, nspec);
         } else { /* E_X: {"v": the StepExt's bytes} */
             o[at++] = 0x81;
             at += put_key(o + at, "v");

@@ -470,45 +470,13 @@ plain_frame(PyObject *self, PyObject *frame)
                            || (key[0] == 'p' && key[1] == 's'));
 }
 
-/* Writes the msgpack form of ``v`` as msgspec does (the shortest unsigned form); the
- * bytes written. */
-static Py_ssize_t
-put_uint(unsigned char *o, unsigned long long v)
-{
-    int n = v < 0x80 ? 0 : v <= 0xFF ? 1 : v <= 0xFFFF ? 2 : v <= 0xFFFFFFFFULL ? 4 : 8;
-    if (n == 0) {
-        o[0] = (unsigned char)v;
-        return 1;
-    }
-    o[0] = n == 1 ? 0xCC : n == 2 ? 0xCD : n == 4 ? 0xCE : 0xCF;
-    for (int k = 0; k < n; k++) {
-        o[1 + k] = (unsigned char)(v >> (8 * (n - 1 - k)));
-    }
-    return 1 + n;
-}
-
 /* Writes the map entry ``key: bin`` of a non-empty bytes object; the bytes written. */
 static Py_ssize_t
 put_bin_entry(unsigned char *o, char key, PyObject *bin)
 {
-    Py_ssize_t n = PyBytes_GET_SIZE(bin), at = 2;
     o[0] = 0xA1;
     o[1] = (unsigned char)key;
-    if (n <= 0xFF) {
-        o[at++] = 0xC4;
-        o[at++] = (unsigned char)n;
-    } else if (n <= 0xFFFF) {
-        o[at++] = 0xC5;
-        o[at++] = (unsigned char)(n >> 8);
-        o[at++] = (unsigned char)n;
-    } else {
-        o[at++] = 0xC6;
-        for (int k = 3; k >= 0; k--) {
-            o[at++] = (unsigned char)(n >> (8 * k));
-        }
-    }
-    memcpy(o + at, PyBytes_AS_STRING(bin), (size_t)n);
-    return at + n;
+    return 2 + put_bin(o + 2, bin);
 }
 
 /* plain_delta(epoch, seq, digest, handles, counts, values, structured, pending) -> bytes

@@ -17,7 +17,8 @@ engine and read by the worker without the message objects.  Each returns exactly
 what its Python reference returns, or None for an input it does not take (the
 Python path then decides, errors included); ``tests/test_speedups.py``,
 ``tests/test_vllm_quick.py``, ``tests/test_speedups_counts.py`` and
-``tests/test_lane_frame.py`` hold the two together.  The bytes on the wire never depend on which one ran.
+``tests/test_lane_frame.py`` hold the two together.  The bytes on the wire never
+depend on which one ran.
 
 ``DELTACAST_PURE_PYTHON=1`` in the environment selects the pure-Python paths (the
 A/B benchmark and the fallback tests).  ``python -m protocol.speedups`` says which

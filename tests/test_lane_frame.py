@@ -11,18 +11,18 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from protocol import codec
+from protocol import codec, speedups
 from protocol.messages import Delta, DeltaBody, Rows
-from protocol.speedups import C
 
 pytest.importorskip("vllm", reason="StepExt is the vLLM adapter's schema")
+C: Any = speedups.C  # (the module skips without it)
 pytestmark = pytest.mark.skipif(C is None, reason="C speedups not built")
 U64 = (1 << 64) - 1
 
 _bins = st.one_of(st.just(b""), st.binary(min_size=1, max_size=8),
                   st.binary(min_size=200, max_size=300))
-_pair = st.one_of(st.none(), st.tuples(st.just([]), st.just([]), _bins, _bins))
-_triple = st.one_of(st.none(), st.tuples(_bins, _bins, _bins))
+_pair: Any = st.one_of(st.none(), st.tuples(st.just([]), st.just([]), _bins, _bins))
+_triple: Any = st.one_of(st.none(), st.tuples(_bins, _bins, _bins))
 _head = st.one_of(st.integers(0, 200), st.integers(0, U64))
 
 
@@ -81,14 +81,14 @@ def test_lane_frame_compacts_the_body_map_up_to_the_limit() -> None:
     map16 (codec.COMPACT_LIMIT), as codec.encode writes them."""
     sizes = set()
     for n in range(980, 1010):
-        rows = ([], [], b"h" * n, b"v")
+        rows: Any = ([], [], b"h" * n, b"v")
         got = C.lane_frame(1, 2, 3, rows, None, None, None, None, False, False, 0)
         assert got == _reference((1, 2, 3), rows, None, None, None, None, False, False, 0)
         sizes.add(len(got))
     assert {1021, 1022, 1025, 1026} <= sizes  # either side of the limit, its 2 bytes saved
 
 
-_ROWS = ([], [], b"\x01", b"\x02")
+_ROWS: Any = ([], [], b"\x01", b"\x02")
 
 
 @pytest.mark.parametrize("args", [

@@ -276,6 +276,7 @@ def _settles_to_the_general_state(enc: Any, steps: list[Any]) -> None:
     for so in steps:
         slow.encode(so)
     enc.lane.settle()
+    assert slow.mirror is not None
     assert request_differences(enc.mirror.state.rebuild(), slow.mirror.state.rebuild()) == []
 
 

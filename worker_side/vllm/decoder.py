@@ -56,12 +56,11 @@ from protocol.tensors import make_enc_hook
 from worker_side.shm_reader import ShmReader
 from worker_side.vllm.grammar import GrammarDecoder
 from worker_side.vllm.mm import StoreResolver, features_from_refs, fresh
-from worker_side.vllm.quick import NO_EXT, QuickDecoder, made, plain
+from worker_side.vllm.quick import EXT_DECODER, NO_EXT, QuickDecoder, made, plain
 from worker_side.vllm.turnover import turnover_output, turnover_shaped
 
 HISTORY = 8
 _NO_FIX = NewFix(0)  # a new request without exactness fixes (only its fields are read)
-_EXT = msgspec.msgpack.Decoder(StepExt)
 
 
 def _ints(packed: bytes) -> list[int]:
@@ -159,7 +158,7 @@ class SchedulerOutputDecoder:
                 return so
         raw = body.extension.get("v")
         try:
-            ext = _EXT.decode(raw) if raw else NO_EXT
+            ext = EXT_DECODER.decode(raw) if raw else NO_EXT
         except msgspec.DecodeError as exc:
             raise MalformedMessage("bad vLLM step extension", cause=str(exc)[:200]) from exc
         opaque = unseal(ext.sealed, self.secret)  # before anything changes

@@ -34,7 +34,7 @@ def _ints(packed: bytes) -> list[int]:
     return unpack_uint_list(packed) if packed else []
 
 
-_EXT = msgspec.msgpack.Decoder(StepExt)
+EXT_DECODER = msgspec.msgpack.Decoder(StepExt)  # a step's extension["v"]
 NO_EXT = StepExt()  # the extension of a step that carries none (shared: frozen)
 #: the StepExt fields besides the output departures, read by one C call (see plain_body)
 _EXT_OTHERS = attrgetter(*(f for f in StepExt.__struct_fields__
@@ -47,7 +47,7 @@ def frame_objects(frame: bytes) -> tuple[DeltaBody, StepExt]:
     msg = codec.decode([frame])
     assert isinstance(msg, Delta)  # noqa: S101 - lane_view reads Deltas alone
     raw = msg.body.extension.get("v")
-    return msg.body, _EXT.decode(raw) if raw else NO_EXT
+    return msg.body, EXT_DECODER.decode(raw) if raw else NO_EXT
 
 
 def plain_body(body: DeltaBody, ext: StepExt) -> bool:
