@@ -142,7 +142,13 @@ extern PyMethodDef counts_methods[];
 Py_ssize_t put_uint(unsigned char *o, unsigned long long v);
 Py_ssize_t put_bin(unsigned char *o, PyObject *bin);
 
+/* The Delta body entries of a same-batch step with count rows, in DeltaBody's field
+ * order (nt, nc, ba, sp, so, ps, ns, x): lane_frame writes them, lane_view reads them. */
+enum { E_NT, E_NC, E_BA, E_SP, E_SO, E_PS, E_NS, E_X, E_COUNT };
+extern const char *const entry_keys[E_COUNT]; /* their keys (_speedups_frame.c's) */
+
 extern PyMethodDef fused_methods[];
 extern PyMethodDef frame_methods[];
+extern PyMethodDef view_methods[];
 
 #endif

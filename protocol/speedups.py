@@ -12,8 +12,9 @@ in the same module, the same-batch step's fused checks and rows
 plan and its fused count step (:mod:`protocol.lane`), ``protocol/_speedups_counts.c`` a
 same-batch step's count rows on both ends, ``protocol/_speedups_fused.c`` such a
 step in one call a side (the engine's read of the step, the worker's
-SchedulerOutput) and ``protocol/_speedups_frame.c`` its Delta frame, written by the
-engine and read by the worker without the message objects.  Each returns exactly
+SchedulerOutput), ``protocol/_speedups_frame.c`` its Delta frame written by the engine
+and ``protocol/_speedups_view.c`` that frame read by the worker, without the message
+objects.  Each returns exactly
 what its Python reference returns, or None for an input it does not take (the
 Python path then decides, errors included); ``tests/test_speedups.py``,
 ``tests/test_vllm_quick.py``, ``tests/test_speedups_counts.py`` and

@@ -12,18 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from replica_bodies import first_body
 
-from protocol import digest, packing
+from protocol import digest, lane_lists, packing
 from protocol import lane as lane_module
 from protocol.errors import InvalidDelta, MalformedMessage
-from protocol.lane import (
-    MAX_ROWS,
-    MAX_SEGMENTS,
-    NO_ROWS,
-    Appends,
-    SteadyLane,
-    lane_rows,
-    lane_shaped,
-)
+from protocol.lane import MAX_ROWS, MAX_SEGMENTS, Appends, SteadyLane, lane_shaped
+from protocol.lane_lists import NO_ROWS, lane_rows
 from protocol.messages import DeltaBody, Rows
 from protocol.packing import pack_sints, pack_uints
 from protocol.plan import STEADY_BODY
@@ -142,7 +135,7 @@ def _same_state(a: ReplicaState, b: ReplicaState) -> None:
 def speedups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test with the C speedups and again on the lane's pure-Python paths."""
     if request.param == "pure":
-        for module in (lane_module, digest, packing):
+        for module in (lane_module, lane_lists, digest, packing):
             monkeypatch.setattr(module, "_C", None)
     elif C is None:
         pytest.skip("C speedups not built")

@@ -1,7 +1,7 @@
 """The count rows of a same-batch step in C (protocol/_speedups_counts.c) against their
 Python references: the engine's ``count_rows`` (engine_side.vllm.quick.count_rows_py),
 the worker's ``count_lists`` (worker_side.vllm.quick.count_lists_py) and ``lane_rows``
-(protocol.lane.lane_rows on its Python lines).  Each must
+(protocol.lane_lists.lane_rows on its Python lines).  Each must
 give its reference's answer for every input it takes, refuse (None, nothing changed)
 only inputs past int64 or out of range, and take every ordinary step.  The steady
 lane's fused ``lane_counts`` is held to ReplicaState.apply by tests/test_lane.py."""
@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="the same-batch modules are vLLM's adapters")
 from vllm_paths import run_both_paths  # noqa: E402
 
 from engine_side.vllm.quick import count_rows_py  # noqa: E402
-from protocol import lane  # noqa: E402
+from protocol import lane, lane_lists  # noqa: E402
 from protocol.messages import DeltaBody, Rows  # noqa: E402
 from protocol.packing import pack_sints, pack_uints  # noqa: E402
 from protocol.speedups import C  # noqa: E402
@@ -181,9 +181,9 @@ def test_lane_rows_in_c_lists_what_python_lists(case: tuple[DeltaBody, int]) -> 
     """lane_rows with the C unpacking and on the Python lines: the same rows, or the same
     refusal (None) -- fresh lists each time."""
     body, n = case
-    with_c = lane.lane_rows(body, n)
-    with mock.patch.object(lane, "_C", None):
-        assert lane.lane_rows(body, n) == with_c
+    with_c = lane_lists.lane_rows(body, n)
+    with mock.patch.object(lane_lists, "_C", None):
+        assert lane_lists.lane_rows(body, n) == with_c
     if with_c is not None and with_c.scheduled is not None and with_c.computed is not None:
         assert with_c.scheduled[0] is not with_c.computed[0]  # never one shared list
 
@@ -242,12 +242,15 @@ def _speculative_streams(draw: st.DrawFn) -> list[Any]:
 @pytest.fixture(params=["c", "pure"])
 def speedups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test with the C speedups and again on the pure-Python paths."""
+    from engine_side.vllm import forecast
     from engine_side.vllm import quick as engine_quick
     from protocol import digest, packing
+    from worker_side.vllm import decoder
     from worker_side.vllm import quick as worker_quick
 
     if request.param == "pure":
-        for module in (packing, digest, lane, engine_quick, worker_quick):
+        for module in (packing, digest, lane, lane_lists, forecast, engine_quick, worker_quick,
+                       decoder):
             monkeypatch.setattr(module, "_C", None)
     return str(request.param)
 

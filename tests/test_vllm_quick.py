@@ -28,14 +28,15 @@ from vllm_streams import scheduler_streams  # noqa: E402
 
 from engine_side.vllm import (
     SchedulerOutputEncoder,  # noqa: E402
+    forecast,  # noqa: E402
     quick,  # noqa: E402
 )
-from engine_side.vllm.quick import Forecast  # noqa: E402
-from protocol import digest, lane, packing  # noqa: E402
+from engine_side.vllm.forecast import Forecast  # noqa: E402
+from protocol import digest, lane, lane_lists, packing  # noqa: E402
 from protocol.errors import LocalProtocolError  # noqa: E402
 from protocol.messages import DeltaBody, Rows  # noqa: E402
 from protocol.speedups import C  # noqa: E402
-from worker_side.vllm import SchedulerOutputDecoder  # noqa: E402
+from worker_side.vllm import SchedulerOutputDecoder, decoder  # noqa: E402
 from worker_side.vllm import quick as worker_quick  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -55,7 +56,8 @@ def _run(steps: list[Any], kv_groups: int | None = None) -> tuple[int, int]:
 def speedups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test with the C speedups and again on the pure-Python paths."""
     if request.param == "pure":
-        for module in (packing, digest, lane, quick, worker_quick):
+        for module in (packing, digest, lane, lane_lists, forecast, quick, worker_quick,
+                       decoder):
             monkeypatch.setattr(module, "_C", None)
     elif C is None:
         pytest.skip("C speedups not built")
@@ -219,7 +221,7 @@ def test_large_batches_forecast_with_numpy(speedups: str) -> None:
 
 
 def test_large_batch_departures_take_the_fast_path(speedups: str) -> None:
-    """Past quick.SMALL requests (C compares without building the forecast rows): a
+    """Past forecast.SMALL requests (C compares without building the forecast rows): a
     rollback, output departures, changed scheduled counts, grown rows, then steps
     that match the forecast again."""
     ids = [f"r{i}" for i in range(70)]
@@ -258,7 +260,7 @@ def test_forecast_lists_match_python_and_numpy() -> None:
 def test_generated_streams_give_the_general_paths_frames(stream: dict[str, Any],
                                                        speedups: str, large: bool) -> None:
     # large: every batch takes the large-batch forecast (numpy tables; C comparisons)
-    with mock.patch.object(quick, "SMALL", 0 if large else quick.SMALL):
+    with mock.patch.object(forecast, "SMALL", 0 if large else forecast.SMALL):
         fast_steps = _run(stream["steps"], kv_groups=stream["kv_groups"])
     event(f"fast path taken: {'yes' if fast_steps[0] else 'no'}")
 

@@ -35,7 +35,7 @@ STEADY_FRAME = 40  # a same-batch frame shorter than this carries no body (heade
 
 def _kind(enc: Any, dec: Any, quick_before: int, turnover_before: int,
           frames: list[Any]) -> str:
-    from protocol.lane import NO_ROWS
+    from protocol.lane_lists import NO_ROWS
 
     if enc.quick_steps > quick_before:
         if len(frames) == 1 and len(frames[0]) < STEADY_FRAME and not enc.quick.appends:

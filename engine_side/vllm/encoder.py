@@ -59,7 +59,8 @@ from engine_side.vllm.turnover import turnover_delta
 from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import LocalProtocolError
-from protocol.lane import NO_ROWS, SteadyLane
+from protocol.lane import SteadyLane
+from protocol.lane_lists import NO_ROWS
 from protocol.messages import Delta, DeltaBody, Rows
 from protocol.packing import pack_sints, pack_uints
 from protocol.plan import STEADY_BODY

@@ -44,7 +44,8 @@ from engine_side.vllm.schema import (
 from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import InvalidDelta, MalformedMessage
-from protocol.lane import NO_ROWS, SteadyLane
+from protocol.lane import SteadyLane
+from protocol.lane_lists import NO_ROWS
 from protocol.messages import TOKEN_MODE_WORKER, Delta, DeltaBody, Rows
 from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
 from protocol.plan import STEADY_BODY

@@ -19,11 +19,12 @@ from typing import Any
 import msgspec
 
 from engine_side.vllm.convert import split_rows
-from engine_side.vllm.quick import Forecast
+from engine_side.vllm.forecast import Forecast
 from engine_side.vllm.schema import StepExt
 from protocol import codec
 from protocol.errors import InvalidDelta
-from protocol.lane import Appends, LaneRows, SteadyLane, add_at, lane_rows, lane_shaped
+from protocol.lane import Appends, SteadyLane, add_at, lane_shaped
+from protocol.lane_lists import LaneRows, lane_rows
 from protocol.messages import Delta, DeltaBody, Rows
 from protocol.packing import unpack_sint_list, unpack_uint_list
 from protocol.plan import STEADY_BODY
@@ -213,7 +214,7 @@ class QuickDecoder:
     def scheduler_output(self, body: DeltaBody, ext: StepExt, blocks: list[Appends],
                          rows: LaneRows, new_blocks: list[Any] | None = None) -> Any:
         """The step's SchedulerOutput (state already applied; ``blocks`` from :meth:`blocks`,
-        ``rows`` the body's :func:`protocol.lane.lane_rows`, ``new_blocks`` the step's
+        ``rows`` the body's :func:`protocol.lane_lists.lane_rows`, ``new_blocks`` the step's
         new_block_ids when :meth:`plain_blocks` made them)."""
         if new_blocks is None and blocks:  # (one C call made them for one KV group)
             new_blocks = self._new_blocks(blocks)

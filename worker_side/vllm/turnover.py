@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from msgspec.structs import replace
 
-from engine_side.vllm.quick import past_prompt
+from engine_side.vllm.forecast import past_prompt
 from engine_side.vllm.schema import StepExt
 from protocol.lane import add_at
 from protocol.messages import DeltaBody
