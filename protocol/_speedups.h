@@ -141,6 +141,11 @@ extern PyMethodDef counts_methods[];
  * a bytes object (under 4 GiB) as bin; the bytes written. */
 Py_ssize_t put_uint(unsigned char *o, unsigned long long v);
 Py_ssize_t put_bin(unsigned char *o, PyObject *bin);
+/* The Delta frame written in ``o`` (PyMem_Malloc'd, freed here; ``at`` bytes, the body's
+ * map16 header of ``entries`` at ``body``) as bytes, that header made a fixmap when the
+ * frame is at most codec.COMPACT_LIMIT bytes (compact_delta_map); NULL with an exception
+ * set. */
+PyObject *delta_frame(unsigned char *o, Py_ssize_t at, Py_ssize_t body, int entries);
 
 /* The Delta body entries of a same-batch step with count rows, in DeltaBody's field
  * order (nt, nc, ba, sp, so, ps, ns, x): lane_frame writes them, lane_view reads them. */

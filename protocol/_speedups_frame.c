@@ -143,6 +143,24 @@ packed_pair(PyObject *rows, const char *k0, const char *k1, Sparse *s)
 
 const char *const entry_keys[E_COUNT] = {"nt", "nc", "ba", "sp", "so", "ps", "ns", "x"};
 
+PyObject *
+delta_frame(unsigned char *o, Py_ssize_t at, Py_ssize_t body, int entries)
+{
+    PyObject *out;
+    if (at <= COMPACT_LIMIT) {
+        o[body + 2] = (unsigned char)(0x80 | entries);
+        out = PyBytes_FromStringAndSize(NULL, at - 2);
+        if (out != NULL) {
+            memcpy(PyBytes_AS_STRING(out), o, (size_t)body);
+            memcpy(PyBytes_AS_STRING(out) + body, o + body + 2, (size_t)(at - body - 2));
+        }
+    } else {
+        out = PyBytes_FromStringAndSize((const char *)o, at);
+    }
+    PyMem_Free(o);
+    return out;
+}
+
 /* Writes the Delta frame of lane_frame's checked entries (``size``: an upper bound of
  * its bytes) with the body map compacted as codec.compact_delta_map does. */
 static PyObject *
@@ -184,19 +202,7 @@ write_frame(const uint64_t *head, const Sparse *rows, const Sparse *ext, const i
             at += put_sparse(o + at, ext);
         }
     }
-    PyObject *out;
-    if (at <= COMPACT_LIMIT) {
-        o[body + 2] = (unsigned char)(0x80 | entries);
-        out = PyBytes_FromStringAndSize(NULL, at - 2);
-        if (out != NULL) {
-            memcpy(PyBytes_AS_STRING(out), o, (size_t)body);
-            memcpy(PyBytes_AS_STRING(out) + body, o + body + 2, (size_t)(at - body - 2));
-        }
-    } else {
-        out = PyBytes_FromStringAndSize((const char *)o, at);
-    }
-    PyMem_Free(o);
-    return out;
+    return delta_frame(o, at, body, entries);
 }
 
 /* lane_frame(epoch, seq, digest, computed, scheduled, packed, drafts, outputs, structured,

@@ -547,19 +547,7 @@ plain_delta(PyObject *self, PyObject *args)
         memcpy(o + at, ps, 4);
         at += 4;
     }
-    PyObject *out;
-    if (at <= 1024) { /* codec.COMPACT_LIMIT: compact_delta_map's fixmap */
-        o[body + 2] = (unsigned char)(0x80 | entries);
-        out = PyBytes_FromStringAndSize(NULL, at - 2);
-        if (out != NULL) {
-            memcpy(PyBytes_AS_STRING(out), o, (size_t)body);
-            memcpy(PyBytes_AS_STRING(out) + body, o + body + 2, (size_t)(at - body - 2));
-        }
-    } else {
-        out = PyBytes_FromStringAndSize((const char *)o, at);
-    }
-    PyMem_Free(o);
-    return out;
+    return delta_frame(o, at, body, entries);
 }
 
 /* compact_map(frame: bytes) -> bytes: protocol.codec.compact_delta_map (the frame itself
