@@ -141,6 +141,9 @@ extern PyMethodDef counts_methods[];
  * a bytes object (under 4 GiB) as bin; the bytes written. */
 Py_ssize_t put_uint(unsigned char *o, unsigned long long v);
 Py_ssize_t put_bin(unsigned char *o, PyObject *bin);
+/* Writes a Delta frame's head: [4, epoch, seq, digest (``head``), and the body's map16
+ * header of ``entries``; the bytes written (the header is the last 3). */
+Py_ssize_t put_delta_head(unsigned char *o, const uint64_t *head, int entries);
 /* The Delta frame written in ``o`` (PyMem_Malloc'd, freed here; ``at`` bytes, the body's
  * map16 header of ``entries`` at ``body``) as bytes, that header made a fixmap when the
  * frame is at most codec.COMPACT_LIMIT bytes (compact_delta_map); NULL with an exception

@@ -143,6 +143,21 @@ packed_pair(PyObject *rows, const char *k0, const char *k1, Sparse *s)
 
 const char *const entry_keys[E_COUNT] = {"nt", "nc", "ba", "sp", "so", "ps", "ns", "x"};
 
+Py_ssize_t
+put_delta_head(unsigned char *o, const uint64_t *head, int entries)
+{
+    Py_ssize_t at = 2;
+    o[0] = 0x95; /* [tag, epoch, seq, digest, body] */
+    o[1] = 0x04;
+    for (int k = 0; k < 3; k++) {
+        at += put_uint(o + at, head[k]);
+    }
+    o[at++] = 0xDE; /* msgspec's map16 header for a DeltaBody (delta_frame compacts it) */
+    o[at++] = 0;
+    o[at++] = (unsigned char)entries;
+    return at;
+}
+
 PyObject *
 delta_frame(unsigned char *o, Py_ssize_t at, Py_ssize_t body, int entries)
 {
@@ -171,16 +186,7 @@ write_frame(const uint64_t *head, const Sparse *rows, const Sparse *ext, const i
     if (o == NULL) {
         return PyErr_NoMemory();
     }
-    Py_ssize_t at = 2, body;
-    o[0] = 0x95; /* [tag, epoch, seq, digest, body] */
-    o[1] = 0x04;
-    for (int k = 0; k < 3; k++) {
-        at += put_uint(o + at, head[k]);
-    }
-    body = at;
-    o[at++] = 0xDE; /* msgspec's map16 header for a DeltaBody, compacted below */
-    o[at++] = 0;
-    o[at++] = (unsigned char)entries;
+    Py_ssize_t at = put_delta_head(o, head, entries), body = at - 3;
     for (int e = 0; e < E_COUNT; e++) {
         if (!has[e]) {
             continue;

@@ -488,7 +488,7 @@ put_bin_entry(unsigned char *o, char key, PyObject *bin)
 static PyObject *
 plain_delta(PyObject *self, PyObject *args)
 {
-    unsigned long long head[3];
+    uint64_t head[3];
     PyObject *ints[3], *rows[3], *s, *p;
     if (!PyArg_ParseTuple(args, "OOOOOOOO", &ints[0], &ints[1], &ints[2], &rows[0], &rows[1],
                           &rows[2], &s, &p) || !PyBool_Check(s) || !PyBool_Check(p)) {
@@ -518,16 +518,7 @@ plain_delta(PyObject *self, PyObject *args)
         return PyErr_NoMemory();
     }
     int entries = 1 + (s == Py_True) + (p == Py_True);
-    Py_ssize_t at = 2, body;
-    o[0] = 0x95; /* [tag, epoch, seq, digest, body] */
-    o[1] = 0x04;
-    for (int k = 0; k < 3; k++) {
-        at += put_uint(o + at, head[k]);
-    }
-    body = at;
-    o[at++] = 0xDE; /* msgspec's map16 header, made a fixmap below when the frame is small */
-    o[at++] = 0;
-    o[at++] = (unsigned char)entries;
+    Py_ssize_t at = put_delta_head(o, head, entries), body = at - 3;
     static const unsigned char ba[4] = {0xA2, 'b', 'a', 0x91}, so[4] = {0xA2, 's', 'o', 0xC3},
                                ps[4] = {0xA2, 'p', 's', 0xC3}; /* keys; [1 Rows]; true */
     memcpy(o + at, ba, 4);
