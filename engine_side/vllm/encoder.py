@@ -165,9 +165,7 @@ class SchedulerOutputEncoder:
             if flags is not STEADY_BODY:  # nothing but structured-output flags
                 return self._same_batch(mirror, lane, flags)
             delta = mirror.lane_delta(STEADY_BODY, lane.steady())  # the steady decode step
-            self.quick_steps += 1
-            self.batches[delta.seq] = quick.batch
-            self.batches.pop(delta.seq - HISTORY, None)
+            self._quick_taken(delta.seq)
             return codec.encode(delta)
         if not self.fast:
             return self._general(mirror, lane, so)
@@ -206,10 +204,7 @@ class SchedulerOutputEncoder:
         else:
             quick.scanned(scan)
         lane.counts_taken(done, appends, frame)
-        self._quick_blocks()
-        self.quick_steps += 1
-        self.batches[seq] = quick.batch
-        self.batches.pop(seq - HISTORY, None)
+        self._quick_taken(seq)
         return [frame]
 
     def _plain_appended(self, mirror: EngineMirror, lane: SteadyLane, flags: DeltaBody,
@@ -225,10 +220,7 @@ class SchedulerOutputEncoder:
                 block_append=(Rows(*packed),), has_structured_output=structured,
                 pending_structured_output=pending))
         seq = mirror.lane_seq(True)
-        self._quick_blocks()
-        self.quick_steps += 1
-        self.batches[seq] = quick.batch
-        self.batches.pop(seq - HISTORY, None)
+        self._quick_taken(seq)
         return [codec.plain_delta_frame(mirror.epoch, seq, digest, packed, structured, pending)]
 
     def _start(self, so: Any) -> tuple[EngineMirror, SteadyLane]:
@@ -258,10 +250,7 @@ class SchedulerOutputEncoder:
             delta = mirror.apply_body(body)
         else:
             delta = mirror.lane_delta(body, digest)
-        self._quick_blocks()
-        self.quick_steps += 1
-        self.batches[delta.seq] = quick.batch
-        self.batches.pop(delta.seq - HISTORY, None)
+        self._quick_taken(delta.seq)
         return codec.encode(delta)
 
     def _general(self, mirror: EngineMirror, lane: SteadyLane, so: Any) -> list[Frame]:
@@ -291,14 +280,17 @@ class SchedulerOutputEncoder:
         self.batches[seq] = batch
         self.batches.pop(seq - HISTORY, None)
 
-    def _quick_blocks(self) -> None:
-        """Note a same-batch step's appended blocks for our tables (filed by
-        :meth:`_file_blocks` when the general path next reads them); the batch's
-        Ragged is stale."""
+    def _quick_taken(self, seq: int) -> None:
+        """Step ``seq`` was encoded by a same-batch path: its appended blocks are noted for
+        our tables (filed by :meth:`_file_blocks` when the general path next reads them;
+        the batch's Ragged is then stale) and replies may name its batch."""
         quick = self.quick
         if quick.appends:  # our own lists, not the SchedulerOutput's
             self._unfiled.append((quick.batch, quick.appends))
             self._last_blocks = None
+        self.quick_steps += 1
+        self.batches[seq] = quick.batch
+        self.batches.pop(seq - HISTORY, None)
 
     def _file_blocks(self) -> None:
         """The noted appends into our tables, in step order."""
