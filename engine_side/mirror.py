@@ -216,6 +216,18 @@ class EngineMirror:
         self.seq += 1
         return Delta(epoch=self.epoch, seq=self.seq, digest=self.state.digest, body=body)
 
+    def finish_taken(self, freed: list[tuple[str, int]], req_ids: list[str],
+                     specs: list[RequestSpec]) -> int:
+        """The seq of a finish step (:mod:`protocol.lane_drop`) whose finish and lane step
+        the caller committed to :attr:`state`: ``freed``, the finished (id, handle)
+        pairs; ``req_ids`` and ``specs``, the stayers.  Advances the mirror as
+        :meth:`apply_turnover` does."""
+        self._after_apply(np.array([h for _, h in freed], dtype=np.int64), freed, [],
+                          req_ids, specs)
+        self._last_tables = ()  # the step's whole tables were never built
+        self.seq += 1
+        return self.seq
+
     def _after_apply(self, finished: IntArray, freed: list[tuple[str, int]],
                      added: list[tuple[str, int, RequestSpec]], req_ids: list[str],
                      specs: list[RequestSpec]) -> None:

@@ -124,6 +124,8 @@ class SteadyLane:
         self.rows = 0
         #: the last step's body, or its Delta's frame (see counts_taken)
         self.last: DeltaBody | bytes | None = None
+        #: the ids the first journaled step finished (a lane of protocol.lane_drop)
+        self.finished: frozenset[str] = frozenset()
 
     def open(self, computed: list[int] | None = None) -> None:
         """Open the lane on the state now, its block lengths included (a no-op while steps
@@ -525,8 +527,9 @@ class SteadyLane:
         assert self.last is not None  # noqa: S101 - set by every journaled step
         last = self.last if isinstance(self.last, DeltaBody) else _DELTA.decode(self.last).body
         self.state.absorb_lane(self.segments, self.extra, self.journal, self._lengths or [],
-                               last, self.digest, self.advance, self.comp)
-        self.steps, self.last = 0, None
+                               last, self.digest, self.advance, self.comp,
+                               self.finished if self.steps == 1 else frozenset())
+        self.steps, self.last, self.finished = 0, None, frozenset()
         self.journal = [[] for _ in range(self.groups)]
         self.version, self.rows = self.state.version, 0
         self._restart()

@@ -354,11 +354,14 @@ def prepare_appends(state: ReplicaState, body: DeltaBody,
     return edits, p.appended, p.digest
 
 
-def lane_step(state: ReplicaState, body: DeltaBody, steady: StepInfo) -> StepInfo:
+def lane_step(state: ReplicaState, body: DeltaBody, steady: StepInfo,
+              finished: frozenset[str] = frozenset()) -> StepInfo:
     """The step fields of a lane-shaped body (:mod:`protocol.lane`, which checked its
-    speculative rows): ``steady``'s with the body's own."""
+    speculative rows) that finished ``finished`` (:mod:`protocol.lane_drop`):
+    ``steady``'s with the body's own."""
     return dataclasses.replace(
-        steady, spec_tokens=_Planner(state, body).aligned(body.spec_tokens, state.schedule),
+        steady, finished_ids=finished,
+        spec_tokens=_Planner(state, body).aligned(body.spec_tokens, state.schedule),
         has_structured_output=body.has_structured_output,
         pending_structured_output=body.pending_structured_output,
         num_spec_tokens_to_schedule=body.num_spec_tokens_to_schedule,

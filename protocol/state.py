@@ -83,6 +83,7 @@ class ReplicaState:
         #: the last lane body whose step fields :attr:`step` makes when first read (a
         #: settle before a general step, which replaces them, never pays for them)
         self._lane_last: DeltaBody | None = None
+        self._lane_finished: frozenset[str] = frozenset()  # that body's finished ids
         self.version = 0  # counts changes (a :class:`protocol.lane.SteadyLane` checks it)
         self._rebuild_cache: dict[object, object] = {}
         #: (schedule, nsched, their schedule term): see :meth:`schedule_term`
@@ -164,7 +165,7 @@ class ReplicaState:
         last = self._lane_last
         if last is not None:  # a settled lane's last body: the state is as it left it
             self._lane_last = None
-            self._step = lane_step(self, last, self._steady()[3])
+            self._step = lane_step(self, last, self._steady()[3], self._lane_finished)
         return self._step
 
     @step.setter
@@ -179,13 +180,15 @@ class ReplicaState:
                     journal: list[list[tuple[list[int], list[int], list[int], list[int],
                                              list[int]]]],
                     lengths: list[list[int]], last: DeltaBody, digest: int,
-                    advance: int, computed_now: list[int] | None = None) -> None:
+                    advance: int, computed_now: list[int] | None = None,
+                    finished: frozenset[str] = frozenset()) -> None:
         """Commit the steps a :class:`protocol.lane.SteadyLane` checked and journaled (see
         :mod:`protocol.lane`): the advances ([scheduled counts, steps] per stretch of
         unchanged counts, the last stretch's counts now current) and computed-count
         exceptions by position; per group the appends ((handles, starts, counts, ids,
         row terms) per step) and the schedule's final table lengths; the last body's
-        step fields; the digest and the next advance term.  ``computed_now``: the
+        step fields (``finished``: the ids it finished, :mod:`protocol.lane_drop`); the
+        digest and the next advance term.  ``computed_now``: the
         schedule's computed counts after all that, when the lane keeps them (one write
         instead of one add per stretch).  Cannot fail."""
         self._flush()
@@ -208,10 +211,10 @@ class ReplicaState:
             if rows:
                 self._absorb_appends(g, rows, lengths[g])
         self._rebuild_cache.pop("template", None)
-        if last == STEADY_BODY:
+        if last == STEADY_BODY and not finished:
             self.step = steady_step(self)
-        else:
-            self._lane_last = last  # its step fields are made when first read
+        else:  # its step fields are made when first read
+            self._lane_last, self._lane_finished = last, finished
         self.digest = digest
         self.version += 1
 
@@ -334,6 +337,22 @@ class ReplicaState:
             self._rebuild_cache["advance"] = (self.schedule, self.nsched, advance)
         self.step = plan.step
         self.digest = plan.digest
+        self.version += 1
+
+    def commit_drop(self, finished: list[int], schedule: IntArray, nsched: IntArray, term: int,
+                    digest: int) -> None:
+        """The finish of :mod:`protocol.lane_drop` (its phase two; cannot fail): the
+        ``finished`` handles forgotten, ``schedule`` (the old one less their positions)
+        and its ``nsched`` installed with their schedule ``term``, the ``digest`` set."""
+        self._drop_ahead()
+        for h in finished:  # (out of the schedule too: the stayers' membership holds)
+            self._forget(h)
+        self.schedule, self.nsched, self._schedule_term = schedule, nsched, \
+            (schedule, nsched, term)
+        # no step fields of their own (the lane's step has them): the steady ones, made
+        # when read
+        self._lane_last, self._lane_finished = STEADY_BODY, frozenset()
+        self.digest = digest
         self.version += 1
 
     def _forget(self, h: int) -> None:

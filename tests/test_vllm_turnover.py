@@ -157,6 +157,9 @@ def test_synthetic_churn_is_all_turnover(running: int, speedups: str) -> None:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stream=scheduler_streams() | scheduler_streams(v2=False, rare=False, max_steps=16))
 def test_generated_streams_give_the_general_paths_frames(stream: dict[str, Any]) -> None:
-    engine, worker = _run(stream["steps"], kv_groups=stream["kv_groups"])
-    event(f"turnover steps: {'some' if engine else 'none'}")
-    assert worker >= engine  # every turnover body the engine makes, the worker takes
+    enc, dec = run_both_paths(stream["steps"], stream["kv_groups"], SECRET)
+    event(f"turnover steps: {'some' if enc.turnover_steps else 'none'}")
+    event(f"finish steps: {'some' if enc.finish_steps else 'none'}")
+    # every turnover or finish body the engine makes, the worker takes
+    assert dec.turnover_steps >= enc.turnover_steps
+    assert dec.finish_steps == enc.finish_steps

@@ -88,6 +88,7 @@ class _Toy:
         self.next_id = 0
         self.next_block = 1
         self.prev_batch: set[str] = set()
+        self.last_order: list[str] = []  # the last step's batch, in order
 
     def _add(self, rid: str | None = None) -> None:
         d = self.draw
@@ -115,6 +116,9 @@ class _Toy:
         from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 
         d = self.draw
+        last = [rid for rid in self.last_order if rid in self.reqs]
+        if len(last) > 1 and d(st.integers(0, 3)) == 0:  # vLLM's commonest turnover
+            return self._finish_only(last, SchedulerOutput, CachedRequestData)
         live = sorted(r.rid for r in self.reqs.values() if r.state != "waiting")
         finished = set(d(st.lists(st.sampled_from(live), max_size=2)) if live else [])
         for rid in finished:
@@ -139,6 +143,16 @@ class _Toy:
         admitted = [r for r in waiting if d(st.booleans())]
         return self._output(scheduled_run, admitted, finished, preempted, SchedulerOutput,
                             CachedRequestData)
+
+    def _finish_only(self, last: list[str], so_cls: Any, cached_cls: Any) -> Any:
+        """Some of the last batch finish and the rest run again in its order: nothing
+        joins, none is preempted or left unscheduled (the finish path's step)."""
+        d = self.draw
+        finished = set(d(st.permutations(last))[:d(st.integers(1, len(last) - 1))])
+        for rid in finished:
+            del self.reqs[rid]
+        run = [self.reqs[rid] for rid in last if rid not in finished]
+        return self._output(run, [], finished, set(), so_cls, cached_cls)
 
     def _tokens(self, req: _Req) -> tuple[int, list[int]]:
         d = self.draw
@@ -202,6 +216,7 @@ class _Toy:
             self._extras(so)
         self._advance(batch, nsched, spec)
         self.prev_batch = set(nsched)
+        self.last_order = list(nsched)
         return so
 
     def _extras(self, so: Any) -> None:

@@ -44,6 +44,7 @@ from engine_side.vllm.convert import (
     make_ref,
     seal,
 )
+from engine_side.vllm.finish import finish_delta
 from engine_side.vllm.grammar import GrammarEncoder
 from engine_side.vllm.mm import StoreChannel
 from engine_side.vllm.params import SpecReader, new_request_spec
@@ -123,6 +124,7 @@ class SchedulerOutputEncoder:
         self.quick = QuickEncoder()
         self.quick_steps = 0  # steps encoded by the same-batch fast path
         self.turnover_steps = 0  # general steps encoded by the turnover fast path
+        self.finish_steps = 0  # of the same-batch steps, those where requests finished
         self.mirror: EngineMirror | None = None
         self.lane: SteadyLane | None = None  # the mirror's steady steps (protocol.lane)
         self.items = None if store is None else StoreChannel(store)
@@ -177,6 +179,10 @@ class SchedulerOutputEncoder:
         body = quick.scanned_body(scan) if scan is not None else quick.body(so, scanned=True)
         if body is not None:
             return self._same_batch(mirror, lane, body)
+        if so.finished_req_ids and not so.scheduled_new_reqs:
+            frames = finish_delta(self, so)  # the last batch less finished requests
+            if frames is not None:
+                return frames
         frames = turnover_delta(self, so)
         return frames if frames is not None else self._general(mirror, lane, so)
 

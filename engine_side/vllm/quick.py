@@ -146,26 +146,7 @@ class QuickEncoder:
     def scanned_body(self, scan: Scan) -> DeltaBody:
         """The Delta body of ``scan``, taken (:meth:`scanned`)."""
         self.scanned(scan)
-        _, _, _, packed, drafts, counts, structured, pending, nspec = scan
-        computed, scheduled, outputs, _ = counts
-        fields: dict[str, Any] = {}
-        if computed is not None:
-            fields["computed_tokens"] = Rows(handles=computed[2], values=computed[3])
-        if scheduled is not None:
-            fields["scheduled_tokens"] = Rows(handles=scheduled[2], values=scheduled[3])
-        if packed is not None:
-            fields["block_append"] = (Rows(*packed),)
-        if drafts is not None:
-            fields["spec_tokens"] = Rows(counts=drafts[2], values=drafts[3])
-        if structured:
-            fields["has_structured_output"] = True
-        if pending:
-            fields["pending_structured_output"] = True
-        if nspec:
-            fields["num_spec_tokens_to_schedule"] = nspec
-        if outputs is not None:
-            fields["extension"] = {"v": _ENCODE(StepExt(out_pos=outputs[2],
-                                                        out_delta=outputs[3]))}
+        fields = scan_fields(scan)
         return DeltaBody(**fields) if fields else STEADY_BODY
 
     def plain_step(self, so: Any) -> tuple[DeltaBody, Packed | None] | None:
@@ -332,6 +313,31 @@ class QuickEncoder:
             return None  # an unknown request, an empty list, or out of batch order
         lengths, flat = got
         return Rows(counts=pack_uints(lengths), values=pack_uints_plus_one(flat)), got
+
+
+
+def scan_fields(scan: Scan) -> dict[str, Any]:
+    """The DeltaBody fields of a same-batch step's ``scan`` (none for the steady body)."""
+    _, _, _, packed, drafts, counts, structured, pending, nspec = scan
+    computed, scheduled, outputs, _ = counts
+    fields: dict[str, Any] = {}
+    if computed is not None:
+        fields["computed_tokens"] = Rows(handles=computed[2], values=computed[3])
+    if scheduled is not None:
+        fields["scheduled_tokens"] = Rows(handles=scheduled[2], values=scheduled[3])
+    if packed is not None:
+        fields["block_append"] = (Rows(*packed),)
+    if drafts is not None:
+        fields["spec_tokens"] = Rows(counts=drafts[2], values=drafts[3])
+    if structured:
+        fields["has_structured_output"] = True
+    if pending:
+        fields["pending_structured_output"] = True
+    if nspec:
+        fields["num_spec_tokens_to_schedule"] = nspec
+    if outputs is not None:
+        fields["extension"] = {"v": _ENCODE(StepExt(out_pos=outputs[2], out_delta=outputs[3]))}
+    return fields
 
 
 def _count_fields(computed: CountRows | None, scheduled: CountRows | None,

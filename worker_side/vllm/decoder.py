@@ -55,6 +55,7 @@ from protocol.speedups import C as _C
 from protocol.state import ReplicaState
 from protocol.tensors import make_enc_hook
 from worker_side.shm_reader import ShmReader
+from worker_side.vllm.finish import finish_output
 from worker_side.vllm.grammar import GrammarDecoder
 from worker_side.vllm.mm import StoreResolver, features_from_refs, fresh
 from worker_side.vllm.quick import EXT_DECODER, NO_EXT, QuickDecoder, made, plain
@@ -116,6 +117,7 @@ class SchedulerOutputDecoder:
         self.quick = QuickDecoder()
         self.quick_steps = 0  # steps answered by the same-batch fast path
         self.turnover_steps = 0  # general steps answered by the turnover fast path
+        self.finish_steps = 0  # of the same-batch steps, those where requests finished
         self.state: ReplicaState | None = None
         self.lane = SteadyLane(ReplicaState())  # replaced with the state's own lane
         self.seq = 0
@@ -166,6 +168,10 @@ class SchedulerOutputDecoder:
         if self.state is None:
             self.state = ReplicaState(TOKEN_MODE_WORKER, ext.kv_groups or 1)
             self.lane = SteadyLane(self.state)
+        if self.fast and body.finished and body.schedule_drop:
+            so = finish_output(self, msg, ext)  # the last batch less finished requests
+            if so is not None:
+                return so
         counted = quick.counted_step(self.lane, body, ext, msg.digest) \
             if self.fast and quick.ready else None
         if counted is not None:  # a same-batch step with count rows, in one call
