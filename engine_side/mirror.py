@@ -216,22 +216,29 @@ class EngineMirror:
         self.seq += 1
         return Delta(epoch=self.epoch, seq=self.seq, digest=self.state.digest, body=body)
 
-    def finish_taken(self, freed: list[tuple[str, int]], req_ids: list[str],
-                     specs: list[RequestSpec]) -> int:
+    def finish_taken(self, freed: list[tuple[str, int]]) -> int:
         """The seq of a finish step (:mod:`protocol.lane_drop`) whose finish and lane step
         the caller committed to :attr:`state`: ``freed``, the finished (id, handle)
-        pairs; ``req_ids`` and ``specs``, the stayers.  Advances the mirror as
-        :meth:`apply_turnover` does."""
-        self._after_apply(np.array([h for _, h in freed], dtype=np.int64), freed, [],
-                          req_ids, specs)
-        self._last_tables = ()  # the step's whole tables were never built
+        pairs.  Advances the mirror as :meth:`apply_turnover` does."""
+        self._freed([h for _, h in freed], freed, [])
+        # (no steady diff follows a step whose whole tables were never built: the batch
+        # memory _is_steady reads is left as it is)
+        self._last_tables = ()
         self.seq += 1
         return self.seq
 
     def _after_apply(self, finished: IntArray, freed: list[tuple[str, int]],
                      added: list[tuple[str, int, RequestSpec]], req_ids: list[str],
                      specs: list[RequestSpec]) -> None:
-        for h in finished.tolist():
+        self._freed(finished.tolist(), freed, added)
+        # the state's own schedule array: identity lets the next diff take cached paths
+        self._last_ids, self._last_handles = list(req_ids), self.state.schedule
+        self._last_specs = list(specs)
+
+    def _freed(self, finished: list[int], freed: list[tuple[str, int]],
+               added: list[tuple[str, int, RequestSpec]]) -> None:
+        """The finished handles released (but those re-added) and the adds indexed."""
+        for h in finished:
             self._drop_prefix(h)
         reused = {h for _, h, _ in added}
         for req_id, h in freed:
@@ -244,9 +251,6 @@ class EngineMirror:
             self.handles[req_id] = h
             self.engine_specs[h] = spec
             self._index_prefix(h)
-        # the state's own schedule array: identity lets the next diff take cached paths
-        self._last_ids, self._last_handles = list(req_ids), self.state.schedule
-        self._last_specs = list(specs)
 
     def _index_prefix(self, h: int) -> None:
         prompt = self.state.handle_of(h).prompt_token_ids

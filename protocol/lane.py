@@ -30,12 +30,10 @@ from __future__ import annotations
 from operator import add, attrgetter, mul, sub
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from protocol import digest as dg
 from protocol.errors import InvalidDelta
 from protocol.lane_lists import NO_ROWS, LaneRows, lane_rows
-from protocol.messages import Delta, DeltaBody
+from protocol.messages import DeltaBody
 from protocol.planned import STEADY_BODY
 from protocol.speedups import C as _C
 
@@ -87,7 +85,6 @@ def lane_shaped(body: DeltaBody) -> bool:
 #: ``lane_counts``' answer for a step it took: (digest, the new scheduled counts or None,
 #: their advance, the appends' plan or None, the computed counts kept or None)
 Counted = tuple[int, list[int] | None, int, Any, list[int] | None]
-_DELTA = msgspec.msgpack.Decoder(Delta)
 
 #: one group's appends with their plan (handles, starts, row terms, their sum)
 _Planned = tuple[int, Appends, tuple[list[int], list[int], list[int], int]]
@@ -525,9 +522,8 @@ class SteadyLane:
         if not self.steps:
             return
         assert self.last is not None  # noqa: S101 - set by every journaled step
-        last = self.last if isinstance(self.last, DeltaBody) else _DELTA.decode(self.last).body
         self.state.absorb_lane(self.segments, self.extra, self.journal, self._lengths or [],
-                               last, self.digest, self.advance, self.comp,
+                               self.last, self.digest, self.advance, self.comp,
                                self.finished if self.steps == 1 else frozenset())
         self.steps, self.last, self.finished = 0, None, frozenset()
         self.journal = [[] for _ in range(self.groups)]

@@ -58,46 +58,58 @@ def drop_lane(lane: SteadyLane, finished: list[int], drop: list[int],
     exactly the scheduled ``finished`` handles (sorted, as a body sends them); None,
     nothing changed but the old lane settled, for any other shape (the general
     path decides, refusals included)."""
+    known = _known_lists(lane)
     lane.settle()
     state = lane.state
-    sched = state.schedule.tolist()
+    current = lane.version == state.version  # the lane's handles and counts are the state's
+    sched = lane.handles if current else state.schedule.tolist()
     n = len(sched)
     if not drop or drop[0] < 0 or drop[-1] >= n or any(map(int.__ge__, drop, drop[1:])) \
             or sorted(map(sched.__getitem__, drop)) != finished:
         return None
     leaving = set(drop)
     keep = list(map(not_, map(contains, repeat(leaving), range(n))))
+    comp, lengths, keys = (None if x is None else list(compress(x, keep)) for x in known)
     handles = list(compress(sched, keep))
-    nsched = list(compress(state.nsched.tolist(), keep))
-    cols = state.cols
-    lost = sum(cols.spec_term.item(h) + cols.token_sum.item(h)
-               + dg.handle_key_int(h) * cols.computed.item(h)
-               + sum(cols.block_sum.item(g, h) for g in range(state.kv_groups))
-               for h in finished)
-    term = dg.schedule_term(handles, nsched)
-    digest = (state.digest - lost - state.schedule_term() + term) & dg.MASK
+    nsched = list(compress(lane.nsched if current else state.nsched.tolist(), keep))
     schedule = np.array(handles, dtype=np.int64)
     counts = np.array(nsched, dtype=np.int64)
     schedule.flags.writeable = counts.flags.writeable = False  # shared, never edited
-    new = _opened(state, handles, nsched, schedule, digest)
+    term = dg.schedule_term(handles, nsched)
+    digest = (state.digest - _terms(state, finished) - state.schedule_term() + term) & dg.MASK
+    new = SteadyLane(state)
+    new.handles, new.groups, new.keys = handles, state.kv_groups, keys
+    new.journal = [[] for _ in range(state.kv_groups)]
+    new._lengths = [lengths] if lengths is not None else \
+        [table.lengths[schedule].tolist() for table in state.blocks]
+    new.nsched, new.segments, new.extra = nsched, [[nsched, 0]], [0] * len(handles)
+    # the stayers' computed counts stay
+    new._base = comp if comp is not None else state.cols.computed[schedule].tolist()
+    new.advance = dg.computed_change(handles, nsched)
+    new.digest, new.version = digest, state.version  # (no reopen before its first step)
     new.finished = frozenset(state.handle_of(h).req_id for h in finished)
     return new, DropPlan(finished, schedule, counts, term, digest)
 
 
-def _opened(state: ReplicaState, handles: list[int], nsched: list[int], schedule: IntArray,
-            digest: int) -> SteadyLane:
-    """A lane open on ``handles`` as the state will hold them after the finish (its
-    version the state's now: nothing reopens it before its first step)."""
-    lane = SteadyLane(state)
-    lane.handles, lane.groups = handles, state.kv_groups
-    lane.journal = [[] for _ in range(state.kv_groups)]
-    lane._lengths = [table.lengths[schedule].tolist() for table in state.blocks]
-    lane.nsched, lane.segments = nsched, [[nsched, 0]]
-    lane.extra = [0] * len(handles)
-    lane._base = state.cols.computed[schedule].tolist()  # the stayers' counts stay
-    lane.advance = dg.computed_change(handles, nsched)
-    lane.digest, lane.version = digest, state.version
-    return lane
+def _known_lists(lane: SteadyLane) -> tuple[list[int] | None, list[int] | None,
+                                            list[int] | None]:
+    """The lane's computed counts, table lengths (one KV group) and count keys by
+    position, where it holds them current (before its settle, which leaves them as they
+    are)."""
+    if lane.steps == 0 and lane.version != lane.state.version:
+        return None, None, None  # not open on the state as it is
+    lengths = lane._lengths
+    return lane.comp, None if lengths is None or len(lengths) != 1 else lengths[0], lane.keys
+
+
+def _terms(state: ReplicaState, finished: list[int]) -> int:
+    """The digest terms of the ``finished`` handles (settled): spec, tokens, computed
+    count and blocks."""
+    cols = state.cols
+    return sum(cols.spec_term.item(h) + cols.token_sum.item(h)
+               + dg.handle_key_int(h) * cols.computed.item(h)
+               + sum(cols.block_sum.item(g, h) for g in range(state.kv_groups))
+               for h in finished)
 
 
 def commit_drop(lane: SteadyLane, plan: DropPlan) -> None:

@@ -126,6 +126,8 @@ def _same_state(a: ReplicaState, b: ReplicaState) -> None:
     for ta, tb in zip(a.blocks, b.blocks, strict=True):
         for h in b.live_handles().tolist():
             assert ta[h].tolist() == tb[h].tolist()
+    live = b.live_handles()  # the per-handle digest sums a finish subtracts
+    assert a.cols.block_sum[:, live].tolist() == b.cols.block_sum[:, live].tolist()
     assert a.step.extension == b.step.extension
     assert a.step.has_structured_output == b.step.has_structured_output
     assert a.step.num_spec_tokens_to_schedule == b.step.num_spec_tokens_to_schedule

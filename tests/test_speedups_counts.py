@@ -242,7 +242,7 @@ def _speculative_streams(draw: st.DrawFn) -> list[Any]:
 @pytest.fixture(params=["c", "pure"])
 def speedups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test with the C speedups and again on the pure-Python paths."""
-    from engine_side.vllm import forecast
+    from engine_side.vllm import finish, forecast
     from engine_side.vllm import quick as engine_quick
     from protocol import digest, packing
     from worker_side.vllm import decoder
@@ -250,7 +250,7 @@ def speedups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
 
     if request.param == "pure":
         for module in (packing, digest, lane, lane_lists, forecast, engine_quick, worker_quick,
-                       decoder):
+                       decoder, finish):
             monkeypatch.setattr(module, "_C", None)
     return str(request.param)
 

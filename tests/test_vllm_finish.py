@@ -21,12 +21,19 @@ from vllm_equal import assert_vllm_equal  # noqa: E402
 from vllm_paths import run_both_paths  # noqa: E402
 from vllm_streams import scheduler_streams  # noqa: E402
 
-from engine_side.vllm import SchedulerOutputEncoder  # noqa: E402
-from protocol import codec  # noqa: E402
+from engine_side.vllm import SchedulerOutputEncoder, finish, forecast  # noqa: E402
+from protocol import (  # noqa: E402
+    codec,  # noqa: E402
+    digest,
+    lane,
+    lane_lists,
+    packing,
+)
 from protocol.errors import InvalidDelta  # noqa: E402
 from protocol.messages import Delta  # noqa: E402
 from protocol.speedups import C  # noqa: E402
-from worker_side.vllm import SchedulerOutputDecoder  # noqa: E402
+from worker_side.vllm import SchedulerOutputDecoder, decoder  # noqa: E402
+from worker_side.vllm import quick as worker_quick  # noqa: E402
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(C is None, reason="the finish path needs the C speedups")]
@@ -58,6 +65,23 @@ def test_finishes_take_the_finish_path_at_both_ends() -> None:
     enc, dec = run_both_paths(steps, None, SECRET)
     assert (enc.finish_steps, dec.finish_steps) == (3, 3)
     assert enc.turnover_steps == dec.turnover_steps == 0
+
+
+def test_the_worker_takes_finishes_on_its_pure_python_paths(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in (packing, digest, lane, lane_lists, forecast, worker_quick, decoder):
+        monkeypatch.setattr(module, "_C", None)
+    enc, dec = run_both_paths(_finishes(), None, SECRET)
+    assert (enc.finish_steps, dec.finish_steps) == (3, 3)
+
+
+def test_each_end_decides_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the C scan the engine's turnover path writes the finish steps -- the same
+    bytes -- and the worker still takes them as finish steps."""
+    monkeypatch.setattr(finish, "_C", None)
+    enc, dec = run_both_paths(_finishes(), None, SECRET)
+    assert (enc.finish_steps, enc.turnover_steps) == (0, 3)
+    assert (dec.finish_steps, dec.turnover_steps) == (3, 0)
 
 
 def test_a_general_step_after_a_finish_measures_tables_from_the_stayers() -> None:

@@ -28,6 +28,7 @@ from vllm_streams import scheduler_streams  # noqa: E402
 
 from engine_side.vllm import (
     SchedulerOutputEncoder,  # noqa: E402
+    finish,  # noqa: E402
     forecast,  # noqa: E402
     quick,  # noqa: E402
 )
@@ -57,7 +58,7 @@ def speedups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     """Run a test with the C speedups and again on the pure-Python paths."""
     if request.param == "pure":
         for module in (packing, digest, lane, lane_lists, forecast, quick, worker_quick,
-                       decoder):
+                       decoder, finish):
             monkeypatch.setattr(module, "_C", None)
     elif C is None:
         pytest.skip("C speedups not built")

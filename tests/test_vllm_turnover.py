@@ -26,7 +26,7 @@ from vllm_paths import run_both_paths  # noqa: E402
 from vllm_streams import scheduler_streams  # noqa: E402
 
 from engine_side.bench.vllm_replay import synthetic_churn  # noqa: E402
-from engine_side.vllm import forecast, quick, turnover  # noqa: E402
+from engine_side.vllm import finish, forecast, quick, turnover  # noqa: E402
 from protocol import digest, lane, lane_lists, packing  # noqa: E402
 from protocol.speedups import C  # noqa: E402
 from worker_side.vllm import decoder  # noqa: E402
@@ -49,7 +49,7 @@ def speedups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     """Run a test with the C speedups and again on the pure-Python paths."""
     if request.param == "pure":
         for module in (packing, digest, lane, lane_lists, forecast, quick, worker_quick,
-                       turnover, decoder):
+                       turnover, decoder, finish):
             monkeypatch.setattr(module, "_C", None)
     elif C is None:
         pytest.skip("C speedups not built")

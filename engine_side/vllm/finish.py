@@ -20,11 +20,10 @@ but the lane's settle, and the turnover or general path runs.
 
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import compress, repeat
 from operator import contains
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from engine_side.vllm.forecast import Forecast
 from engine_side.vllm.quick import _PLAIN, _RARE, Scan, scan_fields
 from protocol import codec
 from protocol.codec import Frame
@@ -44,12 +43,13 @@ _FINISHED = 1  # the index of finished_req_ids in the rare fields (quick.RARE_FI
 class Kept(NamedTuple):
     """A batch's lists at the stayers' positions, as the C scan reads a batch."""
 
+    keep: list[bool]  # by position in the batch: whether the request stays
     batch: list[str]
     pos: dict[str, int]
     handles: list[int]
     basis: list[int]
     nsched: list[int]
-    plen: list[int]
+    plen_less_one: list[int]
 
 
 def finish_delta(enc: SchedulerOutputEncoder, so: Any) -> list[Frame] | None:
@@ -65,8 +65,7 @@ def finish_delta(enc: SchedulerOutputEncoder, so: Any) -> list[Frame] | None:
     plain = (*_PLAIN[:_FINISHED], so.finished_req_ids, *_PLAIN[_FINISHED + 1:])
     scan: Scan | None = _C.same_batch_scan(
         so, kept.batch, kept.pos, kept.basis, kept.nsched, sum(kept.nsched),
-        list(map(quick.forecast.plen_less_one.__getitem__, stay_at)), kept.handles, _RARE,
-        plain, True)
+        kept.plen_less_one, kept.handles, _RARE, plain, True)
     if scan is None:
         return None
     drop = sorted(set(range(len(quick.batch))).difference(stay_at))
@@ -110,13 +109,14 @@ def _stay_at(enc: SchedulerOutputEncoder, so: Any) -> list[int] | None:
 
 def _kept(quick: QuickEncoder, stay_at: list[int]) -> Kept:
     """The quick encoder's lists at ``stay_at``, made without changing them."""
-    batch = list(map(quick.batch.__getitem__, stay_at))
+    keep = [False] * len(quick.batch)
+    for p in stay_at:
+        keep[p] = True
+    batch = list(compress(quick.batch, keep))
     fc = quick.forecast
-    return Kept(batch, dict(zip(batch, range(len(batch)), strict=True)),
-                list(map(quick.handles.__getitem__, stay_at)),
-                list(map(fc.basis().__getitem__, stay_at)),
-                list(map(fc.nsched.__getitem__, stay_at)),
-                list(map(fc.plen.__getitem__, stay_at)))
+    return Kept(keep, batch, dict(zip(batch, range(len(batch)), strict=True)),
+                list(compress(quick.handles, keep)), list(compress(fc.basis(), keep)),
+                list(compress(fc.nsched, keep)), list(compress(fc.plen_less_one, keep)))
 
 
 def _taken(enc: SchedulerOutputEncoder, so: Any, kept: Kept, scan: Scan, lane: Any,
@@ -128,16 +128,14 @@ def _taken(enc: SchedulerOutputEncoder, so: Any, kept: Kept, scan: Scan, lane: A
     finished = sorted(so.finished_req_ids)
     freed = [(rid, mirror.handles[rid]) for rid in finished]
     enc.lane = lane
-    seq = mirror.finish_taken(freed, kept.batch,
-                              list(map(enc.specs.__getitem__, kept.batch)))
+    seq = mirror.finish_taken(freed)
     enc._file_blocks()  # (the noted appends of the finished requests too, before they go)
     enc.forget(so.finished_req_ids)
     # (the memory of the last batch keeps the finished ids, which never come back as
     # cached requests; the last general step's tables still hold the stayers' rows)
     quick.batch, quick.pos, quick.handles = kept.batch, kept.pos, kept.handles
     quick.index = list(range(len(kept.batch)))
-    quick.forecast = Forecast(kept.plen)
-    quick.forecast.restart(kept.basis, kept.nsched)
+    quick.forecast = quick.forecast.kept(kept.keep)
     quick.scanned(scan)
     enc._quick_taken(seq)
     enc.finish_steps += 1

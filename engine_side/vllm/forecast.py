@@ -51,6 +51,16 @@ class Forecast:
         #: advancing from it need no clamp (reset by restart)
         self._decoding = False
 
+    def kept(self, keep: list[bool]) -> Forecast:
+        """A forecast of the requests at the positions ``keep`` marks, predicting their
+        next step as this one predicts it (the batch less some requests)."""
+        fc = Forecast.__new__(Forecast)
+        fc.plen = list(compress(self.plen, keep))
+        fc.plen_np = None if self.plen_np is None else self.plen_np[keep]
+        fc.plen_less_one = list(compress(self.plen_less_one, keep))
+        fc.restart(list(compress(self.basis(), keep)), list(compress(self.nsched, keep)))
+        return fc
+
     def restart(self, computed: list[int], nsched: list[int]) -> None:
         """Predict from actual ``computed`` and ``nsched`` lists (the rows are made when
         :meth:`take` first needs them: a general step that follows never pays for them)."""

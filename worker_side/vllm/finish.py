@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 from msgspec.structs import replace
 
-from engine_side.vllm.forecast import Forecast
 from engine_side.vllm.schema import StepExt
 from protocol.lane import SteadyLane
 from protocol.lane_drop import commit_drop, drop_lane
@@ -72,15 +71,13 @@ def _kept(quick: QuickDecoder, drop: list[int], lane: SteadyLane) -> QuickDecode
     the stayers' handles being ``lane``'s; ``quick`` unchanged."""
     leaving = set(drop)
     keep = list(map(not_, map(contains, repeat(leaving), range(len(quick.batch)))))
-    fc = quick.forecast
-    kept = QuickDecoder()
+    kept = QuickDecoder(quick.types)
     kept.batch = list(compress(quick.batch, keep))
     kept.kv_groups = quick.kv_groups
     kept.at = dict(zip(lane.handles, range(len(lane.handles)), strict=True))
-    kept.nsched = list(compress(quick.nsched, keep))
+    kept.forecast = quick.forecast.kept(keep)
+    kept.nsched = kept.forecast.nsched
     kept.nsched_map = dict(zip(kept.batch, kept.nsched, strict=True))
-    kept.forecast = Forecast(list(compress(fc.plen, keep)))
-    kept.forecast.restart(list(compress(fc.basis(), keep)), kept.nsched)
     kept.ready = True
     return kept
 

@@ -95,7 +95,7 @@ def made(cls: Any, fields: dict[str, Any]) -> Any:
 class QuickDecoder:
     """The decoder's lists of the last step and the same-batch SchedulerOutput."""
 
-    def __init__(self) -> None:
+    def __init__(self, types: tuple[Any, Any, Any] | None = None) -> None:
         self.batch: list[str] = []
         self.at: dict[int, int] = {}  # handle -> batch position
         self.nsched: list[int] = []
@@ -103,7 +103,7 @@ class QuickDecoder:
         self.forecast = Forecast([])
         self.kv_groups = 1
         self.ready = False
-        self.types = vllm_types()
+        self.types = vllm_types() if types is None else types  # (vllm_types())
 
     def reset(self, batch: list[str], handles: list[int], computed: list[int],
               nsched: dict[str, int], plen: list[int], kv_groups: int) -> None:
