@@ -214,3 +214,26 @@ def test_replay_passes_take_each_steps_median_of_both_paths(
     assert three["request"]["median_us"] == pytest.approx(20.0 + 19.5)
     with pytest.raises(ValueError, match="passes"):
         replay(messages, passes=0)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_step_kinds_count_finish_steps_apart(tmp_path: Path) -> None:
+    """A stream whose requests finish a few at a time: those steps are their own kind."""
+    from test_vllm_finish import _finishes
+
+    from protocol.speedups import C
+    if C is None:
+        pytest.skip("the engine's finish path needs the C speedups")
+
+    from engine_side.bench.vllm_step_kinds import step_kinds
+    from engine_side.vllm.encoder import SchedulerOutputEncoder
+    from engine_side.vllm.record import RecordWriter
+
+    path, enc = tmp_path / "finishes.dcrec", SchedulerOutputEncoder()
+    with RecordWriter(path, meta={"scenario": "finishes"}, vllm_version="0.32.0") as writer:
+        for so in _finishes():
+            writer.write("execute_model", [bytes(f) for f in enc.encode(so)])
+    got = step_kinds(path, passes=1)
+    assert got["finish"]["steps"] == 3 and "turnover" not in got
+    assert sum(k["steps"] for k in got.values()) == len(_finishes())

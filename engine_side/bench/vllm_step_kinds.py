@@ -12,6 +12,7 @@ from the encoder's and decoder's own counters:
 * ``appends``: the same batch with block appends and no count or draft rows (the
   plain step with appends, chunked prefill's common step);
 * ``same-batch``: any other step the same-batch path took (count exceptions, drafts);
+* ``finish``: requests of the last batch finished, the rest stayed (the finish path);
 * ``turnover``: requests left or joined, answered by the turnover path;
 * ``general``: the rest.
 """
@@ -29,14 +30,16 @@ from typing import Any
 
 from engine_side.bench.vllm_replay import load_recording, pickled
 
-KINDS = ("steady", "appends", "same-batch", "turnover", "general")
+KINDS = ("steady", "appends", "same-batch", "finish", "turnover", "general")
 STEADY_FRAME = 40  # a same-batch frame shorter than this carries no body (header only)
 
 
-def _kind(enc: Any, dec: Any, quick_before: int, turnover_before: int,
-          frames: list[Any]) -> str:
+def _kind(enc: Any, dec: Any, before: tuple[int, int, int], frames: list[Any]) -> str:
     from protocol.lane_lists import NO_ROWS
 
+    quick_before, finish_before, turnover_before = before
+    if enc.finish_steps > finish_before:
+        return "finish"
     if enc.quick_steps > quick_before:
         if len(frames) == 1 and len(frames[0]) < STEADY_FRAME and not enc.quick.appends:
             return "steady"
@@ -60,14 +63,14 @@ def _pass(messages: list[tuple[str, Any]], rows: dict[str, list[tuple[int, int, 
         else:
             first = not first
             theirs = pickled(kind, obj) if first else None
-            quick, turnover = enc.quick_steps, dec.turnover_steps
+            before = enc.quick_steps, enc.finish_steps, dec.turnover_steps
             t0 = time.perf_counter_ns()
             frames = enc.encode(obj)
             t1 = time.perf_counter_ns()
             dec.decode(frames)
             t2 = time.perf_counter_ns()
             theirs = theirs or pickled(kind, obj)
-            rows[_kind(enc, dec, quick, turnover, frames)].append(
+            rows[_kind(enc, dec, before, frames)].append(
                 (t1 - t0, t2 - t1, theirs[1] + theirs[2]))
 
 

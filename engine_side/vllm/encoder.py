@@ -12,9 +12,10 @@ decoder predicts* from its own memory of previous steps (new vs cached, list
 orders, ``num_output_tokens``, ``None`` vs empty ...), so a steady step adds
 nothing.  Connector metadata travels sealed (HMAC-authenticated pickle).
 
-Two fast paths build that very body without the whole request (their frames are
-the general path's, byte for byte): the same-batch step (:mod:`.quick`) and the
-turnover step, where requests leave the batch and new ones join at its end
+Three fast paths build that very body without the whole request (their frames are
+the general path's, byte for byte): the same-batch step (:mod:`.quick`), the finish
+step, where requests of the last batch finish and the rest stay (:mod:`.finish`), and
+the turnover step, where requests leave the batch and new ones join at its end
 (:mod:`.turnover`).  Every other step takes the general path.
 
 Draft tokens travel as ``token + 1`` so vLLM's ``-1`` placeholders pack as
