@@ -10,28 +10,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from msgspec.structs import replace
 from replica_bodies import first_body
-from test_lane import _lane_apply, _outcome, _same_state, _step, _well_formed
+from test_lane import (  # (speedups: the lane tests' fixture, with C and pure Python)
+    _lane_apply,
+    _outcome,
+    _same_state,
+    _step,
+    _well_formed,
+    speedups,  # noqa: F401
+)
 
-from protocol import digest, lane_lists, packing
-from protocol import lane as lane_module
 from protocol.errors import InvalidDelta, MalformedMessage
 from protocol.lane import Appends, SteadyLane
 from protocol.lane_drop import commit_drop, drop_lane
 from protocol.messages import DeltaBody
 from protocol.packing import pack_uints
-from protocol.speedups import C
 from protocol.state import ReplicaState
-
-
-@pytest.fixture(params=["c", "pure"])
-def speedups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test with the C speedups and again on the lane's pure-Python paths."""
-    if request.param == "pure":
-        for module in (lane_module, lane_lists, digest, packing):
-            monkeypatch.setattr(module, "_C", None)
-    elif C is None:
-        pytest.skip("C speedups not built")
-    return str(request.param)
 
 
 def _finish(lane: SteadyLane, state: ReplicaState, drop: list[int], body: DeltaBody,
@@ -64,7 +57,8 @@ def _steps(data: st.DataObject, lane: SteadyLane, laned: ReplicaState,
 @settings(max_examples=80, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.integers(2, 40), st.integers(1, 2), st.data())
-def test_a_finish_equals_applying_the_whole_body(speedups: str, n: int, groups: int,
+@pytest.mark.usefixtures("speedups")
+def test_a_finish_equals_applying_the_whole_body(n: int, groups: int,
                                                  data: st.DataObject) -> None:
     laned, reference = ReplicaState(kv_groups=groups), ReplicaState(kv_groups=groups)
     for state in (laned, reference):

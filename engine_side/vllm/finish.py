@@ -21,14 +21,15 @@ but the lane's settle, and the turnover or general path runs.
 from __future__ import annotations
 
 from itertools import compress, repeat
-from operator import contains
+from operator import contains, not_
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from engine_side.vllm.quick import _PLAIN, _RARE, Scan, scan_fields
+from engine_side.vllm.forecast import Forecast
+from engine_side.vllm.quick import _PLAIN, _RARE, Scan, scan_fields, scan_rows
 from protocol import codec
 from protocol.codec import Frame
+from protocol.lane import SteadyLane
 from protocol.lane_drop import commit_drop, drop_lane
-from protocol.lane_lists import NO_ROWS, LaneRows
 from protocol.messages import Delta, DeltaBody
 from protocol.packing import pack_uints
 from protocol.speedups import C as _C
@@ -43,13 +44,11 @@ _FINISHED = 1  # the index of finished_req_ids in the rare fields (quick.RARE_FI
 class Kept(NamedTuple):
     """A batch's lists at the stayers' positions, as the C scan reads a batch."""
 
-    keep: list[bool]  # by position in the batch: whether the request stays
+    drop: list[int]  # the positions that leave, increasing
     batch: list[str]
     pos: dict[str, int]
     handles: list[int]
-    basis: list[int]
-    nsched: list[int]
-    plen_less_one: list[int]
+    forecast: Forecast
 
 
 def finish_delta(enc: SchedulerOutputEncoder, so: Any) -> list[Frame] | None:
@@ -62,26 +61,22 @@ def finish_delta(enc: SchedulerOutputEncoder, so: Any) -> list[Frame] | None:
     quick = enc.quick
     assert _C is not None  # noqa: S101 - checked by _stay_at
     kept = _kept(quick, stay_at)
+    fc = kept.forecast
     plain = (*_PLAIN[:_FINISHED], so.finished_req_ids, *_PLAIN[_FINISHED + 1:])
     scan: Scan | None = _C.same_batch_scan(
-        so, kept.batch, kept.pos, kept.basis, kept.nsched, sum(kept.nsched),
-        kept.plen_less_one, kept.handles, _RARE, plain, True)
+        so, kept.batch, kept.pos, fc.basis(), fc.nsched, fc.total, fc.plen_less_one,
+        kept.handles, _RARE, plain, True)
     if scan is None:
         return None
-    drop = sorted(set(range(len(quick.batch))).difference(stay_at))
-    finished = sorted(map(quick.handles.__getitem__, drop))
-    opened = drop_lane(enc.lane, finished, drop)  # type: ignore[arg-type]
+    finished = sorted(map(quick.handles.__getitem__, kept.drop))
+    opened = drop_lane(enc.lane, finished, kept.drop)  # type: ignore[arg-type]
     if opened is None:
         return None
     lane, plan = opened
-    body = DeltaBody(finished=pack_uints(finished), schedule_drop=pack_uints(drop),
+    body = DeltaBody(finished=pack_uints(finished), schedule_drop=pack_uints(kept.drop),
                      **scan_fields(scan))
-    computed, scheduled = scan[5][0], scan[5][1]
-    rows = LaneRows(computed and computed[:2], scheduled and scheduled[:2],
-                    scan[4] and scan[4][:2])
-    digest = lane.step(body, [] if scan[2] is None else [scan[2]],
-                       rows=NO_ROWS if rows == NO_ROWS else rows, own_appends=True,
-                       own_rows=True)
+    digest = lane.step(body, [] if scan[2] is None else [scan[2]], rows=scan_rows(scan),
+                       own_appends=True, own_rows=True)
     if digest is None:
         return None  # the lane does not take the rows: the general path decides
     commit_drop(lane, plan)
@@ -108,18 +103,18 @@ def _stay_at(enc: SchedulerOutputEncoder, so: Any) -> list[int] | None:
 
 
 def _kept(quick: QuickEncoder, stay_at: list[int]) -> Kept:
-    """The quick encoder's lists at ``stay_at``, made without changing them."""
+    """The quick encoder's lists at ``stay_at`` and their forecast, made without
+    changing them."""
     keep = [False] * len(quick.batch)
     for p in stay_at:
         keep[p] = True
     batch = list(compress(quick.batch, keep))
-    fc = quick.forecast
-    return Kept(keep, batch, dict(zip(batch, range(len(batch)), strict=True)),
-                list(compress(quick.handles, keep)), list(compress(fc.basis(), keep)),
-                list(compress(fc.nsched, keep)), list(compress(fc.plen_less_one, keep)))
+    return Kept(list(compress(range(len(keep)), map(not_, keep))), batch,
+                dict(zip(batch, range(len(batch)), strict=True)),
+                list(compress(quick.handles, keep)), quick.forecast.kept(keep))
 
 
-def _taken(enc: SchedulerOutputEncoder, so: Any, kept: Kept, scan: Scan, lane: Any,
+def _taken(enc: SchedulerOutputEncoder, so: Any, kept: Kept, scan: Scan, lane: SteadyLane,
            body: DeltaBody, digest: int) -> list[Frame]:
     """The finish step is the mirror's: its memory, the quick encoder's lists and the
     encoder's own advanced; the frames."""
@@ -135,7 +130,7 @@ def _taken(enc: SchedulerOutputEncoder, so: Any, kept: Kept, scan: Scan, lane: A
     # cached requests; the last general step's tables still hold the stayers' rows)
     quick.batch, quick.pos, quick.handles = kept.batch, kept.pos, kept.handles
     quick.index = list(range(len(kept.batch)))
-    quick.forecast = quick.forecast.kept(kept.keep)
+    quick.forecast = kept.forecast
     quick.scanned(scan)
     enc._quick_taken(seq)
     enc.finish_steps += 1

@@ -138,9 +138,7 @@ class QuickEncoder:
         nsched, same_ns, appends, _, drafts, counts, _, _, _ = scan
         computed, scheduled, _, actual = counts
         self.appends = [] if appends is None else [appends]
-        self.rows = NO_ROWS if computed is None and scheduled is None and drafts is None \
-            else LaneRows(computed and computed[:2], scheduled and scheduled[:2],
-                          drafts and drafts[:2])
+        self.rows = scan_rows(scan)
         self.forecast.rebase(actual, nsched, same_ns)
 
     def scanned_body(self, scan: Scan) -> DeltaBody:
@@ -314,6 +312,17 @@ class QuickEncoder:
         lengths, flat = got
         return Rows(counts=pack_uints(lengths), values=pack_uints_plus_one(flat)), got
 
+
+
+def scan_rows(scan: Scan) -> LaneRows:
+    """The count and draft rows of a same-batch step's ``scan`` as the lane takes them
+    (:data:`NO_ROWS` itself for none)."""
+    _, _, _, _, drafts, counts, _, _, _ = scan
+    computed, scheduled, _, _ = counts
+    if computed is None and scheduled is None and drafts is None:
+        return NO_ROWS
+    return LaneRows(computed and computed[:2], scheduled and scheduled[:2],
+                    drafts and drafts[:2])
 
 
 def scan_fields(scan: Scan) -> dict[str, Any]:
