@@ -42,13 +42,15 @@ if TYPE_CHECKING:
 
 class DropPlan(NamedTuple):
     """What :func:`commit_drop` writes: the finished handles, the shorter schedule and
-    its counts (read-only arrays), their schedule term and the digest after the finish."""
+    its counts (read-only arrays), their schedule term and the digest after the finish;
+    and which positions of the old schedule stay (for the caller's own lists)."""
 
     finished: list[int]
     schedule: IntArray
     nsched: IntArray
     term: int
     digest: int
+    keep: list[bool]
 
 
 def drop_lane(lane: SteadyLane, finished: list[int], drop: list[int],
@@ -88,7 +90,7 @@ def drop_lane(lane: SteadyLane, finished: list[int], drop: list[int],
     new.advance = dg.computed_change(handles, nsched)
     new.digest, new.version = digest, state.version  # (no reopen before its first step)
     new.finished = frozenset(state.handle_of(h).req_id for h in finished)
-    return new, DropPlan(finished, schedule, counts, term, digest)
+    return new, DropPlan(finished, schedule, counts, term, digest, keep)
 
 
 def _known_lists(lane: SteadyLane) -> tuple[list[int] | None, list[int] | None,

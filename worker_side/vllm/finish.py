@@ -14,8 +14,7 @@ general path decides.
 
 from __future__ import annotations
 
-from itertools import compress, repeat
-from operator import contains, not_
+from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 from msgspec.structs import replace
@@ -52,8 +51,7 @@ def finish_output(dec: SchedulerOutputDecoder, msg: Delta, ext: StepExt) -> Any:
     if opened is None:
         return None
     lane, plan = opened
-    ids = {state.handle_of(h).req_id for h in finished}
-    kept = _kept(quick, drop, lane)
+    kept = _kept(quick, plan.keep, lane)
     so = kept.counted_step(lane, rows, ext, msg.digest)
     if so is None:
         fast = kept.lane_inputs(rows, ext)
@@ -61,16 +59,14 @@ def finish_output(dec: SchedulerOutputDecoder, msg: Delta, ext: StepExt) -> Any:
             return None
         so = kept.scheduler_output(rows, ext, *fast)
     commit_drop(lane, plan)
+    so.finished_req_ids = ids = set(lane.finished)
     _taken(dec, msg, ids, lane, kept)
-    so.finished_req_ids = ids
     return so
 
 
-def _kept(quick: QuickDecoder, drop: list[int], lane: SteadyLane) -> QuickDecoder:
-    """A quick decoder over ``quick``'s lists less the positions ``drop`` (increasing),
-    the stayers' handles being ``lane``'s; ``quick`` unchanged."""
-    leaving = set(drop)
-    keep = list(map(not_, map(contains, repeat(leaving), range(len(quick.batch)))))
+def _kept(quick: QuickDecoder, keep: list[bool], lane: SteadyLane) -> QuickDecoder:
+    """A quick decoder over ``quick``'s lists at the positions ``keep`` marks, the
+    stayers' handles being ``lane``'s; ``quick`` unchanged."""
     kept = QuickDecoder(quick.types)
     kept.batch = list(compress(quick.batch, keep))
     kept.kv_groups = quick.kv_groups
