@@ -23,6 +23,64 @@
 #define STACK_VALUES 128 /* lists up to this long need no heap scratch */
 
 #include "_speedups.h"
+#include <stdarg.h>
+
+int
+fast_args(PyObject *const *args, Py_ssize_t nargs, const char *format, ...)
+{
+    va_list va;
+    Py_ssize_t i = 0;
+    int ok = 0;
+    va_start(va, format);
+    for (const char *f = format; *f; f++, i++) {
+        if (i >= nargs) {
+            goto count;
+        }
+        PyObject *o = args[i];
+        if (*f == 'O' && f[1] == '!') {
+            PyTypeObject *type = va_arg(va, PyTypeObject *);
+            f++;
+            if (!PyObject_TypeCheck(o, type)) {
+                PyErr_Format(PyExc_TypeError, "argument %zd must be %.50s, not %.50s", i + 1,
+                             type->tp_name, Py_TYPE(o)->tp_name);
+                goto done;
+            }
+            *va_arg(va, PyObject **) = o;
+        } else if (*f == 'O') {
+            *va_arg(va, PyObject **) = o;
+        } else if (*f == 'n') {
+            Py_ssize_t v = PyNumber_AsSsize_t(o, PyExc_OverflowError);
+            if (v == -1 && PyErr_Occurred()) {
+                goto done;
+            }
+            *va_arg(va, Py_ssize_t *) = v;
+        } else if (*f == 'K') {
+            if (!PyLong_Check(o)) {
+                PyErr_Format(PyExc_TypeError, "argument %zd must be int", i + 1);
+                goto done;
+            }
+            *va_arg(va, unsigned long long *) = PyLong_AsUnsignedLongLongMask(o);
+        } else if (*f == 'p') {
+            int v = PyObject_IsTrue(o);
+            if (v < 0) {
+                goto done;
+            }
+            *va_arg(va, int *) = v;
+        } else {
+            PyErr_Format(PyExc_SystemError, "fast_args: bad format %s", format);
+            goto done;
+        }
+    }
+    if (i == nargs) {
+        ok = 1;
+        goto done;
+    }
+count:
+    PyErr_Format(PyExc_TypeError, "wrong number of arguments (%zd)", nargs);
+done:
+    va_end(va);
+    return ok ? 0 : -1;
+}
 
 /* 0 and the zig-zag image of an exact int in the int64 range; -1 otherwise. */
 static int
@@ -190,6 +248,8 @@ read_header(const unsigned char *buf, Py_ssize_t len, uint64_t limit, int *width
     return 0;
 }
 
+static PyObject *unpacked_view(Py_buffer view, unsigned long long limit, int zigzag);
+
 static PyObject *
 unpacked(PyObject *args, int zigzag) /* 0: raw, 1: zig-zag, 2: raw minus one */
 {
@@ -199,6 +259,24 @@ unpacked(PyObject *args, int zigzag) /* 0: raw, 1: zig-zag, 2: raw minus one */
         PyErr_Clear();
         Py_RETURN_NONE;
     }
+    return unpacked_view(view, limit, zigzag);
+}
+
+PyObject *
+unpack_bytes(PyObject *packed, int zigzag)
+{
+    Py_buffer view;
+    if (PyUnicode_Check(packed) || PyObject_GetBuffer(packed, &view, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear(); /* (as "y*" refuses them) */
+        Py_RETURN_NONE;
+    }
+    return unpacked_view(view, 1ULL << 26, zigzag);
+}
+
+/* unpacked's list of ``view`` (released here). */
+static PyObject *
+unpacked_view(Py_buffer view, unsigned long long limit, int zigzag)
+{
     int width;
     uint64_t count;
     Py_ssize_t pos;
@@ -247,7 +325,7 @@ unpacked(PyObject *args, int zigzag) /* 0: raw, 1: zig-zag, 2: raw minus one */
 
 /* raw_list(buf, limit=2**26) -> list | None: the raw values of a well-formed packed
  * array of at most ``limit`` values (None: anything else, which Python decides). */
-PyObject *
+static PyObject *
 raw_list(PyObject *self, PyObject *args)
 {
     return unpacked(args, 0);
@@ -255,14 +333,14 @@ raw_list(PyObject *self, PyObject *args)
 
 /* raw_list_minus_one(buf, limit=2**26) -> list | None: raw_list, each value minus one
  * (None too when a value is 2**63 or more). */
-PyObject *
+static PyObject *
 raw_list_minus_one(PyObject *self, PyObject *args)
 {
     return unpacked(args, 2);
 }
 
 /* raw_signed_list(buf, limit=2**26) -> list | None: raw_list, zig-zag decoded. */
-PyObject *
+static PyObject *
 raw_signed_list(PyObject *self, PyObject *args)
 {
     return unpacked(args, 1);
@@ -1273,16 +1351,25 @@ done:
  * every token in dict order.  None unless ``drafts`` is a dict of non-empty lists whose
  * keys ``pos`` (a dict) maps to strictly increasing exact ints in [0, n). */
 PyObject *
-draft_rows(PyObject *self, PyObject *args)
+draft_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *drafts, *pos;
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "OOn", &drafts, &pos, &n) || !PyDict_CheckExact(drafts)
+    if (fast_args(args, nargs, "OOn", &drafts, &pos, &n) < 0 || !PyDict_CheckExact(drafts)
             || !PyDict_CheckExact(pos) || n < 0) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    PyObject *lengths = PyList_New(n), *flat = PyList_New(0);
+    /* the flat list is made at its size (one pass for the sizes, one for the tokens) */
+    Py_ssize_t at = 0, total = 0;
+    PyObject *key, *row;
+    while (PyDict_Next(drafts, &at, &key, &row)) {
+        if (!PyList_CheckExact(row)) {
+            Py_RETURN_NONE;
+        }
+        total += PyList_GET_SIZE(row);
+    }
+    PyObject *lengths = PyList_New(n), *flat = PyList_New(total);
     if (lengths == NULL || flat == NULL) {
         Py_XDECREF(lengths);
         Py_XDECREF(flat);
@@ -1294,24 +1381,34 @@ draft_rows(PyObject *self, PyObject *args)
         PyList_SET_ITEM(lengths, i, zero);
     }
     Py_DECREF(zero);
-    Py_ssize_t at = 0, last = -1;
-    PyObject *key, *row;
+    for (Py_ssize_t i = 0; i < total; i++) {
+        /* until filled: a list always holds objects */
+        PyList_SET_ITEM(flat, i, Py_NewRef(Py_None));
+    }
+    Py_ssize_t last = -1, filled = 0;
+    at = 0;
     while (PyDict_Next(drafts, &at, &key, &row)) {
         PyObject *where = PyDict_GetItemWithError(pos, key); /* borrowed */
         long long p;
-        if (where == NULL || as_i64(where, &p) < 0 || p <= last || p >= n
-                || !PyList_CheckExact(row) || PyList_GET_SIZE(row) == 0) {
+        Py_ssize_t k = PyList_GET_SIZE(row);
+        if (where == NULL || as_i64(where, &p) < 0 || p <= last || p >= n || k == 0
+                || k > total - filled) {
             goto not_taken;
         }
-        PyObject *count = PyLong_FromSsize_t(PyList_GET_SIZE(row));
+        PyObject *count = PyLong_FromSsize_t(k);
         if (count == NULL) {
             goto fail;
         }
         PyList_SetItem(lengths, (Py_ssize_t)p, count); /* steals count */
-        if (PyList_SetSlice(flat, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, row) < 0) {
-            goto fail;
+        for (Py_ssize_t j = 0; j < k; j++) {
+            PyObject **slot = &PyList_GET_ITEM(flat, filled + j);
+            Py_SETREF(*slot, Py_NewRef(PyList_GET_ITEM(row, j)));
         }
+        filled += k;
         last = (Py_ssize_t)p;
+    }
+    if (filled != total) { /* (the dict changed under us: a key's __eq__ ran code) */
+        goto not_taken;
     }
     PyObject *out = PyTuple_Pack(2, lengths, flat);
     Py_DECREF(lengths);
@@ -1333,10 +1430,10 @@ fail:
  * engine_side.vllm.convert.split_rows_py; None unless three lists, one length per key,
  * lengths exact ints >= 0 adding up to len(flat), and hashable keys. */
 PyObject *
-split_rows(PyObject *self, PyObject *args)
+split_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *keys, *lengths, *flat;
-    if (!PyArg_ParseTuple(args, "OOO", &keys, &lengths, &flat) || !PyList_CheckExact(keys)
+    if (fast_args(args, nargs, "OOO", &keys, &lengths, &flat) < 0 || !PyList_CheckExact(keys)
             || !PyList_CheckExact(lengths) || !PyList_CheckExact(flat)
             || PyList_GET_SIZE(keys) != PyList_GET_SIZE(lengths)) {
         PyErr_Clear();
@@ -1392,9 +1489,9 @@ static PyMethodDef methods[] = {
     {"raw_list_minus_one", raw_list_minus_one, METH_VARARGS, "raw_list, each value minus one."},
     {"pack_plus_one", pack_plus_one, METH_O,
      "protocol.packing.pack_uints of each value plus one (None: not taken)."},
-    {"draft_rows", draft_rows, METH_VARARGS,
+    {"draft_rows", (PyCFunction)(void (*)(void))draft_rows, METH_FASTCALL,
      "A step's draft tokens as lengths by batch position and one flat list (None: not taken)."},
-    {"split_rows", split_rows, METH_VARARGS,
+    {"split_rows", (PyCFunction)(void (*)(void))split_rows, METH_FASTCALL,
      "Consecutive rows of a flat list keyed by their non-empty lengths (None: not taken)."},
     {"one_group_appends", one_group_appends, METH_O,
      "A one-group step's new blocks as (positions, counts, flat ids) (None: not taken)."},

@@ -25,6 +25,17 @@ as_i64(PyObject *item, long long *out)
         *out = digits == 0 ? 0 : digits * (long long)((PyLongObject *)item)->ob_digit[0];
         return 0;
     }
+#if PYLONG_BITS_IN_DIGIT == 30
+    if (digits == 2 || digits == -2 || digits == 3 || digits == -3) { /* below 2**90 */
+        const digit *d = ((PyLongObject *)item)->ob_digit;
+        if (digits == 2 || digits == -2 || d[2] < 8) { /* (2**63 and up: the call below) */
+            uint64_t mag = (uint64_t)d[0] | ((uint64_t)d[1] << 30)
+                | (digits == 3 || digits == -3 ? (uint64_t)d[2] << 60 : 0);
+            *out = digits > 0 ? (long long)mag : -(long long)mag;
+            return 0;
+        }
+    }
+#endif
 #endif
     int overflow = 0;
     *out = PyLong_AsLongLongAndOverflow(item, &overflow);
@@ -50,6 +61,18 @@ as_u64(PyObject *item, uint64_t *out)
     if (!PyLong_CheckExact(item)) {
         return -1;
     }
+#if PY_VERSION_HEX < 0x030C0000 && PYLONG_BITS_IN_DIGIT == 30
+    /* 3.11's layout: 2**63 and up (the digest's keys) take three 30-bit digits, read
+     * inline (PyLong_AsUnsignedLongLong goes through a byte array) */
+    if (Py_SIZE(item) == 3) {
+        const digit *d = ((PyLongObject *)item)->ob_digit;
+        if (d[2] < 16) {
+            *out = (uint64_t)d[0] | ((uint64_t)d[1] << 30) | ((uint64_t)d[2] << 60);
+            return 0;
+        }
+        return -1; /* 2**64 or more */
+    }
+#endif
     unsigned long long u = PyLong_AsUnsignedLongLong(item); /* 2**63 and up */
     if (u == (unsigned long long)-1 && PyErr_Occurred()) {
         PyErr_Clear(); /* negative, or 2**64 or more */
@@ -68,41 +91,41 @@ departs(long long x, long long y, long long z, int clamp)
 }
 
 /* _speedups.c's dict_matches as an int (-2: not taken, -1: an exception is set), its
- * one_group_appends, the raw_list family, the packers, draft_rows and split_rows,
- * _speedups_step.c's packed_appends and append_rows, _speedups_output.c's step_output,
- * _speedups_counts.c's count_rows, count_lists and lane_rows and _speedups_lane.c's
- * lane_counts, for the fused same-step functions of _speedups_step.c,
- * _speedups_counts.c and _speedups_fused.c. */
+ * one_group_appends and the packers, and _speedups_step.c's packed_appends, for the
+ * fused same-step functions of _speedups_step.c, _speedups_counts.c and
+ * _speedups_fused.c. */
 int dict_match(PyObject *d, PyObject *keys, PyObject *values);
 PyObject *one_group_appends(PyObject *self, PyObject *arg);
-PyObject *raw_list(PyObject *self, PyObject *args);
-PyObject *raw_signed_list(PyObject *self, PyObject *args);
-PyObject *raw_list_minus_one(PyObject *self, PyObject *args);
 PyObject *pack_list(PyObject *self, PyObject *arg);
 PyObject *pack_values(const uint64_t *values, Py_ssize_t n);
 PyObject *pack_plus_one(PyObject *self, PyObject *arg);
-PyObject *draft_rows(PyObject *self, PyObject *args);
-PyObject *split_rows(PyObject *self, PyObject *args);
 PyObject *packed_appends(PyObject *appends, PyObject *handles); /* _speedups_step.c's */
-PyObject *step_output(PyObject *self, PyObject *args); /* _speedups_output.c's */
-PyObject *count_rows(PyObject *self, PyObject *args); /* _speedups_counts.c's */
-PyObject *count_lists(PyObject *self, PyObject *args); /* _speedups_counts.c's */
-PyObject *lane_rows(PyObject *self, PyObject *args); /* _speedups_counts.c's */
-PyObject *lane_counts(PyObject *self, PyObject *args); /* _speedups_lane.c's */
-PyObject *append_rows(PyObject *self, PyObject *args); /* _speedups_step.c's */
 
-/* fn(NULL, args) for one of the module's METH_VARARGS functions, the tuple released
- * (NULL in: NULL out): how the fused functions call the others. */
-static inline PyObject *
-call_c(PyObject *(*fn)(PyObject *, PyObject *), PyObject *args)
-{
-    if (args == NULL) {
-        return NULL;
-    }
-    PyObject *out = fn(NULL, args);
-    Py_DECREF(args);
-    return out;
-}
+/* The METH_FASTCALL functions the fused ones call as fn(NULL, (PyObject *[]){...}, n), no
+ * argument tuple made: _speedups.c's draft_rows and split_rows, _speedups_output.c's
+ * step_output, _speedups_counts.c's count_rows, count_lists and lane_rows,
+ * _speedups_lane.c's lane_counts and _speedups_step.c's append_rows. */
+#define FAST_PARAMS PyObject *self, PyObject *const *args, Py_ssize_t nargs
+PyObject *draft_rows(FAST_PARAMS);
+PyObject *split_rows(FAST_PARAMS);
+PyObject *step_output(FAST_PARAMS);
+PyObject *count_rows(FAST_PARAMS);
+PyObject *count_lists(FAST_PARAMS);
+PyObject *lane_rows(FAST_PARAMS);
+PyObject *lane_counts(FAST_PARAMS);
+PyObject *append_rows(FAST_PARAMS);
+
+/* PyArg_ParseTuple of a METH_FASTCALL function's arguments for the codes the module
+ * uses: O, O! (a type check, subclasses included), n (Py_ssize_t), K (unsigned long long,
+ * masked) and p (truth); exactly as many arguments as codes.  0, or -1 with an exception
+ * set (TypeError, OverflowError, or what a truth test raised). */
+int fast_args(PyObject *const *args, Py_ssize_t nargs, const char *format, ...);
+
+/* The list of a packed array (raw_list: zigzag 0; raw_signed_list: 1; raw_list_minus_one:
+ * 2), at most 2**26 values: a new reference, Py_None when not taken, NULL with an
+ * exception set. */
+PyObject *unpack_bytes(PyObject *packed, int zigzag);
+enum { RAW, SIGNED, MINUS_ONE }; /* unpack_bytes' zigzag */
 
 /* The SchedulerOutput attributes the same-batch steps read (_speedups_step.c's
  * plain_check, _speedups_fused.c's same_batch_scan): attrs[a] once intern_attrs() has
@@ -111,6 +134,13 @@ enum { A_CACHED, A_NEW_BLOCKS, A_REQ_IDS, A_SPEC, A_TOTAL, A_NSPEC, A_NSCHED, A_
        A_OUTPUTS, A_STRUCTURED, A_PENDING, A_COUNT };
 extern PyObject *attrs[A_COUNT];
 int intern_attrs(void);
+
+/* Whether a step's rare fields equal ``plain`` as ``tuple == tuple`` compares them: 1,
+ * 0 when they do not, -1 with an exception set (_speedups_step.c's).  ``rare`` names
+ * them -- a tuple of attribute names of ``so``, a (name, name) pair naming an attribute
+ * of one of its attributes -- and they are read until the first that differs; any
+ * other ``rare`` is called: rare(so) == plain. */
+int rare_equal(PyObject *so, PyObject *rare, PyObject *plain);
 
 /* Field j (0 handles, 1 counts, 2 values) of a Rows, or of the (handles, counts, values)
  * tuple of bytes that lane_view reads in its place: a new reference, NULL with an

@@ -99,10 +99,10 @@ row_set(const long long *at, const long long *values, Py_ssize_t k, int zigzag, 
  * int64-range ints, counts whose forecasts stay in range, a moved computed count >= 0
  * and scheduled counts >= 0 (the Python path decides, refusals included). */
 PyObject *
-count_rows(PyObject *self, PyObject *args)
+count_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *lists[6];
-    if (!PyArg_ParseTuple(args, "OOOOOO", &lists[0], &lists[1], &lists[2], &lists[3],
+    if (fast_args(args, nargs, "OOOOOO", &lists[0], &lists[1], &lists[2], &lists[3],
                           &lists[4], &lists[5]) || !PyList_CheckExact(lists[0])) {
         PyErr_Clear();
         Py_RETURN_NONE;
@@ -170,15 +170,15 @@ finish:
     return result;
 }
 
-/* The list ``unpack`` makes of ``packed`` (b"": an empty list): a new reference,
- * Py_None when not taken, NULL with an exception set. */
+/* The list unpack_bytes makes of ``packed`` (``mode``: its zigzag; b"": an empty list):
+ * a new reference, Py_None when not taken, NULL with an exception set. */
 static PyObject *
-unpacked_or_empty(PyObject *packed, PyObject *(*unpack)(PyObject *, PyObject *))
+unpacked_or_empty(PyObject *packed, int mode)
 {
     if (PyBytes_CheckExact(packed) && PyBytes_GET_SIZE(packed) == 0) {
         return PyList_New(0);
     }
-    return call_c(unpack, PyTuple_Pack(1, packed));
+    return unpack_bytes(packed, mode);
 }
 
 /* Adds values[j] to col[at[j]] for the rows of two equally long lists; 0, or -1 when
@@ -248,11 +248,11 @@ rows_arg(PyObject *rows, PyObject **at, PyObject **values)
  * None, nothing changed, unless the lists are equally long lists of int64-range ints,
  * positions are in range, counts stay in int64 and the packed rows unpack. */
 PyObject *
-count_lists(PyObject *self, PyObject *args)
+count_lists(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *lists[3], *crows, *srows, *opos, *odelta, *batch, *names;
     PyObject *cat = NULL, *cmoves = NULL, *sat = NULL, *svalues = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOOOO!O!", &lists[0], &lists[1], &lists[2], &crows, &srows,
+    if (fast_args(args, nargs, "OOOOOOOO!O!", &lists[0], &lists[1], &lists[2], &crows, &srows,
                           &opos, &odelta, &PyList_Type, &batch, &PyDict_Type, &names)) {
         PyErr_Clear();
         Py_RETURN_NONE;
@@ -263,9 +263,9 @@ count_lists(PyObject *self, PyObject *args)
     Columns c = {.v = NULL};
     int got = has_c < 0 || has_s < 0 ? -1 : read_columns(&c, lists, 3, n);
     if (got == 0) {
-        out_at = unpacked_or_empty(opos, raw_list);
+        out_at = unpacked_or_empty(opos, RAW);
         out_moves = out_at == NULL || out_at == Py_None ? NULL
-                    : unpacked_or_empty(odelta, raw_signed_list);
+                    : unpacked_or_empty(odelta, SIGNED);
         got = out_at == NULL || (out_at != Py_None && out_moves == NULL) ? -2
               : out_at == Py_None || out_moves == Py_None ? -1 : 0;
     }
@@ -325,7 +325,7 @@ finish:
  * when not taken -- a 64-bit wide array included, whose values may not fit int64 --,
  * NULL with an exception set. */
 static PyObject *
-rows_field(PyObject *rows, int j, PyObject *(*unpack)(PyObject *, PyObject *),
+rows_field(PyObject *rows, int j, int unpack,
            PyObject *empty)
 {
     PyObject *packed = rows_item(rows, j);
@@ -349,8 +349,8 @@ rows_field(PyObject *rows, int j, PyObject *(*unpack)(PyObject *, PyObject *),
 /* The pair rows_field makes of two fields of ``rows`` (None: Py_None, a new
  * reference); *taken cleared when one is not taken.  NULL with an exception set. */
 static PyObject *
-rows_pair(PyObject *rows, int a, PyObject *(*ua)(PyObject *, PyObject *), PyObject *ea,
-          int b, PyObject *(*ub)(PyObject *, PyObject *), PyObject *eb, int *taken)
+rows_pair(PyObject *rows, int a, int ua, PyObject *ea, int b, int ub, PyObject *eb,
+          int *taken)
 {
     if (rows == Py_None || !*taken) {
         return Py_NewRef(Py_None);
@@ -395,11 +395,11 @@ rows_item(PyObject *rows, int j)
  * None unless every array present unpacks and is narrower than 64 bits, and ``spec``
  * has no handles (the Python path decides). */
 PyObject *
-lane_rows(PyObject *self, PyObject *args)
+lane_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *computed, *scheduled, *spec, *empty = NULL, *ones = NULL, *out[3] = {0};
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "OOOn", &computed, &scheduled, &spec, &n) || n < 0) {
+    if (fast_args(args, nargs, "OOOn", &computed, &scheduled, &spec, &n) < 0 || n < 0) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
@@ -422,11 +422,11 @@ lane_rows(PyObject *self, PyObject *args)
             PyList_SET_ITEM(ones, i, PyLong_FromLong(1)); /* a cached small int */
         }
     }
-    if ((out[0] = rows_pair(computed, 0, raw_list, empty, 2, raw_signed_list, NULL,
+    if ((out[0] = rows_pair(computed, 0, RAW, empty, 2, SIGNED, NULL,
                             &taken)) == NULL
-            || (out[1] = rows_pair(scheduled, 0, raw_list, empty, 2, raw_list, empty,
+            || (out[1] = rows_pair(scheduled, 0, RAW, empty, 2, RAW, empty,
                                    &taken)) == NULL
-            || (out[2] = rows_pair(spec, 1, raw_list, ones, 2, raw_list_minus_one, NULL,
+            || (out[2] = rows_pair(spec, 1, RAW, ones, 2, MINUS_ONE, NULL,
                                    &taken)) == NULL) {
         goto finish;
     }
@@ -441,11 +441,11 @@ finish:
 }
 
 PyMethodDef counts_methods[] = {
-    {"count_rows", count_rows, METH_VARARGS,
+    {"count_rows", (PyCFunction)(void (*)(void))count_rows, METH_FASTCALL,
      "A same-batch step's count exceptions against the forecast, packed (None: not taken)."},
-    {"count_lists", count_lists, METH_VARARGS,
+    {"count_lists", (PyCFunction)(void (*)(void))count_lists, METH_FASTCALL,
      "The worker's counts of a same-batch step with count rows (None: not taken)."},
-    {"lane_rows", lane_rows, METH_VARARGS,
+    {"lane_rows", (PyCFunction)(void (*)(void))lane_rows, METH_FASTCALL,
      "A lane body's count and draft rows as lists, unpacked in one call (None: not taken)."},
     {NULL, NULL, 0, NULL},
 };

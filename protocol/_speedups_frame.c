@@ -1,6 +1,7 @@
-/* The engine's frame of a same-batch step with count rows, written without the objects:
- * lane_frame (the worker reads it with _speedups_view.c's lane_view).  The bytes are exactly those codec.encode writes for the Delta the
- * general lines make (msgspec's field order, defaults omitted, map16 headers for the
+/* The engine's frame of a same-batch step with count or draft rows, written without the
+ * objects: lane_frame (the worker reads it with _speedups_view.c's lane_view).  The bytes
+ * are exactly those codec.encode writes for the Delta the general lines make (msgspec's
+ * field order, defaults omitted, map16 headers for the
  * structs of more than 15 fields, the Delta body's made a fixmap by compact_map when
  * the frame is at most codec.COMPACT_LIMIT bytes); a test holds them together. */
 #include "_speedups.h"
@@ -222,11 +223,11 @@ write_frame(const uint64_t *head, const Sparse *rows, const Sparse *ext, const i
  * out_delta)} when there are output rows.  None (the objects decide) for anything else:
  * ints out of [0, 2**64), flags that are not bools, fields that are not bytes. */
 static PyObject *
-lane_frame(PyObject *self, PyObject *args)
+lane_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *head_obj[3], *computed, *scheduled, *packed, *drafts, *outputs, *so, *ps, *ns;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOO", &head_obj[0], &head_obj[1], &head_obj[2],
-                          &computed, &scheduled, &packed, &drafts, &outputs, &so, &ps, &ns)) {
+    if (fast_args(args, nargs, "OOOOOOOOOOO", &head_obj[0], &head_obj[1], &head_obj[2],
+                          &computed, &scheduled, &packed, &drafts, &outputs, &so, &ps, &ns) < 0) {
         return NULL;
     }
     uint64_t head[3], nspec;
@@ -285,8 +286,9 @@ lane_frame(PyObject *self, PyObject *args)
 }
 
 PyMethodDef frame_methods[] = {
-    {"lane_frame", lane_frame, METH_VARARGS,
-     "The frame of a same-batch step's Delta with count rows, written without the objects "
+    {"lane_frame", (PyCFunction)(void (*)(void))lane_frame, METH_FASTCALL,
+     "The frame of a same-batch step's Delta with count or draft rows, written without the "
+     "objects "
      "(None: not taken)."},
     {NULL, NULL, 0, NULL},
 };

@@ -39,13 +39,13 @@ list_sum(PyObject *list, long long *total)
  * them.  None when one of those does not take its part (nsched_map then holds the same
  * counts count_lists would write: setting them again changes nothing). */
 static PyObject *
-count_output(PyObject *self, PyObject *args)
+count_output(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *cls[2], *basis, *before, *plm1, *crows, *srows, *opos, *odelta, *batch, *names,
              *blocks, *drafts, *structured, *pending, *nspec;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOO!O!OOOOO", &cls[0], &cls[1], &basis, &before, &plm1,
+    if (fast_args(args, nargs, "OOOOOOOOOO!O!OOOOO", &cls[0], &cls[1], &basis, &before, &plm1,
                           &crows, &srows, &opos, &odelta, &PyList_Type, &batch, &PyDict_Type,
-                          &names, &blocks, &drafts, &structured, &pending, &nspec)) {
+                          &names, &blocks, &drafts, &structured, &pending, &nspec) < 0) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
@@ -59,8 +59,8 @@ count_output(PyObject *self, PyObject *args)
     if (drafts == Py_None) {
         split = PyDict_New();
     } else if (PyTuple_CheckExact(drafts) && PyTuple_GET_SIZE(drafts) == 2) {
-        split = call_c(split_rows, PyTuple_Pack(3, batch, PyTuple_GET_ITEM(drafts, 0),
-                                                PyTuple_GET_ITEM(drafts, 1)));
+        split = split_rows(NULL, (PyObject *[]){batch, PyTuple_GET_ITEM(drafts, 0),
+                                                PyTuple_GET_ITEM(drafts, 1)}, 3);
     } else {
         split = Py_NewRef(Py_None);
     }
@@ -77,8 +77,8 @@ count_output(PyObject *self, PyObject *args)
     if (blocks == Py_None && made == NULL) {
         goto finish;
     }
-    counts = call_c(count_lists, PyTuple_Pack(9, basis, before, plm1, crows, srows, opos,
-                                              odelta, batch, names));
+    counts = count_lists(NULL, (PyObject *[]){basis, before, plm1, crows, srows, opos, odelta,
+                                              batch, names}, 9);
     if (counts == NULL || counts == Py_None) {
         result = counts;
         counts = NULL;
@@ -92,10 +92,10 @@ count_output(PyObject *self, PyObject *args)
     if ((total = PyLong_FromLongLong(sum)) == NULL) {
         goto finish;
     }
-    so = call_c(step_output, PyTuple_Pack(12, cls[0], cls[1], batch, names,
-                                          made ? made : blocks, PyTuple_GET_ITEM(counts, 0),
+    so = step_output(NULL, (PyObject *[]){cls[0], cls[1], batch, names, made ? made : blocks,
+                                          PyTuple_GET_ITEM(counts, 0),
                                           PyTuple_GET_ITEM(counts, 1), total, split, structured,
-                                          pending, nspec));
+                                          pending, nspec}, 12);
     if (so == NULL || so == Py_None) {
         result = so;
         so = NULL;
@@ -158,7 +158,9 @@ scheduled_counts(PyObject *counts, PyObject *batch, PyObject *before, PyObject *
 static PyObject *
 packed_drafts(PyObject *drafts, PyObject *pos, Py_ssize_t n)
 {
-    PyObject *rows = call_c(draft_rows, Py_BuildValue("(OOn)", drafts, pos, n));
+    PyObject *size = PyLong_FromSsize_t(n);
+    PyObject *rows = size == NULL ? NULL : draft_rows(NULL, (PyObject *[]){drafts, pos, size}, 3);
+    Py_XDECREF(size);
     if (rows == NULL || rows == Py_None) {
         return rows;
     }
@@ -175,36 +177,35 @@ packed_drafts(PyObject *drafts, PyObject *pos, Py_ssize_t n)
 
 /* same_batch_scan(so, batch, pos, basis, nsched_before, total, plen_less_one, handles,
  * rare, plain, one_group) -> (nsched, same, appends | None, packed | None, drafts | None,
- * counts, structured, pending, nspec) | None: what engine_side.vllm.quick.QuickEncoder.
- * body reads of a same-batch step, in one call -- ``rare(so) == plain``; the batch in
+ * counts, structured, pending, nspec, total) | None: what engine_side.vllm.quick.QuickEncoder.
+ * body reads of a same-batch step, in one call -- its rare fields are ``plain``
+ * (rare_equal); the batch in
  * order with its scheduled counts (nsched, and whether they equal ``nsched_before``)
  * adding up to the step's total (``total`` when they are the same); one KV group's
  * appends (one_group_appends' rows and packed_appends' fields; None for none); the
  * drafts (draft_rows' lists with their packed counts and their values packed plus
  * one; None for none); count_rows of the counts; the structured-output flags as bools
- * and num_spec_tokens_to_schedule as read.  None for any step or input one of those
+ * and num_spec_tokens_to_schedule and total_num_scheduled_tokens (nsched's sum) as read.
+ * None for any step or input one of those
  * does not take, or when ``one_group`` is false (QuickEncoder.body's lines decide); an
  * object without these attributes raises AttributeError, as those lines do. */
 static PyObject *
-same_batch_scan(PyObject *self, PyObject *args)
+same_batch_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *so, *batch, *pos, *basis, *before, *total_obj, *plm1, *handles, *rare, *plain;
     int one_group;
-    if (!PyArg_ParseTuple(args, "OO!O!OO!OOOOOp", &so, &PyList_Type, &batch, &PyDict_Type,
+    if (fast_args(args, nargs, "OO!O!OO!OOOOOp", &so, &PyList_Type, &batch, &PyDict_Type,
                           &pos, &basis, &PyList_Type, &before, &total_obj, &plm1, &handles,
-                          &rare, &plain, &one_group)) {
+                          &rare, &plain, &one_group) < 0) {
         return NULL;
     }
-    PyObject *got[A_COUNT] = {NULL}, *obj = NULL, *nsched = NULL, *appends = NULL,
+    PyObject *got[A_COUNT] = {NULL}, *nsched = NULL, *appends = NULL,
              *packed = NULL, *drafts = NULL, *counts = NULL, *result = NULL;
     Py_ssize_t n = PyList_GET_SIZE(batch);
     int ok, same = 0, structured, pending, has_drafts; /* ok: 1 so far, 0 not taken, -1 error */
     long long total, want;
 #define CHECK(cond) do { ok = (cond); if (ok <= 0) goto done; } while (0)
-    if ((obj = PyObject_CallOneArg(rare, so)) == NULL) {
-        goto error;
-    }
-    CHECK(PyObject_RichCompareBool(obj, plain, Py_EQ));
+    CHECK(rare_equal(so, rare, plain));
     if (read_step(so, got) < 0) {
         goto error;
     }
@@ -235,8 +236,8 @@ same_batch_scan(PyObject *self, PyObject *args)
         }
         CHECK(drafts != Py_None);
     }
-    counts = call_c(count_rows, PyTuple_Pack(6, got[A_COMPUTED], got[A_OUTPUTS], basis, before,
-                                             nsched, plm1));
+    counts = count_rows(NULL, (PyObject *[]){got[A_COMPUTED], got[A_OUTPUTS], basis, before,
+                                             nsched, plm1}, 6);
     if (counts == NULL) {
         goto error;
     }
@@ -245,10 +246,10 @@ same_batch_scan(PyObject *self, PyObject *args)
             || (pending = PyObject_IsTrue(got[A_PENDING])) < 0) {
         goto error;
     }
-    result = Py_BuildValue("(OOOOOOOOO)", nsched, same ? Py_True : Py_False,
-                           appends ? appends : Py_None, packed ? packed : Py_None,
-                           drafts ? drafts : Py_None, counts, structured ? Py_True : Py_False,
-                           pending ? Py_True : Py_False, got[A_NSPEC]);
+    result = PyTuple_Pack(10, nsched, same ? Py_True : Py_False, appends ? appends : Py_None,
+                          packed ? packed : Py_None, drafts ? drafts : Py_None, counts,
+                          structured ? Py_True : Py_False, pending ? Py_True : Py_False,
+                          got[A_NSPEC], got[A_TOTAL]);
     goto finish;
 #undef CHECK
 done:
@@ -262,7 +263,6 @@ finish:
     for (int a = 0; a < A_COUNT; a++) {
         Py_XDECREF(got[a]);
     }
-    Py_XDECREF(obj);
     Py_XDECREF(nsched);
     Py_XDECREF(appends);
     Py_XDECREF(packed);
@@ -308,7 +308,10 @@ one_group_added(PyObject *appended, PyObject *at, Py_ssize_t n, PyObject **added
         PyErr_Clear();
         return 0;
     }
-    PyObject *got = call_c(append_rows, Py_BuildValue("(OOOOn)", f[0], f[1], f[2], at, n));
+    PyObject *size = PyLong_FromSsize_t(n);
+    PyObject *got = size == NULL ? NULL
+        : append_rows(NULL, (PyObject *[]){f[0], f[1], f[2], at, size}, 5);
+    Py_XDECREF(size);
     for (int j = 0; j < 3; j++) {
         Py_DECREF(f[j]);
     }
@@ -336,12 +339,12 @@ drafts_fit(PyObject *drafts, Py_ssize_t n)
             && sum == PyList_GET_SIZE(PyTuple_GET_ITEM(drafts, 1)));
 }
 
-/* counted_step(CachedRequestData, SchedulerOutput, computed, scheduled, spec,
- * block_append, out_pos, out_delta, structured, pending, nspec, at, batch, nsched_map,
- * basis, nsched_before, plen_less_one, comp, ns, keys, skeys, advance, extra, handles,
- * lengths, salt, k_block, k_pos, k_handle, base, expected) -> (lane, output | None,
+/* counted_step(CachedRequestData, SchedulerOutput, (computed, scheduled, spec,
+ * block_append, out_pos, out_delta, structured, pending, nspec), at, batch, nsched_map,
+ * basis, nsched_before, plen_less_one, (comp, ns, keys, skeys, advance, extra, handles,
+ * lengths, salt, k_block, k_pos, k_handle, base), expected) -> (lane, output | None,
  * rows, added | None, new_blocks | None) | int | None: the worker's same-batch step
- * with count rows in one call, the lines of worker_side.vllm.quick.QuickDecoder.
+ * with count or draft rows in one call, the lines of worker_side.vllm.quick.QuickDecoder.
  * lane_inputs, protocol.lane.SteadyLane.counted and QuickDecoder.scheduler_output --
  * lane_rows of the body's three Rows fields (``rows``) and append_rows of its
  * block_append of one KV group (``added``: positions, counts and ids; None for no
@@ -349,32 +352,45 @@ drafts_fit(PyObject *drafts, Py_ssize_t n)
  * caller's; ``lane``: its result, the lane's commit done) and count_output of them
  * (``output``: its result; None when it does not take them: the lane's step stands and
  * the caller makes the SchedulerOutput).  An int: the digest, which differs from
- * ``expected``; None: not taken (no count rows, more KV groups, rows that do not unpack
- * or align, lane_counts refused); both change nothing. */
+ * ``expected``; None: not taken (no count or draft rows, more KV groups, rows that do not
+ * unpack or align, lane_counts refused); both change nothing. */
 static PyObject *
-counted_step(PyObject *self, PyObject *args)
+counted_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *a[31];
-    if (!PyArg_UnpackTuple(args, "counted_step", 31, 31, &a[0], &a[1], &a[2], &a[3], &a[4],
-                           &a[5], &a[6], &a[7], &a[8], &a[9], &a[10], &a[11], &a[12], &a[13],
-                           &a[14], &a[15], &a[16], &a[17], &a[18], &a[19], &a[20], &a[21],
-                           &a[22], &a[23], &a[24], &a[25], &a[26], &a[27], &a[28], &a[29],
-                           &a[30])
-            || !PyTuple_CheckExact(a[5]) || !PyList_CheckExact(a[12])) {
-        PyErr_Clear();
+    PyObject *a[31]; /* the body's fields and the lane's inputs, unpacked in place */
+    if (nargs != 11 || !PyTuple_CheckExact(args[2]) || PyTuple_GET_SIZE(args[2]) != 9
+            || !PyTuple_CheckExact(args[9]) || PyTuple_GET_SIZE(args[9]) != 13) {
         Py_RETURN_NONE;
     }
-    PyObject **lane_args = a + 17; /* comp .. k_handle, then base and expected */
+    a[0] = args[0];
+    a[1] = args[1];
+    for (int j = 0; j < 9; j++) {
+        a[2 + j] = PyTuple_GET_ITEM(args[2], j);
+    }
+    for (int j = 0; j < 6; j++) {
+        a[11 + j] = args[3 + j];
+    }
+    for (int j = 0; j < 13; j++) {
+        a[17 + j] = PyTuple_GET_ITEM(args[9], j);
+    }
+    a[30] = args[10];
+    if (!PyTuple_CheckExact(a[5]) || !PyList_CheckExact(a[12])) {
+        Py_RETURN_NONE;
+    }
+    PyObject *const *lane_args = a + 17; /* comp .. k_handle, then base and expected */
     Py_ssize_t n = PyList_GET_SIZE(a[12]);
     PyObject *rows = NULL, *added = NULL, *blocks = NULL, *lane = NULL, *out = NULL,
              *result = NULL, *empty = NULL;
-    rows = call_c(lane_rows, Py_BuildValue("(OOOn)", a[2], a[3], a[4], n));
+    PyObject *size = PyLong_FromSsize_t(n);
+    rows = size == NULL ? NULL : lane_rows(NULL, (PyObject *[]){a[2], a[3], a[4], size}, 4);
+    Py_XDECREF(size);
     if (rows == NULL || rows == Py_None) {
         return rows;
     }
     PyObject *crows = PyTuple_GET_ITEM(rows, 0), *srows = PyTuple_GET_ITEM(rows, 1),
              *drafts = PyTuple_GET_ITEM(rows, 2);
-    int got = (crows != Py_None || srows != Py_None) && drafts_fit(drafts, n)
+    int got = (crows != Py_None || srows != Py_None || drafts != Py_None)
+            && drafts_fit(drafts, n)
         ? one_group_added(a[5], a[11], n, &added, &blocks) : 0;
     if (got <= 0 || (empty = PyList_New(0)) == NULL) {
         result = got < 0 || (got == 1 && empty == NULL) ? NULL : Py_NewRef(Py_None);
@@ -384,18 +400,18 @@ counted_step(PyObject *self, PyObject *args)
              *moves = crows == Py_None ? empty : PyTuple_GET_ITEM(crows, 1),
              *pos = srows == Py_None ? empty : PyTuple_GET_ITEM(srows, 0),
              *values = srows == Py_None ? empty : PyTuple_GET_ITEM(srows, 1);
-    lane = call_c(lane_counts, PyTuple_Pack(
-        20, lane_args[0], lane_args[1], lane_args[2], at, moves, pos, values, lane_args[3],
+    lane = lane_counts(NULL, (PyObject *[]){
+        lane_args[0], lane_args[1], lane_args[2], at, moves, pos, values, lane_args[3],
         lane_args[4], lane_args[5], added, lane_args[6], lane_args[7], lane_args[8],
-        lane_args[9], lane_args[10], lane_args[11], Py_True, lane_args[12], lane_args[13]));
+        lane_args[9], lane_args[10], lane_args[11], Py_True, lane_args[12], lane_args[13]}, 20);
     if (lane == NULL || !PyTuple_Check(lane)) { /* an int (the digest differs), or None */
         result = lane;
         lane = NULL;
         goto finish;
     }
-    out = call_c(count_output, PyTuple_Pack(
-        16, a[0], a[1], a[14], a[15], a[16], crows, srows, a[6], a[7], a[12], a[13], blocks,
-        drafts, a[8], a[9], a[10]));
+    out = count_output(NULL, (PyObject *[]){
+        a[0], a[1], a[14], a[15], a[16], crows, srows, a[6], a[7], a[12], a[13], blocks,
+        drafts, a[8], a[9], a[10]}, 16);
     if (out == NULL) { /* the lane's step is done: the caller's lines make the output
                           (and raise what this raised) */
         PyErr_Clear();
@@ -413,11 +429,11 @@ finish:
 }
 
 PyMethodDef fused_methods[] = {
-    {"count_output", count_output, METH_VARARGS,
+    {"count_output", (PyCFunction)(void (*)(void))count_output, METH_FASTCALL,
      "The worker's SchedulerOutput of a same-batch step with count rows (None: not taken)."},
-    {"same_batch_scan", same_batch_scan, METH_VARARGS,
+    {"same_batch_scan", (PyCFunction)(void (*)(void))same_batch_scan, METH_FASTCALL,
      "What the engine reads of a same-batch step, in one call (None: not taken)."},
-    {"counted_step", counted_step, METH_VARARGS,
+    {"counted_step", (PyCFunction)(void (*)(void))counted_step, METH_FASTCALL,
      "The worker's same-batch step with count rows, lane and output, in one call "
      "(None: not taken)."},
     {NULL, NULL, 0, NULL},

@@ -244,18 +244,18 @@ add_moves(PyObject *extra, PyObject *at, PyObject *moves)
  * checks them.  An int: the digest, which differs from ``expected``; None: not taken;
  * both change nothing (the Python path decides). */
 PyObject *
-lane_counts(PyObject *self, PyObject *args)
+lane_counts(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *comp, *ns, *keys, *at, *moves, *pos, *values, *skeys, *extra, *appends, *expected;
     PyObject *nsched = NULL, *plan = NULL, *digest = NULL, *made = NULL;
     unsigned long long advance, base;
     PlanArgs a;
-    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!KO!OOOKKKKpKO", &comp, &PyList_Type, &ns,
+    if (fast_args(args, nargs, "OO!O!O!O!O!O!O!KO!OOOKKKKpKO", &comp, &PyList_Type, &ns,
                           &PyList_Type, &keys, &PyList_Type, &at, &PyList_Type, &moves,
                           &PyList_Type, &pos, &PyList_Type, &values, &PyList_Type, &skeys,
                           &advance, &PyList_Type, &extra, &appends, &a.handles, &a.lengths,
                           &a.salt, &a.k_block, &a.k_pos, &a.k_handle, &a.check, &base,
-                          &expected)) {
+                          &expected) < 0) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
@@ -329,7 +329,7 @@ fail:
 PyMethodDef lane_methods[] = {
     {"plan_counts", plan_counts, METH_VARARGS,
      "The steady lane's count plan: change, new scheduled counts, advance (None: not taken)."},
-    {"lane_counts", lane_counts, METH_VARARGS,
+    {"lane_counts", (PyCFunction)(void (*)(void))lane_counts, METH_FASTCALL,
      "The steady lane's step of count rows and one group's appends, planned and committed "
      "(None: not taken)."},
     {NULL, NULL, 0, NULL},

@@ -149,13 +149,13 @@ instance(PyObject *cls, const Field *fields, PyObject *const *keys, size_t n,
  * placed as given).  None unless both classes are types, ``batch`` a list and
  * ``nsched`` a dict. */
 PyObject *
-step_output(PyObject *self, PyObject *args)
+step_output(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *cached_cls, *so_cls, *batch, *nsched, *blocks, *computed, *outputs, *total,
              *drafts, *structured, *pending, *nspec;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOO", &cached_cls, &so_cls, &batch, &nsched,
+    if (fast_args(args, nargs, "OOOOOOOOOOOO", &cached_cls, &so_cls, &batch, &nsched,
                           &blocks, &computed, &outputs, &total, &drafts, &structured, &pending,
-                          &nspec) || intern_keys() < 0) {
+                          &nspec) < 0 || intern_keys() < 0) {
         return NULL;
     }
     if (!PyType_Check(cached_cls) || !PyType_Check(so_cls) || !PyList_CheckExact(batch)
@@ -181,7 +181,7 @@ step_output(PyObject *self, PyObject *args)
 }
 
 PyMethodDef output_methods[] = {
-    {"step_output", step_output, METH_VARARGS,
+    {"step_output", (PyCFunction)(void (*)(void))step_output, METH_FASTCALL,
      "The worker's same-batch SchedulerOutput in one call (None: not taken)."},
     {NULL, NULL, 0, NULL},
 };

@@ -150,8 +150,58 @@ attr(PyObject *obj, int a)
     return PyObject_GetAttr(obj, attrs[a]);
 }
 
+static PyObject *pack_appends(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
-static PyObject *pack_appends(PyObject *self, PyObject *args);
+/* 1 when ``v`` and ``w`` are both empty and of one exact type of list, set or dict (an
+ * empty container equals another of its type: no compare needed). */
+static inline int
+both_empty(PyObject *v, PyObject *w)
+{
+    return Py_TYPE(v) == Py_TYPE(w)
+        && ((PyList_CheckExact(v) && PyList_GET_SIZE(v) == 0 && PyList_GET_SIZE(w) == 0)
+            || (PySet_CheckExact(v) && PySet_GET_SIZE(v) == 0 && PySet_GET_SIZE(w) == 0)
+            || (PyDict_CheckExact(v) && PyDict_GET_SIZE(v) == 0 && PyDict_GET_SIZE(w) == 0));
+}
+
+int
+rare_equal(PyObject *so, PyObject *rare, PyObject *plain)
+{
+    if (!PyTuple_CheckExact(rare)) {
+        PyObject *got = PyObject_CallOneArg(rare, so);
+        int eq = got == NULL ? -1 : PyObject_RichCompareBool(got, plain, Py_EQ);
+        Py_XDECREF(got);
+        return eq;
+    }
+    if (!PyTuple_CheckExact(plain) || PyTuple_GET_SIZE(plain) != PyTuple_GET_SIZE(rare)) {
+        return 0;
+    }
+    PyObject *owner = NULL, *owner_name = NULL; /* the last pair's first attribute */
+    int eq = 1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(rare) && eq == 1; i++) {
+        PyObject *name = PyTuple_GET_ITEM(rare, i), *v;
+        if (PyTuple_CheckExact(name) && PyTuple_GET_SIZE(name) == 2) {
+            if (owner_name != PyTuple_GET_ITEM(name, 0)) {
+                owner_name = PyTuple_GET_ITEM(name, 0);
+                Py_XSETREF(owner, PyObject_GetAttr(so, owner_name));
+                if (owner == NULL) {
+                    return -1;
+                }
+            }
+            v = PyObject_GetAttr(owner, PyTuple_GET_ITEM(name, 1));
+        } else {
+            v = PyObject_GetAttr(so, name);
+        }
+        if (v == NULL) {
+            eq = -1;
+            break;
+        }
+        PyObject *w = PyTuple_GET_ITEM(plain, i);
+        eq = v == w || both_empty(v, w) ? 1 : PyObject_RichCompareBool(v, w, Py_EQ);
+        Py_DECREF(v);
+    }
+    Py_XDECREF(owner);
+    return eq;
+}
 
 /* pack_appends of ``appends`` (one_group_appends' (positions, counts, ids)) and
  * ``handles``: a new reference (Py_None when not taken) or NULL. */
@@ -161,9 +211,9 @@ packed_appends(PyObject *appends, PyObject *handles)
     if (appends == NULL || !PyTuple_CheckExact(appends) || PyTuple_GET_SIZE(appends) != 3) {
         return Py_NewRef(Py_None);
     }
-    return call_c(pack_appends, PyTuple_Pack(4, PyTuple_GET_ITEM(appends, 0),
+    return pack_appends(NULL, (PyObject *[]){PyTuple_GET_ITEM(appends, 0),
                                              PyTuple_GET_ITEM(appends, 1),
-                                             PyTuple_GET_ITEM(appends, 2), handles));
+                                             PyTuple_GET_ITEM(appends, 2), handles}, 4);
 }
 
 /* plain_check(so, batch, nsched, total, basis, plen_less_one, rare, plain, one_group,
@@ -171,19 +221,19 @@ packed_appends(PyObject *appends, PyObject *handles)
  * quick.plain_check_py in one call -- the step is the forecast step (batch, scheduled
  * counts and their total, computed and output counts as forecast) but for one KV
  * group's block appends (one_group_appends' rows, None for none) and the
- * structured-output flags, and ``rare(so) == plain``.  ``packed``: pack_appends of the
- * appends and ``handles`` (None for none, or when it does not take them);
- * ``computed`` a fresh copy of the step's computed counts.  None for any other step or
+ * structured-output flags, and its rare fields are ``plain`` (rare_equal).
+ * ``packed``: pack_appends of the appends and ``handles`` (None for none, or when it
+ * does not take them); ``computed`` a fresh copy of the step's computed counts.  None for any other step or
  * input (Python's paths decide); an object without these attributes raises
  * AttributeError, as its reference does. */
 static PyObject *
-plain_check(PyObject *self, PyObject *args)
+plain_check(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *so, *batch, *nsched, *total_obj, *basis, *plm1, *rare, *plain, *handles;
     long long total, got_total;
     int one_group;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOpO", &so, &batch, &nsched, &total_obj, &basis, &plm1,
-                          &rare, &plain, &one_group, &handles) || intern_attrs() < 0) {
+    if (fast_args(args, nargs, "OOOOOOOOpO", &so, &batch, &nsched, &total_obj, &basis, &plm1,
+                          &rare, &plain, &one_group, &handles) < 0 || intern_attrs() < 0) {
         return NULL;
     }
     if (!PyList_CheckExact(batch) || as_i64(total_obj, &total) < 0) {
@@ -212,12 +262,7 @@ plain_check(PyObject *self, PyObject *args)
     if (!ok) {
         goto done;
     }
-    if ((obj = PyObject_CallOneArg(rare, so)) == NULL) {
-        goto error;
-    }
-    ok = PyObject_RichCompareBool(obj, plain, Py_EQ);
-    Py_CLEAR(obj);
-    if (ok <= 0) {
+    if ((ok = rare_equal(so, rare, plain)) <= 0) {
         goto done;
     }
     FLAG(A_NSPEC);
@@ -288,11 +333,12 @@ finish:
     return result;
 }
 
-/* raw_list of ``packed`` (a new reference; Py_None when not taken) or NULL. */
+/* The raw values of ``packed`` (unpack_bytes; a new reference, Py_None when not taken)
+ * or NULL. */
 static PyObject *
 unpack(PyObject *packed)
 {
-    return call_c(raw_list, PyTuple_Pack(1, packed));
+    return unpack_bytes(packed, RAW);
 }
 
 /* append_rows(handles, counts, values, at, n) -> (positions, counts, ids, new_blocks) |
@@ -302,12 +348,12 @@ unpack(PyObject *packed)
  * holding a fresh list).  None unless the arrays unpack, every handle is a key of
  * ``at`` (handle -> batch position < n), every count is >= 1 and they add up to the ids. */
 PyObject *
-append_rows(PyObject *self, PyObject *args)
+append_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *handles_b, *counts_b, *values_b, *at;
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "OOOO!n", &handles_b, &counts_b, &values_b, &PyDict_Type, &at,
-                          &n)) {
+    if (fast_args(args, nargs, "OOOO!n", &handles_b, &counts_b, &values_b, &PyDict_Type, &at,
+                          &n) < 0) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
@@ -382,11 +428,11 @@ finish:
  * counts (b"" when every count is 1) and pack_uints of the ids.  None unless the lists
  * pack and every position indexes ``handles``. */
 static PyObject *
-pack_appends(PyObject *self, PyObject *args)
+pack_appends(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *pos, *counts, *ids, *handles;
-    if (!PyArg_ParseTuple(args, "O!O!OO!", &PyList_Type, &pos, &PyList_Type, &counts, &ids,
-                          &PyList_Type, &handles)) {
+    if (fast_args(args, nargs, "O!O!OO!", &PyList_Type, &pos, &PyList_Type, &counts, &ids,
+                          &PyList_Type, &handles) < 0) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
@@ -566,7 +612,7 @@ compact_map(PyObject *self, PyObject *frame)
 }
 
 PyMethodDef step_methods[] = {
-    {"pack_appends", pack_appends, METH_VARARGS,
+    {"pack_appends", (PyCFunction)(void (*)(void))pack_appends, METH_FASTCALL,
      "One group's appends as packed Rows fields (None: not taken)."},
     {"plain_delta", plain_delta, METH_VARARGS,
      "The frame of a plain step's Delta, written without the objects (None: not taken)."},
@@ -574,9 +620,9 @@ PyMethodDef step_methods[] = {
      "Whether a Delta frame's body may be a plain step's (its first key)."},
     {"compact_map", compact_map, METH_O,
      "A Delta frame with its body map's header in the shortest form."},
-    {"append_rows", append_rows, METH_VARARGS,
+    {"append_rows", (PyCFunction)(void (*)(void))append_rows, METH_FASTCALL,
      "A one-group step's appends as positions, counts, ids and new_block_ids (None: not taken)."},
-    {"plain_check", plain_check, METH_VARARGS,
+    {"plain_check", (PyCFunction)(void (*)(void))plain_check, METH_FASTCALL,
      "The engine's plain-step test and its appends in one call (None: not taken)."},
     {"forecast_rows", forecast_rows, METH_VARARGS,
      "The forecast's next rows of computed and output counts (None: not taken)."},

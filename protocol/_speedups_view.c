@@ -179,16 +179,89 @@ read_extension(Reader *r, PyObject **ext)
 enum { V_EPOCH, V_SEQ, V_DIGEST, V_NT, V_NC, V_BA, V_SP, V_SO, V_PS, V_NS, V_OP, V_OD,
        V_COUNT };
 
+/* Skips one value of lane_frame's canonical form (uint, true, bin, fixstr key, fixarray
+ * or fixmap/map16 of those) without making objects: 1, or 0 for anything else. */
+static int
+skip_value(Reader *r, int depth)
+{
+    if (r->at >= r->len || depth > 3) {
+        return 0;
+    }
+    unsigned char h = r->b[r->at];
+    uint64_t v;
+    if (h < 0x80 || h == 0xCC || h == 0xCD || h == 0xCE || h == 0xCF) {
+        return read_u64(r, &v);
+    }
+    if (h == 0xC3) {
+        r->at++;
+        return 1;
+    }
+    if (h == 0xC4 || h == 0xC5 || h == 0xC6) {
+        int w = h == 0xC4 ? 1 : h == 0xC5 ? 2 : 4;
+        Py_ssize_t n = 0;
+        if (r->at + 1 + w > r->len) {
+            return 0;
+        }
+        for (int k = 0; k < w; k++) {
+            n = n << 8 | r->b[r->at + 1 + k];
+        }
+        r->at += 1 + w + n;
+        return r->at <= r->len;
+    }
+    if ((h & 0xF0) == 0x90) {
+        r->at++;
+        for (int k = 0; k < (h & 0x0F); k++) {
+            if (!skip_value(r, depth + 1)) {
+                return 0;
+            }
+        }
+        return 1;
+    }
+    Py_ssize_t entries = read_map(r);
+    for (Py_ssize_t e = 0; e < entries; e++) {
+        if (r->at >= r->len || (r->b[r->at] & 0xE0) != 0xA0) {
+            return 0;
+        }
+        r->at += 1 + (r->b[r->at] & 0x1F); /* the fixstr key */
+        if (!skip_value(r, depth + 1)) {
+            return 0;
+        }
+    }
+    return entries >= 0;
+}
+
+/* Whether a body of ``entries`` entries at ``r`` (a copy: it is moved) names count or
+ * draft rows (nt, nc or sp), read without making objects: a plain step's body (block
+ * appends and flags alone) is refused before any of it is made. */
+static int
+names_rows(Reader *r, Py_ssize_t entries)
+{
+    for (Py_ssize_t e = 0; e < entries; e++) {
+        int k = read_key(r, entry_keys, E_COUNT);
+        if (k < 0 || k > E_SP) {
+            return 0; /* (keys come in field order: none of them follows) */
+        }
+        if (k != E_BA || !skip_value(r, 0)) {
+            return k != E_BA;
+        }
+    }
+    return 0;
+}
+
 /* The body's entries into v[V_NT..V_OD] (new references): 1, 0 for a body that is not
- * one lane_frame could write with count rows, -1 with an exception set. */
+ * one lane_frame could write with count or draft rows, -1 with an exception set. */
 static int
 read_body(Reader *r, PyObject **v)
 {
     Py_ssize_t entries = read_map(r);
     int last = -1, got = 1;
+    Reader probe = *r;
+    if (!names_rows(&probe, entries)) {
+        return 0;
+    }
     for (Py_ssize_t e = 0; got == 1 && e < entries; e++) {
         int k = read_key(r, entry_keys, E_COUNT);
-        if (k <= last || (e == 0 && k > E_NC)) { /* (no count rows: the first key says) */
+        if (k <= last) {
             return 0;
         }
         last = k;
@@ -216,7 +289,7 @@ read_body(Reader *r, PyObject **v)
     if (got != 1) {
         return got;
     }
-    return entries >= 0 && (v[V_NT] != NULL || v[V_NC] != NULL);
+    return entries >= 0 && (v[V_NT] != NULL || v[V_NC] != NULL || v[V_SP] != NULL);
 }
 
 /* The defaults of the entries a body leaves out (new references): 0, or -1 with an
@@ -242,8 +315,9 @@ defaults(PyObject **v)
 /* lane_view(frame) -> (epoch, seq, digest, computed, scheduled, spec, block_append,
  * out_pos, out_delta, structured, pending, nspec) | None (counted_step's order of the
  * body's fields, from ``computed``): the worker's read of a Delta
- * frame lane_frame could write, without the objects -- a body of count rows
- * (computed_tokens or scheduled_tokens), at most the same-batch step's other fields and
+ * frame lane_frame could write, without the objects -- a body of count or draft rows
+ * (computed_tokens, scheduled_tokens or spec_tokens), at most the same-batch step's
+ * other fields and
  * an extension of StepExt's out_pos and out_delta alone, in the canonical form (keys in
  * field order, flags true when present, bins and unsigned ints).  Each Rows is a
  * (handles, counts, values) tuple of bytes (b"" when absent; None for an absent Rows),
@@ -281,7 +355,7 @@ lane_view(PyObject *self, PyObject *frame)
 
 PyMethodDef view_methods[] = {
     {"lane_view", lane_view, METH_O,
-     "The worker's read of a count step's Delta frame, without the objects (None: not "
-     "taken)."},
+     "The worker's read of a count or draft step's Delta frame, without the objects (None: "
+     "not taken)."},
     {NULL, NULL, 0, NULL},
 };

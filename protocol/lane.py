@@ -59,6 +59,8 @@ _Counts = tuple[int, list[int], list[int], list[int] | None, int]
 _COUNT_LIMIT = 1 << 62  # larger counts are left to the state's own checks
 _BLOCK_ID_LIMIT = 1 << 31  # the block table is int32
 _SALT0 = dg.group_salt(0)  # the one KV group's share of its block terms
+# (by name: a call with them spelled out passes its arguments without making a tuple)
+_K_BLOCK, _K_POS, _K_HANDLE = dg.BLOCK_KEYS
 
 
 #: the fields a lane body leaves empty, read by one C call (see lane_shaped)
@@ -286,8 +288,8 @@ class SteadyLane:
             self._schedule_keys() if pos else _NONE
         done = _C.lane_counts(
             comp, self.nsched, keys, at, moves, pos, values, skeys, self.advance, self.extra,
-            added, self.handles, self.lengths[0] if added else _NONE, _SALT0, *dg.BLOCK_KEYS,
-            check, self.digest, expected_digest)
+            added, self.handles, self.lengths[0] if added else _NONE, _SALT0, _K_BLOCK, _K_POS,
+            _K_HANDLE, check, self.digest, expected_digest)
         if type(done) is int:  # the digest, which differs: nothing done
             raise InvalidDelta("state digest mismatch", expected=expected_digest, got=done)
         return done  # type: ignore[no-any-return]
@@ -303,11 +305,18 @@ class SteadyLane:
             self._open()
         if self.groups != 1:
             return None
-        return (self._computed() if computed else self.comp, self.nsched,
-                self._keys() if computed or scheduled else _NONE,
-                self._schedule_keys() if scheduled else _NONE, self.advance, self.extra,
-                self.handles, self.lengths[0] if appends else _NONE, _SALT0, *dg.BLOCK_KEYS,
-                self.digest)
+        # (the kept lists read directly, their makers called only when one is missing)
+        comp, keys, skeys, lengths = self.comp, _NONE, _NONE, _NONE
+        if computed and comp is None:
+            comp = self._computed()
+        if computed or scheduled:
+            keys = self.keys if self.keys is not None else self._keys()
+        if scheduled:
+            skeys = self.skeys if self.skeys is not None else self._schedule_keys()
+        if appends:
+            lengths = (self._lengths if self._lengths is not None else self.lengths)[0]
+        return (comp, self.nsched, keys, skeys, self.advance, self.extra, self.handles,
+                lengths, _SALT0, _K_BLOCK, _K_POS, _K_HANDLE, self.digest)
 
     def counts_taken(self, done: Counted, added: Appends | None, body: DeltaBody | bytes,
                      ) -> int:

@@ -1,4 +1,4 @@
-"""The engine's one-call frame of a same-batch step with count rows (``lane_frame``,
+"""The engine's one-call frame of a same-batch step with count or draft rows (``lane_frame``,
 protocol/_speedups_frame.c) against codec.encode of the Delta the objects make: the
 very bytes for every input it takes, both map headers of the body included, and a
 refusal (None) for every input it does not."""
@@ -127,7 +127,7 @@ def _fields(body: DeltaBody, ext: Any) -> tuple[Any, ...]:
 
 def _decoded(frame: bytes) -> tuple[Any, ...] | None:
     """What the objects say of ``frame``: lane_view's answer when it is a Delta whose body
-    has count rows and nothing lane_view does not read, else None."""
+    has count or draft rows and nothing lane_view does not read, else None."""
     from worker_side.vllm.quick import frame_objects
 
     try:
@@ -141,7 +141,8 @@ def _decoded(frame: bytes) -> tuple[Any, ...] | None:
              "num_spec_tokens_to_schedule", "extension")
     rest = {f: getattr(body, f) for f in DeltaBody.__struct_fields__ if f not in reads}
     if rest != {f: getattr(DeltaBody(), f) for f in rest} or (
-            body.computed_tokens is None and body.scheduled_tokens is None):
+            body.computed_tokens is None and body.scheduled_tokens is None
+            and body.spec_tokens is None):
         return None
     return (msg.epoch, msg.seq, msg.digest, *_fields(body, ext))
 
@@ -154,12 +155,12 @@ def test_lane_view_reads_what_lane_frame_writes(head: tuple[int, int, int], comp
                                                scheduled: Any, packed: Any, drafts: Any,
                                                outputs: Any, structured: bool, pending: bool,
                                                nspec: int) -> None:
-    """The worker's read of every frame lane_frame writes with count rows is the objects'
-    (None for a frame without them: the other paths read those)."""
+    """The worker's read of every frame lane_frame writes with count or draft rows is the
+    objects' (None for a frame without them: the other paths read those)."""
     frame = C.lane_frame(*head, computed, scheduled, packed, drafts, outputs, structured,
                          pending, nspec)
     expected = _decoded(frame)
-    assert (expected is None) == (computed is None and scheduled is None)
+    assert (expected is None) == (computed is None and scheduled is None and drafts is None)
     assert C.lane_view(frame) == expected
 
 
@@ -184,7 +185,10 @@ def test_lane_view_reads_any_frame_as_the_objects_or_not_at_all(
 
 @pytest.mark.parametrize("frame", [
     b"", b"\x95", b"\x95\x04\x01\x02\x03", b"\x94\x04\x01\x02\x03\x80",
-    b"\x95\x04\x01\x02\x03\x80",  # an empty body: no count rows
+    b"\x95\x04\x01\x02\x03\x80",  # an empty body: no count or draft rows
+    b"\x95\x04\x01\x02\x03\x81\xa2ba\x91\x80",  # appends alone: a plain step's
+    b"\x95\x04\x01\x02\x03\x82\xa2ba\x91\x80\xa2so\xc3",  # appends and a flag
+    b"\x95\x04\x01\x02\x03\x81\xa2ba\x91\xc4",  # appends cut short
     b"\x95\x04\x01\x02\x03\x81\xa2nc\x80\x00",  # a byte past the body
     b"\x95\x04\x01\x02\x03\x82\xa2nc\x80\xa2nc\x80",  # a key twice
     b"\x95\x04\x01\x02\x03\x82\xa2nc\x80\xa2nt\x80",  # keys out of field order

@@ -192,22 +192,28 @@ PROMPT = 40
 SECRET = b"s" * 32
 
 
+def _prefill(ids: list[str]) -> Any:
+    """The first step of a stream: every request of ``ids`` prefills its PROMPT tokens."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    new = [NewRequestData(rid, list(range(PROMPT)), [], SamplingParams(temperature=0), None,
+                          ([k],), 0, None) for k, rid in enumerate(ids)]
+    return SchedulerOutput(new, CachedRequestData.make_empty(), dict.fromkeys(ids, PROMPT),
+                           PROMPT * len(ids), {}, {}, set(), [], preempted_req_ids=set())
+
+
 @st.composite
 def _speculative_streams(draw: st.DrawFn) -> list[Any]:
     """A batch, then same-batch steps as speculative decoding makes them: drafts for
     some requests, scheduled counts of one plus the drafts (sometimes not), computed
     counts advanced by the tokens accepted, output counts that now and then depart from
     the forecast, blocks appended and the step flags set at random."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 
     n = draw(st.integers(1, 12))
     ids = [f"r{i}" for i in range(n)]
-    new = [NewRequestData(rid, list(range(PROMPT)), [], SamplingParams(temperature=0), None,
-                          ([k],), 0, None) for k, rid in enumerate(ids)]
-    steps: list[Any] = [SchedulerOutput(new, CachedRequestData.make_empty(),
-                                        dict.fromkeys(ids, PROMPT), PROMPT * n, {}, {}, set(),
-                                        [], preempted_req_ids=set())]
+    steps: list[Any] = [_prefill(ids)]
     computed, nsched, block = [PROMPT] * n, [PROMPT] * n, 100
     for _ in range(draw(st.integers(1, 8))):
         accepted = [s - draw(st.integers(0, max(s - 1, 0))) if s > 1 else s for s in nsched]
@@ -364,3 +370,50 @@ def test_a_counted_step_with_a_wrong_digest_raises_and_changes_nothing(
             with pytest.raises(InvalidDelta):
                 dec.decode(bad)
         assert_vllm_equal(expected, dec.decode(frames))
+
+
+def _accepted_drafts_stream(n: int, steps: int) -> list[Any]:
+    """A batch, then speculative steps whose drafts are all accepted with the scheduled
+    counts kept: drafts, but no count rows (every count is the forecast's), blocks now
+    and then."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    ids = [f"r{i}" for i in range(n)]
+    out: list[Any] = [_prefill(ids)]
+    computed, nsched = [PROMPT] * n, [PROMPT] * n
+    for t in range(steps):
+        computed = [c + s for c, s in zip(computed, nsched, strict=True)]
+        nsched = [3] * n  # one token and two drafts, all accepted
+        blocks: list[Any] = [([1000 + 10 * t + k],) if (t + k) % 3 == 0 else None
+                             for k in range(n)]
+        cached = CachedRequestData(list(ids), set(), [], {}, blocks, list(computed),
+                                   [c - PROMPT + 1 for c in computed])
+        out.append(SchedulerOutput(
+            scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+            num_scheduled_tokens=dict.fromkeys(ids, 3), total_num_scheduled_tokens=3 * n,
+            scheduled_spec_decode_tokens={rid: [t, t + 1] for rid in ids},
+            scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
+            preempted_req_ids=set()))
+    return out
+
+
+def test_steps_with_drafts_and_no_count_rows_take_the_one_call_paths() -> None:
+    """All drafts accepted, the scheduled counts kept: the steps after the first one of
+    three tokens carry drafts but no count rows.  The engine writes their frames in one
+    call, the worker reads them in one (lane_view), and both give the general paths'
+    frames and objects."""
+    from engine_side.vllm import SchedulerOutputEncoder
+
+    assert C is not None
+    steps = _accepted_drafts_stream(4, 6)
+    enc = SchedulerOutputEncoder(1, secret=SECRET)
+    views = [C.lane_view(bytes(enc.encode(so)[0])) for so in steps]
+    assert views[0] is None and views[1] is not None  # (the first of three: count rows)
+    assert [(v[3], v[4], v[5] is not None) for v in views[2:]] == [(None, None, True)] * 5
+    from worker_side.vllm.quick import QuickDecoder
+
+    # (the worker's one call makes the output: the Python lines that would are not called)
+    with mock.patch.object(QuickDecoder, "scheduler_output", side_effect=AssertionError):
+        fast_enc, dec = run_both_paths(steps, 1, SECRET)
+    assert fast_enc.quick_steps == dec.quick_steps == len(steps) - 1
+    _settles_to_the_general_state(fast_enc, steps)

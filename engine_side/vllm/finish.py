@@ -25,7 +25,7 @@ from operator import contains, not_
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engine_side.vllm.forecast import Forecast
-from engine_side.vllm.quick import _PLAIN, _RARE, Scan, scan_fields, scan_rows
+from engine_side.vllm.quick import _PLAIN, RARE_NAMES, Scan, scan_fields, scan_rows
 from protocol import codec
 from protocol.codec import Frame
 from protocol.lane import SteadyLane
@@ -65,7 +65,7 @@ def finish_delta(enc: SchedulerOutputEncoder, so: Any) -> list[Frame] | None:
     plain = (*_PLAIN[:_FINISHED], so.finished_req_ids, *_PLAIN[_FINISHED + 1:])
     scan: Scan | None = _C.same_batch_scan(
         so, kept.batch, kept.pos, fc.basis(), fc.nsched, fc.total, fc.plen_less_one,
-        kept.handles, _RARE, plain, True)
+        kept.handles, RARE_NAMES, plain, True)
     if scan is None:
         return None
     finished = sorted(map(quick.handles.__getitem__, kept.drop))

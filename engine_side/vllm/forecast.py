@@ -61,10 +61,13 @@ class Forecast:
         fc.restart(list(compress(self.basis(), keep)), list(compress(self.nsched, keep)))
         return fc
 
-    def restart(self, computed: list[int], nsched: list[int]) -> None:
-        """Predict from actual ``computed`` and ``nsched`` lists (the rows are made when
-        :meth:`take` first needs them: a general step that follows never pays for them)."""
-        self.nsched, self.total, self._last = nsched, sum(nsched), None
+    def restart(self, computed: list[int], nsched: list[int], total: int | None = None,
+                ) -> None:
+        """Predict from actual ``computed`` and ``nsched`` lists (``total``: their sum when
+        the caller knows it; the rows are made when :meth:`take` first needs them: a
+        general step that follows never pays for them)."""
+        self.nsched, self._last = nsched, None
+        self.total = sum(nsched) if total is None else total
         self._base, self.comp_rows, self.out_rows, self.next = computed, [], [], 0
         self._decoding = False
 
@@ -82,10 +85,12 @@ class Forecast:
         """The computed counts the next step's prediction advances from by ``nsched``."""
         return self.comp_rows[self.next - 1] if self.next else self._base
 
-    def rebase(self, computed: list[int], nsched: list[int], same_ns: bool) -> None:
-        """:meth:`restart`, keeping the total when ``nsched`` is unchanged."""
+    def rebase(self, computed: list[int], nsched: list[int], same_ns: bool,
+               total: int | None = None) -> None:
+        """:meth:`restart`, keeping the total when ``nsched`` is unchanged (``total``:
+        the new one's sum when the caller knows it)."""
         if not same_ns:
-            self.nsched, self.total = nsched, sum(nsched)
+            self.nsched, self.total = nsched, sum(nsched) if total is None else total
         self._base, self.comp_rows, self.out_rows, self.next = computed, [], [], 0
         self._last, self._decoding = None, False
 

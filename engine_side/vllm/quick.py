@@ -21,6 +21,7 @@ actual lists); :meth:`QuickEncoder.body` keeps no reference to the SchedulerOutp
 
 from __future__ import annotations
 
+import sys
 from itertools import chain, compress, repeat
 from operator import add, attrgetter, itemgetter, sub
 from typing import Any, Literal
@@ -44,6 +45,7 @@ CONNECTOR_FIELDS = ("kv_connector_metadata", "ec_connector_metadata",
                     "aux_output_connector_metadata", "ec_manager_metadata")
 _NO_ROWS = Rows(handles=pack_uints(np.zeros(0, dtype=np.int64)))
 _ENCODE = msgspec.msgpack.encode
+_new_tuple = tuple.__new__
 
 
 class QuickEncoder:
@@ -129,17 +131,17 @@ class QuickEncoder:
             return None
         fc = self.forecast
         return _C.same_batch_scan(  # type: ignore[no-any-return]
-            so, self.batch, self.pos, fc.basis(), fc.nsched, fc.total, fc.plen_less_one,
-            self.handles, _RARE, _PLAIN, self.kv_groups == 1)
+            so, self.batch, self.pos, fc.comp_rows[fc.next - 1] if fc.next else fc._base,
+            fc.nsched, fc.total, fc.plen_less_one, self.handles, RARE_NAMES, _PLAIN,
+            self.kv_groups == 1)  # (the basis: Forecast.basis inline)
 
     def scanned(self, scan: Scan) -> None:
         """The step of ``scan`` is taken: the forecast rebases on its actual counts and
         :attr:`appends` and :attr:`rows` are its own."""
-        nsched, same_ns, appends, _, drafts, counts, _, _, _ = scan
-        computed, scheduled, _, actual = counts
+        nsched, same_ns, appends, _, drafts, counts, _, _, _, total = scan
         self.appends = [] if appends is None else [appends]
         self.rows = scan_rows(scan)
-        self.forecast.rebase(actual, nsched, same_ns)
+        self.forecast.rebase(counts[3], nsched, same_ns, total)
 
     def scanned_body(self, scan: Scan) -> DeltaBody:
         """The Delta body of ``scan``, taken (:meth:`scanned`)."""
@@ -160,7 +162,7 @@ class QuickEncoder:
         fc = self.forecast
         got = (_C.plain_check if _C is not None else plain_check_py)(
             so, self.batch, fc.nsched, fc.total, fc.comp_rows[fc.next - 1] if fc.next
-            else fc._base, fc.plen_less_one, _RARE, _PLAIN, self.kv_groups == 1,
+            else fc._base, fc.plen_less_one, RARE_NAMES, _PLAIN, self.kv_groups == 1,
             self.handles)  # (the basis: Forecast.basis inline)
         if got is None:
             return None
@@ -317,17 +319,16 @@ class QuickEncoder:
 def scan_rows(scan: Scan) -> LaneRows:
     """The count and draft rows of a same-batch step's ``scan`` as the lane takes them
     (:data:`NO_ROWS` itself for none)."""
-    _, _, _, _, drafts, counts, _, _, _ = scan
-    computed, scheduled, _, _ = counts
+    drafts, (computed, scheduled, _, _) = scan[4], scan[5]
     if computed is None and scheduled is None and drafts is None:
         return NO_ROWS
-    return LaneRows(computed and computed[:2], scheduled and scheduled[:2],
-                    drafts and drafts[:2])
+    return _new_tuple(LaneRows, (computed and computed[:2], scheduled and scheduled[:2],
+                                 drafts and drafts[:2]))  # (LaneRows' own __new__ is Python)
 
 
 def scan_fields(scan: Scan) -> dict[str, Any]:
     """The DeltaBody fields of a same-batch step's ``scan`` (none for the steady body)."""
-    _, _, _, packed, drafts, counts, structured, pending, nspec = scan
+    _, _, _, packed, drafts, counts, structured, pending, nspec, _ = scan
     computed, scheduled, outputs, _ = counts
     fields: dict[str, Any] = {}
     if computed is not None:
@@ -395,15 +396,15 @@ def plain_check_py(so: Any, batch: list[str], nsched: list[int], total: int,
     all), computed counts ``basis + nsched``, output counts as :meth:`Forecast.outputs`
     predicts -- but for one KV group's block appends (positions, counts, flat ids; None
     for none; any appends need ``one_group``) and the structured-output flags, and
-    ``rare(so) == plain``; None for any other step.  ``packed``: the appends' Rows
-    fields, the rows named by their ``handles`` (:func:`packed_appends`; None for no
-    appends).  The reference of the C ``plain_check``, which may refuse more (None)
-    but never answers otherwise."""
+    its rare fields (:func:`read_rare`) are ``plain``; None for any other step.
+    ``packed``: the appends' Rows fields, the rows named by their ``handles``
+    (:func:`packed_appends`; None for no appends).  The reference of the C
+    ``plain_check``, which may refuse more (None) but never answers otherwise."""
     cached = so.scheduled_cached_reqs
     new_blocks = cached.new_block_ids
     if (type(new_blocks) is not list or len(new_blocks) != len(batch)
             or so.scheduled_spec_decode_tokens or cached.req_ids != batch
-            or so.total_num_scheduled_tokens != total or rare(so) != plain
+            or so.total_num_scheduled_tokens != total or read_rare(so, rare) != plain
             or so.num_spec_tokens_to_schedule or type(so.num_scheduled_tokens) is not dict
             or list(so.num_scheduled_tokens) != batch
             or list(so.num_scheduled_tokens.values()) != nsched):
@@ -466,10 +467,11 @@ Packed = tuple[bytes, bytes, bytes]
 #: group's appends, their packed Rows fields, the drafts as (tokens per position, flat
 #: tokens, packed counts, packed values plus one), (computed rows, scheduled rows, output
 #: rows, a copy of the computed counts), the structured-output flags,
-#: num_spec_tokens_to_schedule); None for no appends, drafts or rows
+#: num_spec_tokens_to_schedule, the total of the scheduled counts); None for no appends,
+#: drafts or rows
 Scan = tuple[list[int], bool, Appends | None, Packed | None, CountRows | None,
              tuple[CountRows | None, CountRows | None, CountRows | None, list[int]],
-             bool, bool, int]
+             bool, bool, int, int]
 
 
 def packed_appends(grown: list[int], lens: list[int], flat: list[int], handles: list[int],
@@ -501,6 +503,21 @@ JOINS_AND_LEAVES = 3  # RARE_FIELDS[:3]
 # A plain step's rare fields, read by one C call and compared with one tuple.
 _RARE = attrgetter(*(name for name, _ in RARE_FIELDS))
 _PLAIN: tuple[Any, ...] = tuple(value for _, value in RARE_FIELDS)
+#: The rare fields by name, as the C checks read them (``rare_equal``: one at a time,
+#: until one differs, no tuple made): an attribute of the step, or (attribute, its
+#: attribute); interned, as attribute names are.
+RARE_NAMES: tuple[str | tuple[str, ...], ...] = tuple(
+    tuple(map(sys.intern, name.split("."))) if "." in name else sys.intern(name)
+    for name, _ in RARE_FIELDS)
+
+
+def read_rare(so: Any, rare: Any) -> tuple[Any, ...]:
+    """The rare fields of ``so`` that ``rare`` names (:data:`RARE_NAMES`' form), or
+    ``rare(so)`` for a callable (:data:`_RARE`)."""
+    if not isinstance(rare, tuple):
+        return rare(so)  # type: ignore[no-any-return]
+    return tuple(getattr(getattr(so, name[0]), name[1]) if isinstance(name, tuple)
+                 else getattr(so, name) for name in rare)
 
 
 def _plain(so: Any) -> bool:

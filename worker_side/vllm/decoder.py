@@ -136,9 +136,13 @@ class SchedulerOutputDecoder:
         quick = self.quick
         if quick.ready and self.fast and len(frames) == 1:
             counted = _C.lane_view(frames[0]) if _C is not None else None
-            if counted is not None:  # a same-batch step with count rows, read as one
-                so = self._counted_frame(counted, frames[0])
+            # a same-batch step with count or draft rows, read as one and answered by
+            # another C call (QuickDecoder.counted_view), no message objects made; out of
+            # order or not taken: the general lines below decide (and raise)
+            if counted is not None and counted[1] == self.seq + 1 and self.state is not None:
+                so = quick.counted_view(self.lane, counted, frames[0])
                 if so is not None:
+                    self._quick_step(counted[1], bool(counted[6]))
                     return so
             view = codec.decode_plain(frames[0])  # a plain step, read as one
             if view is not None and view.seq == self.seq + 1:
@@ -202,19 +206,6 @@ class SchedulerOutputDecoder:
         so = self._scheduler_output(request, ext, opaque)
         self.after_general(request.req_ids, request.num_computed_tokens.tolist(),
                            so.num_scheduled_tokens)
-        return so
-
-    def _counted_frame(self, view: tuple[Any, ...], frame: bytes) -> Any:
-        """The SchedulerOutput of a same-batch step with count rows, its ``frame`` read by
-        one C call (``lane_view``: ``view``) and answered by another
-        (:meth:`QuickDecoder.counted_view`), no message objects made; None, nothing
-        changed, when those calls do not take it or it is out of order (the general
-        lines decide, and raise)."""
-        if view[1] != self.seq + 1 or self.state is None:
-            return None
-        so = self.quick.counted_view(self.lane, view, frame)
-        if so is not None:
-            self._quick_step(view[1], bool(view[6]))
         return so
 
     def _quick_step(self, seq: int, appended: bool) -> None:

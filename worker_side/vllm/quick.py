@@ -10,7 +10,6 @@ The SchedulerOutput is equal to the general path's and made of fresh objects.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import cache
 from itertools import repeat
 from operator import add, attrgetter
@@ -131,34 +130,35 @@ class QuickDecoder:
 
     def counted_step(self, lane: SteadyLane, body: DeltaBody, ext: StepExt,
                      digest: int) -> Any:
-        """The SchedulerOutput of a same-batch body with count rows, its step applied to
-        ``lane``, in one C call (``counted_step``: the lines of :meth:`lane_inputs`,
+        """The SchedulerOutput of a same-batch body with count or draft rows, its step
+        applied to ``lane``, in one C call (``counted_step``: the lines of
+        :meth:`lane_inputs`,
         :meth:`SteadyLane.counted <protocol.lane.SteadyLane.counted>` and
         :meth:`scheduler_output`); None, nothing changed, without the speedups or when
         C does not take it (those lines decide).  Raises InvalidDelta, nothing
         changed, when the step's digest is not ``digest``."""
-        if (body.computed_tokens is None and body.scheduled_tokens is None) \
-                or not plain_body(body, ext):
+        if (body.computed_tokens is None and body.scheduled_tokens is None
+                and body.spec_tokens is None) or not plain_body(body, ext):
             return None
         return self._counted(lane, (
             body.computed_tokens, body.scheduled_tokens, body.spec_tokens, body.block_append,
             ext.out_pos, ext.out_delta, body.has_structured_output,
             body.pending_structured_output, body.num_spec_tokens_to_schedule), digest, body,
-            lambda: (body, ext))
+            (body, ext))
 
     def counted_view(self, lane: SteadyLane, view: tuple[Any, ...], frame: bytes) -> Any:
         """:meth:`counted_step` of the frame of a Delta read by ``lane_view`` (``view``;
         its seq is the caller's to check), no body or extension made: the lane keeps the
         frame as its last step's body."""
-        return self._counted(lane, view[3:], view[2], frame, lambda: frame_objects(frame))
+        return self._counted(lane, view[3:], view[2], frame, None)
 
     def _counted(self, lane: SteadyLane, fields: tuple[Any, ...], digest: int,
-                 last: DeltaBody | bytes, objects: Callable[[], tuple[DeltaBody, StepExt]],
+                 last: DeltaBody | bytes, objects: tuple[DeltaBody, StepExt] | None,
                  ) -> Any:
         """:meth:`counted_step` of a body's fields in ``counted_step``'s order
         (``computed`` .. ``nspec``; Rows or lane_view's tuples), ``last`` the lane's
-        record of it and ``objects`` making (body, extension) if C leaves the output to
-        the Python lines."""
+        record of it and ``objects`` its (body, extension), for the Python lines if C
+        leaves the output to them (None: ``last`` is the Delta's frame, read then)."""
         if _C is None or self.kv_groups != 1:
             return None
         inputs = lane.count_inputs(fields[0] is not None, fields[1] is not None,
@@ -167,8 +167,8 @@ class QuickDecoder:
             return None
         fc = self.forecast
         cached_cls, so_cls, _ = self.types
-        got = _C.counted_step(cached_cls, so_cls, *fields, self.at, self.batch, self.nsched_map,
-                              fc.basis(), fc.nsched, fc.plen_less_one, *inputs, digest)
+        got = _C.counted_step(cached_cls, so_cls, fields, self.at, self.batch, self.nsched_map,
+                              fc.basis(), fc.nsched, fc.plen_less_one, inputs, digest)
         if type(got) is int:  # the digest, which differs: nothing done
             raise InvalidDelta("state digest mismatch", expected=digest, got=got)
         if got is None:
@@ -176,13 +176,13 @@ class QuickDecoder:
         done, out, rows, added, new_blocks = got
         lane.counts_taken(done, added, last)
         if out is None:  # the lane took the step, C did not make its output
-            body, ext = objects()
+            body, ext = objects if objects is not None else frame_objects(last)  # type: ignore[arg-type]
             return self.scheduler_output(body, ext, [] if added is None else [added],
                                          LaneRows(*rows), new_blocks)
-        so, computed_now, nsched, _ = out
+        so, computed_now, nsched, total = out
         if nsched is not None:
             self.nsched = nsched
-        fc.restart(computed_now, self.nsched)
+        fc.restart(computed_now, self.nsched, total)
         return so
 
     def blocks(self, appends: tuple[Rows, ...]) -> list[Appends] | None:
