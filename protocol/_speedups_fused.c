@@ -344,7 +344,7 @@ drafts_fit(PyObject *drafts, Py_ssize_t n)
  * basis, nsched_before, plen_less_one, (comp, ns, keys, skeys, advance, extra, handles,
  * lengths, salt, k_block, k_pos, k_handle, base), expected) -> (lane, output | None,
  * rows, added | None, new_blocks | None) | int | None: the worker's same-batch step
- * with count or draft rows in one call, the lines of worker_side.vllm.quick.QuickDecoder.
+ * with count, output or draft rows in one call, the lines of worker_side.vllm.quick.QuickDecoder.
  * lane_inputs, protocol.lane.SteadyLane.counted and QuickDecoder.scheduler_output --
  * lane_rows of the body's three Rows fields (``rows``) and append_rows of its
  * block_append of one KV group (``added``: positions, counts and ids; None for no
@@ -352,7 +352,7 @@ drafts_fit(PyObject *drafts, Py_ssize_t n)
  * caller's; ``lane``: its result, the lane's commit done) and count_output of them
  * (``output``: its result; None when it does not take them: the lane's step stands and
  * the caller makes the SchedulerOutput).  An int: the digest, which differs from
- * ``expected``; None: not taken (no count or draft rows, more KV groups, rows that do not
+ * ``expected``; None: not taken (no such rows, more KV groups, rows that do not
  * unpack or align, lane_counts refused); both change nothing. */
 static PyObject *
 counted_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -389,7 +389,8 @@ counted_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *crows = PyTuple_GET_ITEM(rows, 0), *srows = PyTuple_GET_ITEM(rows, 1),
              *drafts = PyTuple_GET_ITEM(rows, 2);
-    int got = (crows != Py_None || srows != Py_None || drafts != Py_None)
+    int got = (crows != Py_None || srows != Py_None || drafts != Py_None
+               || !PyBytes_CheckExact(a[6]) || PyBytes_GET_SIZE(a[6]) > 0)
             && drafts_fit(drafts, n)
         ? one_group_added(a[5], a[11], n, &added, &blocks) : 0;
     if (got <= 0 || (empty = PyList_New(0)) == NULL) {

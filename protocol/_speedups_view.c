@@ -230,19 +230,20 @@ skip_value(Reader *r, int depth)
     return entries >= 0;
 }
 
-/* Whether a body of ``entries`` entries at ``r`` (a copy: it is moved) names count or
- * draft rows (nt, nc or sp), read without making objects: a plain step's body (block
- * appends and flags alone) is refused before any of it is made. */
+/* Whether a body of ``entries`` entries at ``r`` (a copy: it is moved) names count,
+ * draft or output rows (nt, nc, sp or the extension x), read without making objects: a
+ * plain step's body (block appends and flags alone) is refused before any of it is
+ * made. */
 static int
 names_rows(Reader *r, Py_ssize_t entries)
 {
     for (Py_ssize_t e = 0; e < entries; e++) {
         int k = read_key(r, entry_keys, E_COUNT);
-        if (k < 0 || k > E_SP) {
-            return 0; /* (keys come in field order: none of them follows) */
+        if (k == E_NT || k == E_NC || k == E_SP || k == E_X) {
+            return 1;
         }
-        if (k != E_BA || !skip_value(r, 0)) {
-            return k != E_BA;
+        if (k < 0 || !skip_value(r, 0)) {
+            return 0;
         }
     }
     return 0;
@@ -289,7 +290,8 @@ read_body(Reader *r, PyObject **v)
     if (got != 1) {
         return got;
     }
-    return entries >= 0 && (v[V_NT] != NULL || v[V_NC] != NULL || v[V_SP] != NULL);
+    return entries >= 0 && (v[V_NT] != NULL || v[V_NC] != NULL || v[V_SP] != NULL
+                            || (v[V_OP] != NULL && PyBytes_GET_SIZE(v[V_OP]) > 0));
 }
 
 /* The defaults of the entries a body leaves out (new references): 0, or -1 with an
@@ -315,9 +317,9 @@ defaults(PyObject **v)
 /* lane_view(frame) -> (epoch, seq, digest, computed, scheduled, spec, block_append,
  * out_pos, out_delta, structured, pending, nspec) | None (counted_step's order of the
  * body's fields, from ``computed``): the worker's read of a Delta
- * frame lane_frame could write, without the objects -- a body of count or draft rows
- * (computed_tokens, scheduled_tokens or spec_tokens), at most the same-batch step's
- * other fields and
+ * frame lane_frame could write, without the objects -- a body of count, draft or output
+ * rows (computed_tokens, scheduled_tokens, spec_tokens or the extension's out_pos), at
+ * most the same-batch step's other fields and
  * an extension of StepExt's out_pos and out_delta alone, in the canonical form (keys in
  * field order, flags true when present, bins and unsigned ints).  Each Rows is a
  * (handles, counts, values) tuple of bytes (b"" when absent; None for an absent Rows),
