@@ -82,6 +82,14 @@ as_u64(PyObject *item, uint64_t *out)
     return 0;
 }
 
+/* 1 for an exact int other than 0 (num_spec_tokens_to_schedule set), else 0. */
+static inline int
+nonzero_int(PyObject *item)
+{
+    long long v;
+    return PyLong_CheckExact(item) && (as_i64(item, &v) < 0 || v != 0);
+}
+
 /* 1 when x departs from its forecast: x != y + z, or (clamped) x != max(y - z, 0). */
 static inline int
 departs(long long x, long long y, long long z, int clamp)

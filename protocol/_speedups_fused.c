@@ -344,7 +344,8 @@ drafts_fit(PyObject *drafts, Py_ssize_t n)
  * basis, nsched_before, plen_less_one, (comp, ns, keys, skeys, advance, extra, handles,
  * lengths, salt, k_block, k_pos, k_handle, base), expected) -> (lane, output | None,
  * rows, added | None, new_blocks | None) | int | None: the worker's same-batch step
- * with count, output or draft rows in one call, the lines of worker_side.vllm.quick.QuickDecoder.
+ * with count, output or draft rows or a number of speculative tokens in one call, the
+ * lines of worker_side.vllm.quick.QuickDecoder.
  * lane_inputs, protocol.lane.SteadyLane.counted and QuickDecoder.scheduler_output --
  * lane_rows of the body's three Rows fields (``rows``) and append_rows of its
  * block_append of one KV group (``added``: positions, counts and ids; None for no
@@ -390,7 +391,8 @@ counted_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *crows = PyTuple_GET_ITEM(rows, 0), *srows = PyTuple_GET_ITEM(rows, 1),
              *drafts = PyTuple_GET_ITEM(rows, 2);
     int got = (crows != Py_None || srows != Py_None || drafts != Py_None
-               || !PyBytes_CheckExact(a[6]) || PyBytes_GET_SIZE(a[6]) > 0)
+               || !PyBytes_CheckExact(a[6]) || PyBytes_GET_SIZE(a[6]) > 0
+               || nonzero_int(a[10])) /* (num_spec_tokens_to_schedule) */
             && drafts_fit(drafts, n)
         ? one_group_added(a[5], a[11], n, &added, &blocks) : 0;
     if (got <= 0 || (empty = PyList_New(0)) == NULL) {

@@ -231,15 +231,15 @@ skip_value(Reader *r, int depth)
 }
 
 /* Whether a body of ``entries`` entries at ``r`` (a copy: it is moved) names count,
- * draft or output rows (nt, nc, sp or the extension x), read without making objects: a
- * plain step's body (block appends and flags alone) is refused before any of it is
- * made. */
+ * draft or output rows or a number of speculative tokens (nt, nc, sp, the extension x or
+ * ns), read without making objects: a plain step's body (block appends and flags alone)
+ * is refused before any of it is made. */
 static int
 names_rows(Reader *r, Py_ssize_t entries)
 {
     for (Py_ssize_t e = 0; e < entries; e++) {
         int k = read_key(r, entry_keys, E_COUNT);
-        if (k == E_NT || k == E_NC || k == E_SP || k == E_X) {
+        if (k == E_NT || k == E_NC || k == E_SP || k == E_X || k == E_NS) {
             return 1;
         }
         if (k < 0 || !skip_value(r, 0)) {
@@ -291,7 +291,8 @@ read_body(Reader *r, PyObject **v)
         return got;
     }
     return entries >= 0 && (v[V_NT] != NULL || v[V_NC] != NULL || v[V_SP] != NULL
-                            || (v[V_OP] != NULL && PyBytes_GET_SIZE(v[V_OP]) > 0));
+                            || (v[V_OP] != NULL && PyBytes_GET_SIZE(v[V_OP]) > 0)
+                            || (v[V_NS] != NULL && nonzero_int(v[V_NS])));
 }
 
 /* The defaults of the entries a body leaves out (new references): 0, or -1 with an
@@ -318,8 +319,9 @@ defaults(PyObject **v)
  * out_pos, out_delta, structured, pending, nspec) | None (counted_step's order of the
  * body's fields, from ``computed``): the worker's read of a Delta
  * frame lane_frame could write, without the objects -- a body of count, draft or output
- * rows (computed_tokens, scheduled_tokens, spec_tokens or the extension's out_pos), at
- * most the same-batch step's other fields and
+ * rows or a number of speculative tokens (computed_tokens, scheduled_tokens,
+ * spec_tokens, the extension's out_pos or num_spec_tokens_to_schedule), at most the
+ * same-batch step's other fields and
  * an extension of StepExt's out_pos and out_delta alone, in the canonical form (keys in
  * field order, flags true when present, bins and unsigned ints).  Each Rows is a
  * (handles, counts, values) tuple of bytes (b"" when absent; None for an absent Rows),

@@ -127,7 +127,8 @@ def _fields(body: DeltaBody, ext: Any) -> tuple[Any, ...]:
 
 def _decoded(frame: bytes) -> tuple[Any, ...] | None:
     """What the objects say of ``frame``: lane_view's answer when it is a Delta whose body
-    has count, draft or output rows and nothing lane_view does not read, else None."""
+    has count, draft or output rows or a number of speculative tokens and nothing
+    lane_view does not read, else None."""
     from worker_side.vllm.quick import frame_objects
 
     try:
@@ -142,7 +143,8 @@ def _decoded(frame: bytes) -> tuple[Any, ...] | None:
     rest = {f: getattr(body, f) for f in DeltaBody.__struct_fields__ if f not in reads}
     if rest != {f: getattr(DeltaBody(), f) for f in rest} or (
             body.computed_tokens is None and body.scheduled_tokens is None
-            and body.spec_tokens is None and not ext.out_pos):
+            and body.spec_tokens is None and not ext.out_pos
+            and not body.num_spec_tokens_to_schedule):
         return None
     return (msg.epoch, msg.seq, msg.digest, *_fields(body, ext))
 
@@ -156,12 +158,13 @@ def test_lane_view_reads_what_lane_frame_writes(head: tuple[int, int, int], comp
                                                outputs: Any, structured: bool, pending: bool,
                                                nspec: int) -> None:
     """The worker's read of every frame lane_frame writes with count, draft or output rows
-    is the objects' (None for a frame without them: the other paths read those)."""
+    or a number of speculative tokens is the objects' (None for a frame without them:
+    the other paths read those)."""
     frame = C.lane_frame(*head, computed, scheduled, packed, drafts, outputs, structured,
                          pending, nspec)
     expected = _decoded(frame)
     assert (expected is None) == (computed is None and scheduled is None and drafts is None
-                                  and (outputs is None or not outputs[2]))
+                                  and (outputs is None or not outputs[2]) and not nspec)
     assert C.lane_view(frame) == expected
 
 

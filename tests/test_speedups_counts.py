@@ -372,50 +372,55 @@ def test_a_counted_step_with_a_wrong_digest_raises_and_changes_nothing(
         assert_vllm_equal(expected, dec.decode(frames))
 
 
-def _forecast_stream(n: int, steps: int, drafts: bool) -> list[Any]:
-    """A batch, then steps whose counts are all the forecast's -- with ``drafts``, two a
-    request, all accepted; without, one token each and one request's output count off
-    the forecast every step -- so no count rows: drafts, or output rows alone; blocks now
-    and then."""
+def _forecast_stream(n: int, steps: int, shape: str) -> list[Any]:
+    """A batch, then steps whose counts are all the forecast's, so without count rows:
+    ``drafts`` two a request, all accepted; ``outputs`` one token each and one request's
+    output count off the forecast every step (output rows alone); ``nspec`` one token
+    each and num_spec_tokens_to_schedule set (speculative decoding that drafted
+    nothing).  Blocks now and then."""
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 
     ids = [f"r{i}" for i in range(n)]
     out: list[Any] = [_prefill(ids)]
-    computed, nsched, width = [PROMPT] * n, [PROMPT] * n, 3 if drafts else 1
+    width = 3 if shape == "drafts" else 1
+    computed, nsched = [PROMPT] * n, [PROMPT] * n
     for t in range(steps):
         computed = [c + s for c, s in zip(computed, nsched, strict=True)]
         nsched = [width] * n
         blocks: list[Any] = [([1000 + 10 * t + k],) if (t + k) % 3 == 0 else None
                              for k in range(n)]
-        outputs = [c - PROMPT + 1 + (not drafts and k == t % n) for k, c in enumerate(computed)]
+        outputs = [c - PROMPT + 1 + (shape == "outputs" and k == t % n)
+                   for k, c in enumerate(computed)]
         cached = CachedRequestData(list(ids), set(), [], {}, blocks, list(computed), outputs)
         out.append(SchedulerOutput(
             scheduled_new_reqs=[], scheduled_cached_reqs=cached,
             num_scheduled_tokens=dict.fromkeys(ids, width),
             total_num_scheduled_tokens=width * n,
-            scheduled_spec_decode_tokens={rid: [t, t + 1] for rid in ids} if drafts else {},
+            scheduled_spec_decode_tokens={rid: [t, t + 1] for rid in ids}
+            if shape == "drafts" else {},
             scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
-            preempted_req_ids=set()))
+            preempted_req_ids=set(), num_spec_tokens_to_schedule=4 * (shape != "outputs")))
     return out
 
 
-@pytest.mark.parametrize("drafts", [True, False])
-def test_steps_without_count_rows_take_the_one_call_paths(drafts: bool) -> None:
-    """Steps whose counts are all the forecast's but carry drafts, or output counts off
-    it: after the first one of the new width (count rows), none has count rows.  The
-    engine writes their frames in one call, the worker reads them in one (lane_view) and
-    answers in another, and both give the general paths' frames and objects."""
+@pytest.mark.parametrize("shape", ["drafts", "outputs", "nspec"])
+def test_steps_without_count_rows_take_the_one_call_paths(shape: str) -> None:
+    """Steps whose counts are all the forecast's but that carry drafts, output counts off
+    it or a number of speculative tokens: after the first one of the new width (count
+    rows), none has count rows, and none is a plain step.  The engine writes their frames
+    in one call, the worker reads them in one (lane_view) and answers in another, and
+    both give the general paths' frames and objects."""
     from engine_side.vllm import SchedulerOutputEncoder
     from worker_side.vllm.quick import QuickDecoder
 
     assert C is not None
-    steps = _forecast_stream(4, 6, drafts)
+    steps = _forecast_stream(4, 6, shape)
     enc = SchedulerOutputEncoder(1, secret=SECRET)
     views = [C.lane_view(bytes(enc.encode(so)[0])) for so in steps]
     assert views[0] is None and views[1] is not None  # (the first of the width: count rows)
-    # (computed, scheduled, drafts present, output positions present)
-    assert [(v[3], v[4], v[5] is not None, v[7] != b"") for v in views[2:]] == \
-        [(None, None, drafts, not drafts)] * 5
+    # (computed, scheduled, drafts present, output positions present, nspec)
+    assert [(v[3], v[4], v[5] is not None, v[7] != b"", v[11]) for v in views[2:]] == \
+        [(None, None, shape == "drafts", shape == "outputs", 4 * (shape != "outputs"))] * 5
     # (the worker's one call makes the output: the Python lines that would are not called)
     with mock.patch.object(QuickDecoder, "scheduler_output", side_effect=AssertionError):
         fast_enc, dec = run_both_paths(steps, 1, SECRET)
