@@ -32,6 +32,7 @@ from engine_side.vllm import (
     forecast,  # noqa: E402
     quick,  # noqa: E402
 )
+from engine_side.vllm import encoder as encoder_module  # noqa: E402
 from engine_side.vllm.forecast import Forecast  # noqa: E402
 from protocol import digest, lane, lane_lists, packing  # noqa: E402
 from protocol.errors import LocalProtocolError  # noqa: E402
@@ -474,3 +475,22 @@ def test_carried_tables_take_appends_and_drop_a_re_added_request() -> None:
         _tables_made_afresh(enc, so)
     assert enc._last_blocks is not None
     assert enc._last_blocks[0].values.tolist() == [10, 77, 40, 50]
+
+
+def test_a_long_same_batch_run_files_its_appends_as_it_goes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine notes each same-batch step's appends for its tables and files them once
+    UNFILED steps are noted, not only when a general step reads the tables: the notes
+    stay bounded, and the general step after the run (the batch reordered) still gives
+    the general path's frames."""
+    monkeypatch.setattr(encoder_module, "UNFILED", 4)
+    run = [_step(t, blocks=[([100 + 3 * t + k],) if (t + k) % 2 else None
+                            for k in range(len(IDS))]) for t in range(1, 12)]
+    after = _step(12, ids=["b", "a", "c"], nsched={"b": 1, "a": 1, "c": 1})
+    enc = SchedulerOutputEncoder(secret=SECRET)
+    noted = []
+    for so in [_first(), *run]:
+        enc.encode(so)
+        noted.append(len(enc._unfiled))
+    assert max(noted) == 3 and noted.count(0) > 1  # (filed every fourth noted step)
+    assert _run([_first(), *run, after]) == (len(run), len(run))

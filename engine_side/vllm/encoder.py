@@ -73,6 +73,9 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 CONNECTOR_FIELDS = ("kv_connector_metadata", "ec_connector_metadata",
                     "aux_output_connector_metadata", "ec_manager_metadata")
 HISTORY = 8  # steps whose batch order replies may still reference
+#: noted steps of block appends filed into our tables at once, even before a general step
+#: reads them: a long run of same-batch steps keeps at most this many (bounded memory)
+UNFILED = 256
 
 
 def _packed(values: list[int]) -> bytes:
@@ -291,12 +294,15 @@ class SchedulerOutputEncoder:
 
     def _quick_taken(self, seq: int) -> None:
         """Step ``seq`` was encoded by a same-batch path: its appended blocks are noted for
-        our tables (filed by :meth:`_file_blocks` when the general path next reads them;
-        the batch's Ragged is then stale) and replies may name its batch."""
+        our tables (filed by :meth:`_file_blocks` when the general path next reads them,
+        or once :data:`UNFILED` steps are noted; the batch's Ragged is then stale) and
+        replies may name its batch."""
         quick = self.quick
         if quick.appends:  # our own lists, not the SchedulerOutput's
             self._unfiled.append((quick.batch, quick.appends))
             self._last_blocks = None
+            if len(self._unfiled) >= UNFILED:
+                self._file_blocks()
         self.quick_steps += 1
         self.batches[seq] = quick.batch
         self.batches.pop(seq - HISTORY, None)
