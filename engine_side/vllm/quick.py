@@ -138,7 +138,7 @@ class QuickEncoder:
     def scanned(self, scan: Scan) -> None:
         """The step of ``scan`` is taken: the forecast rebases on its actual counts and
         :attr:`appends` and :attr:`rows` are its own."""
-        nsched, same_ns, appends, _, drafts, counts, _, _, _, total = scan
+        nsched, same_ns, appends, _, _, counts, _, _, _, total = scan
         self.appends = [] if appends is None else [appends]
         self.rows = scan_rows(scan)
         self.forecast.rebase(counts[3], nsched, same_ns, total)
