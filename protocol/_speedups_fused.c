@@ -343,18 +343,17 @@ drafts_fit(PyObject *drafts, Py_ssize_t n)
  * block_append, out_pos, out_delta, structured, pending, nspec), at, batch, nsched_map,
  * basis, nsched_before, plen_less_one, (comp, ns, keys, skeys, advance, extra, handles,
  * lengths, salt, k_block, k_pos, k_handle, base), expected) -> (lane, output | None,
- * rows, added | None, new_blocks | None) | int | None: the worker's same-batch step
- * with count, output or draft rows or a number of speculative tokens in one call, the
- * lines of worker_side.vllm.quick.QuickDecoder.
- * lane_inputs, protocol.lane.SteadyLane.counted and QuickDecoder.scheduler_output --
+ * rows, added | None, new_blocks | None) | int | None: the worker's same-batch step in
+ * one call, the lines of worker_side.vllm.quick.QuickDecoder.lane_inputs,
+ * protocol.lane.SteadyLane.counted and QuickDecoder.scheduler_output --
  * lane_rows of the body's three Rows fields (``rows``) and append_rows of its
  * block_append of one KV group (``added``: positions, counts and ids; None for no
  * rows), then lane_counts of them on the lane's lists (the rows checked as a
  * caller's; ``lane``: its result, the lane's commit done) and count_output of them
  * (``output``: its result; None when it does not take them: the lane's step stands and
  * the caller makes the SchedulerOutput).  An int: the digest, which differs from
- * ``expected``; None: not taken (no such rows, more KV groups, rows that do not
- * unpack or align, lane_counts refused); both change nothing. */
+ * ``expected``; None: not taken (more KV groups, rows that do not unpack or align,
+ * lane_counts refused); both change nothing. */
 static PyObject *
 counted_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -390,11 +389,7 @@ counted_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *crows = PyTuple_GET_ITEM(rows, 0), *srows = PyTuple_GET_ITEM(rows, 1),
              *drafts = PyTuple_GET_ITEM(rows, 2);
-    int got = (crows != Py_None || srows != Py_None || drafts != Py_None
-               || !PyBytes_CheckExact(a[6]) || PyBytes_GET_SIZE(a[6]) > 0
-               || nonzero_int(a[10])) /* (num_spec_tokens_to_schedule) */
-            && drafts_fit(drafts, n)
-        ? one_group_added(a[5], a[11], n, &added, &blocks) : 0;
+    int got = drafts_fit(drafts, n) ? one_group_added(a[5], a[11], n, &added, &blocks) : 0;
     if (got <= 0 || (empty = PyList_New(0)) == NULL) {
         result = got < 0 || (got == 1 && empty == NULL) ? NULL : Py_NewRef(Py_None);
         goto finish;

@@ -192,15 +192,13 @@ class SchedulerOutputEncoder:
 
     def _counted(self, mirror: EngineMirror, lane: SteadyLane, scan: Scan,
                  ) -> list[Frame] | None:
-        """The frame of a same-batch step with count, output or draft rows or a number of
-        speculative tokens (``scan``; a plain step has none of them), the lane's step taken
-        by one C call (:meth:`SteadyLane.count_step`) and the frame written by another
-        (``lane_frame``), no body or Delta made; None, nothing changed, for a step without
-        them or one the lane's C step does not take."""
+        """The frame of a same-batch step the C scan read (``scan``), the lane's step taken
+        by one C call (:meth:`SteadyLane.count_step`: no rows is a steady step) and the
+        frame written by another (``lane_frame``), no body or Delta made; None, nothing
+        changed, without the speedups or for a step the lane's C step does not take."""
         _, _, appends, packed, drafts, counts, structured, pending, nspec, _ = scan
         computed, scheduled, outputs, _ = counts
-        if _C is None or (computed is None and scheduled is None and outputs is None
-                          and drafts is None and not nspec):
+        if _C is None:
             return None
         done = lane.count_step(computed and computed[:2], scheduled and scheduled[:2],
                                appends, check=False)

@@ -130,17 +130,13 @@ class QuickDecoder:
 
     def counted_step(self, lane: SteadyLane, body: DeltaBody, ext: StepExt,
                      digest: int) -> Any:
-        """The SchedulerOutput of a same-batch body with count, output or draft rows or a
-        number of speculative tokens (what a plain step has none of), its step
-        applied to ``lane``, in one C call (``counted_step``: the lines of
-        :meth:`lane_inputs`,
+        """The SchedulerOutput of a same-batch body, its step applied to ``lane``, in one C
+        call (``counted_step``: the lines of :meth:`lane_inputs`,
         :meth:`SteadyLane.counted <protocol.lane.SteadyLane.counted>` and
         :meth:`scheduler_output`); None, nothing changed, without the speedups or when
         C does not take it (those lines decide).  Raises InvalidDelta, nothing
         changed, when the step's digest is not ``digest``."""
-        if (body.computed_tokens is None and body.scheduled_tokens is None
-                and body.spec_tokens is None and not ext.out_pos
-                and not body.num_spec_tokens_to_schedule) or not plain_body(body, ext):
+        if not plain_body(body, ext):
             return None
         return self._counted(lane, (
             body.computed_tokens, body.scheduled_tokens, body.spec_tokens, body.block_append,
