@@ -63,6 +63,11 @@ def test_render_has_one_row_per_stream_and_the_totals() -> None:
     for name in ("decode", "chunked", "prefix", "**all recorded**"):
         assert text.count(f"| {name} |") == 2  # request and reply tables
     assert "**8.0×**" in text and "**not met**" in text
+    # the baseline is named: a document without one is from the bare-pickle sessions
+    assert "pickle = bare pickle.dumps + loads)" in text
+    doc = _doc()
+    doc["meta"]["baseline"] = "vLLM's MessageQueue serializer"
+    assert "pickle = vLLM's MessageQueue serializer)" in render(doc)
 
 
 @pytest.fixture(scope="module")
@@ -194,8 +199,8 @@ def test_replay_passes_take_each_steps_median_of_both_paths(
     real = vllm_replay._one_pass
     orders: list[bool] = []
 
-    def scripted(msgs: Any, breakdown: bool, ours_first: bool) -> Any:
-        steps, fields = real(msgs, breakdown, ours_first)
+    def scripted(msgs: Any, breakdown: bool, ours_first: bool, bare: bool) -> Any:
+        steps, fields = real(msgs, breakdown, ours_first, bare)
         k = len(orders)
         orders.append(ours_first)
         for i, step in enumerate(steps):  # pass k: µs (10k + i, 100k + i) per path
@@ -237,3 +242,72 @@ def test_step_kinds_count_finish_steps_apart(tmp_path: Path) -> None:
     got = step_kinds(path, passes=1)
     assert got["finish"]["steps"] == 3 and "turnover" not in got
     assert sum(k["steps"] for k in got.values()) == len(_finishes())
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_the_pickle_baseline_runs_vllms_own_serializer(recording: Path) -> None:
+    """``vllm_serialize`` / ``vllm_deserialize`` run the lines vLLM's MessageQueue runs:
+    each is in vLLM's own source (a vLLM that changes them fails here).  Buffers under
+    1 MiB stay in band and larger ones go out of band, both load back equal; without
+    buffers the bytes are bare pickle's."""
+    import inspect
+
+    import numpy as np
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+    from vllm_equal import differences
+
+    from engine_side.bench import vllm_replay
+    from engine_side.bench.vllm_replay import load_recording, pickled
+
+    def flat(source: str) -> str:  # whitespace and trailing commas aside
+        return " ".join(source.split()).replace(", )", ")").replace("( ", "(")
+
+    theirs, ours = flat(inspect.getsource(MessageQueue.enqueue)), \
+        flat(inspect.getsource(vllm_replay.vllm_serialize))
+    for line in ("dispatch_table = dict(copyreg.dispatch_table)",
+                 "dispatch_table[torch.Tensor] = _reduce_tensor",
+                 "raw_buf = buf.raw()", "if len(raw_buf) < 1024 * 1024:",
+                 "all_buffers.append(raw_buf)", "with io.BytesIO() as bio:",
+                 "pickle.Pickler(bio, protocol=pickle.HIGHEST_PROTOCOL, "
+                 "buffer_callback=oob_callback)",
+                 "pickler.dispatch_table = dispatch_table", "pickler.dump(obj)",
+                 "all_buffers[0] = bio.getvalue()"):
+        assert line in theirs and line in ours, line
+    loads = "pickle.loads(all_buffers[0], buffers=all_buffers[1:])"
+    assert loads in flat(inspect.getsource(MessageQueue.dequeue))
+    assert loads in flat(inspect.getsource(vllm_replay.vllm_deserialize))
+
+    big, small = np.arange(2**18, dtype=np.float64), np.arange(7)  # 2 MiB, 56 B
+    sent = vllm_replay.vllm_serialize(("m", (big, small), {}, 0))
+    assert len(sent) == 2 and memoryview(sent[1]).nbytes == big.nbytes
+    back = vllm_replay.vllm_deserialize(sent)
+    assert np.array_equal(back[1][0], big) and np.array_equal(back[1][1], small)
+    so = next(obj for kind, obj in load_recording(recording) if kind == "execute_model")
+    assert not differences(vllm_replay.vllm_deserialize(vllm_replay.vllm_serialize(so)), so)
+    assert pickled("execute_model", so)[0] == pickled("execute_model", so, bare=True)[0]
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_replay_times_the_chosen_baseline(recording: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's serializer by default, bare pickle when asked: every message of the pass
+    is timed by the one chosen."""
+    from engine_side.bench import vllm_replay
+    from engine_side.bench.vllm_replay import load_recording, replay
+
+    messages = load_recording(recording)[:12]
+    chosen: list[bool] = []
+    real = vllm_replay.pickled
+
+    def pickled(kind: str, obj: Any, bare: bool = False) -> Any:
+        chosen.append(bare)
+        return real(kind, obj, bare)
+
+    monkeypatch.setattr(vllm_replay, "pickled", pickled)
+    replay(messages)
+    assert len(chosen) == len(messages) and not any(chosen)
+    chosen.clear()
+    replay(messages, bare=True)
+    assert len(chosen) == len(messages) and all(chosen)

@@ -11,8 +11,8 @@ runs first):
 * ours: ``SchedulerOutputEncoder.encode_grammar`` + ``SchedulerOutputDecoder.decode_grammar``
   (rows by reference, ``engine_side.vllm.rowrefs``; fresh rows raw, deflated up to
   ``DEFLATE_MAX`` bytes or sparse words above: ``engine_side.vllm.schema``);
-* vLLM's: protocol-5 pickle of the MultiprocExecutor RPC tuple, out-of-band buffers
-  counted (``engine_side.bench.vllm_replay.pickled``).
+* vLLM's: the MultiprocExecutor RPC tuple serialized as vLLM's MessageQueue serializes
+  it (protocol-5 pickle, out-of-band buffers counted: ``engine_side.bench.vllm_replay.pickled``).
 
 Run: ``python -m engine_side.bench.bitmask [--reps N] [--json FILE]`` (needs vLLM).
 """

@@ -3,16 +3,19 @@
 A recording (``engine_side/vllm/record.py``) is rebuilt into the run's original
 SchedulerOutput / GrammarOutput / ModelRunnerOutput objects by fresh decoders;
 :func:`replay` then sends each through a fresh encoder → fresh decoder and, in
-the same loop, through vLLM's own message: protocol-5 pickle of the
-MultiprocExecutor RPC tuple ``(method, (obj,), {}, 0)`` or the reply
-``(SUCCESS, output)``, out-of-band buffers counted.  The side timed first
+the same loop, through vLLM's own message: the MultiprocExecutor RPC tuple
+``(method, (obj,), {}, 0)`` or the reply ``(SUCCESS, output)``, serialized by the lines
+vLLM's ``MessageQueue`` runs (:func:`vllm_serialize`, :func:`vllm_deserialize`),
+out-of-band buffers counted; with ``bare``, by bare ``pickle.dumps`` + ``pickle.loads``
+(protocol 5), the baseline until the twenty-fourth session, which omits the Pickler,
+BytesIO and dispatch-table copy vLLM makes per message.  The side timed first
 alternates per message kind (a step holds an even number of messages): the first
 to touch a recorded object pays for its cache misses (15-25 % of a small step),
 so neither side always does.
 
 A **step** opens at each ``execute_model``: the request path is its message plus
 the ``sample_tokens`` message, the reply path their two replies.  µs are
-encode + decode against dumps + loads, summed per step; medians are over steps.  The
+encode + decode against serialize + deserialize, summed per step; medians are over steps.  The
 decoder takes the frames as the encoder returns them, as pickle.loads takes dumps' bytes
 and buffers: neither side is timed copying them (until the sixteenth session ours were
 timed through a list of bytes copies, ~0.8 µs a message).
@@ -20,7 +23,10 @@ timed through a list of bytes copies, ~0.8 µs a message).
 
 from __future__ import annotations
 
+import copyreg
+import functools
 import gc
+import io
 import pickle
 import statistics
 import time
@@ -33,19 +39,77 @@ _RPC = {"execute_model": "execute_model", "sample_tokens": "sample_tokens"}
 Row = tuple[str, int, float, float]  # kind, bytes, encode s, decode s
 
 
-def pickled(kind: str, obj: Any) -> tuple[int, float, float]:
-    """Bytes, dumps s, loads s of vLLM's own message for ``obj``."""
+@functools.cache
+def _vllm_names() -> tuple[Any, Any]:
+    """(torch, vLLM's tensor reducer), imported once."""
+    import torch
+    from vllm.distributed.device_communicators.shm_broadcast import _reduce_tensor
+
+    return torch, _reduce_tensor
+
+
+def vllm_serialize(obj: Any) -> list[Any]:
+    """``obj`` serialized as vLLM 0.32's ``MessageQueue.enqueue`` serializes every
+    executor message, line for line (``vllm/distributed/device_communicators/
+    shm_broadcast.py``, the default branch without a tensor arena): a protocol-5
+    Pickler writing to a BytesIO, with a copy of copyreg's dispatch table plus vLLM's
+    tensor reducer, buffers under 1 MiB in band.  [pickle bytes, *out-of-band buffers];
+    ``tests/test_vllm_streams_bench.py`` holds these lines to vLLM's source."""
+    torch, _reduce_tensor = _vllm_names()  # (module globals in vLLM: no import timed)
+    all_buffers: list[Any] = [b""]
+
+    def oob_callback(buf: pickle.PickleBuffer) -> bool:
+        raw_buf = buf.raw()
+        if len(raw_buf) < 1024 * 1024:
+            return True  # in band
+        all_buffers.append(raw_buf)
+        return False
+
+    dispatch_table = dict(copyreg.dispatch_table)
+    dispatch_table[torch.Tensor] = _reduce_tensor
+    with io.BytesIO() as bio:
+        pickler = pickle.Pickler(bio, protocol=pickle.HIGHEST_PROTOCOL,
+                                 buffer_callback=oob_callback)
+        pickler.dispatch_table = dispatch_table
+        pickler.dump(obj)
+        all_buffers[0] = bio.getvalue()
+    return all_buffers
+
+
+def vllm_deserialize(all_buffers: list[Any]) -> Any:
+    """The message of :func:`vllm_serialize`'s buffers, as ``MessageQueue.dequeue``
+    loads it (our own bytes, made just before)."""
+    return pickle.loads(all_buffers[0], buffers=all_buffers[1:])
+
+
+def vllm_message(kind: str, obj: Any) -> tuple[Any, ...]:
+    """The tuple vLLM's MultiprocExecutor sends for ``obj``: an RPC to the workers or
+    a worker's reply."""
     from vllm.v1.executor.multiproc_executor import WorkerProc
 
-    msg: tuple[Any, ...] = (_RPC[kind], (obj,), {}, 0) if kind in _RPC else \
+    return (_RPC[kind], (obj,), {}, 0) if kind in _RPC else \
         (WorkerProc.ResponseStatus.SUCCESS, obj)
-    bufs: list[Any] = []
+
+
+def pickled(kind: str, obj: Any, bare: bool = False) -> tuple[int, float, float]:
+    """Bytes, serialize s, deserialize s of vLLM's own message for ``obj``, by vLLM's
+    serializer (:func:`vllm_serialize`), or by bare ``pickle.dumps`` / ``loads``
+    (protocol 5, every buffer out of band) when ``bare``."""
+    msg = vllm_message(kind, obj)
+    _vllm_names()  # (imported before anything is timed)
     t0 = time.perf_counter()
-    data = pickle.dumps(msg, protocol=5, buffer_callback=bufs.append)
+    if bare:
+        bufs: list[Any] = []
+        data = pickle.dumps(msg, protocol=5, buffer_callback=bufs.append)
+        t1 = time.perf_counter()
+        pickle.loads(data, buffers=bufs)  # our own bytes, made just above
+        t2 = time.perf_counter()
+        return len(data) + sum(memoryview(b).nbytes for b in bufs), t1 - t0, t2 - t1
+    sent = vllm_serialize(msg)
     t1 = time.perf_counter()
-    pickle.loads(data, buffers=bufs)  # our own bytes, produced just above
+    vllm_deserialize(sent)
     t2 = time.perf_counter()
-    return len(data) + sum(memoryview(b).nbytes for b in bufs), t1 - t0, t2 - t1
+    return sum(memoryview(b).nbytes for b in sent), t1 - t0, t2 - t1
 
 
 def load_recording(path: Path) -> list[tuple[str, Any]]:
@@ -196,15 +260,16 @@ def _route(enc: Any, dec: Any) -> dict[str, tuple[Any, Any]]:
 
 
 def replay(messages: list[tuple[str, Any]], breakdown: bool = False,
-           passes: int = 1) -> dict[str, Any]:
+           passes: int = 1, bare: bool = False) -> dict[str, Any]:
     """Per-step bytes and µs, ours (fresh encoder → fresh decoder) vs pickle, summarised.
     With ``passes`` > 1 the stream is replayed that many times, each pass with a fresh
     encoder and decoder and the other path first at every step, and each step's µs on
     either path is its median over the passes (a noisy machine's outliers then move no
-    median; bytes are the same in every pass)."""
+    median; bytes are the same in every pass).  ``bare``: pickle's figures are bare
+    ``pickle.dumps`` + ``loads`` instead of vLLM's serializer (:func:`pickled`)."""
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
-    runs = [_one_pass(messages, breakdown and k == 0, ours_first=k % 2 == 1)
+    runs = [_one_pass(messages, breakdown and k == 0, ours_first=k % 2 == 1, bare=bare)
             for k in range(passes)]
     steps, fields = runs[0]
     for i, step in enumerate(steps):
@@ -219,7 +284,7 @@ def replay(messages: list[tuple[str, Any]], breakdown: bool = False,
 
 
 def _one_pass(messages: list[tuple[str, Any]], breakdown: bool, ours_first: bool,
-              ) -> tuple[list[_Step], Counter[str]]:
+              bare: bool = False) -> tuple[list[_Step], Counter[str]]:
     """One replay of ``messages``: per step the figures of both paths (which one goes
     first alternates per message kind, starting with pickle unless ``ours_first``), and
     the request fields' byte counts when ``breakdown``."""
@@ -239,9 +304,9 @@ def _one_pass(messages: list[tuple[str, Any]], breakdown: bool, ours_first: bool
             steps.append(_Step(obj, prev))
             prev = dict(obj.num_scheduled_tokens)
         seen[kind] += 1
-        theirs = pickled(kind, obj) if (seen[kind] + ours_first) % 2 else None
+        theirs = pickled(kind, obj, bare) if (seen[kind] + ours_first) % 2 else None
         ours, frames = _ours(kind, obj, route[kind])
-        theirs = theirs or pickled(kind, obj)
+        theirs = theirs or pickled(kind, obj, bare)
         if steps:
             steps[-1].add(kind, ours, theirs)
             steps[-1].grammar |= kind == "sample_tokens" and obj is not None

@@ -4,9 +4,9 @@
 replays each recording as :func:`engine_side.bench.vllm_replay.replay` does (fresh
 encoder → fresh decoder, pickle of the same object in the same loop, the side timed
 first alternating) and prints, per step kind, how many steps a pass has and the
-medians of our engine encode, our worker decode and pickle's dumps + loads of the
-``execute_model`` message alone (the grammar message is not counted here).  Kinds,
-from the encoder's and decoder's own counters:
+medians of our engine encode, our worker decode and pickle's serialize + deserialize
+(vLLM's MessageQueue serializer) of the ``execute_model`` message alone (the grammar
+message is not counted here).  Kinds, from the encoder's and decoder's own counters:
 
 * ``steady``: the same batch, nothing but the advance (a header-only frame);
 * ``appends``: the same batch with block appends and no count or draft rows (the

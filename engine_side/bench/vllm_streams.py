@@ -181,16 +181,22 @@ def _meta(argv: list[str]) -> dict[str, Any]:
             "load": os.getloadavg()[0], "speedups": speedups.status()}
 
 
+VLLM_SERIALIZER = "vLLM's MessageQueue serializer"
+BARE = "bare pickle.dumps + loads"
+
+
 def replay_all(paths: dict[str, Path], synthetic: list[int],
                live: dict[str, dict[str, Any]] | None = None,
-               churn: tuple[int, ...] = (), passes: int = 1) -> dict[str, Any]:
+               churn: tuple[int, ...] = (), passes: int = 1, bare: bool = False,
+               ) -> dict[str, Any]:
     """The BENCHMARKS document: per workload and synthetic stream (steady decode at
     each ``synthetic`` size, continuous batching at each ``churn`` size), then the
     totals (recorded workloads only); each step's µs the median of ``passes`` replays
-    (see :func:`engine_side.bench.vllm_replay.replay`)."""
+    (see :func:`engine_side.bench.vllm_replay.replay`; ``bare``: pickle's figures by bare
+    ``pickle.dumps`` + ``loads``, not vLLM's serializer)."""
     doc: dict[str, Any] = {"workloads": {}, "synthetic": {}}
     for i, (name, path) in enumerate(paths.items(), 1):
-        row = replay(load_recording(path), breakdown=True, passes=passes)
+        row = replay(load_recording(path), breakdown=True, passes=passes, bare=bare)
         if name in SCENARIOS:
             row["summary"] = SCENARIOS[name].summary
         if live and name in live:
@@ -201,9 +207,9 @@ def replay_all(paths: dict[str, Path], synthetic: list[int],
               f"{row['request']['pickle_bytes'] / max(1, row['request']['bytes']):.1f}x fewer "
               f"bytes", file=sys.stderr, flush=True)
     for n in synthetic:
-        doc["synthetic"][str(n)] = replay(synthetic_decode(n, 20), passes=passes)
+        doc["synthetic"][str(n)] = replay(synthetic_decode(n, 20), passes=passes, bare=bare)
     for n in churn:
-        doc["synthetic"][f"churn-{n}"] = replay(synthetic_churn(n, 20), passes=passes)
+        doc["synthetic"][f"churn-{n}"] = replay(synthetic_churn(n, 20), passes=passes, bare=bare)
     doc["total"] = {path: {k: sum(w[path][k] for w in doc["workloads"].values())
                            for k in ("bytes", "pickle_bytes", "us", "pickle_us")}
                     for path in ("request", "reply")}
@@ -228,8 +234,9 @@ def run(args: argparse.Namespace) -> int:
             live = record_all(model, names, directory, args.check, args.reuse)
             paths = {n: directory / f"{n}.dcrec" for n in names}
         churn = tuple(int(n) for n in args.churn)
-        doc = {"meta": {**_meta(sys.argv), "passes": args.passes},
-               **replay_all(paths, synthetic, live, churn, args.passes)}
+        baseline = BARE if args.bare_pickle else VLLM_SERIALIZER
+        doc = {"meta": {**_meta(sys.argv), "passes": args.passes, "baseline": baseline},
+               **replay_all(paths, synthetic, live, churn, args.passes, args.bare_pickle)}
         if args.json:
             Path(args.json).write_text(json.dumps(doc, indent=1))
         print(render(doc))
@@ -272,6 +279,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passes", type=_positive, default=3,
                         help="replays per stream; each step's µs is its median over them "
                              "(default 3)")
+    parser.add_argument("--bare-pickle", action="store_true",
+                        help="time bare pickle.dumps + loads of vLLM's message instead of "
+                             "the serializer vLLM's MessageQueue runs (the baseline until "
+                             "the twenty-fourth session)")
     parser.add_argument("--json", default="", help="write the replay document (JSON) here")
     parser.add_argument("--render", default="", help="print the tables of a saved JSON document")
 

@@ -2,7 +2,10 @@
 
 ``render(doc)`` regenerates the BENCHMARKS "vLLM streams" tables from the JSON
 that ``python -m engine_side.bench.vllm_streams --scenario all --json FILE``
-writes; ``targets(doc)`` judges issue 4's targets on the same figures.
+writes; ``targets(doc)`` judges issue 4's targets on the same figures.  "pickle" is
+the document's ``meta.baseline``: vLLM's own serializer of the message
+(``vllm_replay.vllm_serialize``) unless the run chose bare ``pickle.dumps`` + ``loads``
+(documents from before the twenty-fourth session have no such key: bare).
 """
 
 from __future__ import annotations
@@ -135,7 +138,8 @@ def render(doc: dict[str, Any]) -> str:
         f"| {t['target']} | {t['value']} | {t['limit']} | {'met' if t['met'] else '**not met**'} |"
         for t in targets(doc)]
     parts = [f"Run {meta.get('date', '?')} at commit `{meta.get('commit', '?')}` "
-             f"(load average {meta.get('load', 0):.1f}; {meta.get('speedups', 'speedups ?')}).",
+             f"(load average {meta.get('load', 0):.1f}; {meta.get('speedups', 'speedups ?')}"
+             f"; pickle = {meta.get('baseline', 'bare pickle.dumps + loads')}).",
              "Request path (execute_model + sample_tokens):", table(doc, "request"),
              "Request path by step kind (means):", kinds(doc),
              "Reply path (the two ModelRunnerOutput replies):", table(doc, "reply"),
