@@ -55,6 +55,15 @@ def test_targets_judge_each_limit() -> None:
     assert verdicts["decode: steady decode B − 4/new block (worst of 3; 2 within)"] is True
     assert verdicts["decode: × fewer reply bytes at 256 requests (median of 2 steps)"] is False
     assert all(v for k, v in verdicts.items() if "µs" in k)  # 10 µs against 20
+    # the churn streams (ours, a join and a finish every step) are reported, not judged
+    doc = _doc()
+    doc["synthetic"] = {"churn-16": _stream(100, 1000), "256": _stream(100, 1000, 256)}
+    doc["synthetic"]["churn-16"]["request"]["median_us"] = 100.0  # 5× pickle's 20
+    judged = {t["target"]: t for t in targets(doc)}
+    churn = judged["synthetic-churn-16: median µs ÷ pickle (worst case, no target)"]
+    assert churn["met"] is None and churn["value"] == 5.0 and churn["limit"] == "–"
+    assert judged["synthetic-256: median µs ÷ pickle"]["met"] is True  # 0.5 ≤ 0.5
+    assert "| 5.0 | – | reported |" in render(doc)
 
 
 def test_render_has_one_row_per_stream_and_the_totals() -> None:

@@ -14,6 +14,10 @@ from typing import Any
 
 BYTES_TARGET, CHUNKED_TARGET, TOTAL_TARGET, REPLY_TARGET = 8.0, 6.0, 15.0, 10.0
 STEADY_LIMIT = 32  # bytes per steady decode step, plus 4 per new block
+#: our continuous-batching streams (a join and a finish every step): the worst case for a
+#: stateful channel, reported beside issue 4's targets, which name the recorded workloads
+#: and steady decode at 256 and 4096 requests
+CHURN = "synthetic-churn-"
 
 
 def _fewer(ours: float, theirs: float) -> float:
@@ -78,8 +82,10 @@ def kinds(doc: dict[str, Any]) -> str:
     return "\n".join(head + rows)
 
 
-def _verdict(name: str, value: float, limit: str, met: bool) -> dict[str, Any]:
-    return {"target": name, "value": value, "limit": limit, "met": bool(met)}
+def _verdict(name: str, value: float, limit: str, met: bool | None) -> dict[str, Any]:
+    """One row of the targets; ``met`` None: a figure reported beside them, no target."""
+    return {"target": name, "value": value, "limit": limit,
+            "met": None if met is None else bool(met)}
 
 
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -104,6 +110,10 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                                 f"≤ {STEADY_LIMIT}", worst <= STEADY_LIMIT))
     for name, w in streams.items():
         r = w["request"]["median_us"] / w["request"]["pickle_median_us"]
+        if name.startswith(CHURN):  # ours, beyond the issue's workloads: reported
+            out.append(_verdict(f"{name}: median µs ÷ pickle (worst case, no target)",
+                                round(r, 2), "–", None))
+            continue
         limit = 0.5 if name in ("synthetic-256", "synthetic-4096") else 1.0
         out.append(_verdict(f"{name}: median µs ÷ pickle", round(r, 2), f"≤ {limit:g}",
                             r <= limit))
@@ -132,10 +142,14 @@ def _fields(doc: dict[str, Any]) -> list[str]:
             "| --- | --- |", *out]
 
 
+def _status(met: bool | None) -> str:
+    return "reported" if met is None else "met" if met else "**not met**"
+
+
 def render(doc: dict[str, Any]) -> str:
     meta = doc.get("meta", {})
     verdicts = ["| target | value | limit | |", "| --- | ---: | ---: | --- |"] + [
-        f"| {t['target']} | {t['value']} | {t['limit']} | {'met' if t['met'] else '**not met**'} |"
+        f"| {t['target']} | {t['value']} | {t['limit']} | {_status(t['met'])} |"
         for t in targets(doc)]
     parts = [f"Run {meta.get('date', '?')} at commit `{meta.get('commit', '?')}` "
              f"(load average {meta.get('load', 0):.1f}; {meta.get('speedups', 'speedups ?')}"
