@@ -29,7 +29,7 @@ from protocol import (  # noqa: E402
     lane_lists,
     packing,
 )
-from protocol.errors import InvalidDelta  # noqa: E402
+from protocol.errors import InvalidDelta, LocalProtocolError  # noqa: E402
 from protocol.messages import Delta  # noqa: E402
 from protocol.speedups import C  # noqa: E402
 from worker_side.vllm import SchedulerOutputDecoder, decoder  # noqa: E402
@@ -113,6 +113,21 @@ def test_steps_the_finish_path_leaves_to_the_others(name: str) -> None:
     }[name]
     enc, dec = run_both_paths(lead + odd, None, SECRET)
     assert (enc.finish_steps, dec.finish_steps) == (0, 0)
+
+
+def test_a_finished_request_still_scheduled_is_the_callers_error() -> None:
+    """vLLM never schedules a request it finishes.  Such a step (here b finishes and
+    stays while c is dropped) raises LocalProtocolError as the general path does; the
+    finish path never encodes it as some other request's finish."""
+    s = ["a", "b", "c"]
+    steps = [_first(s), _step(s, 1), _step(["a", "b"], 2, finished_req_ids={"b"})]
+    for fast in (True, False):
+        enc = SchedulerOutputEncoder(secret=SECRET, fast=fast)
+        for so in steps[:2]:
+            enc.encode(so)
+        with pytest.raises(LocalProtocolError, match="never scheduled"):
+            enc.encode(steps[2])
+        assert enc.finish_steps == 0
 
 
 def _frames(steps: list[Any]) -> list[list[bytes]]:

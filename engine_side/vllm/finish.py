@@ -21,7 +21,6 @@ but the lane's settle, and the turnover or general path runs.
 from __future__ import annotations
 
 from itertools import compress, repeat
-from operator import contains, not_
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engine_side.vllm.forecast import Forecast
@@ -36,7 +35,6 @@ from protocol.speedups import C as _C
 
 if TYPE_CHECKING:
     from engine_side.vllm.encoder import SchedulerOutputEncoder
-    from engine_side.vllm.quick import QuickEncoder
 
 _FINISHED = 1  # the index of finished_req_ids in the rare fields (quick.RARE_FIELDS)
 
@@ -55,12 +53,11 @@ def finish_delta(enc: SchedulerOutputEncoder, so: Any) -> list[Frame] | None:
     """The frames of ``so`` when it is a finish step, the mirror, its lane and the
     encoder's memory advanced as the general path advances them; None, nothing changed
     but the lane settled, for any other step."""
-    stay_at = _stay_at(enc, so)
-    if stay_at is None:
+    kept = _kept(enc, so)
+    if kept is None:
         return None
     quick = enc.quick
-    assert _C is not None  # noqa: S101 - checked by _stay_at
-    kept = _kept(quick, stay_at)
+    assert _C is not None  # noqa: S101 - checked by _kept
     fc = kept.forecast
     plain = (*_PLAIN[:_FINISHED], so.finished_req_ids, *_PLAIN[_FINISHED + 1:])
     scan: Scan | None = _C.same_batch_scan(
@@ -83,9 +80,10 @@ def finish_delta(enc: SchedulerOutputEncoder, so: Any) -> list[Frame] | None:
     return _taken(enc, so, kept, scan, lane, body, digest)
 
 
-def _stay_at(enc: SchedulerOutputEncoder, so: Any) -> list[int] | None:
-    """The stayers' positions in the last batch when ``so`` schedules the last batch
-    less exactly its finished requests, in order, and nothing else joins or leaves."""
+def _kept(enc: SchedulerOutputEncoder, so: Any) -> Kept | None:
+    """The quick encoder's lists at the stayers' positions and their forecast, made
+    without changing them, when ``so`` schedules exactly the last batch less its finished
+    requests, in order, and nothing else joins or leaves; else None."""
     quick, mirror = enc.quick, enc.mirror
     finished = so.finished_req_ids
     if _C is None or not quick.ready or mirror is None or mirror.verify or \
@@ -95,22 +93,16 @@ def _stay_at(enc: SchedulerOutputEncoder, so: Any) -> list[int] | None:
     stay = so.scheduled_cached_reqs.req_ids
     if type(stay) is not list or len(stay) + len(finished) != len(quick.batch):
         return None
-    stay_at = list(map(quick.pos.get, stay, repeat(-1)))
-    if (stay_at and (min(stay_at) < 0 or any(map(int.__ge__, stay_at, stay_at[1:])))) \
-            or not all(map(contains, repeat(quick.pos), finished)):
-        return None  # a stayer the last batch did not hold, out of order, or repeated
-    return stay_at
-
-
-def _kept(quick: QuickEncoder, stay_at: list[int]) -> Kept:
-    """The quick encoder's lists at ``stay_at`` and their forecast, made without
-    changing them."""
-    keep = [False] * len(quick.batch)
-    for p in stay_at:
-        keep[p] = True
+    drop = sorted(map(quick.pos.get, finished, repeat(-1)))  # (a few: found by id)
+    if drop[0] < 0:
+        return None  # a finished request the last batch did not hold
+    keep = [True] * len(quick.batch)
+    for p in drop:
+        keep[p] = False
     batch = list(compress(quick.batch, keep))
-    return Kept(list(compress(range(len(keep)), map(not_, keep))), batch,
-                dict(zip(batch, range(len(batch)), strict=True)),
+    if batch != stay:
+        return None  # a stayer out of order, repeated, unknown or finished as well
+    return Kept(drop, batch, dict(zip(batch, range(len(batch)), strict=True)),
                 list(compress(quick.handles, keep)), quick.forecast.kept(keep))
 
 
@@ -119,7 +111,7 @@ def _taken(enc: SchedulerOutputEncoder, so: Any, kept: Kept, scan: Scan, lane: S
     """The finish step is the mirror's: its memory, the quick encoder's lists and the
     encoder's own advanced; the frames."""
     mirror, quick = enc.mirror, enc.quick
-    assert mirror is not None  # noqa: S101 - checked by _stay_at
+    assert mirror is not None  # noqa: S101 - checked by _kept
     finished = sorted(so.finished_req_ids)
     freed = [(rid, mirror.handles[rid]) for rid in finished]
     enc.lane = lane
