@@ -54,12 +54,15 @@ class DropPlan(NamedTuple):
 
 
 def drop_lane(lane: SteadyLane, finished: list[int], drop: list[int],
+              keep: list[bool] | None = None, ids: frozenset[str] | None = None,
               ) -> tuple[SteadyLane, DropPlan] | None:
     """Phase one of a finish step: (a lane over the schedule less positions ``drop``, not
     yet the state's, and the plan of the finish) when ``drop`` is increasing and names
     exactly the scheduled ``finished`` handles (sorted, as a body sends them); None,
     nothing changed but the old lane settled, for any other shape (the general
-    path decides, refusals included)."""
+    path decides, refusals included).  A caller that made them from ``drop`` and the
+    handles passes the schedule's stay mask ``keep`` (False at ``drop``) and the
+    finished handles' request ``ids``; else they are made here."""
     known = _known_lists(lane)
     lane.settle()
     state = lane.state
@@ -69,8 +72,8 @@ def drop_lane(lane: SteadyLane, finished: list[int], drop: list[int],
     if not drop or drop[0] < 0 or drop[-1] >= n or any(map(int.__ge__, drop, drop[1:])) \
             or sorted(map(sched.__getitem__, drop)) != finished:
         return None
-    leaving = set(drop)
-    keep = list(map(not_, map(contains, repeat(leaving), range(n))))
+    if keep is None:
+        keep = list(map(not_, map(contains, repeat(set(drop)), range(n))))
     comp, lengths, keys = (None if x is None else list(compress(x, keep)) for x in known)
     handles = list(compress(sched, keep))
     nsched = list(compress(lane.nsched if current else state.nsched.tolist(), keep))
@@ -89,7 +92,8 @@ def drop_lane(lane: SteadyLane, finished: list[int], drop: list[int],
     new._base = comp if comp is not None else state.cols.computed[schedule].tolist()
     new.advance = dg.computed_change(handles, nsched)
     new.digest, new.version = digest, state.version  # (no reopen before its first step)
-    new.finished = frozenset(state.handle_of(h).req_id for h in finished)
+    new.finished = ids if ids is not None else \
+        frozenset(state.handle_of(h).req_id for h in finished)
     return new, DropPlan(finished, schedule, counts, term, digest, keep)
 
 

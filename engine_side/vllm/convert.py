@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import pickle
+from collections import Counter
 from collections.abc import Iterable
 from operator import itemgetter
 from typing import Any
@@ -138,6 +139,23 @@ class StepMemory:
         for rid, tokens in zip(out.req_ids, out.sampled_token_ids, strict=False):
             if rid in known:
                 ledger.extend(rid, tokens)
+
+
+def check_scheduled(so: Any) -> None:
+    """Raise LocalProtocolError, naming the ids, unless ``num_scheduled_tokens`` (whose
+    keys order the batch) names each of the step's new and cached requests once and
+    nothing else: vLLM's scheduler makes no other shape."""
+    cached = so.scheduled_cached_reqs.req_ids
+    new = [nr.req_id for nr in so.scheduled_new_reqs]
+    keys = so.num_scheduled_tokens.keys()
+    ids = set(cached).union(new)
+    if len(ids) == len(cached) + len(new) == len(keys) and ids == keys:
+        return
+    repeated = sorted(rid for rid, n in Counter([*cached, *new]).items() if n > 1)
+    raise LocalProtocolError(
+        "num_scheduled_tokens must name each new and cached request once",
+        repeated=repeated[:8], unscheduled=sorted(ids - keys)[:8],
+        unknown=sorted(keys - ids)[:8])
 
 
 def cached_order(positions: list[int], batch: list[str], resumed: set[str]) -> list[int]:

@@ -42,6 +42,7 @@ from engine_side.vllm.convert import (
     StepMemory,
     TokenLedger,
     cached_order,
+    check_scheduled,
     make_ref,
     seal,
 )
@@ -317,6 +318,7 @@ class SchedulerOutputEncoder:
         self._unfiled.clear()
 
     def _request(self, so: Any, ext: dict[str, Any]) -> ExecuteModelRequest:
+        check_scheduled(so)  # (before anything changes)
         mem, cached = self.mem, so.scheduled_cached_reqs
         self.forget(so.finished_req_ids)
         batch = list(so.num_scheduled_tokens)

@@ -43,6 +43,7 @@ class Kept(NamedTuple):
     """A batch's lists at the stayers' positions, as the C scan reads a batch."""
 
     drop: list[int]  # the positions that leave, increasing
+    keep: list[bool]  # False at those positions
     batch: list[str]
     pos: dict[str, int]
     handles: list[int]
@@ -66,7 +67,8 @@ def finish_delta(enc: SchedulerOutputEncoder, so: Any) -> list[Frame] | None:
     if scan is None:
         return None
     finished = sorted(map(quick.handles.__getitem__, kept.drop))
-    opened = drop_lane(enc.lane, finished, kept.drop)  # type: ignore[arg-type]
+    opened = drop_lane(enc.lane, finished, kept.drop,  # type: ignore[arg-type]
+                       kept.keep, frozenset(so.finished_req_ids))
     if opened is None:
         return None
     lane, plan = opened
@@ -102,7 +104,7 @@ def _kept(enc: SchedulerOutputEncoder, so: Any) -> Kept | None:
     batch = list(compress(quick.batch, keep))
     if batch != stay:
         return None  # a stayer out of order, repeated, unknown or finished as well
-    return Kept(drop, batch, dict(zip(batch, range(len(batch)), strict=True)),
+    return Kept(drop, keep, batch, dict(zip(batch, range(len(batch)), strict=True)),
                 list(compress(quick.handles, keep)), quick.forecast.kept(keep))
 
 

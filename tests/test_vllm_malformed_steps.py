@@ -1,0 +1,181 @@
+"""Steps vLLM's scheduler cannot make: every encoder path refuses them alike.
+
+The engine's input is its own scheduler's, so a malformed step is a bug on our side of
+the wire (a vLLM we do not know, a patched scheduler).  It must fail loudly, as a typed
+:class:`LocalProtocolError` that names the requests, before anything is sent -- never a
+bare KeyError, never a frame that silently finishes or schedules some other request.
+Each generated valid stream gets one step corrupted one way; the fast encoder (the
+same-batch, finish and turnover paths) and the general one (``fast=False``) must raise
+the same error.  Skipped without vLLM.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed")
+
+from hypothesis import HealthCheck, assume, event, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from vllm_streams import scheduler_streams  # noqa: E402
+
+from engine_side.vllm import SchedulerOutputEncoder  # noqa: E402
+from engine_side.vllm.convert import check_scheduled  # noqa: E402
+from protocol.errors import LocalProtocolError  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+SECRET = b"m" * 32
+
+
+def _rename(d: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    return {new if k == old else k: v for k, v in d.items()}
+
+
+def _finished_stays(so: Any, k: int) -> None:
+    """A request finishes and is scheduled again in the same step."""
+    so.finished_req_ids = {*so.finished_req_ids, so.scheduled_cached_reqs.req_ids[k]}
+
+
+def _repeated(so: Any, k: int) -> None:
+    """A cached request twice, its every per-request list too."""
+    c = so.scheduled_cached_reqs
+    for name in ("req_ids", "new_block_ids", "num_computed_tokens", "num_output_tokens"):
+        values = getattr(c, name)
+        values.append(copy.deepcopy(values[k]))
+
+
+def _unknown(so: Any, k: int) -> None:
+    """A cached request the encoder never saw (renamed everywhere it is keyed)."""
+    c = so.scheduled_cached_reqs
+    old = c.req_ids[k]
+    c.req_ids[k] = "never-seen"
+    so.num_scheduled_tokens = _rename(so.num_scheduled_tokens, old, "never-seen")
+    so.scheduled_spec_decode_tokens = _rename(so.scheduled_spec_decode_tokens, old,
+                                              "never-seen")
+
+
+def _unscheduled(so: Any, k: int) -> None:
+    """A cached request without a scheduled count."""
+    gone = so.scheduled_cached_reqs.req_ids[k]
+    so.num_scheduled_tokens = {r: n for r, n in so.num_scheduled_tokens.items() if r != gone}
+
+
+def _extra(so: Any, k: int) -> None:
+    """A scheduled count for a request that is neither new nor cached."""
+    so.num_scheduled_tokens = {**so.num_scheduled_tokens, "stray": 1 + k % 3}
+
+
+def _short(so: Any, k: int) -> None:
+    """A CachedRequestData list one entry short."""
+    c = so.scheduled_cached_reqs
+    c.num_computed_tokens = c.num_computed_tokens[:-1]
+
+
+def _new_and_cached(so: Any, k: int) -> None:
+    """A new request under the id of a cached one (its own count dropped)."""
+    nr = so.scheduled_new_reqs[0]
+    old, nr.req_id = nr.req_id, so.scheduled_cached_reqs.req_ids[k]
+    so.num_scheduled_tokens = {r: n for r, n in so.num_scheduled_tokens.items() if r != old}
+
+
+def _finished_instead(so: Any, k: int, last: list[str]) -> None:
+    """A request of the last batch finishes yet runs again in place of stayer ``k``, which
+    leaves unannounced; the stayers still in the last batch's order (``last``)."""
+    c = so.scheduled_cached_reqs
+    done = sorted(set(so.finished_req_ids).intersection(last))[0]
+    ids = [done if i == k else rid for i, rid in enumerate(c.req_ids)]
+    order = sorted(range(len(ids)), key=lambda i: last.index(ids[i]))
+    for name in ("new_block_ids", "num_computed_tokens", "num_output_tokens"):
+        values = getattr(c, name)
+        setattr(c, name, [values[i] for i in order])
+    counts = so.num_scheduled_tokens
+    gone = c.req_ids[k]
+    renamed = _rename(counts, gone, done)
+    so.num_scheduled_tokens = {ids[i]: renamed[ids[i]] for i in order} | {
+        r: n for r, n in renamed.items() if r not in ids}
+    so.scheduled_spec_decode_tokens = _rename(so.scheduled_spec_decode_tokens, gone, done)
+    c.req_ids = [ids[i] for i in order]
+
+
+#: name -> (corruption, whether the step can take it: it needs cached or new requests)
+CORRUPTIONS = {
+    "finished_stays": (_finished_stays, lambda so: bool(so.scheduled_cached_reqs.req_ids)),
+    "repeated": (_repeated, lambda so: bool(so.scheduled_cached_reqs.req_ids)),
+    "unknown": (_unknown, lambda so: bool(so.scheduled_cached_reqs.req_ids)),
+    "unscheduled": (_unscheduled, lambda so: bool(so.scheduled_cached_reqs.req_ids)),
+    "extra": (_extra, lambda so: True),
+    "short": (_short, lambda so: bool(so.scheduled_cached_reqs.req_ids)),
+    "new_and_cached": (_new_and_cached, lambda so: bool(
+        so.scheduled_cached_reqs.req_ids and so.scheduled_new_reqs)),
+}
+
+
+def _refusal(steps: list[Any], fast: bool) -> LocalProtocolError:
+    """The error the last of ``steps`` raises (the ones before it must encode)."""
+    enc = SchedulerOutputEncoder(secret=SECRET, fast=fast)
+    for so in steps[:-1]:
+        enc.encode(copy.deepcopy(so))
+    with pytest.raises(LocalProtocolError) as caught:
+        enc.encode(steps[-1])
+    return caught.value
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=scheduler_streams(max_steps=10, rare=False), name=st.sampled_from(
+    sorted(CORRUPTIONS)), data=st.data())
+def test_every_path_refuses_a_malformed_step_alike(stream: dict[str, Any], name: str,
+                                                    data: st.DataObject) -> None:
+    corrupt, applies = CORRUPTIONS[name]
+    fits = [i for i, so in enumerate(stream["steps"]) if i and applies(so)]
+    assume(fits)
+    at = data.draw(st.sampled_from(fits), label="step")
+    steps = [copy.deepcopy(so) for so in stream["steps"][:at + 1]]
+    cached = len(steps[-1].scheduled_cached_reqs.req_ids)
+    corrupt(steps[-1], data.draw(st.integers(0, max(0, cached - 1)), label="request"))
+    fast, general = _refusal(steps, True), _refusal(steps, False)
+    assert str(fast) == str(general)
+    event(f"{name}: {general.message}")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=scheduler_streams(max_steps=12, rare=False), data=st.data())
+def test_a_finished_request_never_runs_in_place_of_another(stream: dict[str, Any],
+                                                            data: st.DataObject) -> None:
+    """The finish path's shape with one stayer swapped for a finished request (which the
+    last batch held, so every position check but the ids passes): refused alike."""
+    steps = stream["steps"]
+
+    def finish_shaped(so: Any, last: dict[str, int]) -> bool:
+        stay = so.scheduled_cached_reqs.req_ids
+        return bool(stay) and not so.scheduled_new_reqs and set(stay) <= last.keys() \
+            and not set(so.finished_req_ids).isdisjoint(last)
+
+    fits = [i for i in range(1, len(steps))
+            if finish_shaped(steps[i], steps[i - 1].num_scheduled_tokens)]
+    assume(fits)
+    at = data.draw(st.sampled_from(fits), label="step")
+    steps = [copy.deepcopy(so) for so in steps[:at + 1]]
+    cached = len(steps[-1].scheduled_cached_reqs.req_ids)
+    _finished_instead(steps[-1], data.draw(st.integers(0, cached - 1), label="request"),
+                      list(steps[-2].num_scheduled_tokens))
+    assert str(_refusal(steps, True)) == str(_refusal(steps, False))
+
+
+def test_the_scheduled_check_names_the_requests() -> None:
+    """The three ways num_scheduled_tokens can disagree with the requests, in one
+    error; a step that agrees passes (any order of its keys)."""
+    from types import SimpleNamespace as NS
+
+    def step(cached: list[str], new: list[str], keys: list[str]) -> Any:
+        return NS(scheduled_cached_reqs=NS(req_ids=cached),
+                  scheduled_new_reqs=[NS(req_id=r) for r in new],
+                  num_scheduled_tokens=dict.fromkeys(keys, 1))
+
+    check_scheduled(step(["a", "b"], ["c"], ["c", "a", "b"]))
+    with pytest.raises(LocalProtocolError) as caught:
+        check_scheduled(step(["a", "a", "b"], ["c"], ["a", "b", "d"]))
+    assert caught.value.fields == {"repeated": ["a"], "unscheduled": ["c"],
+                                   "unknown": ["d"]}
