@@ -134,7 +134,8 @@ _PLAIN_ENCODER = msgspec.msgpack.Encoder()  # stateless: shared by all threads
 _EMPTY_MAP: dict[str, Any] = {}  # the steady Delta's body as a fixmap (never filled)
 #: single-frame messages: a tensor reference is an error, so no per-thread frame state
 _SINGLE_FRAME_DECODER = msgspec.msgpack.Decoder(AnyMessage, ext_hook=no_tensor_frames)
-_DECODE_ERRORS = (msgspec.DecodeError, ValueError, TypeError, OverflowError)
+#: what msgspec raises for bad bytes (invalid UTF-8 is a UnicodeDecodeError, a ValueError)
+DECODE_ERRORS = (msgspec.DecodeError, ValueError, TypeError, OverflowError)
 
 
 def _malformed(exc: Exception) -> MalformedMessage:
@@ -147,7 +148,7 @@ def _decode_body(body: Any, hook: Any) -> AnyMessage:
         return _decoder().decode(body)
     except ProtocolError:
         raise
-    except _DECODE_ERRORS as exc:
+    except DECODE_ERRORS as exc:
         raise _malformed(exc) from exc
     finally:
         _local.ext_hook = None  # never keep a message's frames alive past its decode
@@ -219,7 +220,7 @@ def decode_plain(frame: Any) -> Any:
         return None
     try:
         return _PLAIN_DECODER.decode(frame)
-    except _DECODE_ERRORS:
+    except DECODE_ERRORS:
         return None
 
 
@@ -234,7 +235,7 @@ def decode(frames: Sequence[Any], *, copy: bool = False,
             return _SINGLE_FRAME_DECODER.decode(body if type(body) is bytes else _as_buffer(body))
         except ProtocolError:
             raise
-        except _DECODE_ERRORS as exc:
+        except DECODE_ERRORS as exc:
             raise _malformed(exc) from exc
     rest = _TensorFrames([_as_buffer(f) for f in frames[1:]])
     msg = _decode_body(_as_buffer(frames[0]), make_ext_hook(rest, copy=copy))

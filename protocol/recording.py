@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 
 import msgspec
 
+from protocol.codec import DECODE_ERRORS
 from protocol.errors import IncompatibleVersion, LocalProtocolError
 from protocol.messages import PROTOCOL_MAJOR
 
@@ -90,7 +91,7 @@ class RecordReader:
         start = len(MAGIC) + 4
         try:
             self.header = msgspec.msgpack.decode(self.data[start:start + n], type=RecordHeader)
-        except msgspec.DecodeError as exc:
+        except DECODE_ERRORS as exc:
             raise NotARecording(f"{path}: corrupt header", cause=str(exc)) from exc
         if self.header.protocol != PROTOCOL_MAJOR:
             raise IncompatibleVersion(

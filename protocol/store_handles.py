@@ -39,6 +39,7 @@ from typing import Any
 
 import msgspec
 
+from protocol.codec import DECODE_ERRORS
 from protocol.errors import LocalProtocolError, MalformedMessage, RemoteProtocolError
 from protocol.tensors import make_enc_hook, make_ext_hook
 
@@ -99,7 +100,7 @@ def decode_refs(data: Any) -> list[ItemRef]:
     """Decode a refs message; anything invalid raises :class:`MalformedMessage`."""
     try:
         return _REFS_DECODER.decode(data)
-    except msgspec.DecodeError as exc:
+    except DECODE_ERRORS as exc:
         raise MalformedMessage("bad store refs", cause=str(exc)[:200]) from exc
 
 
@@ -191,7 +192,7 @@ def unpack_item(item: memoryview, layout_len: int) -> Any:
         raise MalformedMessage("bad item layout length", layout_len=layout_len)
     try:
         layout = _LAYOUT_DECODER.decode(item[item.nbytes - layout_len :])
-    except msgspec.DecodeError as exc:
+    except DECODE_ERRORS as exc:
         raise MalformedMessage("bad item layout", cause=str(exc)[:200]) from exc
     limit = item.nbytes - layout_len
     frames = []

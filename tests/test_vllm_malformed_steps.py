@@ -1,4 +1,4 @@
-"""Steps vLLM's scheduler cannot make: every encoder path refuses them alike.
+"""Malformed input at both ends: steps vLLM's scheduler cannot make, and corrupted frames.
 
 The engine's input is its own scheduler's, so a malformed step is a bug on our side of
 the wire (a vLLM we do not know, a patched scheduler).  It must fail loudly, as a typed
@@ -6,7 +6,11 @@ the wire (a vLLM we do not know, a patched scheduler).  It must fail loudly, as 
 bare KeyError, never a frame that silently finishes or schedules some other request.
 Each generated valid stream gets one step corrupted one way; the fast encoder (the
 same-batch, finish and turnover paths) and the general one (``fast=False``) must raise
-the same error.  Skipped without vLLM.
+the same error.
+
+The worker's input comes off the wire: any corruption of a real frame must decode
+(a flip in a field no digest covers) or raise a typed ProtocolError -- never a bare
+KeyError, ValueError or UnicodeDecodeError.  Skipped without vLLM.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from vllm_streams import scheduler_streams  # noqa: E402
 
 from engine_side.vllm import SchedulerOutputEncoder  # noqa: E402
 from engine_side.vllm.convert import check_scheduled  # noqa: E402
-from protocol.errors import LocalProtocolError  # noqa: E402
+from protocol.errors import LocalProtocolError, MalformedMessage, ProtocolError  # noqa: E402
+from worker_side.vllm import SchedulerOutputDecoder  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 SECRET = b"m" * 32
@@ -179,3 +184,75 @@ def test_the_scheduled_check_names_the_requests() -> None:
         check_scheduled(step(["a", "a", "b"], ["c"], ["a", "b", "d"]))
     assert caught.value.fields == {"repeated": ["a"], "unscheduled": ["c"],
                                    "unknown": ["d"]}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=scheduler_streams(max_steps=8), data=st.data())
+def test_a_corrupted_frame_decodes_or_is_refused_typed(stream: dict[str, Any],
+                                                       data: st.DataObject) -> None:
+    enc = SchedulerOutputEncoder(secret=SECRET)
+    frames = [[bytes(f) for f in enc.encode(copy.deepcopy(so))] for so in stream["steps"]]
+    at = data.draw(st.integers(0, len(frames) - 1), label="step")
+    dec = SchedulerOutputDecoder(SECRET)
+    for step in frames[:at]:
+        dec.decode(step)
+    step = list(frames[at])
+    k = data.draw(st.integers(0, len(step) - 1), label="frame")
+    raw = bytearray(step[k])
+    assume(raw)
+    i = data.draw(st.integers(0, len(raw) - 1), label="offset")
+    how = data.draw(st.sampled_from(["flip", "byte", "cut", "insert"]), label="how")
+    if how == "flip":
+        raw[i] ^= 1 << data.draw(st.integers(0, 7))
+    elif how == "byte":
+        raw[i] = data.draw(st.integers(0, 255))
+    elif how == "cut":
+        del raw[i:]
+    else:
+        raw.insert(i, data.draw(st.integers(0, 255)))
+    step[k] = bytes(raw)
+    try:
+        dec.decode(step)
+        event("decoded")
+    except ProtocolError as exc:
+        event(type(exc).__name__)
+
+
+def test_a_sampling_field_name_off_the_wire_is_checked() -> None:
+    """A new request's float fields sent as ints are named on the wire; a name that is
+    not one of SamplingParams' float fields is MalformedMessage (it was a KeyError)."""
+    from test_vllm_turnover import _first
+
+    frames = [bytes(f) for f in SchedulerOutputEncoder(secret=SECRET).encode(_first(["a"]))]
+    assert b"temperature" in frames[0]  # (the toy's greedy requests say temperature=0)
+    bad = [frames[0].replace(b"temperature", b"tdmperature"), *frames[1:]]
+    with pytest.raises(MalformedMessage, match="bad vLLM step extension"):
+        SchedulerOutputDecoder(SECRET).decode(bad)
+    # a name that is not UTF-8 (msgspec raises UnicodeDecodeError, a ValueError)
+    bad = [frames[0].replace(b"temperature", b"\xffemperature"), *frames[1:]]
+    with pytest.raises(MalformedMessage, match="bad vLLM step extension"):
+        SchedulerOutputDecoder(SECRET).decode(bad)
+
+
+def test_extension_lists_that_do_not_fit_the_step_are_malformed() -> None:
+    """Resent token lists for more requests than the step resends (the extension is
+    no part of the digest, so only the output's assembly finds it)."""
+    import msgspec
+    from test_vllm_turnover import _first, _step
+
+    from engine_side.vllm.schema import StepExt, TokenRef
+    from protocol import codec
+    from protocol.messages import Delta
+
+    enc, dec = SchedulerOutputEncoder(secret=SECRET), SchedulerOutputDecoder(SECRET)
+    dec.decode([bytes(f) for f in enc.encode(_first(["a"]))])
+    general = _step(["a"], 1, free_encoder_mm_hashes=["h"])  # (a rare field: the general path)
+    msg = codec.decode([bytes(f) for f in enc.encode(general)])
+    assert isinstance(msg, Delta)
+    raw = msg.body.extension.get("v")
+    ext = msgspec.msgpack.decode(raw, type=StepExt) if raw else StepExt()
+    grown = msgspec.structs.replace(ext, all_tokens=(TokenRef(),))
+    body = msgspec.structs.replace(msg.body, extension={"v": msgspec.msgpack.encode(grown)})
+    frames = [bytes(f) for f in codec.encode(msgspec.structs.replace(msg, body=body))]
+    with pytest.raises(MalformedMessage, match="does not fit its step"):
+        dec.decode(frames)

@@ -12,13 +12,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from operator import attrgetter
-from typing import Any
+from typing import Any, cast, get_args
 
 import msgspec
 import numpy as np
 
 from engine_side.vllm.mm import features_to_refs
-from engine_side.vllm.schema import NewFix
+from engine_side.vllm.schema import FloatField, IntDtype, NewFix
+from protocol.errors import LocalProtocolError, MalformedMessage
 from protocol.packing import int64_array
 from protocol.params import (
     LoRASpec,
@@ -29,8 +30,8 @@ from protocol.params import (
 )
 from protocol.request import RequestSpec
 
-_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
-                 "top_p", "min_p")
+_FLOAT_FIELDS: tuple[FloatField, ...] = get_args(FloatField)
+_INT_DTYPES = frozenset(get_args(IntDtype))
 _SPEC_FIELDS = SamplingSpec.__struct_fields__
 #: SamplingSpec fields whose type admits a list (a decoded spec holds its declared types,
 #: so no other field can hold one)
@@ -92,7 +93,7 @@ def _spec_reader() -> tuple[tuple[str, ...], attrgetter[Any], tuple[str, ...]]:
     return names, attrgetter(*(name.lstrip("_") for name in names)), lists
 
 
-def sampling_to_spec(sp: Any) -> tuple[SamplingSpec, tuple[str, ...], str]:
+def sampling_to_spec(sp: Any) -> tuple[SamplingSpec, tuple[FloatField, ...], IntDtype]:
     """(spec, float fields holding ints, dtype of an ndarray prompt_logprob_token_ids)."""
     cls: Any = type(sp)
     values = dict(zip(_SPEC_FIELDS, _sampling_reader(cls)(sp), strict=True))
@@ -106,10 +107,13 @@ def sampling_to_spec(sp: Any) -> tuple[SamplingSpec, tuple[str, ...], str]:
     if rd is not None:
         values["repetition_detection"] = RepetitionDetectionSpec(
             rd.max_pattern_size, rd.min_pattern_size, rd.min_count)
-    dtype = ""
+    dtype: IntDtype = ""
     plt = values["prompt_logprob_token_ids"]
     if isinstance(plt, np.ndarray):
-        dtype, values["prompt_logprob_token_ids"] = plt.dtype.str, plt.tolist()
+        if plt.dtype.str not in _INT_DTYPES:
+            raise LocalProtocolError("prompt_logprob_token_ids must hold integer token ids",
+                                     dtype=plt.dtype.str)
+        dtype, values["prompt_logprob_token_ids"] = cast(IntDtype, plt.dtype.str), plt.tolist()
     return SamplingSpec(**values), int_floats, dtype
 
 
@@ -125,7 +129,10 @@ def spec_to_sampling(spec: SamplingSpec, int_floats: Iterable[str] = (), dtype: 
             values[name] = list(v)
     for f in int_floats:
         values[f] = int(values[f])
-    values["output_kind"] = RequestOutputKind(values["output_kind"])
+    try:
+        values["output_kind"] = RequestOutputKind(values["output_kind"])
+    except ValueError:
+        raise MalformedMessage("unknown output_kind", value=values["output_kind"]) from None
     values["_all_stop_token_ids"] = set(values["_all_stop_token_ids"])
     values["structured_outputs"] = _structured_from_spec(spec.structured_outputs)
     rd = spec.repetition_detection
@@ -210,7 +217,10 @@ def spec_to_pooling(spec: PoolingSpec | None) -> Any:
     values = {f: getattr(spec, f) for f in PoolingSpec.__struct_fields__}
     li = values["late_interaction_params"]
     values["late_interaction_params"] = None if li is None else _bare(LateInteractionParams, **li)
-    values["output_kind"] = RequestOutputKind(values["output_kind"])
+    try:
+        values["output_kind"] = RequestOutputKind(values["output_kind"])
+    except ValueError:
+        raise MalformedMessage("unknown output_kind", value=values["output_kind"]) from None
     return _bare(PoolingParams, **values)
 
 
@@ -241,9 +251,9 @@ class SpecReader:
     _encode = msgspec.msgpack.Encoder().encode
 
     def __init__(self) -> None:
-        self._read: dict[bytes, tuple[SamplingSpec, tuple[str, ...], str]] = {}
+        self._read: dict[bytes, tuple[SamplingSpec, tuple[FloatField, ...], IntDtype]] = {}
 
-    def read(self, sp: Any) -> tuple[SamplingSpec, tuple[str, ...], str]:
+    def read(self, sp: Any) -> tuple[SamplingSpec, tuple[FloatField, ...], IntDtype]:
         try:
             key = self._encode(sp)
         except (TypeError, ValueError, msgspec.EncodeError):
@@ -261,8 +271,11 @@ def new_request_spec(nr: Any, index: int, reader: SpecReader | None = None,
                      ) -> tuple[RequestSpec, NewFix | None]:
     """The RequestSpec of a NewRequestData and, if needed, its exactness fixes."""
     read = sampling_to_spec if reader is None else reader.read
-    sampling, int_floats, dtype = (None, (), "") if nr.sampling_params is None else \
-        read(nr.sampling_params)
+    sampling: SamplingSpec | None = None
+    int_floats: tuple[FloatField, ...] = ()
+    dtype: IntDtype = ""
+    if nr.sampling_params is not None:
+        sampling, int_floats, dtype = read(nr.sampling_params)
     lora, is_3d = lora_to_spec(nr.lora_request)
     prompt = None
     if nr.prompt_token_ids is not None:

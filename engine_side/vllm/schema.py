@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -160,12 +160,21 @@ class TokenRef(_Map, frozen=True):
     t: bytes = b""
 
 
+#: SamplingParams' float fields, which vLLM also accepts as ints (NewFix.int_floats)
+FloatField = Literal["presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "temperature", "top_p", "min_p"]
+#: the dtype of a prompt_logprob_token_ids ndarray: integers, either byte order ("": a list)
+IntDtype = Literal["", "|i1", "<i2", "<i4", "<i8", ">i2", ">i4", ">i8",
+                   "|u1", "<u2", "<u4", "<u8", ">u2", ">u4", ">u8"]
+
+
 class NewFix(_Map, frozen=True):
-    """Per new request: what its RequestSpec cannot say exactly (index into the new list)."""
+    """Per new request: what its RequestSpec cannot say exactly (index into the new list).
+    Its names are typed: a worker decodes no other (MalformedMessage)."""
 
     i: int
-    int_floats: tuple[str, ...] = msgspec.field(default=(), name="f")
-    logprob_ids_dtype: str = msgspec.field(default="", name="d")
+    int_floats: tuple[FloatField, ...] = msgspec.field(default=(), name="f")
+    logprob_ids_dtype: IntDtype = msgspec.field(default="", name="d")
     lora_3d: bool | None = msgspec.field(default=None, name="l3")
     replay_start: int = msgspec.field(default=0, name="r")
 

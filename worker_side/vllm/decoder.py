@@ -61,6 +61,8 @@ from worker_side.vllm.mm import StoreResolver, features_from_refs, fresh
 from worker_side.vllm.quick import EXT_DECODER, NO_EXT, QuickDecoder, made, plain
 from worker_side.vllm.turnover import turnover_output, turnover_shaped
 
+#: what wire lists that do not fit the step raise while its SchedulerOutput is made
+_SHAPE_ERRORS = (ValueError, IndexError, KeyError, TypeError)
 HISTORY = 8
 _NO_FIX = NewFix(0)  # a new request without exactness fixes (only its fields are read)
 
@@ -166,7 +168,7 @@ class SchedulerOutputDecoder:
         raw = body.extension.get("v")
         try:
             ext = EXT_DECODER.decode(raw) if raw else NO_EXT
-        except msgspec.DecodeError as exc:
+        except codec.DECODE_ERRORS as exc:
             raise MalformedMessage("bad vLLM step extension", cause=str(exc)[:200]) from exc
         opaque = unseal(ext.sealed, self.secret)  # before anything changes
         if self.state is None:
@@ -188,9 +190,20 @@ class SchedulerOutputDecoder:
             if fast is None and self._lengths_stale:
                 self._refresh_lengths()
             self.state.apply(msg.body, expected_digest=msg.digest)
+        try:
+            return self._output(msg, ext, opaque, fast, turnover)
+        except _SHAPE_ERRORS as exc:  # wire lists that do not fit the step's requests
+            raise MalformedMessage("vLLM step extension does not fit its step",
+                                   cause=f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+
+    def _output(self, msg: Delta, ext: StepExt, opaque: dict[str, Any], fast: Any,
+                turnover: bool) -> Any:
+        """The SchedulerOutput of step ``msg``, applied to the replica (``fast``: the lane
+        took it with these inputs; ``turnover``: it has the turnover's shape)."""
+        assert self.state is not None  # noqa: S101 - made by decode
         if fast is not None:
-            self._quick_step(msg.seq, bool(body.block_append))
-            return quick.scheduler_output(msg.body, ext, *fast)
+            self._quick_step(msg.seq, bool(msg.body.block_append))
+            return self.quick.scheduler_output(msg.body, ext, *fast)
         self.seq = msg.seq
         self.batches.pop(msg.seq - HISTORY, None)
         if turnover:
