@@ -256,3 +256,19 @@ def test_extension_lists_that_do_not_fit_the_step_are_malformed() -> None:
     frames = [bytes(f) for f in codec.encode(msgspec.structs.replace(msg, body=body))]
     with pytest.raises(MalformedMessage, match="does not fit its step"):
         dec.decode(frames)
+
+
+def test_prompt_logprob_ids_must_be_integers() -> None:
+    """An ndarray of token ids keeps its integer dtype across the wire; any other dtype is
+    the caller's error at the engine (the worker decodes integer dtypes alone)."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    from engine_side.vllm.params import sampling_to_spec, spec_to_sampling
+
+    ids = np.array([1, 2], dtype=np.int32)
+    spec, floats, dtype = sampling_to_spec(SamplingParams(prompt_logprob_token_ids=ids))
+    back = spec_to_sampling(spec, floats, dtype).prompt_logprob_token_ids
+    assert back.dtype == np.int32 and back.tolist() == [1, 2]
+    with pytest.raises(LocalProtocolError, match="integer token ids"):
+        sampling_to_spec(SamplingParams(prompt_logprob_token_ids=np.array([1.5])))
