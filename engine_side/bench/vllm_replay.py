@@ -79,7 +79,7 @@ def vllm_serialize(obj: Any) -> list[Any]:
 def vllm_deserialize(all_buffers: list[Any]) -> Any:
     """The message of :func:`vllm_serialize`'s buffers, as ``MessageQueue.dequeue``
     loads it (our own bytes, made just before)."""
-    return pickle.loads(all_buffers[0], buffers=all_buffers[1:])
+    return pickle.loads(all_buffers[0], buffers=all_buffers[1:])  # our own bytes
 
 
 def vllm_message(kind: str, obj: Any) -> tuple[Any, ...]:
