@@ -10,6 +10,11 @@ property, and ``mm_features`` are rewritten in place.
 Raises: MalformedMessage for frames that do not decode, InvalidDelta for a step
 out of order or that does not apply, BadSeal for connector metadata whose MAC
 does not verify; in all three cases before anything changed (nothing unpickled).
+What only the output's assembly finds -- extension lists that do not fit the step
+(MalformedMessage), a token reference beyond what this worker holds
+(RemoteProtocolError) -- is raised after the replica applied the step (its digest
+matched): the decoder is then out of step with the engine, and the rank reports the
+exception to the engine as it reports any (``worker_side/vllm/proc.py``).
 """
 
 from __future__ import annotations
