@@ -272,3 +272,15 @@ def test_prompt_logprob_ids_must_be_integers() -> None:
     assert back.dtype == np.int32 and back.tolist() == [1, 2]
     with pytest.raises(LocalProtocolError, match="integer token ids"):
         sampling_to_spec(SamplingParams(prompt_logprob_token_ids=np.array([1.5])))
+
+
+def test_an_unknown_output_kind_off_the_wire_is_malformed() -> None:
+    import msgspec
+    from vllm import SamplingParams
+
+    from engine_side.vllm.params import sampling_to_spec, spec_to_sampling
+
+    spec, _, _ = sampling_to_spec(SamplingParams(temperature=0.5))
+    bad = msgspec.structs.replace(spec, output_kind=7)
+    with pytest.raises(MalformedMessage, match="output_kind"):
+        spec_to_sampling(bad)
