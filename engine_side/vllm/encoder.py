@@ -318,7 +318,7 @@ class SchedulerOutputEncoder:
         self._unfiled.clear()
 
     def _request(self, so: Any, ext: dict[str, Any]) -> ExecuteModelRequest:
-        check_scheduled(so)  # (before anything changes)
+        check_scheduled(so)  # (before the encoder's memory of requests changes)
         mem, cached = self.mem, so.scheduled_cached_reqs
         self.forget(so.finished_req_ids)
         batch = list(so.num_scheduled_tokens)

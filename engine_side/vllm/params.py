@@ -117,9 +117,19 @@ def sampling_to_spec(sp: Any) -> tuple[SamplingSpec, tuple[FloatField, ...], Int
     return SamplingSpec(**values), int_floats, dtype
 
 
+def _output_kind(value: int) -> Any:
+    """vLLM's RequestOutputKind of a wire value; MalformedMessage for one it lacks."""
+    from vllm.sampling_params import RequestOutputKind
+
+    try:
+        return RequestOutputKind(value)
+    except ValueError:
+        raise MalformedMessage("unknown output_kind", value=value) from None
+
+
 def spec_to_sampling(spec: SamplingSpec, int_floats: Iterable[str] = (), dtype: str = "") -> Any:
     """A fresh ``SamplingParams`` equal in every field (private ones included)."""
-    from vllm.sampling_params import RepetitionDetectionParams, RequestOutputKind, SamplingParams
+    from vllm.sampling_params import RepetitionDetectionParams, SamplingParams
 
     names, read, lists = _spec_reader()
     values = dict(zip(names, read(spec), strict=True))
@@ -129,10 +139,7 @@ def spec_to_sampling(spec: SamplingSpec, int_floats: Iterable[str] = (), dtype: 
             values[name] = list(v)
     for f in int_floats:
         values[f] = int(values[f])
-    try:
-        values["output_kind"] = RequestOutputKind(values["output_kind"])
-    except ValueError:
-        raise MalformedMessage("unknown output_kind", value=values["output_kind"]) from None
+    values["output_kind"] = _output_kind(values["output_kind"])
     values["_all_stop_token_ids"] = set(values["_all_stop_token_ids"])
     values["structured_outputs"] = _structured_from_spec(spec.structured_outputs)
     rd = spec.repetition_detection
@@ -212,15 +219,11 @@ def spec_to_pooling(spec: PoolingSpec | None) -> Any:
     if spec is None:
         return None
     from vllm.pooling_params import LateInteractionParams, PoolingParams
-    from vllm.sampling_params import RequestOutputKind
 
     values = {f: getattr(spec, f) for f in PoolingSpec.__struct_fields__}
     li = values["late_interaction_params"]
     values["late_interaction_params"] = None if li is None else _bare(LateInteractionParams, **li)
-    try:
-        values["output_kind"] = RequestOutputKind(values["output_kind"])
-    except ValueError:
-        raise MalformedMessage("unknown output_kind", value=values["output_kind"]) from None
+    values["output_kind"] = _output_kind(values["output_kind"])
     return _bare(PoolingParams, **values)
 
 
