@@ -1169,6 +1169,79 @@ two_buffers(PyObject *a, PyObject *b, Py_buffer *va, Py_buffer *vb)
     return 0;
 }
 
+/* Words of a row the first pass hashes (rows of at most this many words: all of them). */
+#define ROW_SAMPLE 64
+/* Rows that differ but hash alike the first pass tolerates before it hashes every byte. */
+#define ROW_COLLISIONS 16
+
+/* The first pass's hash: ROW_SAMPLE words spread over the row and its last word.  Rows
+ * at different grammar states differ in most sampled words (a bitmask row mostly allows
+ * or mostly refuses), so equal rows are found by one memcmp instead of hashing every
+ * byte; rows that differ only between the samples collide, and past ROW_COLLISIONS the
+ * caller hashes every byte instead. */
+static uint64_t
+row_sample_hash(const unsigned char *p, Py_ssize_t n)
+{
+    Py_ssize_t words = n / 8;
+    if (words <= ROW_SAMPLE) {
+        return row_hash(p, n);
+    }
+    Py_ssize_t stride = words / ROW_SAMPLE; /* >= 1 word apart */
+    uint64_t h = (uint64_t)n * 0x9E3779B97F4A7C15ULL, w;
+    for (Py_ssize_t k = 0; k < ROW_SAMPLE; k++) {
+        memcpy(&w, p + 8 * k * stride, 8);
+        h = (h ^ w) * 0xFF51AFD7ED558CCDULL;
+    }
+    memcpy(&w, p + n - 8, 8);
+    h = (h ^ w) * 0xC4CEB9FE1A85EC53ULL;
+    return h ^ (h >> 31);
+}
+
+/* The table rows (t, at ``tbuf``) and then the rows (n, at ``rbuf``), each ``width``
+ * bytes, into the open-addressed table (``cap`` slots, a power of two >= 2 (t + n)):
+ * ids[i] is row i's id (the first equal table row, else t + j for the j-th row no
+ * earlier row equals), where[id] its bytes, *made the fresh rows.  ``sampled``: hash
+ * with row_sample_hash; then 1, the answer unfinished, past ROW_COLLISIONS rows that
+ * differ from a row hashing alike (every byte's hash then decides); else 0. */
+static int
+row_ids(const unsigned char *tbuf, Py_ssize_t t, const unsigned char *rbuf, Py_ssize_t n,
+        Py_ssize_t width, int sampled, Py_ssize_t cap, Py_ssize_t *slot_id,
+        uint64_t *slot_hash, const unsigned char **where, Py_ssize_t *ids, Py_ssize_t *made)
+{
+    Py_ssize_t collisions = 0;
+    memset(slot_id, 0, sizeof(Py_ssize_t) * (size_t)cap); /* id + 1; 0: empty */
+    *made = 0;
+    for (Py_ssize_t r = 0; r < t + n; r++) {
+        const unsigned char *p = r < t ? tbuf + r * width : rbuf + (r - t) * width;
+        uint64_t h = sampled ? row_sample_hash(p, width) : row_hash(p, width);
+        size_t s = (size_t)h & (size_t)(cap - 1);
+        Py_ssize_t id = -1;
+        while (slot_id[s]) {
+            Py_ssize_t k = slot_id[s] - 1;
+            if (slot_hash[s] == h) {
+                if (memcmp(where[k], p, (size_t)width) == 0) {
+                    id = k;
+                    break;
+                }
+                if (sampled && ++collisions > ROW_COLLISIONS) {
+                    return 1;
+                }
+            }
+            s = (s + 1) & (size_t)(cap - 1);
+        }
+        if (id < 0) { /* a table row keeps its position (the first of equal ones wins) */
+            id = r < t ? r : t + (*made)++;
+            where[id] = p;
+            slot_id[s] = id + 1;
+            slot_hash[s] = h;
+        }
+        if (r >= t) {
+            ids[r - t] = id;
+        }
+    }
+    return 0;
+}
+
 /* row_refs(table, rows, width) -> (refs: list, fresh: bytes, table: bytes) | None: each
  * row of ``rows`` as the id of the first equal row (table rows first, then the rows no
  * earlier row equals -- the fresh ones, concatenated in order in ``fresh``); ``table``:
@@ -1200,7 +1273,7 @@ row_refs(PyObject *self, PyObject *args)
     while (cap < 2 * (t + n)) {
         cap <<= 1;
     }
-    slot_id = PyMem_Calloc((size_t)cap, sizeof(Py_ssize_t)); /* id + 1; 0: empty */
+    slot_id = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)cap);
     slot_hash = PyMem_Malloc(sizeof(uint64_t) * (size_t)cap);
     where = PyMem_Malloc(sizeof(*where) * (size_t)(t + n + 1)); /* id -> its bytes */
     ids = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n + 1));
@@ -1211,34 +1284,16 @@ row_refs(PyObject *self, PyObject *args)
         }
         goto done;
     }
-    for (Py_ssize_t r = 0; r < t + n; r++) {
-        const unsigned char *p = r < t ? (const unsigned char *)tv.buf + r * width
-                                       : (const unsigned char *)rv.buf + (r - t) * width;
-        uint64_t h = row_hash(p, width);
-        size_t s = (size_t)h & (size_t)(cap - 1);
-        Py_ssize_t id = -1;
-        while (slot_id[s]) {
-            Py_ssize_t k = slot_id[s] - 1;
-            if (slot_hash[s] == h && memcmp(where[k], p, (size_t)width) == 0) {
-                id = k;
-                break;
-            }
-            s = (s + 1) & (size_t)(cap - 1);
+    const unsigned char *tbuf = tv.buf, *rbuf = rv.buf;
+    if (row_ids(tbuf, t, rbuf, n, width, 1, cap, slot_id, slot_hash, where, ids, &made)) {
+        row_ids(tbuf, t, rbuf, n, width, 0, cap, slot_id, slot_hash, where, ids, &made);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *ref = PyLong_FromSsize_t(ids[i]);
+        if (ref == NULL) {
+            goto done;
         }
-        if (id < 0) { /* a table row keeps its position (the first of equal ones wins) */
-            id = r < t ? r : t + made++;
-            where[id] = p;
-            slot_id[s] = id + 1;
-            slot_hash[s] = h;
-        }
-        if (r >= t) {
-            PyObject *ref = PyLong_FromSsize_t(id);
-            if (ref == NULL) {
-                goto done;
-            }
-            PyList_SET_ITEM(refs, r - t, ref);
-            ids[r - t] = id;
-        }
+        PyList_SET_ITEM(refs, i, ref);
     }
     fresh = PyBytes_FromStringAndSize(NULL, made * width);
     if (fresh == NULL) {

@@ -154,3 +154,23 @@ def test_steady_decode_keeps_tables() -> None:
         b = workload.step()
     assert np.array_equal(a.block_tables[0].values, b.block_tables[0].values)
     assert b.output_token_ids is None and not b.finished_req_ids
+
+
+def test_ring_copies_write_every_buffer_and_read_the_out_of_band_ones() -> None:
+    """The bitmask benchmark's account of vLLM's shared-memory ring: every buffer is
+    written after its 4-byte length, and the reader gets copies of the out-of-band
+    buffers (not views of the ring)."""
+    from engine_side.bench.bitmask import ring_copies
+
+    buffers = [b"pickle bytes", bytes(range(256)) * 5000, memoryview(b"\x07" * 3000)]
+    ring = bytearray(2_000_000)
+    seconds, out = ring_copies(buffers, ring)
+    assert seconds >= 0
+    assert out == [bytearray(buffers[1]), bytearray(buffers[2])]
+    assert all(type(b) is bytearray for b in out)
+    assert ring[3:7] == len(buffers[0]).to_bytes(4, "big")
+    assert ring[7:7 + len(buffers[0])] == buffers[0]
+    at = 7 + len(buffers[0])
+    assert ring[at:at + 4] == len(buffers[1]).to_bytes(4, "big")
+    out[0][0] = 99  # a copy: the ring keeps the writer's bytes
+    assert ring[at + 4] == 0

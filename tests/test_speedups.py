@@ -816,8 +816,9 @@ def test_sparse_scan_refuses_what_it_cannot_take() -> None:
 @st.composite
 def _row_buffers(draw: st.DrawFn) -> tuple[bytes, bytes, int]:
     """(table, rows, width): whole rows drawn from a small pool, so rows repeat within
-    and across the two (a pool row may differ from another in one byte only)."""
-    width = draw(st.integers(1, 70))
+    and across the two (a pool row may differ from another in one byte only).  Rows
+    over 64 words are hashed by sampled words first (``row_sample_hash``)."""
+    width = draw(st.one_of(st.integers(1, 70), st.integers(513, 1100)))
     base = draw(st.binary(min_size=width, max_size=width))
     pool = [base] + [bytes(b ^ (i == j) for i, b in enumerate(base))
                      for j in draw(st.lists(st.integers(0, width - 1), max_size=4))]
@@ -835,6 +836,28 @@ def test_row_refs_matches_the_reference(case: tuple[bytes, bytes, int]) -> None:
     assert C is not None
     table, rows, width = case
     assert C.row_refs(table, rows, width) == row_refs_py(table, rows, width)
+
+
+@needs_c
+def test_row_refs_of_rows_alike_at_every_sampled_word() -> None:
+    """Rows that differ only between the words the first pass samples all hash alike
+    there; past its collision limit every byte is hashed, and the answer is still the
+    reference's."""
+    from engine_side.vllm.rowrefs import row_refs_py
+
+    assert C is not None
+    width = 4096  # 512 words: the first pass samples every eighth, and the last
+    distinct = []
+    for i in range(40):
+        row = bytearray(width)
+        row[9] = i + 1  # (in word 1, which is not sampled)
+        distinct.append(bytes(row))
+    table = b"".join(distinct[:5])
+    rows = b"".join(distinct[k % 40] for k in (3, 7, 3, 39, 12, 7, 0, 25, 39) + tuple(range(40)))
+    got = C.row_refs(table, rows, width)
+    assert got == row_refs_py(table, rows, width)
+    refs = got[0]
+    assert refs[0] == refs[2] == 3 and refs[1] == refs[5] and refs[3] == refs[8]
 
 
 @needs_c
