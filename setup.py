@@ -12,6 +12,7 @@ setup(ext_modules=[Extension("protocol._speedups",
                              ["protocol/_speedups.c", "protocol/_speedups_step.c",
                               "protocol/_speedups_output.c", "protocol/_speedups_lane.c",
                               "protocol/_speedups_counts.c", "protocol/_speedups_fused.c",
-                              "protocol/_speedups_frame.c", "protocol/_speedups_view.c"],
+                              "protocol/_speedups_frame.c", "protocol/_speedups_view.c",
+                              "protocol/_speedups_absorb.c"],
                              depends=["protocol/_speedups.h"], extra_compile_args=["-O2"],
                              optional=True)])

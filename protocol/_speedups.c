@@ -1595,7 +1595,8 @@ PyInit__speedups(void)
                       || PyModule_AddFunctions(m, counts_methods) < 0
                       || PyModule_AddFunctions(m, fused_methods) < 0
                       || PyModule_AddFunctions(m, frame_methods) < 0
-                      || PyModule_AddFunctions(m, view_methods) < 0)) {
+                      || PyModule_AddFunctions(m, view_methods) < 0
+                      || PyModule_AddFunctions(m, absorb_methods) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -196,5 +196,6 @@ extern const char *const entry_keys[E_COUNT]; /* their keys (_speedups_frame.c's
 extern PyMethodDef fused_methods[];
 extern PyMethodDef frame_methods[];
 extern PyMethodDef view_methods[];
+extern PyMethodDef absorb_methods[];
 
 #endif

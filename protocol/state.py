@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 from msgspec.structs import replace
 
 from protocol import digest as dg
@@ -51,6 +52,7 @@ from protocol.plan import (
 )
 from protocol.rebuild import rebuild_request
 from protocol.request import ExecuteModelRequest, IntArray, RequestSpec
+from protocol.speedups import C as _C
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _DELTA = msgspec.msgpack.Decoder(Delta)  # a lane's last step kept as its Delta's frame
@@ -246,19 +248,12 @@ class ReplicaState:
                                                      list[int], list[int]]]) -> None:
         """:meth:`_absorb_appends` of a few journaled rows: scalar and slice writes in step
         order (numpy's fancy indexing and ``add.at`` cost ~15 µs of fixed overhead), so
-        a row appended in several steps ends at its last length."""
+        a row appended in several steps ends at its last length.  One C call writes them
+        all when the table already fits them (else, or without the speedups,
+        :func:`absorb_rows_py`, which grows it)."""
         table, sums = self.blocks[g], self._cols.block_sum[g]
-        for hs, starts, counts, ids, terms in rows:
-            table.ensure(max(hs), max(map(add, starts, counts)))
-            cells, lengths, at = table.table, table.lengths, 0
-            for h, start, n, term in zip(hs, starts, counts, terms, strict=True):
-                if n == 1:
-                    cells[h, start] = ids[at]
-                else:
-                    cells[h, start:start + n] = ids[at:at + n]
-                at += n
-                lengths[h] = start + n
-                sums[h] = (sums.item(h) + term) & dg.MASK
+        if _C is None or not _C.absorb_rows(table.table, table.lengths, sums, rows):
+            absorb_rows_py(table, sums, rows)
 
     def _commit_few(self, g: int, few: FewAppends) -> None:
         """:meth:`_commit_blocks` of :func:`few_appends` rows (scalar and slice writes)."""
@@ -543,6 +538,25 @@ class ReplicaState:
     def rebuild(self) -> ExecuteModelRequest:
         """The full request of the last applied step, made of fresh containers."""
         return rebuild_request(self)
+
+
+def absorb_rows_py(table: BlockTable, sums: npt.NDArray[np.uint64],
+                   rows: list[tuple[list[int], list[int], list[int], list[int],
+                                    list[int]]]) -> None:
+    """Journaled appends written in step order: row j's ids at ``table[h, start:]``, its
+    length ``start + count`` and ``sums[h] += term`` (mod 2**64); the table grows as
+    needed.  The reference of the C ``absorb_rows``."""
+    for hs, starts, counts, ids, terms in rows:
+        table.ensure(max(hs), max(map(add, starts, counts)))
+        cells, lengths, at = table.table, table.lengths, 0
+        for h, start, n, term in zip(hs, starts, counts, terms, strict=True):
+            if n == 1:
+                cells[h, start] = ids[at]
+            else:
+                cells[h, start:start + n] = ids[at:at + n]
+            at += n
+            lengths[h] = start + n
+            sums[h] = (sums.item(h) + term) & dg.MASK
 
 
 def _write_counts(computed: IntArray, sched: IntArray, counts: list[int] | None) -> bool:
