@@ -55,9 +55,9 @@ absorb_entry(PyObject *entry, const Arrays *a, int write)
         return -1;
     }
     Py_ssize_t n = PyList_GET_SIZE(hs), at = 0, total = PyList_GET_SIZE(ids);
-    if (PyList_GET_SIZE(starts) != n || PyList_GET_SIZE(counts) != n
+    if (n == 0 || PyList_GET_SIZE(starts) != n || PyList_GET_SIZE(counts) != n
             || PyList_GET_SIZE(terms) != n) {
-        return -1;
+        return -1; /* (an entry without rows: the reference's max() raises) */
     }
     for (Py_ssize_t j = 0; j < n; j++) {
         long long h, start, count;

@@ -71,7 +71,8 @@ def test_absorb_rows_writes_what_the_reference_writes_or_nothing(entries: list[E
 @needs_c
 @pytest.mark.parametrize("twist", ["int64 table", "2-D sums", "read-only lengths",
                                    "strided sums", "id over int32", "ids short", "ids over",
-                                   "negative start", "zero count", "list entry", "bool handle"])
+                                   "negative start", "zero count", "list entry", "bool handle",
+                                   "no rows"])
 def test_absorb_rows_refuses_and_writes_nothing(twist: str) -> None:
     assert C is not None
     table, sums = _arrays()
@@ -100,6 +101,8 @@ def test_absorb_rows_refuses_and_writes_nothing(twist: str) -> None:
         entry = list(entry)
     elif twist == "bool handle":
         entry = ([True], [0], [1], [7], [3])
+    elif twist == "no rows":
+        entry = ([], [], [], [], [])
     snapshot = (cells.copy(), lengths.copy(), sums.copy())
     good = ([0], [0], [1], [99], [1])  # (checked and refused with the other: all or nothing)
     assert C.absorb_rows(cells, lengths, sums, [good, entry]) is None
