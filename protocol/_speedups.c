@@ -346,6 +346,30 @@ raw_signed_list(PyObject *self, PyObject *args)
     return unpacked(args, 1);
 }
 
+/* A C-contiguous buffer of ``obj`` (writable when ``writable``) of ``ndim`` dimensions
+ * (-1: any) whose items are ``itemsize`` bytes of a one-letter struct format in
+ * ``formats`` (after a native byte-order prefix): 0, or -1 (nothing held, no error set). */
+int
+typed_buffer(PyObject *obj, Py_buffer *view, int writable, int ndim, Py_ssize_t itemsize,
+             const char *formats)
+{
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    const char *f = view->format == NULL ? "B" : view->format;
+    if (*f == '<' || *f == '=' || *f == '@') {
+        f++;
+    }
+    if ((ndim >= 0 && view->ndim != ndim) || view->itemsize != itemsize || f[0] == '\0'
+            || f[1] != '\0' || strchr(formats, f[0]) == NULL) {
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
 /* pack_array(values) -> bytes | None: protocol.packing.pack_uints of a C-contiguous
  * buffer of int64 (a numpy array: a prompt, a block table); None for any other buffer or
  * a negative value (Python decides, and raises).  Reads the buffer, never a list. */
@@ -353,25 +377,18 @@ static PyObject *
 pack_array(PyObject *self, PyObject *arg)
 {
     Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyErr_Clear();
+    if (typed_buffer(arg, &view, 0, -1, 8, "ql") < 0) {
         Py_RETURN_NONE;
     }
-    const char *f = view.format == NULL ? "B" : view.format;
-    if (*f == '<' || *f == '=' || *f == '@') {
-        f++;
-    }
     PyObject *out = Py_None;
-    if (view.itemsize == 8 && (strcmp(f, "q") == 0 || strcmp(f, "l") == 0)) {
-        const int64_t *v = (const int64_t *)view.buf;
-        Py_ssize_t n = view.len / 8;
-        int64_t low = 0;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            low |= v[i]; /* the sign bit of any negative value */
-        }
-        if (low >= 0) {
-            out = pack_values((const uint64_t *)v, n);
-        }
+    const int64_t *v = (const int64_t *)view.buf;
+    Py_ssize_t n = view.len / 8;
+    int64_t low = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        low |= v[i]; /* the sign bit of any negative value */
+    }
+    if (low >= 0) {
+        out = pack_values((const uint64_t *)v, n);
     }
     PyBuffer_Release(&view);
     if (out == Py_None) {
@@ -1098,7 +1115,7 @@ static uint64_t
 row_hash(const unsigned char *p, Py_ssize_t n)
 {
     /* every byte, eight independent lanes (each lane's multiplies are a chain: eight
-     * chains keep the multiplier busy, a third less time than four at a real vocabulary):
+     * chains keep the multiplier busy, a quarter less time than four at a real vocabulary):
      * rows that differ in one word collide only by chance, and a collision costs a
      * memcmp, never a wrong answer */
     uint64_t lane[8] = {0x9E3779B97F4A7C15ULL, 0xC2B2AE3D27D4EB4FULL, 0x165667B19E3779F9ULL,

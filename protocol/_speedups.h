@@ -128,6 +128,9 @@ PyObject *append_rows(FAST_PARAMS);
  * masked) and p (truth); exactly as many arguments as codes.  0, or -1 with an exception
  * set (TypeError, OverflowError, or what a truth test raised). */
 int fast_args(PyObject *const *args, Py_ssize_t nargs, const char *format, ...);
+/* _speedups.c's: a C-contiguous buffer of a given shape, item size and format (0 or -1). */
+int typed_buffer(PyObject *obj, Py_buffer *view, int writable, int ndim, Py_ssize_t itemsize,
+                 const char *formats);
 
 /* The list of a packed array (raw_list: zigzag 0; raw_signed_list: 1; raw_list_minus_one:
  * 2), at most 2**26 values: a new reference, Py_None when not taken, NULL with an

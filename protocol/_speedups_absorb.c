@@ -1,5 +1,5 @@
 /* Optional C version of the steady lane's block appends written into the state at a
- * settle (absorb_rows; reference protocol.state.ReplicaState._absorb_few's loop): a few
+ * settle (absorb_rows; reference protocol.state.absorb_rows_py): a few
  * journaled rows, a scalar numpy write each in Python (~0.3 µs apiece), one call here.
  *
  * Contract: as protocol/_speedups.c -- the arrays it writes end exactly as the Python
@@ -9,27 +9,6 @@
  * holds the two together.
  */
 #include "_speedups.h"
-
-/* A writable C-contiguous numpy-like buffer of ``ndim`` dimensions whose items are
- * ``itemsize`` bytes and of a format in ``formats``: 0, or -1 (nothing held, no error). */
-static int
-array_view(PyObject *obj, Py_buffer *view, int ndim, Py_ssize_t itemsize, const char *formats)
-{
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
-        PyErr_Clear();
-        return -1;
-    }
-    const char *f = view->format == NULL ? "B" : view->format;
-    if (*f == '=' || *f == '<' || *f == '@') {
-        f++; /* native order on every platform numpy builds for here */
-    }
-    if (view->ndim != ndim || view->itemsize != itemsize || f[0] == '\0' || f[1] != '\0'
-            || strchr(formats, f[0]) == NULL) {
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
 
 typedef struct {
     int32_t *cells;
@@ -102,14 +81,14 @@ absorb_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE;
     }
     Py_buffer tv, lv, sv;
-    if (array_view(table, &tv, 2, 4, "il") < 0) {
+    if (typed_buffer(table, &tv, 1, 2, 4, "il") < 0) {
         Py_RETURN_NONE;
     }
-    if (array_view(lengths, &lv, 1, 8, "lq") < 0) {
+    if (typed_buffer(lengths, &lv, 1, 1, 8, "lq") < 0) {
         PyBuffer_Release(&tv);
         Py_RETURN_NONE;
     }
-    if (array_view(sums, &sv, 1, 8, "LQ") < 0) {
+    if (typed_buffer(sums, &sv, 1, 1, 8, "LQ") < 0) {
         PyBuffer_Release(&tv);
         PyBuffer_Release(&lv);
         Py_RETURN_NONE;
