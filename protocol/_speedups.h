@@ -1,4 +1,4 @@
-/* Shared by the C speedups' source files (protocol/_speedups.c, _speedups_step.c). */
+/* Shared by the C speedups' source files (protocol/_speedups*.c, one module). */
 #ifndef DELTACAST_SPEEDUPS_H
 #define DELTACAST_SPEEDUPS_H
 
@@ -98,9 +98,9 @@ departs(long long x, long long y, long long z, int clamp)
     return (__int128)x != (clamp && want < 0 ? 0 : want);
 }
 
-/* _speedups.c's dict_matches as an int (-2: not taken, -1: an exception is set), its
- * one_group_appends and the packers, and _speedups_step.c's packed_appends, for the
- * fused same-step functions of _speedups_step.c, _speedups_counts.c and
+/* _speedups_lists.c's dict_matches as an int (-2: not taken, -1: an exception is set)
+ * and one_group_appends, _speedups.c's packers and _speedups_step.c's packed_appends,
+ * for the fused same-step functions of _speedups_step.c, _speedups_counts.c and
  * _speedups_fused.c. */
 int dict_match(PyObject *d, PyObject *keys, PyObject *values);
 PyObject *one_group_appends(PyObject *self, PyObject *arg);
@@ -110,7 +110,7 @@ PyObject *pack_plus_one(PyObject *self, PyObject *arg);
 PyObject *packed_appends(PyObject *appends, PyObject *handles); /* _speedups_step.c's */
 
 /* The METH_FASTCALL functions the fused ones call as fn(NULL, (PyObject *[]){...}, n), no
- * argument tuple made: _speedups.c's draft_rows and split_rows, _speedups_output.c's
+ * argument tuple made: _speedups_lists.c's draft_rows and split_rows, _speedups_output.c's
  * step_output, _speedups_counts.c's count_rows, count_lists and lane_rows,
  * _speedups_lane.c's lane_counts and _speedups_step.c's append_rows. */
 #define FAST_PARAMS PyObject *self, PyObject *const *args, Py_ssize_t nargs
@@ -128,7 +128,8 @@ PyObject *append_rows(FAST_PARAMS);
  * masked) and p (truth); exactly as many arguments as codes.  0, or -1 with an exception
  * set (TypeError, OverflowError, or what a truth test raised). */
 int fast_args(PyObject *const *args, Py_ssize_t nargs, const char *format, ...);
-/* _speedups.c's: a C-contiguous buffer of a given shape, item size and format (0 or -1). */
+/* _speedups_buffers.c's: a C-contiguous buffer of a given shape, item size and format
+ * (0 or -1). */
 int typed_buffer(PyObject *obj, Py_buffer *view, int writable, int ndim, Py_ssize_t itemsize,
                  const char *formats);
 
@@ -137,6 +138,10 @@ int typed_buffer(PyObject *obj, Py_buffer *view, int writable, int ndim, Py_ssiz
  * exception set. */
 PyObject *unpack_bytes(PyObject *packed, int zigzag);
 enum { RAW, SIGNED, MINUS_ONE }; /* unpack_bytes' zigzag */
+/* _speedups.c's: the width, count and payload offset of a well-formed packed array of at
+ * most ``limit`` values (0), or -1. */
+int read_header(const unsigned char *buf, Py_ssize_t len, uint64_t limit, int *width,
+                uint64_t *count, Py_ssize_t *pos);
 
 /* The SchedulerOutput attributes the same-batch steps read (_speedups_step.c's
  * plain_check, _speedups_fused.c's same_batch_scan): attrs[a] once intern_attrs() has
@@ -158,7 +163,7 @@ int rare_equal(PyObject *so, PyObject *rare, PyObject *plain);
  * exception set; _speedups_counts.c's. */
 PyObject *rows_item(PyObject *rows, int j);
 
-/* The arguments of _speedups.c's plan_rows: one KV group's appends and the lane's
+/* The arguments of _speedups_digest.c's plan_rows: one KV group's appends and the lane's
  * lists (see plan_rows). */
 typedef struct {
     PyObject *pos, *counts, *ids, *handles, *lengths;
@@ -172,12 +177,21 @@ typedef struct {
 PyObject *plan_lists(const PlanArgs *a, uint64_t *total);
 int grow_lengths(const PlanArgs *a);
 
-/* The functions of _speedups_step.c, _speedups_output.c, _speedups_lane.c,
- * _speedups_counts.c and _speedups_fused.c, added to the module at import. */
+/* The tables of functions of the other protocol/_speedups_*.c files, added to the
+ * module at import (_speedups.c's PyInit__speedups). */
 extern PyMethodDef step_methods[];
 extern PyMethodDef output_methods[];
 extern PyMethodDef lane_methods[];
 extern PyMethodDef counts_methods[];
+extern PyMethodDef buffers_methods[];
+extern PyMethodDef digest_methods[];
+extern PyMethodDef lists_methods[];
+extern PyMethodDef rows_methods[];
+extern PyMethodDef fused_methods[];
+extern PyMethodDef frame_methods[];
+extern PyMethodDef view_methods[];
+extern PyMethodDef absorb_methods[];
+
 /* msgpack writers (_speedups_frame.c's): an unsigned int in msgspec's shortest form, and
  * a bytes object (under 4 GiB) as bin; the bytes written. */
 Py_ssize_t put_uint(unsigned char *o, unsigned long long v);
@@ -196,9 +210,5 @@ PyObject *delta_frame(unsigned char *o, Py_ssize_t at, Py_ssize_t body, int entr
 enum { E_NT, E_NC, E_BA, E_SP, E_SO, E_PS, E_NS, E_X, E_COUNT };
 extern const char *const entry_keys[E_COUNT]; /* their keys (_speedups_frame.c's) */
 
-extern PyMethodDef fused_methods[];
-extern PyMethodDef frame_methods[];
-extern PyMethodDef view_methods[];
-extern PyMethodDef absorb_methods[];
 
 #endif

@@ -1,7 +1,6 @@
 /* Optional C versions of the same-batch step's checks and rows: the engine's test of a
  * plain step (engine_side.vllm.quick.plain_check_py) and its packed appends, the worker's
- * appends and new_block_ids, the worker's forecast of the next step's counts, and the
- * Delta frame's compact map header.
+ * appends and new_block_ids, and the worker's forecast of the next step's counts.
  *
  * Contract: as protocol/_speedups.c -- each function returns exactly what its Python
  * reference returns for the inputs it accepts and None for every input it does not
@@ -470,156 +469,9 @@ finish:
     return result;
 }
 
-/* The offset of a Delta frame's body map: past the array header byte and four msgpack
- * ints (tag, epoch, seq, digest); len or more when the frame ends before it. */
-static Py_ssize_t
-body_offset(const unsigned char *b, Py_ssize_t len)
-{
-    Py_ssize_t at = 1;
-    for (int k = 0; k < 4 && at < len; k++) {
-        unsigned char h = b[at];
-        at += h == 0xCC || h == 0xD0 ? 2 : h == 0xCD || h == 0xD1 ? 3
-            : h == 0xCE || h == 0xD2 ? 5 : h == 0xCF || h == 0xD3 ? 9 : 1;
-    }
-    return at;
-}
-
-/* plain_frame(frame: bytes) -> bool: protocol.codec.may_be_plain -- the frame of a Delta
- * whose body map is empty or opens with one of the plain fields' keys ("ba", "so",
- * "ps"; keys come in field order and every other field but two precedes them).  False
- * for anything else, a frame too short to tell included; never raises. */
-static PyObject *
-plain_frame(PyObject *self, PyObject *frame)
-{
-    if (!PyBytes_CheckExact(frame)) {
-        Py_RETURN_FALSE;
-    }
-    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(frame);
-    Py_ssize_t len = PyBytes_GET_SIZE(frame), at = body_offset(b, len);
-    if (at >= len) {
-        Py_RETURN_FALSE;
-    }
-    unsigned char h = b[at];
-    Py_ssize_t n = (h & 0xF0) == 0x80 ? h & 0x0F : -1;
-    if (h == 0xDE && at + 2 < len) { /* map16: msgspec's header for a DeltaBody */
-        n = (Py_ssize_t)b[at + 1] << 8 | b[at + 2];
-        at += 2;
-    }
-    if (n == 0) {
-        Py_RETURN_TRUE;
-    }
-    if (n < 0 || at + 3 >= len || b[at + 1] != 0xA2) {
-        Py_RETURN_FALSE;
-    }
-    const unsigned char *key = b + at + 2;
-    return PyBool_FromLong((key[0] == 'b' && key[1] == 'a') || (key[0] == 's' && key[1] == 'o')
-                           || (key[0] == 'p' && key[1] == 's'));
-}
-
-/* Writes the map entry ``key: bin`` of a non-empty bytes object; the bytes written. */
-static Py_ssize_t
-put_bin_entry(unsigned char *o, char key, PyObject *bin)
-{
-    o[0] = 0xA1;
-    o[1] = (unsigned char)key;
-    return 2 + put_bin(o + 2, bin);
-}
-
-/* plain_delta(epoch, seq, digest, handles, counts, values, structured, pending) -> bytes
- * | None: protocol.codec.plain_delta_frame -- the frame codec.encode writes for
- * Delta(epoch, seq, digest, DeltaBody(block_append=(Rows(handles, counts, values),),
- * has_structured_output=structured, pending_structured_output=pending)), without
- * making the objects.  None unless the three ints are in [0, 2**64), the Rows fields
- * bytes objects under 4 GiB, and the flags bools. */
-static PyObject *
-plain_delta(PyObject *self, PyObject *args)
-{
-    uint64_t head[3];
-    PyObject *ints[3], *rows[3], *s, *p;
-    if (!PyArg_ParseTuple(args, "OOOOOOOO", &ints[0], &ints[1], &ints[2], &rows[0], &rows[1],
-                          &rows[2], &s, &p) || !PyBool_Check(s) || !PyBool_Check(p)) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    /* all but the Rows' bytes: at most array and tag 2, ints 27, map16 3, "ba" and its
-     * array 4, the Rows map 1, three keys and bin headers 21, two flags 8 */
-    Py_ssize_t size = 66, fields = 0;
-    for (int k = 0; k < 3; k++) {
-        if (!PyLong_CheckExact(ints[k]) || !PyBytes_CheckExact(rows[k])) {
-            Py_RETURN_NONE;
-        }
-        head[k] = PyLong_AsUnsignedLongLong(ints[k]); /* all ones: 2**64 - 1, or an error */
-        if (head[k] == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            Py_RETURN_NONE;
-        }
-        if (PyBytes_GET_SIZE(rows[k]) >= 0xFFFFFFFFLL) {
-            Py_RETURN_NONE;
-        }
-        size += PyBytes_GET_SIZE(rows[k]);
-        fields += PyBytes_GET_SIZE(rows[k]) > 0;
-    }
-    unsigned char *o = PyMem_Malloc((size_t)size);
-    if (o == NULL) {
-        return PyErr_NoMemory();
-    }
-    int entries = 1 + (s == Py_True) + (p == Py_True);
-    Py_ssize_t at = put_delta_head(o, head, entries), body = at - 3;
-    static const unsigned char ba[4] = {0xA2, 'b', 'a', 0x91}, so[4] = {0xA2, 's', 'o', 0xC3},
-                               ps[4] = {0xA2, 'p', 's', 0xC3}; /* keys; [1 Rows]; true */
-    memcpy(o + at, ba, 4);
-    at += 4;
-    o[at++] = (unsigned char)(0x80 | fields);
-    const char keys[3] = {'h', 'n', 'v'};
-    for (int k = 0; k < 3; k++) {
-        if (PyBytes_GET_SIZE(rows[k]) > 0) {
-            at += put_bin_entry(o + at, keys[k], rows[k]);
-        }
-    }
-    if (s == Py_True) {
-        memcpy(o + at, so, 4);
-        at += 4;
-    }
-    if (p == Py_True) {
-        memcpy(o + at, ps, 4);
-        at += 4;
-    }
-    return delta_frame(o, at, body, entries);
-}
-
-/* compact_map(frame: bytes) -> bytes: protocol.codec.compact_delta_map (the frame itself
- * when it has nothing to compact, or is not the frame of a Delta it can read). */
-static PyObject *
-compact_map(PyObject *self, PyObject *frame)
-{
-    if (!PyBytes_CheckExact(frame) || PyBytes_GET_SIZE(frame) > 1024) {
-        return Py_NewRef(frame);
-    }
-    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(frame);
-    Py_ssize_t len = PyBytes_GET_SIZE(frame), at = body_offset(b, len);
-    if (at + 2 >= len || b[at] != 0xDE || b[at + 1] != 0 || b[at + 2] > 15) {
-        return Py_NewRef(frame);
-    }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, len - 2);
-    if (out == NULL) {
-        return NULL;
-    }
-    char *o = PyBytes_AS_STRING(out);
-    memcpy(o, b, (size_t)at);
-    o[at] = (char)(0x80 | b[at + 2]);
-    memcpy(o + at + 1, b + at + 3, (size_t)(len - at - 3));
-    return out;
-}
-
 PyMethodDef step_methods[] = {
     {"pack_appends", (PyCFunction)(void (*)(void))pack_appends, METH_FASTCALL,
      "One group's appends as packed Rows fields (None: not taken)."},
-    {"plain_delta", plain_delta, METH_VARARGS,
-     "The frame of a plain step's Delta, written without the objects (None: not taken)."},
-    {"plain_frame", plain_frame, METH_O,
-     "Whether a Delta frame's body may be a plain step's (its first key)."},
-    {"compact_map", compact_map, METH_O,
-     "A Delta frame with its body map's header in the shortest form."},
     {"append_rows", (PyCFunction)(void (*)(void))append_rows, METH_FASTCALL,
      "A one-group step's appends as positions, counts, ids and new_block_ids (None: not taken)."},
     {"plain_check", (PyCFunction)(void (*)(void))plain_check, METH_FASTCALL,

@@ -1,20 +1,16 @@
 """The optional C speedups, or None when deltacast runs on its pure-Python paths.
 
-``protocol/_speedups.c`` (built by ``setup.py`` at install, where a C compiler is
-found) holds C versions of the packers (:mod:`protocol.packing`: small lists, long
-int64 arrays, prompt lists to int64), of the digest's per-row block terms and linear
-count terms (:mod:`protocol.digest`), of the same-batch comparisons and of the vLLM
-replies' token lists (:mod:`engine_side.vllm.convert`); ``protocol/_speedups_step.c``,
-in the same module, the same-batch step's fused checks and rows
-(:mod:`engine_side.vllm.quick`, :mod:`worker_side.vllm.quick`),
-``protocol/_speedups_output.c`` the worker's same-batch SchedulerOutput
-(``QuickDecoder._assemble``), ``protocol/_speedups_lane.c`` the steady lane's count
-plan and its fused count step (:mod:`protocol.lane`), ``protocol/_speedups_counts.c`` a
-same-batch step's count rows on both ends, ``protocol/_speedups_fused.c`` such a
-step in one call a side (the engine's read of the step, the worker's
-SchedulerOutput), ``protocol/_speedups_frame.c`` its Delta frame written by the engine
-and ``protocol/_speedups_view.c`` that frame read by the worker, without the message
-objects.  Each returns exactly
+``protocol/_speedups*.c`` (one module, built by ``setup.py`` at install, where a C
+compiler is found; each file's header says what it holds) hold C versions of the
+packers (:mod:`protocol.packing`: small lists, long int64 arrays, prompt lists to
+int64), of the digest's per-row block terms and linear count terms
+(:mod:`protocol.digest`), of the steady lane's plans and fused count step
+(:mod:`protocol.lane`), of the same-batch step's checks, rows and count rows on both
+ends -- in one call a side: the engine's read of the step and its Delta frame, the
+worker's read of that frame and its SchedulerOutput (:mod:`engine_side.vllm.quick`,
+:mod:`worker_side.vllm.quick`) --, of the vLLM replies' token lists
+(:mod:`engine_side.vllm.convert`) and of the grammar bitmasks' row scans
+(:mod:`engine_side.vllm.rowrefs`).  Each returns exactly
 what its Python reference returns, or None for an input it does not take (the
 Python path then decides, errors included); ``tests/test_speedups.py``,
 ``tests/test_vllm_quick.py``, ``tests/test_speedups_counts.py`` and

@@ -103,8 +103,9 @@ def test_absorb_rows_refuses_and_writes_nothing(twist: str) -> None:
         entry = ([True], [0], [1], [7], [3])
     elif twist == "no rows":
         entry = ([], [], [], [], [])
-    snapshot = (cells.copy(), lengths.copy(), sums.copy())
+    arrays: tuple[np.ndarray, ...] = (cells, lengths, sums)
+    snapshot = tuple(a.copy() for a in arrays)
     good = ([0], [0], [1], [99], [1])  # (checked and refused with the other: all or nothing)
     assert C.absorb_rows(cells, lengths, sums, [good, entry]) is None
-    for now, was in zip((cells, lengths, sums), snapshot, strict=True):
+    for now, was in zip(arrays, snapshot, strict=True):
         assert np.array_equal(now, was)
