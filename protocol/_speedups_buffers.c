@@ -3,7 +3,8 @@
  * _speedups_absorb.c (typed_buffer).
  *
  * Contract: as protocol/_speedups.c -- exactly the Python reference's answer for the
- * inputs taken, None for any other (the Python path then decides).
+ * inputs taken, None for any other (the Python path then decides);
+ * tests/test_speedups.py holds the two together.
  */
 #include "_speedups.h"
 

@@ -5,6 +5,7 @@
  *
  * Contract: as protocol/_speedups.c -- exactly the Python reference's answer for the
  * inputs taken, None for any other (the Python path then decides); sums are mod 2**64.
+ * tests/test_speedups_digest.py holds the two together.
  */
 #include "_speedups.h"
 

@@ -6,7 +6,7 @@
  *
  * Contract: as protocol/_speedups.c -- the same answer as the Python lines for every
  * input it accepts, None for every input it does not (the Python path then decides,
- * refusals included); tests/test_speedups.py and tests/test_lane.py hold the two
+ * refusals included); tests/test_speedups_digest.py and tests/test_lane.py hold the two
  * together.
  */
 #include "_speedups.h"

@@ -4,7 +4,8 @@
  * batch position and back (draft_rows, split_rows).
  *
  * Contract: as protocol/_speedups.c -- exactly the Python reference's answer for the
- * inputs taken, None for any other (the Python path then decides).
+ * inputs taken, None for any other (the Python path then decides);
+ * tests/test_speedups.py holds the two together.
  */
 #include "_speedups.h"
 

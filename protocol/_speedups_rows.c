@@ -3,7 +3,8 @@
  * and rows sent as references into a table both ends keep (row_refs, row_rebuild).
  *
  * Contract: as protocol/_speedups.c -- exactly the Python reference's answer for the
- * inputs taken, None for any other (the Python path then decides).
+ * inputs taken, None for any other (the Python path then decides);
+ * tests/test_speedups_rows.py holds the two together.
  */
 #include "_speedups.h"
 #include <string.h>

@@ -12,8 +12,8 @@ worker's read of that frame and its SchedulerOutput (:mod:`engine_side.vllm.quic
 (:mod:`engine_side.vllm.convert`) and of the grammar bitmasks' row scans
 (:mod:`engine_side.vllm.rowrefs`).  Each returns exactly
 what its Python reference returns, or None for an input it does not take (the
-Python path then decides, errors included); ``tests/test_speedups.py``,
-``tests/test_vllm_quick.py``, ``tests/test_speedups_counts.py`` and
+Python path then decides, errors included); ``tests/test_speedups*.py``,
+``tests/test_vllm_quick.py`` and
 ``tests/test_lane_frame.py`` hold the two together.  The bytes on the wire never
 depend on which one ran.
 
