@@ -31,6 +31,7 @@ from engine_side.vllm import (
     finish,  # noqa: E402
     forecast,  # noqa: E402
     quick,  # noqa: E402
+    rare,  # noqa: E402
 )
 from engine_side.vllm import encoder as encoder_module  # noqa: E402
 from engine_side.vllm.forecast import Forecast  # noqa: E402
@@ -274,9 +275,9 @@ def _plain_checks(enc: SchedulerOutputEncoder, so: SchedulerOutput) -> tuple[Any
     q = enc.quick
     fc = q.forecast
     answers = []
-    for rare in (quick.RARE_NAMES, quick._RARE):
-        args = (so, q.batch, fc.nsched, fc.total, fc.basis(), fc.plen_less_one, rare,
-                quick._PLAIN, q.kv_groups == 1, q.handles)
+    for names in (rare.RARE_NAMES, rare.RARE):
+        args = (so, q.batch, fc.nsched, fc.total, fc.basis(), fc.plen_less_one, names,
+                rare.PLAIN, q.kv_groups == 1, q.handles)
         assert C is not None
         answers.append((C.plain_check(*args), quick.plain_check_py(*args)))
     assert answers[0] == answers[1]

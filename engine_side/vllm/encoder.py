@@ -51,6 +51,7 @@ from engine_side.vllm.grammar import GrammarEncoder
 from engine_side.vllm.mm import StoreChannel
 from engine_side.vllm.params import SpecReader, new_request_spec
 from engine_side.vllm.quick import Packed, QuickEncoder, Scan
+from engine_side.vllm.rare import CONNECTOR_FIELDS
 from engine_side.vllm.replies import IndexCache, decode_reply
 from engine_side.vllm.schema import (
     StepExt,
@@ -71,8 +72,6 @@ from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
 from protocol.speedups import C as _C
 
 _EMPTY = np.zeros(0, dtype=np.int64)
-CONNECTOR_FIELDS = ("kv_connector_metadata", "ec_connector_metadata",
-                    "aux_output_connector_metadata", "ec_manager_metadata")
 HISTORY = 8  # steps whose batch order replies may still reference
 #: noted steps of block appends filed into our tables at once, even before a general step
 #: reads them: a long run of same-batch steps keeps at most this many (bounded memory)

@@ -24,7 +24,8 @@ from itertools import compress, repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engine_side.vllm.forecast import Forecast
-from engine_side.vllm.quick import _PLAIN, RARE_NAMES, Scan, scan_fields, scan_rows
+from engine_side.vllm.quick import Scan, scan_fields, scan_rows
+from engine_side.vllm.rare import PLAIN, RARE_NAMES
 from protocol import codec
 from protocol.codec import Frame
 from protocol.lane import SteadyLane
@@ -36,7 +37,7 @@ from protocol.speedups import C as _C
 if TYPE_CHECKING:
     from engine_side.vllm.encoder import SchedulerOutputEncoder
 
-_FINISHED = 1  # the index of finished_req_ids in the rare fields (quick.RARE_FIELDS)
+_FINISHED = 1  # the index of finished_req_ids in the rare fields (rare.RARE_FIELDS)
 
 
 class Kept(NamedTuple):
@@ -60,7 +61,7 @@ def finish_delta(enc: SchedulerOutputEncoder, so: Any) -> list[Frame] | None:
     quick = enc.quick
     assert _C is not None  # noqa: S101 - checked by _kept
     fc = kept.forecast
-    plain = (*_PLAIN[:_FINISHED], so.finished_req_ids, *_PLAIN[_FINISHED + 1:])
+    plain = (*PLAIN[:_FINISHED], so.finished_req_ids, *PLAIN[_FINISHED + 1:])
     scan: Scan | None = _C.same_batch_scan(
         so, kept.batch, kept.pos, fc.basis(), fc.nsched, fc.total, fc.plen_less_one,
         kept.handles, RARE_NAMES, plain, True)

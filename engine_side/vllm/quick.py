@@ -21,9 +21,8 @@ actual lists); :meth:`QuickEncoder.body` keeps no reference to the SchedulerOutp
 
 from __future__ import annotations
 
-import sys
 from itertools import chain, compress, repeat
-from operator import add, attrgetter, itemgetter, sub
+from operator import add, itemgetter, sub
 from typing import Any, Literal
 
 import msgspec
@@ -31,6 +30,7 @@ import numpy as np
 
 from engine_side.vllm.convert import draft_rows
 from engine_side.vllm.forecast import Forecast, changed
+from engine_side.vllm.rare import PLAIN, RARE_NAMES, plain_fields, read_rare
 from engine_side.vllm.schema import StepExt
 from protocol.lane import Appends
 from protocol.lane_lists import NO_ROWS, LaneRows
@@ -41,8 +41,6 @@ from protocol.planned import FLAG_BODIES
 from protocol.speedups import C as _C
 
 FEW_ROWS = 16  # grown rows up to this many take a Python loop (measured ~1 µs faster to 16)
-CONNECTOR_FIELDS = ("kv_connector_metadata", "ec_connector_metadata",
-                    "aux_output_connector_metadata", "ec_manager_metadata")
 _NO_ROWS = Rows(handles=pack_uints(np.zeros(0, dtype=np.int64)))
 _ENCODE = msgspec.msgpack.encode
 _new_tuple = tuple.__new__
@@ -86,7 +84,7 @@ class QuickEncoder:
             scan = self.scan(so)
             if scan is not None:
                 return self.scanned_body(scan)
-        if not _plain(so):
+        if not plain_fields(so):
             return None
         cached, batch = so.scheduled_cached_reqs, self.batch
         if cached.req_ids != batch or len(cached.new_block_ids) != len(batch):
@@ -132,7 +130,7 @@ class QuickEncoder:
         fc = self.forecast
         return _C.same_batch_scan(  # type: ignore[no-any-return]
             so, self.batch, self.pos, fc.comp_rows[fc.next - 1] if fc.next else fc._base,
-            fc.nsched, fc.total, fc.plen_less_one, self.handles, RARE_NAMES, _PLAIN,
+            fc.nsched, fc.total, fc.plen_less_one, self.handles, RARE_NAMES, PLAIN,
             self.kv_groups == 1)  # (the basis: Forecast.basis inline)
 
     def scanned(self, scan: Scan) -> None:
@@ -162,7 +160,7 @@ class QuickEncoder:
         fc = self.forecast
         got = (_C.plain_check if _C is not None else plain_check_py)(
             so, self.batch, fc.nsched, fc.total, fc.comp_rows[fc.next - 1] if fc.next
-            else fc._base, fc.plen_less_one, RARE_NAMES, _PLAIN, self.kv_groups == 1,
+            else fc._base, fc.plen_less_one, RARE_NAMES, PLAIN, self.kv_groups == 1,
             self.handles)  # (the basis: Forecast.basis inline)
         if got is None:
             return None
@@ -484,50 +482,3 @@ def packed_appends(grown: list[int], lens: list[int], flat: list[int], handles: 
                 pack_uints(flat))
     except (ValueError, OverflowError, TypeError, IndexError):
         return None
-
-
-#: A plain step's rare fields and their values in a plain step, in the order
-#: :func:`_plain` reads them; the first three are the step's joins and leaves (the
-#: turnover path, engine_side.vllm.turnover, takes those and checks the rest).
-RARE_FIELDS: tuple[tuple[str, Any], ...] = (
-    ("scheduled_new_reqs", []), ("finished_req_ids", set()), ("preempted_req_ids", set()),
-    ("free_encoder_mm_hashes", []), ("scheduled_encoder_inputs", {}),
-    ("scheduled_encoder_input_stats", None), ("num_invalid_spec_tokens", None),
-    ("has_sync_kv_loads", False), ("new_block_ids_to_zero", None),
-    ("kv_cache_block_copies", None), ("num_common_prefix_blocks", []),
-    ("kv_connector_block_state", None), *((f, None) for f in CONNECTOR_FIELDS),
-    ("scheduled_cached_reqs.resumed_req_ids", set()),
-    ("scheduled_cached_reqs.new_token_ids", []), ("scheduled_cached_reqs.all_token_ids", {}))
-JOINS_AND_LEAVES = 3  # RARE_FIELDS[:3]
-
-# A plain step's rare fields, read by one C call and compared with one tuple.
-_RARE = attrgetter(*(name for name, _ in RARE_FIELDS))
-_PLAIN: tuple[Any, ...] = tuple(value for _, value in RARE_FIELDS)
-#: The rare fields by name, as the C checks read them (``rare_equal``: one at a time,
-#: until one differs, no tuple made): an attribute of the step, or (attribute, its
-#: attribute); interned, as attribute names are.
-RARE_NAMES: tuple[str | tuple[str, ...], ...] = tuple(
-    tuple(map(sys.intern, name.split("."))) if "." in name else sys.intern(name)
-    for name, _ in RARE_FIELDS)
-
-
-def read_rare(so: Any, rare: Any) -> tuple[Any, ...]:
-    """The rare fields of ``so`` that ``rare`` names (:data:`RARE_NAMES`' form), or
-    ``rare(so)`` for a callable (:data:`_RARE`)."""
-    if not isinstance(rare, tuple):
-        return rare(so)  # type: ignore[no-any-return]
-    return tuple(getattr(getattr(so, name[0]), name[1]) if isinstance(name, tuple)
-                 else getattr(so, name) for name in rare)
-
-
-def _plain(so: Any) -> bool:
-    """No request enters, leaves or resumes, and no rare field is set."""
-    rare = _RARE(so)
-    if rare == _PLAIN:
-        return True
-    # the same up to container types (a test may hand in a tuple or a dict for a set)
-    return (not rare[0] and not rare[1] and rare[2] is not None and not rare[2]
-            and not rare[3] and not rare[4] and rare[5] is None and rare[6] is None
-            and not rare[7] and rare[8] is None and rare[9] is None and rare[10] == []
-            and all(v is None for v in rare[11:12 + len(CONNECTOR_FIELDS)])
-            and not any(rare[-3:]))

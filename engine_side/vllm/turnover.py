@@ -35,12 +35,8 @@ import numpy as np
 from engine_side.diffing import finish_fields, new_request
 from engine_side.vllm.convert import draft_rows
 from engine_side.vllm.params import new_request_spec
-from engine_side.vllm.quick import (
-    JOINS_AND_LEAVES,
-    RARE_FIELDS,
-    CountRows,
-    count_rows_py,
-)
+from engine_side.vllm.quick import CountRows, count_rows_py
+from engine_side.vllm.rare import JOINS_AND_LEAVES, RARE_FIELDS
 from engine_side.vllm.schema import StepExt
 from protocol import codec
 from protocol.codec import Frame
