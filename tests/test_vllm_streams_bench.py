@@ -208,8 +208,9 @@ def test_replay_passes_take_each_steps_median_of_both_paths(
     real = vllm_replay._one_pass
     orders: list[bool] = []
 
-    def scripted(msgs: Any, breakdown: bool, ours_first: bool, bare: bool) -> Any:
-        steps, fields = real(msgs, breakdown, ours_first, bare)
+    def scripted(msgs: Any, breakdown: bool, ours_first: bool, bare: bool,
+                 eviction: Any = None) -> Any:
+        steps, fields = real(msgs, breakdown, ours_first, bare, eviction)
         k = len(orders)
         orders.append(ours_first)
         for i, step in enumerate(steps):  # pass k: µs (10k + i, 100k + i) per path
@@ -320,3 +321,77 @@ def test_replay_times_the_chosen_baseline(recording: Path,
     chosen.clear()
     replay(messages, bare=True)
     assert len(chosen) == len(messages) and all(chosen)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_eviction_runs_before_each_paths_turn(recording: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an Eviction, every timed turn -- ours and vLLM's, at every message -- follows
+    its own eviction; without one, none runs."""
+    from engine_side.bench import vllm_replay
+    from engine_side.bench.vllm_replay import Eviction, load_recording, replay
+
+    messages = load_recording(recording)[:12]
+    log: list[str] = []
+    real_pickled, real_ours, real_evictor = (vllm_replay.pickled, vllm_replay._ours,
+                                             Eviction.evictor)
+
+    def pickled(kind: str, obj: Any, bare: bool = False) -> Any:
+        log.append("pickle")
+        return real_pickled(kind, obj, bare)
+
+    def ours(kind: str, obj: Any, route: Any) -> Any:
+        log.append("ours")
+        return real_ours(kind, obj, route)
+
+    def evictor(self: Eviction) -> Any:
+        evict = real_evictor(self)
+
+        def logged(obj: Any) -> None:
+            log.append("evict")
+            evict(obj)
+        return logged
+
+    monkeypatch.setattr(vllm_replay, "pickled", pickled)
+    monkeypatch.setattr(vllm_replay, "_ours", ours)
+    monkeypatch.setattr(Eviction, "evictor", evictor)
+    replay(messages)
+    assert "evict" not in log and len(log) == 2 * len(messages)
+    log.clear()
+    replay(messages, eviction=Eviction(1, warm_step=True))
+    assert log[0::2] == ["evict"] * (2 * len(messages))
+    assert sorted(log[1::2]) == ["ours"] * len(messages) + ["pickle"] * len(messages)
+
+
+def test_eviction_evicts_then_reads_the_step() -> None:
+    """The evictor writes its buffer and, with warm_step, reads the object; a size
+    outside 1..4096 MB is refused."""
+    from engine_side.bench.vllm_replay import Eviction
+
+    class Step:
+        reads = 0
+
+        def __repr__(self) -> str:
+            Step.reads += 1
+            return "step"
+
+    Eviction(1).evictor()(Step())
+    assert Step.reads == 0
+    Eviction(1, warm_step=True).evictor()(Step())
+    assert Step.reads == 1
+    for mb in (0, -1, 4097):
+        with pytest.raises(ValueError, match="eviction"):
+            Eviction(mb)
+
+
+def test_warm_step_needs_an_eviction(capsys: pytest.CaptureFixture[str]) -> None:
+    """--warm-step alone is refused with a message, before anything is recorded."""
+    import argparse
+
+    from engine_side.bench import vllm_streams
+
+    parser = argparse.ArgumentParser()
+    vllm_streams.add_arguments(parser)
+    assert vllm_streams.run(parser.parse_args(["--replay", "x.dcrec", "--warm-step"])) == 2
+    assert "--evict-mb" in capsys.readouterr().err

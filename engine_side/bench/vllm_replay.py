@@ -19,11 +19,17 @@ encode + decode against serialize + deserialize, summed per step; medians are ov
 decoder takes the frames as the encoder returns them, as pickle.loads takes dumps' bytes
 and buffers: neither side is timed copying them (until the sixteenth session ours were
 timed through a list of bytes copies, ~0.8 µs a message).
+
+With an :class:`Eviction`, each path's turn at each message follows a write of N MB that
+evicts the caches (and, with ``warm_step``, a read of the message's objects, as the
+engine's scheduler leaves a step it has just built): the steps as a server runs them,
+with other work between, instead of back to back.
 """
 
 from __future__ import annotations
 
 import copyreg
+import dataclasses
 import functools
 import gc
 import io
@@ -252,6 +258,33 @@ def _ours(kind: str, obj: Any, route: tuple[Any, Any]) -> tuple[Row, list[bytes]
     return (kind, sum(map(len, frames)), t1 - t0, t2 - t1), frames
 
 
+@dataclasses.dataclass(frozen=True)
+class Eviction:
+    """What runs, untimed, before each path's turn at each message: ``mb`` megabytes
+    written (one byte a cache line of a buffer made once), then with ``warm_step`` the
+    message's object graph read (``repr``: its fields and lists; large buffers are
+    summarised, not read)."""
+
+    mb: int
+    warm_step: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.mb <= 4096:
+            raise ValueError(f"eviction must be 1..4096 MB, got {self.mb}")
+
+    def evictor(self) -> Any:
+        """The callable that evicts before a turn (``evictor()(obj)``)."""
+        buffer = bytearray(self.mb << 20)
+        zeros = bytes(len(buffer[::64]))
+
+        def evict(obj: Any) -> None:
+            buffer[::64] = zeros
+            if self.warm_step:
+                repr(obj)
+
+        return evict
+
+
 def _route(enc: Any, dec: Any) -> dict[str, tuple[Any, Any]]:
     return {"execute_model": (enc.encode, dec.decode),
             "sample_tokens": (enc.encode_grammar, dec.decode_grammar),
@@ -260,16 +293,19 @@ def _route(enc: Any, dec: Any) -> dict[str, tuple[Any, Any]]:
 
 
 def replay(messages: list[tuple[str, Any]], breakdown: bool = False,
-           passes: int = 1, bare: bool = False) -> dict[str, Any]:
+           passes: int = 1, bare: bool = False,
+           eviction: Eviction | None = None) -> dict[str, Any]:
     """Per-step bytes and µs, ours (fresh encoder → fresh decoder) vs pickle, summarised.
     With ``passes`` > 1 the stream is replayed that many times, each pass with a fresh
     encoder and decoder and the other path first at every step, and each step's µs on
     either path is its median over the passes (a noisy machine's outliers then move no
     median; bytes are the same in every pass).  ``bare``: pickle's figures are bare
-    ``pickle.dumps`` + ``loads`` instead of vLLM's serializer (:func:`pickled`)."""
+    ``pickle.dumps`` + ``loads`` instead of vLLM's serializer (:func:`pickled`);
+    ``eviction``: what runs before each path's turn (None: nothing, steps back to back)."""
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
-    runs = [_one_pass(messages, breakdown and k == 0, ours_first=k % 2 == 1, bare=bare)
+    runs = [_one_pass(messages, breakdown and k == 0, ours_first=k % 2 == 1, bare=bare,
+                      eviction=eviction)
             for k in range(passes)]
     steps, fields = runs[0]
     for i, step in enumerate(steps):
@@ -284,10 +320,12 @@ def replay(messages: list[tuple[str, Any]], breakdown: bool = False,
 
 
 def _one_pass(messages: list[tuple[str, Any]], breakdown: bool, ours_first: bool,
-              bare: bool = False) -> tuple[list[_Step], Counter[str]]:
+              bare: bool = False, eviction: Eviction | None = None,
+              ) -> tuple[list[_Step], Counter[str]]:
     """One replay of ``messages``: per step the figures of both paths (which one goes
-    first alternates per message kind, starting with pickle unless ``ours_first``), and
-    the request fields' byte counts when ``breakdown``."""
+    first alternates per message kind, starting with pickle unless ``ours_first``; each
+    after ``eviction``'s work when there is one), and the request fields' byte counts
+    when ``breakdown``."""
     from engine_side.vllm.encoder import SchedulerOutputEncoder
     from worker_side.vllm.decoder import SchedulerOutputDecoder
 
@@ -299,14 +337,21 @@ def _one_pass(messages: list[tuple[str, Any]], breakdown: bool, ours_first: bool
     fields: Counter[str] = Counter()
     prev: dict[str, int] = {}
     seen: Counter[str] = Counter()  # alternate per kind: a step holds an even number of messages
+    evict = eviction.evictor() if eviction is not None else _nothing
     for kind, obj in messages:
         if kind == "execute_model":
             steps.append(_Step(obj, prev))
             prev = dict(obj.num_scheduled_tokens)
         seen[kind] += 1
-        theirs = pickled(kind, obj, bare) if (seen[kind] + ours_first) % 2 else None
+        theirs = None
+        if (seen[kind] + ours_first) % 2:
+            evict(obj)
+            theirs = pickled(kind, obj, bare)
+        evict(obj)
         ours, frames = _ours(kind, obj, route[kind])
-        theirs = theirs or pickled(kind, obj, bare)
+        if theirs is None:
+            evict(obj)
+            theirs = pickled(kind, obj, bare)
         if steps:
             steps[-1].add(kind, ours, theirs)
             steps[-1].grammar |= kind == "sample_tokens" and obj is not None
@@ -314,6 +359,10 @@ def _one_pass(messages: list[tuple[str, Any]], breakdown: bool, ours_first: bool
             fields.update(request_fields(kind, frames))
     gc.unfreeze()
     return steps, fields
+
+
+def _nothing(obj: Any) -> None:
+    """No eviction: the steps back to back."""
 
 
 def summarise(steps: list[_Step]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_side.bench.vllm_replay import (
+    Eviction,
     load_recording,
     pickled,
     replay,
@@ -188,15 +189,17 @@ BARE = "bare pickle.dumps + loads"
 def replay_all(paths: dict[str, Path], synthetic: list[int],
                live: dict[str, dict[str, Any]] | None = None,
                churn: tuple[int, ...] = (), passes: int = 1, bare: bool = False,
-               ) -> dict[str, Any]:
+               eviction: Eviction | None = None) -> dict[str, Any]:
     """The BENCHMARKS document: per workload and synthetic stream (steady decode at
     each ``synthetic`` size, continuous batching at each ``churn`` size), then the
     totals (recorded workloads only); each step's µs the median of ``passes`` replays
     (see :func:`engine_side.bench.vllm_replay.replay`; ``bare``: pickle's figures by bare
-    ``pickle.dumps`` + ``loads``, not vLLM's serializer)."""
+    ``pickle.dumps`` + ``loads``, not vLLM's serializer; ``eviction``: caches evicted
+    before each path's turn)."""
     doc: dict[str, Any] = {"workloads": {}, "synthetic": {}}
     for i, (name, path) in enumerate(paths.items(), 1):
-        row = replay(load_recording(path), breakdown=True, passes=passes, bare=bare)
+        row = replay(load_recording(path), breakdown=True, passes=passes, bare=bare,
+                     eviction=eviction)
         if name in SCENARIOS:
             row["summary"] = SCENARIOS[name].summary
         if live and name in live:
@@ -207,9 +210,11 @@ def replay_all(paths: dict[str, Path], synthetic: list[int],
               f"{row['request']['pickle_bytes'] / max(1, row['request']['bytes']):.1f}x fewer "
               f"bytes", file=sys.stderr, flush=True)
     for n in synthetic:
-        doc["synthetic"][str(n)] = replay(synthetic_decode(n, 20), passes=passes, bare=bare)
+        doc["synthetic"][str(n)] = replay(synthetic_decode(n, 20), passes=passes, bare=bare,
+                                          eviction=eviction)
     for n in churn:
-        doc["synthetic"][f"churn-{n}"] = replay(synthetic_churn(n, 20), passes=passes, bare=bare)
+        doc["synthetic"][f"churn-{n}"] = replay(synthetic_churn(n, 20), passes=passes,
+                                                 bare=bare, eviction=eviction)
     doc["total"] = {path: {k: sum(w[path][k] for w in doc["workloads"].values())
                            for k in ("bytes", "pickle_bytes", "us", "pickle_us")}
                     for path in ("request", "reply")}
@@ -222,6 +227,10 @@ def run(args: argparse.Namespace) -> int:
     if args.render:
         print(render(json.loads(Path(args.render).read_text())))
         return 0
+    if args.warm_step and not args.evict_mb:
+        print("error: --warm-step reads the step after an eviction: give --evict-mb N",
+              file=sys.stderr)
+        return 2
     synthetic = [int(n) for n in args.synthetic]
     if args.replay or args.scenario == "all":
         live = None
@@ -235,8 +244,11 @@ def run(args: argparse.Namespace) -> int:
             paths = {n: directory / f"{n}.dcrec" for n in names}
         churn = tuple(int(n) for n in args.churn)
         baseline = BARE if args.bare_pickle else VLLM_SERIALIZER
-        doc = {"meta": {**_meta(sys.argv), "passes": args.passes, "baseline": baseline},
-               **replay_all(paths, synthetic, live, churn, args.passes, args.bare_pickle)}
+        eviction = Eviction(args.evict_mb, args.warm_step) if args.evict_mb else None
+        doc = {"meta": {**_meta(sys.argv), "passes": args.passes, "baseline": baseline,
+                        "evict_mb": args.evict_mb, "warm_step": args.warm_step},
+               **replay_all(paths, synthetic, live, churn, args.passes, args.bare_pickle,
+                            eviction)}
         if args.json:
             Path(args.json).write_text(json.dumps(doc, indent=1))
         print(render(doc))
@@ -283,6 +295,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time bare pickle.dumps + loads of vLLM's message instead of "
                              "the serializer vLLM's MessageQueue runs (the baseline until "
                              "the twenty-fourth session)")
+    parser.add_argument("--evict-mb", type=_positive, default=0, metavar="N",
+                        help="before each path's turn at each message, write N MB to evict "
+                             "the caches (the steps as a server runs them, other work "
+                             "between; default: back to back)")
+    parser.add_argument("--warm-step", action="store_true",
+                        help="with --evict-mb: then read the message's objects, as the "
+                             "scheduler leaves a step it has just built")
     parser.add_argument("--json", default="", help="write the replay document (JSON) here")
     parser.add_argument("--render", default="", help="print the tables of a saved JSON document")
 
