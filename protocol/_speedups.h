@@ -142,6 +142,20 @@ enum { RAW, SIGNED, MINUS_ONE }; /* unpack_bytes' zigzag */
  * most ``limit`` values (0), or -1. */
 int read_header(const unsigned char *buf, Py_ssize_t len, uint64_t limit, int *width,
                 uint64_t *count, Py_ssize_t *pos);
+/* The next value ``z`` of a packed array's payload read from ``p`` (advanced) through the
+ * bit accumulator ``acc`` holding ``bits`` bits, for read_header's ``width`` and its
+ * ``mask``; never past the payload when the caller takes at most the header's count
+ * (read_header checked its length).  A macro: the loop keeps its state in registers. */
+#define NEXT_PACKED(z, p, acc, bits, width, mask)                      \
+    do {                                                               \
+        while ((bits) < (width)) {                                     \
+            (acc) |= (unsigned __int128)(*(p)++) << (bits);            \
+            (bits) += 8;                                               \
+        }                                                              \
+        (z) = (width) ? (uint64_t)(acc) & (mask) : 0;                  \
+        (acc) >>= (width);                                             \
+        (bits) -= (width);                                             \
+    } while (0)
 
 /* The SchedulerOutput attributes the same-batch steps read (_speedups_step.c's
  * plain_check, _speedups_fused.c's same_batch_scan): attrs[a] once intern_attrs() has

@@ -116,13 +116,8 @@ unpack_array(PyObject *self, PyObject *args)
     unsigned __int128 acc = 0;
     int bits = 0;
     for (Py_ssize_t i = 0; i < (Py_ssize_t)count; i++) {
-        while (bits < width) { /* never past the payload: its length was checked */
-            acc |= (unsigned __int128)(*p++) << bits;
-            bits += 8;
-        }
-        uint64_t z = width ? (uint64_t)acc & mask : 0;
-        acc >>= width;
-        bits -= width;
+        uint64_t z;
+        NEXT_PACKED(z, p, acc, bits, width, mask);
         if (z > (uint64_t)INT64_MAX) {
             Py_DECREF(out);
             PyBuffer_Release(&view);
