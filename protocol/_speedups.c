@@ -211,12 +211,13 @@ pack_plus_one(PyObject *self, PyObject *arg)
 }
 
 /* Width, count and payload offset of a well-formed packed array of at most ``limit``
- * values (the checks of protocol.packing.read_leb128 and _unpack_raw); -1 otherwise. */
+ * values (the checks of protocol.packing.read_leb128 and _unpack_raw); -1 otherwise,
+ * and for a limit past 2**56. */
 int
 read_header(const unsigned char *buf, Py_ssize_t len, uint64_t limit, int *width,
             uint64_t *count, Py_ssize_t *pos)
 {
-    if (len < 1 || buf[0] > 64) {
+    if (limit > (1ULL << 56) || len < 1 || buf[0] > 64) {
         return -1;
     }
     uint64_t value = 0;
@@ -281,9 +282,7 @@ unpacked_view(Py_buffer view, unsigned long long limit, int zigzag)
     int width;
     uint64_t count;
     Py_ssize_t pos;
-    if (limit > (1ULL << 56)
-            || read_header((const unsigned char *)view.buf, view.len, limit, &width, &count,
-                           &pos) < 0) {
+    if (read_header((const unsigned char *)view.buf, view.len, limit, &width, &count, &pos) < 0) {
         PyBuffer_Release(&view);
         Py_RETURN_NONE; /* malformed or too long: Python decides (and raises) */
     }

@@ -139,7 +139,7 @@ int typed_buffer(PyObject *obj, Py_buffer *view, int writable, int ndim, Py_ssiz
 PyObject *unpack_bytes(PyObject *packed, int zigzag);
 enum { RAW, SIGNED, MINUS_ONE }; /* unpack_bytes' zigzag */
 /* _speedups.c's: the width, count and payload offset of a well-formed packed array of at
- * most ``limit`` values (0), or -1. */
+ * most ``limit`` values (0), or -1 (and for a limit past 2**56). */
 int read_header(const unsigned char *buf, Py_ssize_t len, uint64_t limit, int *width,
                 uint64_t *count, Py_ssize_t *pos);
 /* The next value ``z`` of a packed array's payload read from ``p`` (advanced) through the

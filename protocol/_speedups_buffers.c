@@ -99,9 +99,7 @@ unpack_array(PyObject *self, PyObject *args)
     int width;
     uint64_t count;
     Py_ssize_t pos;
-    if (limit > (1ULL << 56)
-            || read_header((const unsigned char *)view.buf, view.len, limit, &width, &count,
-                           &pos) < 0) {
+    if (read_header((const unsigned char *)view.buf, view.len, limit, &width, &count, &pos) < 0) {
         PyBuffer_Release(&view);
         Py_RETURN_NONE;
     }
