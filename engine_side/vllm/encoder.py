@@ -44,14 +44,13 @@ from engine_side.vllm.convert import (
     cached_order,
     check_scheduled,
     make_ref,
-    seal,
 )
 from engine_side.vllm.finish import finish_delta
 from engine_side.vllm.grammar import GrammarEncoder
 from engine_side.vllm.mm import StoreChannel
 from engine_side.vllm.params import SpecReader, new_request_spec
 from engine_side.vllm.quick import Packed, QuickEncoder, Scan
-from engine_side.vllm.rare import CONNECTOR_FIELDS
+from engine_side.vllm.rare import step_ext
 from engine_side.vllm.replies import IndexCache, decode_reply
 from engine_side.vllm.schema import (
     StepExt,
@@ -85,20 +84,6 @@ def _packed(values: list[int]) -> bytes:
 def _not_none(values: list[Any]) -> list[int]:
     """Positions of the entries that are not None (C-level maps: no per-row bytecode)."""
     return list(compress(range(len(values)), map(is_not, values, repeat(None))))
-
-
-def _dict_keys(d: dict[str, Any], batch: list[str], pos: dict[str, int]) -> bytes | None:
-    """None when ``d``'s keys are the batch ids with non-empty values, in batch order."""
-    if not d:
-        return None
-    predicted = [rid for rid in batch if d.get(rid)]
-    if list(d) == predicted:
-        return None
-    unknown = [k for k in d if k not in pos]
-    if unknown:
-        raise LocalProtocolError("a per-request field names an unscheduled request",
-                                 req_ids=unknown[:8])
-    return pack_uints([pos[k] for k in d])
 
 
 class SchedulerOutputEncoder:
@@ -327,7 +312,7 @@ class SchedulerOutputEncoder:
         self._new_requests(so.scheduled_new_reqs, batch, pos, computed, ext)
         self._cached_requests(cached, batch, pos, computed, ext)
         self._token_lists(so, batch, pos, ext)
-        self._step_fields(so, batch, pos, ext)
+        step_ext(so, batch, pos, ext, self.secret)
         mem.known.update(batch)
         mem.prev_batch = set(batch)
         blocks = self._block_tables(batch, so)
@@ -492,37 +477,6 @@ class SchedulerOutputEncoder:
 
     def _ref(self, rid: str, tokens: list[int]) -> TokenRef:
         return make_ref(tokens, self.mem.prompt.get(rid), self.mem.held(rid))
-
-    def _step_fields(self, so: Any, batch: list[str], pos: dict[str, int],
-                     ext: dict[str, Any]) -> None:
-        for name, d in (("spec_keys", so.scheduled_spec_decode_tokens),
-                        ("enc_keys", so.scheduled_encoder_inputs)):
-            keys = _dict_keys(d, batch, pos)
-            if keys is not None:
-                ext[name] = keys
-        if so.total_num_scheduled_tokens != sum(so.num_scheduled_tokens.values()):
-            ext["total"] = so.total_num_scheduled_tokens
-        if so.preempted_req_ids is None:
-            ext["preempted_none"] = True
-        if so.new_block_ids_to_zero == []:
-            ext["zero_empty"] = True
-        stats = so.scheduled_encoder_input_stats
-        if stats is not None:
-            ext["enc_stats"] = (stats.num_inputs, stats.output_tokens)
-        if so.num_invalid_spec_tokens is not None:
-            ext["invalid_spec"] = dict(so.num_invalid_spec_tokens)
-        if so.has_sync_kv_loads:
-            ext["sync_kv"] = True
-        copies = so.kv_cache_block_copies
-        if copies is not None:
-            ext["block_copies"] = pack_uints([v for c in copies for v in c]) if copies else b""
-        if so.num_common_prefix_blocks != []:
-            ext["prefix_blocks"] = pack_uints(so.num_common_prefix_blocks)
-        if so.kv_connector_block_state is not None:
-            raise LocalProtocolError("kv_connector_block_state is scheduler-local")
-        opaque = {f: getattr(so, f) for f in CONNECTOR_FIELDS if getattr(so, f) is not None}
-        if opaque:
-            ext["sealed"] = seal(opaque, self.secret)
 
     # ------------------------------------------------------------ sample_tokens
     def encode_grammar(self, grammar: Any) -> list[Frame]:
