@@ -19,7 +19,7 @@ exception to the engine as it reports any (``worker_side/vllm/proc.py``).
 
 from __future__ import annotations
 
-from itertools import accumulate, chain, compress, filterfalse, repeat
+from itertools import accumulate, compress, filterfalse, repeat
 from operator import not_
 from typing import Any
 
@@ -27,21 +27,15 @@ import msgspec
 import numpy as np
 
 from engine_side.vllm.convert import (
-    RefTable,
     StepMemory,
     TokenLedger,
     cached_order,
-    index_is_positions,
     resolve_ref,
-    seal,
-    single_items,
     split_rows,
     unseal,
 )
 from engine_side.vllm.params import SamplingMaker, spec_to_lora, spec_to_pooling
 from engine_side.vllm.schema import (
-    KVOutputWire,
-    LogprobsWire,
     NewFix,
     ReplyMsg,
     StepExt,
@@ -52,7 +46,7 @@ from protocol.errors import InvalidDelta, MalformedMessage
 from protocol.lane import SteadyLane
 from protocol.lane_lists import NO_ROWS
 from protocol.messages import TOKEN_MODE_WORKER, Delta, DeltaBody, Rows
-from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uints
+from protocol.packing import unpack_sints, unpack_uints
 from protocol.plan import STEADY_BODY
 from protocol.planned import FLAG_BODIES
 from protocol.request import ExecuteModelRequest, IntArray, Ragged
@@ -64,6 +58,7 @@ from worker_side.vllm.finish import finish_output
 from worker_side.vllm.grammar import GrammarDecoder
 from worker_side.vllm.mm import StoreResolver, features_from_refs, fresh
 from worker_side.vllm.quick import EXT_DECODER, NO_EXT, QuickDecoder, made, plain
+from worker_side.vllm.replies import reply_msg
 from worker_side.vllm.turnover import turnover_output, turnover_shaped
 
 #: what wire lists that do not fit the step raise while its SchedulerOutput is made
@@ -462,7 +457,8 @@ class SchedulerOutputDecoder:
     # ------------------------------------------------------------ replies
     def encode_reply(self, out: Any) -> list[Frame]:
         """Frames of a ModelRunnerOutput (or None) answering the newest decoded step."""
-        msg = ReplyMsg(seq=self.seq, none=True) if out is None else self._reply(out)
+        msg = ReplyMsg(seq=self.seq, none=True) if out is None else \
+            reply_msg(out, self.batches.get(self.seq, []), self.seq, self.secret)
         if out is not None:
             self.mem.record_output(out)
         self._aux.clear()
@@ -470,63 +466,3 @@ class SchedulerOutputDecoder:
             return [self._reply_enc.encode(msg), *self._aux]
         finally:
             self._aux.clear()
-
-    def _reply(self, out: Any) -> ReplyMsg:
-        batch = self.batches.get(self.seq, [])
-        ids = RefTable(batch, [])
-        fields: dict[str, Any] = {}
-        if out.req_ids != batch:
-            fields["positions"] = ids.pack(out.req_ids)
-        index = out.req_id_to_index
-        if not index_is_positions(index, out.req_ids):  # (ref, index) pairs, flat
-            pairs = zip(ids.refs(list(index)), index.values(), strict=True)
-            fields["index_map"] = pack_uints(list(chain.from_iterable(pairs)))
-        sampled = out.sampled_token_ids
-        # one token per request (the common step): the tokens are the whole message
-        flat = single_items(sampled) if len(sampled) == len(out.req_ids) else None
-        if flat is None:
-            counts = list(map(len, sampled))
-            if len(sampled) != len(out.req_ids) or counts.count(1) != len(counts):
-                fields["counts"] = pack_uints(counts)
-            flat = list(chain.from_iterable(sampled))
-        if flat:
-            fields["tokens"] = pack_sints(flat)
-        if out.logprobs is not None:
-            fields["logprobs"] = LogprobsWire(*out.logprobs)
-        if out.prompt_logprobs_dict:
-            fields["prompt_lp"] = tuple((ids.ref(k), None if v is None else LogprobsWire(*v))
-                                        for k, v in out.prompt_logprobs_dict.items())
-        if out.prompt_token_id_logprobs_dict:
-            fields["prompt_tid"] = ids.pairs(out.prompt_token_id_logprobs_dict)
-        if out.num_nans_in_logits is not None:
-            fields["nans"] = ids.pairs(out.num_nans_in_logits)
-        if out.sampling_masks is not None:
-            fields["masks"] = tuple(out.sampling_masks)
-        fields.update(self._opaque(out))
-        return ReplyMsg(seq=self.seq, names=tuple(ids.names), pooler=out.pooler_output, **fields)
-
-    def _opaque(self, out: Any) -> dict[str, Any]:
-        if out.kv_connector_output is None and out.ec_connector_output is None and \
-                out.cudagraph_stats is None and out.aux_output_connector_output is None:
-            return {}  # the common reply: no connector output
-        opaque: dict[str, Any] = {}
-        fields: dict[str, Any] = {}
-        kv = out.kv_connector_output
-        if kv is not None:
-            fields["kv"] = KVOutputWire(
-                sending=None if kv.finished_sending is None else sorted(kv.finished_sending),
-                recving=None if kv.finished_recving is None else sorted(kv.finished_recving),
-                invalid_blocks=sorted(kv.invalid_block_ids), failed=sorted(kv.failed_recving),
-                expected=kv.expected_finished_count)
-            parts = {"stats": kv.kv_connector_stats, "events": kv.kv_cache_events,
-                     "meta": kv.kv_connector_worker_meta}
-            parts = {k: v for k, v in parts.items() if v is not None}
-            if parts:
-                opaque["kv"] = parts
-        for key, value in (("ec", out.ec_connector_output), ("cudagraph", out.cudagraph_stats),
-                           ("aux", out.aux_output_connector_output)):
-            if value is not None:
-                opaque[key] = value
-        if opaque:
-            fields["sealed"] = seal(opaque, self.secret)
-        return fields
