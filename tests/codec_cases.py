@@ -1,15 +1,15 @@
-"""Hypothesis strategies for every wire message, and the deep comparison and tensor
-count the codec tests use (tests/test_codec.py)."""
+"""Hypothesis strategies for every wire message, and the tensor count the codec tests
+use (tests/test_codec.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import hypothesis.extra.numpy as hnp
 import msgspec
 import numpy as np
 import torch
 from hypothesis import strategies as st
+from nested import tensors
 
 from protocol.messages import (
     CheckIn,
@@ -34,7 +34,6 @@ from protocol.params import (
     SamplingSpec,
     StructuredOutputsSpec,
 )
-from protocol.tensors import tensors_equal
 
 # ---------------------------------------------------------------- strategies
 
@@ -51,23 +50,6 @@ json_like = st.recursive(
     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(text, kids, max_size=3),
     max_leaves=6,
 )
-
-
-@st.composite
-def tensors(draw: st.DrawFn) -> Any:
-    """The zoo: numpy and torch, bf16, 0-d, empty and non-contiguous tensors."""
-    dtype = np.dtype(draw(st.sampled_from(["float32", "float16", "int64", "uint8", "bool"])))
-    shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4))
-    arr = draw(hnp.arrays(dtype, shape))
-    if arr.ndim >= 2 and draw(st.booleans()):
-        arr = arr.T
-    kind = draw(st.sampled_from(["numpy", "torch", "bf16"]))
-    if kind == "numpy":
-        return arr
-    t = torch.from_numpy(np.array(arr))
-    if kind == "bf16" and dtype.kind == "f":
-        t = t.to(torch.bfloat16)
-    return t[::2] if t.ndim and draw(st.booleans()) else t
 
 
 nested_tensors = st.recursive(
@@ -155,26 +137,6 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Any]] = {
     SnapshotRequest: st.builds(SnapshotRequest, ints, ints, rank=ints),
 }
 any_message = st.one_of(list(MESSAGES.values()))
-
-
-def assert_same(a: Any, b: Any, path: str = "msg") -> None:
-    """Deep equality; tensors compare bitwise and must keep their library and dtype."""
-    if isinstance(a, msgspec.Struct):
-        assert type(a) is type(b), path
-        for name in a.__struct_fields__:
-            assert_same(getattr(a, name), getattr(b, name), f"{path}.{name}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (np.ndarray, torch.Tensor)):
-        assert type(b) is type(a) and tensors_equal(a, b), path
-    else:
-        assert type(a) is type(b) and a == b, path
 
 
 def count_tensors(obj: Any) -> int:

@@ -33,7 +33,6 @@ from codec_cases import (
     DELTA_VALUES,
     MESSAGES,
     any_message,
-    assert_same,
     count_tensors,
     delta_bodies,
     ints,
@@ -41,6 +40,7 @@ from codec_cases import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from nested import assert_same
 
 from engine_side.mirror import EngineMirror
 from protocol import codec

@@ -7,7 +7,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import hypothesis.extra.numpy as hnp
 import msgspec
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ import torch
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from nested import assert_same
+from nested import assert_same, tensors
 
 from protocol.errors import MalformedMessage
 from protocol.tensors import (
@@ -222,30 +221,14 @@ def test_tensors_equal_semantics() -> None:
 
 # ---------------------------------------------------------------- property tests
 
-_NP_DTYPES = [
+_NP_DTYPES = (
     "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
     "float16", "float32", "float64", "complex64", "complex128",
-]  # fmt: skip
-
-
-@st.composite
-def tensors(draw: st.DrawFn) -> Any:
-    dtype = np.dtype(draw(st.sampled_from(_NP_DTYPES)))
-    shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4))
-    arr = draw(hnp.arrays(dtype, shape))
-    if arr.ndim >= 2 and draw(st.booleans()):
-        arr = arr.T  # non-contiguous
-    kind = draw(st.sampled_from(["numpy", "torch", "bf16"]))
-    if kind == "numpy":
-        return arr
-    t = torch.from_numpy(np.array(arr))  # np.array: own a writable copy
-    if kind == "bf16" and dtype.kind == "f":
-        t = t.to(torch.bfloat16)
-    return t[::2] if t.ndim and draw(st.booleans()) else t
+)  # fmt: skip
 
 
 nested = st.recursive(
-    tensors() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=3),
+    tensors(_NP_DTYPES) | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=3),
     lambda kids: (
         st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=3), kids, max_size=3)
     ),
