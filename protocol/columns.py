@@ -8,8 +8,12 @@ valid (truncation reallocates).
 
 from __future__ import annotations
 
-import numpy as np
+from operator import add
 
+import numpy as np
+import numpy.typing as npt
+
+from protocol.digest import MASK
 from protocol.request import IntArray
 
 FEW_WRITES = 8  # rows up to this many are written by a slice each (see BlockTable.write)
@@ -167,3 +171,22 @@ class BlockTable:
 
 
 _NONE = np.zeros(0, dtype=np.int32)
+
+
+def absorb_rows_py(table: BlockTable, sums: npt.NDArray[np.uint64],
+                   rows: list[tuple[list[int], list[int], list[int], list[int],
+                                    list[int]]]) -> None:
+    """Journaled appends written in step order: row j's ids at ``table[h, start:]``, its
+    length ``start + count`` and ``sums[h] += term`` (mod 2**64); the table grows as
+    needed.  The reference of the C ``absorb_rows``."""
+    for hs, starts, counts, ids, terms in rows:
+        table.ensure(max(hs), max(map(add, starts, counts)))
+        cells, lengths, at = table.table, table.lengths, 0
+        for h, start, n, term in zip(hs, starts, counts, terms, strict=True):
+            if n == 1:
+                cells[h, start] = ids[at]
+            else:
+                cells[h, start:start + n] = ids[at:at + n]
+            at += n
+            lengths[h] = start + n
+            sums[h] = (sums.item(h) + term) & MASK

@@ -27,12 +27,12 @@ the state :meth:`ReplicaState.apply` of the same bodies would hold, and
 
 from __future__ import annotations
 
-from operator import add, attrgetter, mul, sub
+from operator import add, sub
 from typing import TYPE_CHECKING, Any
 
 from protocol import digest as dg
 from protocol.errors import InvalidDelta
-from protocol.lane_lists import NO_ROWS, LaneRows, lane_rows
+from protocol.lane_lists import NO_ROWS, LaneRows, add_at, dot, lane_rows, lane_shaped, rows_fit
 from protocol.messages import DeltaBody
 from protocol.planned import STEADY_BODY
 from protocol.speedups import C as _C
@@ -61,27 +61,6 @@ _BLOCK_ID_LIMIT = 1 << 31  # the block table is int32
 _SALT0 = dg.group_salt(0)  # the one KV group's share of its block terms
 # (by name: a call with them spelled out passes its arguments without making a tuple)
 _K_BLOCK, _K_POS, _K_HANDLE = dg.BLOCK_KEYS
-
-
-#: the fields a lane body leaves empty, read by one C call (see lane_shaped)
-_SCHEDULE_FIELDS = attrgetter(
-    "finished", "finished_unknown", "added", "schedule_full", "schedule_drop",
-    "schedule_append", "block_replace", "truncate", "tokens", "encoder_inputs", "preempted",
-    "resumed", "free_encoder_mm_hashes", "blocks_to_zero")
-_UNSET = _SCHEDULE_FIELDS(DeltaBody())
-
-
-def lane_shaped(body: DeltaBody) -> bool:
-    """Whether ``body`` keeps the schedule, changing only count exceptions, block appends
-    and step-only fields (the lane's bodies)."""
-    if _SCHEDULE_FIELDS(body) == _UNSET:  # the common case, in one compare
-        return True
-    return (not body.finished and not body.finished_unknown and not body.added
-            and not body.schedule_full and not body.schedule_drop
-            and not body.schedule_append and not body.block_replace
-            and body.truncate is None and body.tokens is None
-            and body.encoder_inputs is None and not body.preempted and not body.resumed
-            and not body.free_encoder_mm_hashes and not body.blocks_to_zero)
 
 
 #: ``lane_counts``' answer for a step it took: (digest, the new scheduled counts or None,
@@ -160,7 +139,7 @@ class SteadyLane:
         # of the lists at hand (one C loop, or a small one in Python), else the state's
         # numpy term
         if counting:
-            self.advance = _dot(self.nsched, self._keys()) & dg.MASK
+            self.advance = dot(self.nsched, self._keys()) & dg.MASK
             if reschedules:
                 self._schedule_keys()
         elif len(self.handles) <= FEW_KEYS or _C is not None:
@@ -431,7 +410,7 @@ class SteadyLane:
                 *dg.BLOCK_KEYS, not own)
             if plan is not None:
                 return plan
-        if not own and not _rows_fit(pos, counts, len(values), len(self.handles)):
+        if not own and not rows_fit(pos, counts, len(values), len(self.handles)):
             return None
         if min(values) < 0 or max(values) >= _BLOCK_ID_LIMIT:
             return None
@@ -462,7 +441,7 @@ class SteadyLane:
             after = list(map(add, after, moves))
             if min(after) < 0 or max(after) >= _COUNT_LIMIT:
                 return None
-            change = _dot(moves, self._keys(), at)
+            change = dot(moves, self._keys(), at)
         nsched = None
         if rows.scheduled is not None:
             pos, values = rows.scheduled
@@ -472,8 +451,8 @@ class SteadyLane:
             before = list(map(old.__getitem__, pos))
             if before != values:  # unchanged positions add zero terms below
                 deltas = list(map(sub, values, before))
-                change += _dot(deltas, self._schedule_keys(), pos)
-                advance = (advance + _dot(deltas, self._keys(), pos)) & dg.MASK
+                change += dot(deltas, self._schedule_keys(), pos)
+                advance = (advance + dot(deltas, self._keys(), pos)) & dg.MASK
                 nsched = list(old)
                 for p, v in zip(pos, values, strict=True):
                     nsched[p] = v
@@ -538,29 +517,3 @@ class SteadyLane:
         self.journal = [[] for _ in range(self.groups)]
         self.version, self.rows = self.state.version, 0
         self._restart()
-
-
-def _dot(values: list[int], keys: list[int], at: list[int] | None = None) -> int:
-    """``sum(values[j] * keys[at[j]])`` (``keys[j]`` without ``at``), equal mod 2**64 --
-    all the digest keeps of it -- in C or in Python."""
-    if _C is not None:
-        total: int | None = _C.dot(values, keys, at)
-        if total is not None:
-            return total
-    return sum(map(mul, values, keys if at is None else map(keys.__getitem__, at)))
-
-
-def add_at(target: list[int], at: list[int], values: list[int]) -> None:
-    """``target[at[j]] += values[j]`` for each j (one C call when it takes them)."""
-    if _C is None or _C.add_at(target, at, values) is None:  # None: nothing done
-        for p, d in zip(at, values, strict=True):
-            target[p] += d
-
-
-def _rows_fit(pos: list[int], counts: list[int], ids: int, n: int) -> bool:
-    """Appended rows at distinct scheduled positions (``n`` scheduled), >= 1 id each,
-    ``ids`` in all."""
-    if len(pos) == 1:  # the common case: one row, on scalars
-        return len(counts) == 1 and 0 <= pos[0] < n and 1 <= counts[0] == ids
-    return len(counts) == len(pos) and len(set(pos)) == len(pos) and min(pos) >= 0 \
-        and max(pos) < n and min(counts) >= 1 and sum(counts) == ids

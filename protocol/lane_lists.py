@@ -1,8 +1,10 @@
 """A lane body's count and draft rows as Python lists (:class:`LaneRows`), unpacked once
-for the steady lane (:mod:`protocol.lane`) and the adapters' same-batch paths."""
+for the steady lane (:mod:`protocol.lane`) and the adapters' same-batch paths; which
+bodies are the lane's (:func:`lane_shaped`); and the list arithmetic both use."""
 
 from __future__ import annotations
 
+from operator import attrgetter, mul
 from typing import NamedTuple
 
 from protocol.errors import MalformedMessage
@@ -66,3 +68,50 @@ def lane_rows(body: DeltaBody, n: int) -> LaneRows | None:
 
 def _uints(packed: bytes) -> list[int]:
     return unpack_uint_list(packed) if packed else []
+
+
+#: the fields a lane body leaves empty, read by one C call (see lane_shaped)
+_SCHEDULE_FIELDS = attrgetter(
+    "finished", "finished_unknown", "added", "schedule_full", "schedule_drop",
+    "schedule_append", "block_replace", "truncate", "tokens", "encoder_inputs", "preempted",
+    "resumed", "free_encoder_mm_hashes", "blocks_to_zero")
+_UNSET = _SCHEDULE_FIELDS(DeltaBody())
+
+
+def lane_shaped(body: DeltaBody) -> bool:
+    """Whether ``body`` keeps the schedule, changing only count exceptions, block appends
+    and step-only fields (the lane's bodies)."""
+    if _SCHEDULE_FIELDS(body) == _UNSET:  # the common case, in one compare
+        return True
+    return (not body.finished and not body.finished_unknown and not body.added
+            and not body.schedule_full and not body.schedule_drop
+            and not body.schedule_append and not body.block_replace
+            and body.truncate is None and body.tokens is None
+            and body.encoder_inputs is None and not body.preempted and not body.resumed
+            and not body.free_encoder_mm_hashes and not body.blocks_to_zero)
+
+
+def dot(values: list[int], keys: list[int], at: list[int] | None = None) -> int:
+    """``sum(values[j] * keys[at[j]])`` (``keys[j]`` without ``at``), equal mod 2**64 --
+    all the digest keeps of it -- in C or in Python."""
+    if _C is not None:
+        total: int | None = _C.dot(values, keys, at)
+        if total is not None:
+            return total
+    return sum(map(mul, values, keys if at is None else map(keys.__getitem__, at)))
+
+
+def add_at(target: list[int], at: list[int], values: list[int]) -> None:
+    """``target[at[j]] += values[j]`` for each j (one C call when it takes them)."""
+    if _C is None or _C.add_at(target, at, values) is None:  # None: nothing done
+        for p, d in zip(at, values, strict=True):
+            target[p] += d
+
+
+def rows_fit(pos: list[int], counts: list[int], ids: int, n: int) -> bool:
+    """Appended rows at distinct scheduled positions (``n`` scheduled), >= 1 id each,
+    ``ids`` in all."""
+    if len(pos) == 1:  # the common case: one row, on scalars
+        return len(counts) == 1 and 0 <= pos[0] < n and 1 <= counts[0] == ids
+    return len(counts) == len(pos) and len(set(pos)) == len(pos) and min(pos) >= 0 \
+        and max(pos) < n and min(counts) >= 1 and sum(counts) == ids

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from msgspec.structs import replace
 
+from protocol.block_cache import flush_block_patches
 from protocol.messages import TOKEN_MODE_ENGINE
 from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
 
@@ -48,7 +49,7 @@ def cached_block_table(state: ReplicaState, g: int) -> tuple[IntArray, IntArray]
     Shared, cached, read-only arrays; a change installs new arrays.
     """
     key = f"blocks{g}"
-    state.flush_block_patches(g)
+    flush_block_patches(state, g)
     cached: Any = state._rebuild_cache.get(key)
     if cached is None or cached[0] is not state.schedule:
         lengths, values = state.blocks[g].gather(state.schedule)

@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 from itertools import chain
-from operator import add
 from typing import Any
 
 import msgspec
 import numpy as np
-import numpy.typing as npt
 from msgspec.structs import replace
 
 from protocol import digest as dg
-from protocol.columns import BlockTable, HandleColumns, TokenBuffer
+from protocol.block_cache import patch_later
+from protocol.columns import BlockTable, HandleColumns, TokenBuffer, absorb_rows_py
 from protocol.errors import InvalidDelta, LocalProtocolError
 from protocol.lookahead import Lookahead
 from protocol.messages import TOKEN_MODE_ENGINE, TOKEN_MODE_WORKER, Delta, DeltaBody
@@ -57,9 +56,6 @@ from protocol.speedups import C as _C
 _EMPTY = np.zeros(0, dtype=np.int64)
 _DELTA = msgspec.msgpack.Decoder(Delta)  # a lane's last step kept as its Delta's frame
 _EMPTY.flags.writeable = False
-#: appends kept for a cached flat block table before it is dropped instead (a table
-#: rebuilt from the block columns costs about as much as this many patches)
-MAX_PATCHES = 16
 #: journaled rows up to this many are absorbed by scalar writes (see _absorb_few)
 FEW_ABSORBED = 32
 
@@ -269,7 +265,7 @@ class ReplicaState:
             at += end - start
             lengths[h] = end
             block_sum[g, h] = total
-        self._patch_later(g, (few.handles, few.counts, values), True)
+        patch_later(self, g, (few.handles, few.counts, values), True)
 
     def _steady(self) -> Any:
         """(schedule, nsched, advance term, step fields) of the steady step (cached)."""
@@ -441,63 +437,7 @@ class ReplicaState:
                             edit.rep_counts, edit.rep_values)
             table.write(edit.app_handles, edit.app_starts, edit.app_counts, edit.app_values)
             self._cols.block_sum[g, edit.sum_handles] = edit.sums
-            self._patch_later(g, appended.get(g), same_schedule)
-
-    def _patch_later(self, g: int, rows: tuple[Any, Any, Any] | None,
-                     same_schedule: bool) -> None:
-        """Group ``g``'s appended (handles, counts, values) for its cached flat table, or
-        drop that cache (rows None: replaced rows; or too many patches pending)."""
-        cached: Any = self._rebuild_cache.get(f"blocks{g}")
-        patches: Any = self._rebuild_cache.get(f"patches{g}")
-        if rows is not None and same_schedule and cached is not None and \
-                (patches is None or len(patches) < MAX_PATCHES):
-            # patched when next read (flush_block_patches): most steps never read it
-            self._rebuild_cache.setdefault(f"patches{g}", []).append(rows)  # type: ignore[attr-defined]
-        else:
-            self._rebuild_cache.pop(f"blocks{g}", None)
-            self._rebuild_cache.pop(f"patches{g}", None)
-
-    def flush_block_patches(self, g: int) -> None:
-        """Apply the appends committed since group ``g``'s flat table cache was last read."""
-        pending: Any = self._rebuild_cache.pop(f"patches{g}", None)
-        for patch in pending or ():
-            self._patch_block_cache(g, *patch)
-
-    def _patch_block_cache(self, g: int, handles: Any, row_counts: Any, row_values: Any,
-                           ) -> None:
-        """Insert appended blocks into the cached flat table instead of rebuilding it (O(n)
-        memcpy, no per-row Python).  Arrays or lists."""
-        hs, counts = np.asarray(handles, dtype=np.int64), np.asarray(row_counts, dtype=np.int64)
-        values = np.asarray(row_values, dtype=np.int64)
-        key = f"blocks{g}"
-        cached: Any = self._rebuild_cache.get(key)
-        if cached is None or cached[0] is not self.schedule:
-            self._rebuild_cache.pop(key, None)
-            return
-        position = self._schedule_positions()
-        pos = position[hs]
-        if (pos < 0).any():  # a row outside the schedule: nothing cached to patch
-            self._rebuild_cache.pop(key, None)
-            return
-        _, lengths, flat = cached
-        at, rows = np.repeat(np.cumsum(lengths)[pos], counts), np.repeat(pos, counts)
-        # rows ending at the same offset (empty rows between them) insert in batch order
-        order = np.lexsort((np.arange(at.size), rows, at))
-        flat = np.insert(flat, at[order], values[order])
-        lengths = lengths.copy()
-        lengths[pos] += counts
-        lengths.flags.writeable = flat.flags.writeable = False
-        self._rebuild_cache[key] = (self.schedule, lengths, flat)
-
-    def _schedule_positions(self) -> IntArray:
-        """handle -> batch position for the current schedule (-1 when unscheduled); cached."""
-        cached = self._rebuild_cache.get("positions")
-        if cached is None or cached[0] is not self.schedule:  # type: ignore[index]
-            position = np.full(self.cols.capacity, -1, dtype=np.int64)
-            position[self.schedule] = np.arange(self.schedule.size)
-            cached = (self.schedule, position)
-            self._rebuild_cache["positions"] = cached
-        return cached[1]  # type: ignore[index,no-any-return]
+            patch_later(self, g, appended.get(g), same_schedule)
 
     # -- reading ----------------------------------------------------------------------
     def live_handles(self) -> IntArray:
@@ -538,25 +478,6 @@ class ReplicaState:
     def rebuild(self) -> ExecuteModelRequest:
         """The full request of the last applied step, made of fresh containers."""
         return rebuild_request(self)
-
-
-def absorb_rows_py(table: BlockTable, sums: npt.NDArray[np.uint64],
-                   rows: list[tuple[list[int], list[int], list[int], list[int],
-                                    list[int]]]) -> None:
-    """Journaled appends written in step order: row j's ids at ``table[h, start:]``, its
-    length ``start + count`` and ``sums[h] += term`` (mod 2**64); the table grows as
-    needed.  The reference of the C ``absorb_rows``."""
-    for hs, starts, counts, ids, terms in rows:
-        table.ensure(max(hs), max(map(add, starts, counts)))
-        cells, lengths, at = table.table, table.lengths, 0
-        for h, start, n, term in zip(hs, starts, counts, terms, strict=True):
-            if n == 1:
-                cells[h, start] = ids[at]
-            else:
-                cells[h, start:start + n] = ids[at:at + n]
-            at += n
-            lengths[h] = start + n
-            sums[h] = (sums.item(h) + term) & dg.MASK
 
 
 def _write_counts(computed: IntArray, sched: IntArray, counts: list[int] | None) -> bool:

@@ -15,8 +15,8 @@ from replica_bodies import first_body
 from protocol import digest, lane_lists, packing
 from protocol import lane as lane_module
 from protocol.errors import InvalidDelta, MalformedMessage
-from protocol.lane import MAX_ROWS, MAX_SEGMENTS, Appends, SteadyLane, lane_shaped
-from protocol.lane_lists import NO_ROWS, lane_rows
+from protocol.lane import MAX_ROWS, MAX_SEGMENTS, Appends, SteadyLane
+from protocol.lane_lists import NO_ROWS, lane_rows, lane_shaped
 from protocol.messages import DeltaBody, Rows
 from protocol.packing import pack_sints, pack_uints
 from protocol.plan import STEADY_BODY

@@ -1,7 +1,7 @@
 """The optional C speedups (protocol/_speedups*.c) against their Python references:
-the build, the packers, the step's lists, forecasts and plain frames (the digest's
-terms and lane plans: test_speedups_digest.py; the bitmasks' rows:
-test_speedups_rows.py; count rows: test_speedups_counts.py; settles:
+the build, the packers, the step's lists and forecasts (the plain step's frames:
+test_speedups_frame.py; the digest's terms and lane plans: test_speedups_digest.py;
+the bitmasks' rows: test_speedups_rows.py; count rows: test_speedups_counts.py; settles:
 test_speedups_absorb.py).
 
 Every C function must return exactly what its reference returns for the inputs it
@@ -17,7 +17,6 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -347,78 +346,6 @@ def test_pack_appends_match_the_python_packing(data: st.DataObject) -> None:
         return
     assert got == (packing.pack_uints([handles[p] for p in pos]),
                    packing.pack_row_counts(counts), packing.pack_uints(ids))
-
-
-@needs_c
-@given(st.integers(0, (1 << 64) - 1), st.integers(0, (1 << 64) - 1),
-       st.lists(st.integers(0, 1 << 20), max_size=400), st.booleans())
-def test_compact_map_is_the_python_rewrite(seq: int, digest: int, values: list[int],
-                                           many: bool) -> None:
-    """compact_map rewrites a Delta frame's body map header exactly as
-    codec.compact_delta_map's Python lines do (and returns larger frames as they are)."""
-    assert C is not None
-    from protocol import codec
-    from protocol.messages import Delta, DeltaBody, Rows
-
-    extra: dict[str, Any] = (
-        {"has_structured_output": True, "num_spec_tokens_to_schedule": 2} if many else {})
-    body = DeltaBody(block_append=(Rows(handles=packing.pack_uints(values)),), **extra)
-    frame = codec._PLAIN_ENCODER.encode(Delta(epoch=3, seq=seq, digest=digest, body=body))
-    with mock.patch.object(codec, "_C", None):
-        want = codec.compact_delta_map(frame)
-    assert C.compact_map(frame) == want
-    assert (want == frame) == (len(frame) > codec.COMPACT_LIMIT)
-
-
-@needs_c
-@given(st.integers(0, (1 << 64) - 1), st.sampled_from(["", "ba", "so", "nc", "ns"]),
-       st.booleans(), st.binary(max_size=24))
-def test_plain_frame_is_the_python_test(seq: int, field: str, compact: bool,
-                                        noise: bytes) -> None:
-    """plain_frame answers as codec.may_be_plain on Delta frames (either map header)
-    and on arbitrary bytes."""
-    assert C is not None
-    from protocol import codec
-    from protocol.messages import Delta, DeltaBody, Rows
-
-    values: dict[str, dict[str, Any]] = {"ba": {"block_append": (Rows(handles=b"\x01"),)},
-              "so": {"has_structured_output": True},
-              "nc": {"computed_tokens": Rows(handles=b"\x01"), "block_append": (Rows(),)},
-              "ns": {"num_spec_tokens_to_schedule": 3}}
-    msg = Delta(epoch=1, seq=seq, digest=seq ^ 5, body=DeltaBody(**values.get(field, {})))
-    frame = codec._PLAIN_ENCODER.encode(msg)
-    if compact:
-        frame = codec.compact_delta_map(frame)
-    assert C.plain_frame(frame) == codec.may_be_plain(frame) == (field in ("", "ba", "so"))
-    assert C.plain_frame(noise) == codec.may_be_plain(noise)
-    assert C.plain_frame(frame[:len(noise)]) == codec.may_be_plain(frame[:len(noise)])
-
-
-@needs_c
-@given(st.lists(st.integers(-1, 1 << 64), min_size=3, max_size=3),
-       st.lists(st.one_of(st.binary(max_size=300), st.sampled_from([b"", b"\x07" * 70000])),
-                min_size=3, max_size=3), st.booleans(), st.booleans())
-@example([5, 6, (1 << 64) - 1], [b"", b"", b"\x01" * 1100], False, True)
-def test_plain_delta_writes_the_frame_encode_writes(head: list[int], rows: list[bytes],
-                                                    structured: bool, pending: bool) -> None:
-    """plain_delta writes exactly codec.encode's frame of the plain Delta (either map
-    header: frames over COMPACT_LIMIT keep msgspec's), and refuses ints outside uint64."""
-    assert C is not None
-    from protocol import codec
-    from protocol.messages import Delta, DeltaBody, Rows
-
-    got = C.plain_delta(*head, *rows, structured, pending)
-    if not all(0 <= v < 1 << 64 for v in head):
-        assert got is None
-        return
-    body = DeltaBody(block_append=(Rows(*rows),), has_structured_output=structured,
-                     pending_structured_output=pending)
-    epoch, seq, digest = head
-    want = bytes(codec.encode(Delta(epoch, seq, digest, body))[0])
-    assert got == want
-    with mock.patch.object(codec, "_C", None):
-        assert codec.plain_delta_frame(epoch, seq, digest, (rows[0], rows[1], rows[2]),
-                                       structured, pending) == want
 
 
 @needs_c

@@ -1,5 +1,5 @@
 """The C ``absorb_rows`` (protocol/_speedups_absorb.c) against its reference,
-``protocol.state.absorb_rows_py``: journaled block appends written into a block table,
+``protocol.columns.absorb_rows_py``: journaled block appends written into a block table,
 its lengths and block sums.  Where C takes the rows the arrays end alike; where it does
 not it writes nothing (the reference then grows the table, or raises)."""
 
@@ -12,9 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.columns import BlockTable
+from protocol.columns import BlockTable, absorb_rows_py
 from protocol.speedups import C
-from protocol.state import absorb_rows_py
 
 needs_c = pytest.mark.skipif(C is None, reason="C speedups not built")
 Entry = tuple[list[int], list[int], list[int], list[int], list[int]]

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol import digest as dg
-from protocol import lane
+from protocol import lane_lists
 from protocol.speedups import C
 
 needs_c = pytest.mark.skipif(C is None, reason="C speedups not built (no C compiler)")
@@ -74,7 +74,7 @@ def test_dot_is_the_digest_sum_mod_2_64(data: st.DataObject) -> None:
     if keys:
         want = sum(v * keys[k] for v, k in zip(values, at, strict=True)) & dg.MASK
         assert C.dot(values, keys, at) == want
-        assert lane._dot(values, keys, at) & dg.MASK == want
+        assert lane_lists.dot(values, keys, at) & dg.MASK == want
     same = values[: len(keys)] + [0] * (len(keys) - len(values[: len(keys)]))
     assert C.dot(same, keys) == sum(v * k for v, k in zip(same, keys, strict=True)) & dg.MASK
 
@@ -87,7 +87,7 @@ def test_dot_refuses_what_it_cannot_take() -> None:
     assert C.dot([1], [3], [-1]) is None  # negative: Python's wrap-around decides
     assert C.dot([1 << 63], [3]) is None  # past int64
     assert C.dot([1], [1 << 64]) is None  # a key past 2**64
-    assert lane._dot([1], [3], [-1]) == 3
+    assert lane_lists.dot([1], [3], [-1]) == 3
 
 
 @needs_c
@@ -152,7 +152,7 @@ def test_key_list_refuses_what_it_cannot_take(monkeypatch: pytest.MonkeyPatch) -
 def _reference_plan(pos: list[int], counts: list[int], ids: list[int], handles: list[int],
                     lengths: list[int], group: int, check: bool) -> object:
     """protocol.lane.SteadyLane._plan on Python ints (None: the lane refuses the rows)."""
-    if check and not lane._rows_fit(pos, counts, len(ids), len(handles)):
+    if check and not lane_lists.rows_fit(pos, counts, len(ids), len(handles)):
         return None
     if not ids or min(ids) < 0 or max(ids) >= 1 << 31:
         return None

@@ -22,8 +22,8 @@ from engine_side.vllm.forecast import Forecast
 from engine_side.vllm.schema import StepExt
 from protocol import codec
 from protocol.errors import InvalidDelta
-from protocol.lane import Appends, SteadyLane, add_at, lane_shaped
-from protocol.lane_lists import LaneRows, lane_rows
+from protocol.lane import Appends, SteadyLane
+from protocol.lane_lists import LaneRows, add_at, lane_rows, lane_shaped
 from protocol.messages import Delta, DeltaBody, Rows
 from protocol.packing import unpack_sint_list, unpack_uint_list
 from protocol.plan import STEADY_BODY
@@ -51,7 +51,7 @@ def frame_objects(frame: bytes) -> tuple[DeltaBody, StepExt]:
 
 
 def plain_body(body: DeltaBody, ext: StepExt) -> bool:
-    """Whether ``body`` keeps the batch (:func:`protocol.lane.lane_shaped`) and ``ext``
+    """Whether ``body`` keeps the batch (:func:`protocol.lane_lists.lane_shaped`) and ``ext``
     departs only in output counts."""
     if ext is not NO_EXT and _EXT_OTHERS(ext) != _NO_EXT_OTHERS:
         return False

@@ -23,7 +23,7 @@ from msgspec.structs import replace
 
 from engine_side.vllm.forecast import past_prompt
 from engine_side.vllm.schema import StepExt
-from protocol.lane import add_at
+from protocol.lane_lists import add_at
 from protocol.messages import DeltaBody
 from protocol.packing import unpack_sint_list, unpack_uint_list
 from protocol.plan import STEADY_BODY
