@@ -4,6 +4,7 @@
   never import ``zmq``, and never import ``torch``: only ``protocol.tensors``
   handles tensors.
 * No source file deserialises with pickle from the network.
+* Every module stays small (about 500 lines).
 """
 
 from __future__ import annotations
@@ -129,3 +130,20 @@ def test_no_unauthenticated_unpickling() -> None:
 def test_whitelist_entries_exist() -> None:
     missing = [f for f in AUTHENTICATED_PICKLE_FILES if not (REPO_ROOT / f).is_file()]
     assert not missing, f"stale AUTHENTICATED_PICKLE_FILES entries: {missing}"
+
+
+#: the brief's "small modules (about 500 lines)", with a little slack for a docstring
+MAX_MODULE_LINES = 520
+
+
+def test_modules_stay_small() -> None:
+    """Every source file of the packages, the tests and the C speedups stays within
+    MAX_MODULE_LINES: a module that outgrows it is split by subject, not trimmed."""
+    roots = (*PACKAGES, "tests")
+    files = [path for root in roots for pattern in ("*.py", "*.c", "*.h")
+             for path in sorted((REPO_ROOT / root).rglob(pattern))
+             if ".venv" not in path.parts and "build" not in path.parts]
+    assert len(files) > 50  # (the packages and tests were found)
+    long = {path.relative_to(REPO_ROOT).as_posix(): n for path in files
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
