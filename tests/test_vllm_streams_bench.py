@@ -177,14 +177,15 @@ def test_diagnose_explains_a_recording(recording: Path) -> None:
 def test_step_kinds_sort_every_step_of_a_recording(recording: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """Every execute_model step lands in one kind; the synthetic decode stream is one
-    general step (the first), then same-batch steps: header-only ones, and appends
-    wherever a request crosses a block."""
+    general step (the first), then same-batch steps: the one right after it, header-only
+    ones, and appends wherever a request crosses a block."""
     from engine_side.bench.vllm_step_kinds import KINDS, main, step_kinds
 
     got = step_kinds(recording, passes=2)
     assert set(got) <= set(KINDS)
     assert sum(k["steps"] for k in got.values()) == 40
     assert got["general"]["steps"] == 1 and got["steady"]["steps"] > 20
+    assert got["after-change"]["steps"] == 1
     assert "appends" in got and "turnover" not in got
     assert all(k[f] > 0 for k in got.values() for f in ("encode_us", "decode_us", "pickle_us"))
     assert main([str(recording), "--passes", "1", "--json"]) == 0
@@ -234,14 +235,15 @@ def test_replay_passes_take_each_steps_median_of_both_paths(
 @pytest.mark.vllm
 @needs_vllm
 def test_step_kinds_count_finish_steps_apart(tmp_path: Path) -> None:
-    """A stream whose requests finish a few at a time: those steps are their own kind."""
+    """A stream whose requests finish a few at a time: those steps are their own kind,
+    and so is each same-batch step that follows one (or the first, general, step)."""
     from test_vllm_finish import _finishes
 
     from protocol.speedups import C
     if C is None:
         pytest.skip("the engine's finish path needs the C speedups")
 
-    from engine_side.bench.vllm_step_kinds import step_kinds
+    from engine_side.bench.vllm_step_kinds import SAME_BATCH, step_kinds
     from engine_side.vllm.encoder import SchedulerOutputEncoder
     from engine_side.vllm.record import RecordWriter
 
@@ -251,6 +253,9 @@ def test_step_kinds_count_finish_steps_apart(tmp_path: Path) -> None:
             writer.write("execute_model", [bytes(f) for f in enc.encode(so)])
     got = step_kinds(path, passes=1)
     assert got["finish"]["steps"] == 3 and "turnover" not in got
+    # the second step (after the first), and the one after each lone finish step
+    assert got["after-change"]["steps"] == 3 and not SAME_BATCH & set(got)
+    assert got["general"]["steps"] == 2
     assert sum(k["steps"] for k in got.values()) == len(_finishes())
 
 

@@ -12,6 +12,10 @@ message is not counted here).  Kinds, from the encoder's and decoder's own count
 * ``appends``: the same batch with block appends and no count or draft rows (the
   plain step with appends, chunked prefill's common step);
 * ``same-batch``: any other step the same-batch path took (count exceptions, drafts);
+* ``after-change``: any of those three right after a step that changed the batch (a
+  finish, turnover or general step): the same path, counted apart because it runs
+  dearer there (BENCHMARKS.md, twenty-seventh session: the step before it left its
+  objects cold), and such steps hold specdec's median;
 * ``finish``: requests of the last batch finished, the rest stayed (the finish path);
 * ``turnover``: requests left or joined, answered by the turnover path;
 * ``general``: the rest.
@@ -30,7 +34,9 @@ from typing import Any
 
 from engine_side.bench.vllm_replay import load_recording, pickled
 
-KINDS = ("steady", "appends", "same-batch", "finish", "turnover", "general")
+KINDS = ("steady", "appends", "same-batch", "after-change", "finish", "turnover",
+         "general")
+SAME_BATCH = frozenset(KINDS[:3])  # the same-batch path's kinds
 STEADY_FRAME = 40  # a same-batch frame shorter than this carries no body (header only)
 
 
@@ -54,7 +60,7 @@ def _pass(messages: list[tuple[str, Any]], rows: dict[str, list[tuple[int, int, 
     from worker_side.vllm.decoder import SchedulerOutputDecoder
 
     enc, dec = SchedulerOutputEncoder(), SchedulerOutputDecoder()
-    first = False
+    first, last = False, "general"  # last: the step before's kind (the first is general)
     for kind, obj in messages:
         if kind == "sample_tokens":
             dec.decode_grammar(enc.encode_grammar(obj))
@@ -70,8 +76,11 @@ def _pass(messages: list[tuple[str, Any]], rows: dict[str, list[tuple[int, int, 
             dec.decode(frames)
             t2 = time.perf_counter_ns()
             theirs = theirs or pickled(kind, obj)
-            rows[_kind(enc, dec, before, frames)].append(
+            step = _kind(enc, dec, before, frames)
+            after = step in SAME_BATCH and last not in SAME_BATCH
+            rows["after-change" if after else step].append(
                 (t1 - t0, t2 - t1, theirs[1] + theirs[2]))
+            last = step
 
 
 def step_kinds(path: Path, passes: int = 7) -> dict[str, dict[str, float]]:
@@ -109,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"{path.name}: median µs per step kind over {args.passes} passes")
         for kind, f in got.items():
-            print(f"  {kind:10s} {f['steps']:4d} steps  engine {f['encode_us']:7.2f}  "
+            print(f"  {kind:12s} {f['steps']:4d} steps  engine {f['encode_us']:7.2f}  "
                   f"worker {f['decode_us']:7.2f}  pickle {f['pickle_us']:7.2f}")
     return 0
 
