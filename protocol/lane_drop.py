@@ -39,6 +39,9 @@ from protocol.request import IntArray
 if TYPE_CHECKING:
     from protocol.state import ReplicaState
 
+#: finishes up to this many read their digest terms one by one; more, by column gathers
+FEW_FINISHED = 8
+
 
 class DropPlan(NamedTuple):
     """What :func:`commit_drop` writes: the finished handles, the shorter schedule and
@@ -110,12 +113,18 @@ def _known_lists(lane: SteadyLane) -> tuple[list[int] | None, list[int] | None,
 
 def _terms(state: ReplicaState, finished: list[int]) -> int:
     """The digest terms of the ``finished`` handles (settled): spec, tokens, computed
-    count and blocks."""
+    count and blocks, mod 2**64 -- scalar reads for a few handles, column gathers for
+    more (a batch that ends together)."""
     cols = state.cols
-    return sum(cols.spec_term.item(h) + cols.token_sum.item(h)
-               + dg.handle_key_int(h) * cols.computed.item(h)
-               + sum(cols.block_sum.item(g, h) for g in range(state.kv_groups))
-               for h in finished)
+    if len(finished) <= FEW_FINISHED:
+        return sum(cols.spec_term.item(h) + cols.token_sum.item(h)
+                   + dg.handle_key_int(h) * cols.computed.item(h)
+                   + sum(cols.block_sum.item(g, h) for g in range(state.kv_groups))
+                   for h in finished) & dg.MASK
+    hs = np.array(finished, dtype=np.int64)
+    return (dg.total(cols.spec_term[hs]) + dg.total(cols.token_sum[hs])
+            + dg.total(dg.computed_terms(hs, cols.computed[hs]))
+            + dg.total(cols.block_sum[:, hs].ravel())) & dg.MASK
 
 
 def commit_drop(lane: SteadyLane, plan: DropPlan) -> None:

@@ -58,6 +58,8 @@ _DELTA = msgspec.msgpack.Decoder(Delta)  # a lane's last step kept as its Delta'
 _EMPTY.flags.writeable = False
 #: journaled rows up to this many are absorbed by scalar writes (see _absorb_few)
 FEW_ABSORBED = 32
+#: finished handles up to this many are forgotten one by one (see _forget_all)
+FEW_FORGOTTEN = 8
 
 
 class ReplicaState:
@@ -330,8 +332,7 @@ class ReplicaState:
     def commit(self, plan: Plan) -> None:
         """Mutate the state as ``plan`` says (phase two; cannot fail)."""
         self._drop_ahead()
-        for h in plan.finished.tolist():
-            self._forget(h)
+        self._forget_all(plan.finished.tolist())
         for a in plan.added:
             self._install(a.handle, a.spec, a.spec_hash, a.computed, a.tokens)
         self._commit_tokens(plan)
@@ -365,8 +366,7 @@ class ReplicaState:
         ``finished`` handles forgotten, ``schedule`` (the old one less their positions)
         and its ``nsched`` installed with their schedule ``term``, the ``digest`` set."""
         self._drop_ahead()
-        for h in finished:  # (out of the schedule too: the stayers' membership holds)
-            self._forget(h)
+        self._forget_all(finished)  # (out of the schedule too: the stayers' membership holds)
         self.schedule, self.nsched, self._schedule_term = schedule, nsched, \
             (schedule, nsched, term)
         # no step fields of their own (the lane's step has them): the steady ones, made
@@ -374,6 +374,28 @@ class ReplicaState:
         self._lane_last, self._lane_finished = STEADY_BODY, frozenset()
         self.digest = digest
         self.version += 1
+
+    def _forget_all(self, finished: list[int]) -> None:
+        """:meth:`_forget` of each handle: one by one for a few, by column scatters for
+        more (a batch that ends together)."""
+        if len(finished) <= FEW_FORGOTTEN:
+            for h in finished:
+                self._forget(h)
+            return
+        self._drop_ahead()
+        hs, cols = np.array(finished, dtype=np.int64), self._cols
+        cols.live[hs] = cols.in_sched[hs] = False
+        for g in range(self.kv_groups):
+            self.blocks[g].lengths[hs] = 0
+            cols.block_sum[g, hs] = 0
+        engine_tokens = self.token_mode == TOKEN_MODE_ENGINE
+        for h in finished:
+            self.specs[h] = None
+            if engine_tokens:
+                self.tokens[h] = None
+        if engine_tokens:
+            cols.token_sum[hs] = 0
+        self._rebuild_cache.clear()
 
     def _forget(self, h: int) -> None:
         self._drop_ahead()

@@ -19,10 +19,12 @@ from test_lane import (  # (speedups: the lane tests' fixture, with C and pure P
     speedups,  # noqa: F401
 )
 
+from protocol import lane_drop
+from protocol import state as state_module
 from protocol.errors import InvalidDelta, MalformedMessage
 from protocol.lane import Appends, SteadyLane
 from protocol.lane_drop import commit_drop, drop_lane
-from protocol.messages import DeltaBody
+from protocol.messages import TOKEN_MODE_ENGINE, TOKEN_MODE_WORKER, DeltaBody
 from protocol.packing import pack_uints
 from protocol.state import ReplicaState
 
@@ -90,3 +92,33 @@ def test_a_finish_equals_applying_the_whole_body(n: int, groups: int,
     lane.settle()
     _same_state(laned, reference)
 
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(9, 40), st.integers(1, 2), st.sampled_from([TOKEN_MODE_WORKER,
+                                                                 TOKEN_MODE_ENGINE]),
+       st.data())
+def test_many_finishes_read_and_forget_as_one_by_one(n: int, groups: int, mode: int,
+                                                     data: st.DataObject) -> None:
+    """Past a few handles, a finish reads the digest terms by column gathers and forgets
+    by column scatters: the same terms and the same columns as one handle at a time."""
+    one, many = (ReplicaState(mode, kv_groups=groups) for _ in range(2))
+    for state in (one, many):
+        state.apply(first_body(n, groups))
+    finished = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=lane_drop.FEW_FINISHED
+                                        + 1, max_size=n)))
+    finished = one.schedule[finished].tolist()
+    with pytest.MonkeyPatch.context() as patch:  # (the one-by-one lines, for any count)
+        patch.setattr(lane_drop, "FEW_FINISHED", n)
+        patch.setattr(state_module, "FEW_FORGOTTEN", n)
+        want = lane_drop._terms(one, finished)
+        one._forget_all(finished)
+    assert lane_drop._terms(many, finished) == want
+    many._forget_all(finished)
+    for name in ("live", "in_sched", "computed", "spec_term", "token_sum", "block_sum"):
+        assert getattr(many.cols, name).tolist() == getattr(one.cols, name).tolist(), name
+    assert [t.lengths.tolist() for t in many.blocks] == [t.lengths.tolist() for t in one.blocks]
+    kept = [[x is None or (x.req_id if hasattr(x, "req_id") else x.view().tolist())
+             for x in lst] for lst in (many.specs, many.tokens, one.specs, one.tokens)]
+    assert kept[:2] == kept[2:]  # the same rows forgotten, the rest unchanged
+    assert not many._rebuild_cache and many.cols.live[finished].sum() == 0
