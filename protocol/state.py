@@ -376,38 +376,33 @@ class ReplicaState:
         self.version += 1
 
     def _forget_all(self, finished: list[int]) -> None:
-        """:meth:`_forget` of each handle: one by one for a few, by column scatters for
-        more (a batch that ends together)."""
-        if len(finished) <= FEW_FORGOTTEN:
-            for h in finished:
-                self._forget(h)
+        """:meth:`_forget` of each handle: one by one for a few (scalar writes), by
+        column scatters for more (a batch that ends together)."""
+        if len(finished) > FEW_FORGOTTEN:
+            self._forget_rows(np.array(finished, dtype=np.int64), finished)
             return
-        self._drop_ahead()
-        hs, cols = np.array(finished, dtype=np.int64), self._cols
-        cols.live[hs] = cols.in_sched[hs] = False
-        for g in range(self.kv_groups):
-            self.blocks[g].lengths[hs] = 0
-            cols.block_sum[g, hs] = 0
-        engine_tokens = self.token_mode == TOKEN_MODE_ENGINE
         for h in finished:
+            self._forget_rows(h, (h,))
+
+    def _forget(self, h: int) -> None:
+        self._forget_rows(h, (h,))
+
+    def _forget_rows(self, at: int | IntArray, handles: list[int] | tuple[int, ...]) -> None:
+        """Forget ``handles``; ``at`` indexes their rows in the columns (one handle, or an
+        array of them: the same writes, scalar or scattered)."""
+        self._drop_ahead()
+        cols = self._cols  # (current: the drop flushed pending advances)
+        cols.live[at] = cols.in_sched[at] = False
+        for g in range(self.kv_groups):
+            self.blocks[g].lengths[at] = 0
+            cols.block_sum[g, at] = 0
+        engine_tokens = self.token_mode == TOKEN_MODE_ENGINE
+        for h in handles:
             self.specs[h] = None
             if engine_tokens:
                 self.tokens[h] = None
         if engine_tokens:
-            cols.token_sum[hs] = 0
-        self._rebuild_cache.clear()
-
-    def _forget(self, h: int) -> None:
-        self._drop_ahead()
-        self.cols.live[h] = False
-        self.cols.in_sched[h] = False
-        self.specs[h] = None
-        for g in range(self.kv_groups):
-            self.blocks[g].lengths[h] = 0
-            self.cols.block_sum[g, h] = 0
-        if self.token_mode == TOKEN_MODE_ENGINE:
-            self.tokens[h] = None
-            self.cols.token_sum[h] = 0
+            cols.token_sum[at] = 0
         self._rebuild_cache.clear()
 
     def _install(self, h: int, spec: RequestSpec, spec_hash: int, computed: int,

@@ -122,3 +122,7 @@ def test_many_finishes_read_and_forget_as_one_by_one(n: int, groups: int, mode: 
              for x in lst] for lst in (many.specs, many.tokens, one.specs, one.tokens)]
     assert kept[:2] == kept[2:]  # the same rows forgotten, the rest unchanged
     assert not many._rebuild_cache and many.cols.live[finished].sum() == 0
+    # (both paths share the writes: the forgotten rows are cleared, not only alike)
+    assert not many.cols.in_sched[finished].any() and not many.cols.block_sum[:, finished].any()
+    assert all(not t.lengths[finished].any() for t in many.blocks)
+    assert all(many.specs[h] is None for h in finished)
