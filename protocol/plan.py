@@ -48,6 +48,11 @@ __all__ = ["STEADY_BODY", "Added", "BlockEdit", "Plan", "StepInfo", "TokenRows",
            "FewAppends", "few_appends", "lane_step"]
 
 
+#: added requests up to this many gain their digest terms one by one; more, by columns
+FEW_ADDED = 16
+_INT64_MAX = (1 << 63) - 1  # larger counts take the one-by-one lines (Python ints)
+
+
 def _ints(buf: bytes) -> IntArray:
     return unpack_uints(buf) if buf else _EMPTY
 
@@ -123,20 +128,32 @@ class _Planner(BlockPlanner, CountPlanner):
         return out
 
     def _mark_added(self, added: list[Added]) -> None:
-        if added:
-            self._own_live()
-            top = max(a.handle for a in added)
-            if top >= self.live.size:
-                self.live = np.concatenate([self.live, np.zeros(top + 1 - self.live.size, bool)])
+        """The added handles live and reset, their digest terms gained: scalar terms for
+        a few, column terms for more (a batch that joins together)."""
+        if not added:
+            return
+        self._own_live()
+        hs = [a.handle for a in added]
+        top = max(hs)
+        if top >= self.live.size:
+            self.live = np.concatenate([self.live, np.zeros(top + 1 - self.live.size, bool)])
+        self.reset.update(hs)
+        computed = [a.computed for a in added]
+        if len(added) <= FEW_ADDED or max(computed) > _INT64_MAX:
+            gained = sum(dg.spec_term_int(a.handle, a.spec_hash)
+                         + dg.handle_key_int(a.handle) * a.computed for a in added)
+            for h in hs:
+                self.live[h] = True
+        else:
+            at = np.array(hs, dtype=np.int64)
+            self.live[at] = True
+            gained = dg.total(dg.spec_terms(at, [a.spec_hash for a in added])) + \
+                dg.total(dg.computed_terms(at, computed))
         for a in added:
-            self.live[a.handle] = True
-            self.reset.add(a.handle)
-            gained = dg.spec_term_int(a.handle, a.spec_hash) + \
-                dg.handle_key_int(a.handle) * a.computed
             if a.tokens is not None:
                 pos = np.arange(a.tokens.size)
                 gained += dg.total(dg.token_terms(np.full(pos.size, a.handle), pos, a.tokens))
-            self.digest = (self.digest + gained) & dg.MASK
+        self.digest = (self.digest + gained) & dg.MASK
 
     def _resolve_add(self, new: NewRequest) -> Added:
         prompt: IntArray | None = None

@@ -52,17 +52,16 @@ from protocol.plan import (
 from protocol.rebuild import rebuild_request
 from protocol.request import ExecuteModelRequest, IntArray, RequestSpec
 from protocol.speedups import C as _C
+from protocol.state_rows import RequestRows
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _DELTA = msgspec.msgpack.Decoder(Delta)  # a lane's last step kept as its Delta's frame
 _EMPTY.flags.writeable = False
 #: journaled rows up to this many are absorbed by scalar writes (see _absorb_few)
 FEW_ABSORBED = 32
-#: finished handles up to this many are forgotten one by one (see _forget_all)
-FEW_FORGOTTEN = 8
 
 
-class ReplicaState:
+class ReplicaState(RequestRows):
     """Pure, columnar replicated state (no I/O, no clock)."""
 
     def __init__(self, token_mode: int = TOKEN_MODE_WORKER, kv_groups: int = 1) -> None:
@@ -333,8 +332,7 @@ class ReplicaState:
         """Mutate the state as ``plan`` says (phase two; cannot fail)."""
         self._drop_ahead()
         self._forget_all(plan.finished.tolist())
-        for a in plan.added:
-            self._install(a.handle, a.spec, a.spec_hash, a.computed, a.tokens)
+        self._install_all(plan.added)
         self._commit_tokens(plan)
         self._commit_blocks(plan.blocks, plan.appended,  # type: ignore[attr-defined]
                             plan.schedule is self.schedule)
@@ -374,59 +372,6 @@ class ReplicaState:
         self._lane_last, self._lane_finished = STEADY_BODY, frozenset()
         self.digest = digest
         self.version += 1
-
-    def _forget_all(self, finished: list[int]) -> None:
-        """:meth:`_forget` of each handle: one by one for a few (scalar writes), by
-        column scatters for more (a batch that ends together)."""
-        if len(finished) > FEW_FORGOTTEN:
-            self._forget_rows(np.array(finished, dtype=np.int64), finished)
-            return
-        for h in finished:
-            self._forget_rows(h, (h,))
-
-    def _forget(self, h: int) -> None:
-        self._forget_rows(h, (h,))
-
-    def _forget_rows(self, at: int | IntArray, handles: list[int] | tuple[int, ...]) -> None:
-        """Forget ``handles``; ``at`` indexes their rows in the columns (one handle, or an
-        array of them: the same writes, scalar or scattered)."""
-        self._drop_ahead()
-        cols = self._cols  # (current: the drop flushed pending advances)
-        cols.live[at] = cols.in_sched[at] = False
-        for g in range(self.kv_groups):
-            self.blocks[g].lengths[at] = 0
-            cols.block_sum[g, at] = 0
-        engine_tokens = self.token_mode == TOKEN_MODE_ENGINE
-        for h in handles:
-            self.specs[h] = None
-            if engine_tokens:
-                self.tokens[h] = None
-        if engine_tokens:
-            cols.token_sum[at] = 0
-        self._rebuild_cache.clear()
-
-    def _install(self, h: int, spec: RequestSpec, spec_hash: int, computed: int,
-                 tokens: IntArray | None) -> None:
-        self._drop_ahead()
-        cols = self.cols
-        cols.ensure(h)
-        for table in self.blocks:
-            table.ensure(h, 0)
-        while len(self.specs) <= h:
-            self.specs.append(None)
-            self.tokens.append(None)
-        if cols.live[h]:
-            self._forget(h)
-        cols.live[h] = True
-        cols.in_sched[h] = False
-        self.specs[h] = spec
-        cols.spec_term[h] = dg.spec_term_int(h, spec_hash)
-        cols.computed[h] = computed
-        if tokens is not None:
-            self.tokens[h] = TokenBuffer(tokens)
-            pos = np.arange(tokens.size)
-            cols.token_sum[h] = dg.total(dg.token_terms(np.full(pos.size, h), pos, tokens))
-        self._rebuild_cache.clear()
 
     def _commit_tokens(self, plan: Plan) -> None:
         sums = self.cols.token_sum

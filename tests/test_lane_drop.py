@@ -20,7 +20,7 @@ from test_lane import (  # (speedups: the lane tests' fixture, with C and pure P
 )
 
 from protocol import lane_drop
-from protocol import state as state_module
+from protocol import state_rows as state_module
 from protocol.errors import InvalidDelta, MalformedMessage
 from protocol.lane import Appends, SteadyLane
 from protocol.lane_drop import commit_drop, drop_lane
