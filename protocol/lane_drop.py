@@ -26,14 +26,14 @@ step fields (when it settles after that one step).
 
 from __future__ import annotations
 
-from itertools import compress, repeat
-from operator import contains, not_
+from itertools import compress
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from protocol import digest as dg
 from protocol.lane import SteadyLane
+from protocol.lane_lists import dot
 from protocol.request import IntArray
 
 if TYPE_CHECKING:
@@ -76,7 +76,9 @@ def drop_lane(lane: SteadyLane, finished: list[int], drop: list[int],
             or sorted(map(sched.__getitem__, drop)) != finished:
         return None
     if keep is None:
-        keep = list(map(not_, map(contains, repeat(set(drop)), range(n))))
+        keep = [True] * n
+        for p in drop:
+            keep[p] = False
     comp, lengths, keys = (None if x is None else list(compress(x, keep)) for x in known)
     handles = list(compress(sched, keep))
     nsched = list(compress(lane.nsched if current else state.nsched.tolist(), keep))
@@ -84,7 +86,8 @@ def drop_lane(lane: SteadyLane, finished: list[int], drop: list[int],
     counts = np.array(nsched, dtype=np.int64)
     schedule.flags.writeable = counts.flags.writeable = False  # shared, never edited
     term = dg.schedule_term(handles, nsched)
-    digest = (state.digest - _terms(state, finished) - state.schedule_term() + term) & dg.MASK
+    before = _schedule_term(lane) if current else state.schedule_term()
+    digest = (state.digest - _terms(state, finished) - before + term) & dg.MASK
     new = SteadyLane(state)
     new.handles, new.groups, new.keys = handles, state.kv_groups, keys
     new.journal = [[] for _ in range(state.kv_groups)]
@@ -109,6 +112,15 @@ def _known_lists(lane: SteadyLane) -> tuple[list[int] | None, list[int] | None,
         return None, None, None  # not open on the state as it is
     lengths = lane._lengths
     return lane.comp, None if lengths is None or len(lengths) != 1 else lengths[0], lane.keys
+
+
+def _schedule_term(lane: SteadyLane) -> int:
+    """The schedule term of the (settled) lane's schedule, from its lists: by its
+    schedule keys when it keeps them (``(count + 1) * key`` summed), else one C loop
+    (the state's own term may be stale: the settle replaced its counts)."""
+    if lane.skeys is not None:
+        return (dot(lane.nsched, lane.skeys) + sum(lane.skeys)) & dg.MASK
+    return dg.schedule_term(lane.handles, lane.nsched)
 
 
 def _terms(state: ReplicaState, finished: list[int]) -> int:
