@@ -128,6 +128,13 @@ def _same_state(a: ReplicaState, b: ReplicaState) -> None:
             assert ta[h].tolist() == tb[h].tolist()
     live = b.live_handles()  # the per-handle digest sums a finish subtracts
     assert a.cols.block_sum[:, live].tolist() == b.cols.block_sum[:, live].tolist()
+    # what the planner of a changed schedule reads: the last scheduled counts
+    assert a.cols.last_nsched[live].tolist() == b.cols.last_nsched[live].tolist()
+    # a handle that is not live holds no blocks (an add takes its row as it is)
+    for state in (a, b):
+        dead = ~state.cols.live
+        assert not state.cols.block_sum[:, dead].any()
+        assert not any(table.lengths[:dead.size][dead].any() for table in state.blocks)
     assert a.step.extension == b.step.extension
     assert a.step.has_structured_output == b.step.has_structured_output
     assert a.step.num_spec_tokens_to_schedule == b.step.num_spec_tokens_to_schedule
