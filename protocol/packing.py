@@ -20,7 +20,7 @@ from protocol.speedups import C as _C
 
 UInts = npt.NDArray[np.uint64]
 _MAX_WIDTH = 64
-_INT64_MAX = (1 << 63) - 1
+INT64_MAX = (1 << 63) - 1  # the largest value an int64 column or packed array holds
 _EMPTY = np.zeros(0, dtype=np.int64)
 _INT = {int}  # the element type of a list packed without numpy (bool is not int here)
 
@@ -144,7 +144,7 @@ def unpack_uints(buf: bytes, *, limit: int = 1 << 26) -> npt.NDArray[np.int64]:
     """
     short = _raw_list(buf)
     if short is not None:
-        if short and buf[0] == 64 and max(short) > _INT64_MAX:
+        if short and buf[0] == 64 and max(short) > INT64_MAX:
             raise MalformedMessage("packed value does not fit int64")
         return np.array(short, dtype=np.int64)
     if _C is not None:  # a long array in one pass (None: malformed, or past int64)
@@ -152,7 +152,7 @@ def unpack_uints(buf: bytes, *, limit: int = 1 << 26) -> npt.NDArray[np.int64]:
         if native is not None:
             return np.frombuffer(native, dtype=np.int64)
     raw = _unpack_raw(buf, limit)
-    if raw.dtype == np.uint64 and raw.size and int(raw.max()) > _INT64_MAX:
+    if raw.dtype == np.uint64 and raw.size and int(raw.max()) > INT64_MAX:
         raise MalformedMessage("packed value does not fit int64")
     return raw.astype(np.int64)
 
@@ -189,7 +189,7 @@ def unpack_uint_list(buf: bytes, *, limit: int = 1 << 26) -> list[int]:
         out = _raw_list_py(buf)
     if out is None:
         return unpack_uints(buf, limit=limit).tolist()  # type: ignore[no-any-return]
-    if out and buf[0] == 64 and max(out) > _INT64_MAX:
+    if out and buf[0] == 64 and max(out) > INT64_MAX:
         raise MalformedMessage("packed value does not fit int64")
     return out
 
@@ -230,7 +230,7 @@ def pack_sints(values: npt.ArrayLike) -> bytes:
         if packed is not None:
             return packed
         if len(values) <= PACK_SMALL and all(
-                type(v) is int and -_INT64_MAX - 1 <= v <= _INT64_MAX for v in values):
+                type(v) is int and -INT64_MAX - 1 <= v <= INT64_MAX for v in values):
             return pack_uints([v << 1 if v >= 0 else (-v << 1) - 1 for v in values])
     arr = np.asarray(values, dtype=np.int64).ravel()
     return pack_uints(((arr << 1) ^ (arr >> 63)).view(np.uint64))

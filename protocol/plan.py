@@ -21,7 +21,13 @@ import numpy as np
 from protocol import digest as dg
 from protocol.errors import InvalidDelta
 from protocol.messages import TOKEN_MODE_ENGINE, DeltaBody, NewRequest, Rows
-from protocol.packing import unpack_sint_list, unpack_sints, unpack_uint_list, unpack_uints
+from protocol.packing import (
+    INT64_MAX,
+    unpack_sint_list,
+    unpack_sints,
+    unpack_uint_list,
+    unpack_uints,
+)
 from protocol.plan_blocks import BlockPlanner, FewAppends, few_appends
 from protocol.plan_counts import FEW_ROWS, CountPlanner
 from protocol.planned import (  # re-exported: the plan's parts live in protocol.planned
@@ -50,7 +56,6 @@ __all__ = ["STEADY_BODY", "Added", "BlockEdit", "Plan", "StepInfo", "TokenRows",
 
 #: added requests up to this many gain their digest terms one by one; more, by columns
 FEW_ADDED = 16
-_INT64_MAX = (1 << 63) - 1  # larger counts take the one-by-one lines (Python ints)
 
 
 def _ints(buf: bytes) -> IntArray:
@@ -139,7 +144,8 @@ class _Planner(BlockPlanner, CountPlanner):
             self.live = np.concatenate([self.live, np.zeros(top + 1 - self.live.size, bool)])
         self.reset.update(hs)
         computed = [a.computed for a in added]
-        if len(added) <= FEW_ADDED or max(computed) > _INT64_MAX:
+        # (a count past int64, which numpy cannot hold, takes the one-by-one lines)
+        if len(added) <= FEW_ADDED or max(computed) > INT64_MAX:
             gained = sum(dg.spec_term_int(a.handle, a.spec_hash)
                          + dg.handle_key_int(a.handle) * a.computed for a in added)
             for h in hs:

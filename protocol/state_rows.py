@@ -17,6 +17,7 @@ import numpy as np
 from protocol import digest as dg
 from protocol.columns import BlockTable, HandleColumns, TokenBuffer
 from protocol.messages import TOKEN_MODE_ENGINE
+from protocol.packing import INT64_MAX
 from protocol.planned import Added
 from protocol.request import IntArray, RequestSpec
 
@@ -24,7 +25,6 @@ from protocol.request import IntArray, RequestSpec
 FEW_FORGOTTEN = 8
 #: ... and added requests up to this many installed one by one (see _install_all)
 FEW_INSTALLED = 8
-_INT64_MAX = (1 << 63) - 1  # larger counts take the one-by-one lines
 
 
 class RequestRows:
@@ -75,7 +75,8 @@ class RequestRows:
         """:meth:`_install` of each added request: one by one for a few (scalar writes),
         by column scatters for more (a batch that joins together).  The handles are
         distinct (the plan checked them); a live one is replaced."""
-        if len(added) <= FEW_INSTALLED or max(a.computed for a in added) > _INT64_MAX:
+        # (a count past int64, which numpy cannot hold, takes the one-by-one lines)
+        if len(added) <= FEW_INSTALLED or max(a.computed for a in added) > INT64_MAX:
             for a in added:
                 self._install(a.handle, a.spec, a.spec_hash, a.computed, a.tokens)
             return
