@@ -4,7 +4,9 @@ Rules (SPEC.md, security section):
 
 * The default endpoint is ``ipc://`` inside a private directory: mode 0700, one
   per run, holding a lock file so a second engine cannot take the socket paths
-  over (a zmq ipc bind silently unlinks an existing socket file).
+  over (a zmq ipc bind silently unlinks an existing socket file).  An explicit
+  ``ipc://DIR`` must be such a directory too (no symlink, ours, 0700:
+  :mod:`worker_side.ipc_dir`, whose checks the workers run before connecting).
 * Any ``tcp://`` endpoint, loopback included, needs CURVE *and* an allow list of
   worker public keys enforced by a ZAP authenticator (CURVE alone accepts any
   client key).  ``insecure=True`` skips this, with a warning.  Anything else is
@@ -13,13 +15,14 @@ Rules (SPEC.md, security section):
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import logging
 import os
 import random
 import shutil
 import socket
-import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,14 +31,12 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from worker_side.ipc_dir import EndpointError, open_private_dir
+
 log = logging.getLogger("deltacast.security")
 
 IPC_PATH_MAX = 107  # sun_path is 108 bytes including the NUL
 SOCKET_NAMES = ("pub", "ctl")  # PUB and ROUTER socket files in an ipc directory
-
-
-class EndpointError(Exception):
-    """An endpoint cannot be used as asked; the message says what to do instead."""
 
 
 class InsecureEndpoint(EndpointError):
@@ -132,31 +133,45 @@ class PrivateDir:
     """A 0700 directory for ipc sockets, locked by one engine for its lifetime.
 
     Args:
-        path: an explicit directory (created if missing, or reused when unlocked
+        path: an explicit directory (created 0700 if missing, or reused when unlocked
             and private); None makes a fresh one under $XDG_RUNTIME_DIR or /tmp.
 
     Raises EndpointInUse if another engine holds the lock, EndpointError if the
-    directory is not private or the socket paths would exceed 107 bytes.
+    directory is not private (a symlink, a file, another user's, not 0700:
+    :func:`worker_side.ipc_dir.open_private_dir`), its lock file is a symlink, or the
+    socket paths would exceed 107 bytes.  Everything in it is reached through the
+    checked descriptor of the directory, never by following a name again.
     """
 
     def __init__(self, path: Path | None = None) -> None:
-        self.created = path is None or not path.exists()
+        self._lock_fd = self._dir_fd = -1
         if path is None:
             base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-            path = Path(tempfile.mkdtemp(prefix="dc-", dir=base))
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            path, self.created = Path(tempfile.mkdtemp(prefix="dc-", dir=base)), True
+        else:
+            path = Path(os.path.abspath(path))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.mkdir(path, 0o700)  # never follows a symlink: an existing name fails
+                self.created = True
+            except FileExistsError:
+                self.created = False  # checked below, as it is
         self.path = path
-        self._check_private()
-        self._check_lengths()
-        self._lock_fd = self._lock()
+        self._dir_fd = open_private_dir(path)  # then verified: ours, a directory, 0700
+        try:
+            self._check_lengths()
+            self._lock_fd = self._lock()
+        except BaseException:
+            os.close(self._dir_fd)
+            if self.created:
+                shutil.rmtree(path, ignore_errors=True)
+            raise
         for name in SOCKET_NAMES:  # stale sockets of a dead engine (we hold the lock)
-            (path / name).unlink(missing_ok=True)
+            self._unlink(name)
 
-    def _check_private(self) -> None:
-        st = self.path.stat()
-        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-            raise EndpointError(f"{self.path} must be owned by this user with mode 0700 "
-                                f"(it is {oct(stat.S_IMODE(st.st_mode))})")
+    def _unlink(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self._dir_fd)
 
     def _check_lengths(self) -> None:
         longest = max(len(str(self.path / n).encode()) for n in SOCKET_NAMES)
@@ -165,7 +180,14 @@ class PrivateDir:
                                 f"the limit is {IPC_PATH_MAX}: choose a shorter directory")
 
     def _lock(self) -> int:
-        fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open("lock", flags, 0o600, dir_fd=self._dir_fd)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise EndpointError(f"refusing {self.path}: its lock file is a symlink; remove "
+                                f"{self.path / 'lock'} or choose another directory") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -184,10 +206,10 @@ class PrivateDir:
         """Remove the sockets, the lock and (if we made it) the directory."""
         if self._lock_fd < 0:
             return
-        for name in SOCKET_NAMES:
-            (self.path / name).unlink(missing_ok=True)
-        (self.path / "lock").unlink(missing_ok=True)
+        for name in (*SOCKET_NAMES, "lock"):
+            self._unlink(name)
         os.close(self._lock_fd)
-        self._lock_fd = -1
+        os.close(self._dir_fd)
+        self._lock_fd = self._dir_fd = -1
         if self.created:
             shutil.rmtree(self.path, ignore_errors=True)

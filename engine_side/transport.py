@@ -37,7 +37,8 @@ from engine_side.security import (
     start_authenticator,
 )
 from protocol import codec
-from protocol.errors import MalformedMessage
+from protocol.errors import ProtocolError
+from protocol.faults import PeerFaults
 from protocol.messages import Delta, Message
 from protocol.replies import AnyReply, decode_reply
 from worker_side.ring import DEFAULT_RING_BYTES, MESSAGE, RING_FILE, RingWriter
@@ -100,7 +101,9 @@ class EngineTransport:
         except Exception:
             self.close()
             raise
-        self.malformed = 0
+        #: worker messages dropped because they do not decode, per DEALER identity (or
+        #: "rank N" for a reply ring); each peer's first is logged
+        self.faults = PeerFaults(log, "dropped a worker message that does not decode")
         self.bytes_published = 0
         self.doorbells = 0
 
@@ -171,7 +174,14 @@ class EngineTransport:
             ready = bool(self.router.poll(timeout_ms))
         return self._ring_replies(ring) + (self._drain_router() if ready else [])
 
+    @property
+    def malformed(self) -> int:
+        """Worker messages dropped because they do not decode (all peers)."""
+        return self.faults.total
+
     def _drain_router(self) -> list[tuple[bytes, AnyReply]]:
+        """Up to _BATCH ROUTER messages; one that does not decode is its sender's fault:
+        dropped and counted (:attr:`faults`), never raised."""
         out: list[tuple[bytes, AnyReply]] = []
         for _ in range(_BATCH):
             try:
@@ -180,24 +190,20 @@ class EngineTransport:
                 break
             try:
                 out.append((identity.bytes, decode_reply(frames)))
-            except MalformedMessage as exc:
-                self.malformed += 1
-                if self.malformed == 1:
-                    log.warning("dropped a worker message that does not decode: %s", exc)
+            except ProtocolError as exc:
+                self.faults.hit(identity.bytes, exc)
         return out
 
     def _ring_replies(self, ring: RingWriter) -> list[tuple[bytes, AnyReply]]:
         """Replies from the reply rings (identity b"": they name their rank)."""
         out: list[tuple[bytes, AnyReply]] = []
-        for _, kind, payload in ring.replies():
+        for rank, kind, payload in ring.replies():
             if kind != MESSAGE:  # this channel's workers send large replies on DEALER alone
                 continue
             try:
                 out.append((b"", decode_reply([payload])))
-            except MalformedMessage as exc:
-                self.malformed += 1
-                if self.malformed == 1:
-                    log.warning("dropped a worker message that does not decode: %s", exc)
+            except ProtocolError as exc:
+                self.faults.hit(f"rank {rank} (reply ring)", exc)
         return out
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from protocol.errors import MalformedMessage, ProtocolError
+from protocol.errors import DECODE_ERRORS, MalformedMessage, ProtocolError, malformed
 from protocol.messages import AnyMessage, Delta, DeltaBody, Message, Rows
 from protocol.plan import STEADY_BODY
 from protocol.speedups import C as _C
@@ -134,12 +134,10 @@ _PLAIN_ENCODER = msgspec.msgpack.Encoder()  # stateless: shared by all threads
 _EMPTY_MAP: dict[str, Any] = {}  # the steady Delta's body as a fixmap (never filled)
 #: single-frame messages: a tensor reference is an error, so no per-thread frame state
 _SINGLE_FRAME_DECODER = msgspec.msgpack.Decoder(AnyMessage, ext_hook=no_tensor_frames)
-#: what msgspec raises for bad bytes (invalid UTF-8 is a UnicodeDecodeError, a ValueError)
-DECODE_ERRORS = (msgspec.DecodeError, ValueError, TypeError, OverflowError)
 
 
 def _malformed(exc: Exception) -> MalformedMessage:
-    return MalformedMessage("frames do not decode to a message", cause=str(exc)[:200])
+    return malformed("frames do not decode to a message", exc)
 
 
 def _decode_body(body: Any, hook: Any) -> AnyMessage:

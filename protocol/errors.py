@@ -8,6 +8,11 @@ protocol.
 
 from __future__ import annotations
 
+import struct
+import zlib
+
+import msgspec
+
 
 class ProtocolError(Exception):
     """Base class; never raised directly (use a subclass)."""
@@ -49,3 +54,20 @@ class IncompatibleVersion(RemoteProtocolError):
 
 class InvalidDelta(RemoteProtocolError):
     """A well-formed delta that cannot apply to the state it claims as base."""
+
+
+#: What a decoder may raise for bad bytes, and nothing else: msgspec's DecodeError (and
+#: its ValidationError), ValueError (invalid UTF-8, numpy's frombuffer/reshape),
+#: TypeError, OverflowError, RecursionError (values nested past the interpreter's
+#: limit: msgspec recurses even to skip an unknown field), IndexError and KeyError
+#: (lists or maps that do not fit), struct.error and zlib.error.  Every decode site of
+#: a peer's bytes catches exactly this tuple and raises MalformedMessage.
+DECODE_ERRORS: tuple[type[Exception], ...] = (
+    msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError, IndexError,
+    KeyError, struct.error, zlib.error)
+
+
+def malformed(what: str, exc: BaseException) -> MalformedMessage:
+    """The MalformedMessage for a decode of ``what`` that raised ``exc`` (one of
+    :data:`DECODE_ERRORS`): raise it ``from exc``."""
+    return MalformedMessage(what, cause=f"{type(exc).__name__}: {str(exc)[:200]}")

@@ -25,8 +25,7 @@ from typing import Any, BinaryIO
 
 import msgspec
 
-from protocol.codec import DECODE_ERRORS
-from protocol.errors import IncompatibleVersion, LocalProtocolError
+from protocol.errors import DECODE_ERRORS, IncompatibleVersion, LocalProtocolError
 from protocol.messages import PROTOCOL_MAJOR
 
 MAGIC_V1 = b"DELTACAST-REC\x00\x01\n"  # format 1: no grammar rows by reference

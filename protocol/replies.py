@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from protocol.errors import MalformedMessage
+from protocol.errors import DECODE_ERRORS, MalformedMessage, malformed
 from protocol.messages import CheckIn, Goodbye, Hello, Message, SnapshotRequest
 from protocol.request import IntArray
 
@@ -71,5 +71,5 @@ def decode_reply(frames: Sequence[Any]) -> AnyReply:
     frame = frames[0]
     try:
         return _DECODER.decode(frame.buffer if hasattr(frame, "buffer") else frame)
-    except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as exc:
-        raise MalformedMessage("frame does not decode to a reply", cause=str(exc)[:200]) from exc
+    except DECODE_ERRORS as exc:
+        raise malformed("frame does not decode to a reply", exc) from exc

@@ -32,7 +32,7 @@ from msgspec.structs import replace
 from protocol import digest as dg
 from protocol.block_cache import patch_later
 from protocol.columns import BlockTable, HandleColumns, TokenBuffer, absorb_rows_py
-from protocol.errors import InvalidDelta, LocalProtocolError
+from protocol.errors import DECODE_ERRORS, InvalidDelta, LocalProtocolError, malformed
 from protocol.lookahead import Lookahead
 from protocol.messages import TOKEN_MODE_ENGINE, TOKEN_MODE_WORKER, Delta, DeltaBody
 from protocol.plan import (
@@ -59,6 +59,15 @@ _DELTA = msgspec.msgpack.Decoder(Delta)  # a lane's last step kept as its Delta'
 _EMPTY.flags.writeable = False
 #: journaled rows up to this many are absorbed by scalar writes (see _absorb_few)
 FEW_ABSORBED = 32
+
+
+def _frame_body(frame: bytes) -> DeltaBody:
+    """The body of a Delta frame a lane kept (lane_view took it: it decodes; any bytes
+    that do not are MalformedMessage all the same)."""
+    try:
+        return _DELTA.decode(frame).body
+    except DECODE_ERRORS as exc:
+        raise malformed("a lane step's frame does not decode", exc) from exc
 
 
 class ReplicaState(RequestRows):
@@ -170,7 +179,7 @@ class ReplicaState(RequestRows):
         if last is not None:  # a settled lane's last body: the state is as it left it
             self._lane_last = None
             if not isinstance(last, DeltaBody):  # its Delta's frame, read when first needed
-                last = _DELTA.decode(last).body
+                last = _frame_body(last)
             self._step = lane_step(self, last, self._steady()[3], self._lane_finished)
         return self._step
 

@@ -39,8 +39,14 @@ from typing import Any
 
 import msgspec
 
-from protocol.codec import DECODE_ERRORS
-from protocol.errors import LocalProtocolError, MalformedMessage, RemoteProtocolError
+from protocol.errors import (
+    DECODE_ERRORS,
+    LocalProtocolError,
+    MalformedMessage,
+    ProtocolError,
+    RemoteProtocolError,
+    malformed,
+)
 from protocol.tensors import make_enc_hook, make_ext_hook
 
 ALIGN = 64  # every tensor frame starts on a 64-byte boundary inside its item
@@ -101,7 +107,7 @@ def decode_refs(data: Any) -> list[ItemRef]:
     try:
         return _REFS_DECODER.decode(data)
     except DECODE_ERRORS as exc:
-        raise MalformedMessage("bad store refs", cause=str(exc)[:200]) from exc
+        raise malformed("bad store refs", exc) from exc
 
 
 class AttachInfo(msgspec.Struct, frozen=True):
@@ -193,7 +199,7 @@ def unpack_item(item: memoryview, layout_len: int) -> Any:
     try:
         layout = _LAYOUT_DECODER.decode(item[item.nbytes - layout_len :])
     except DECODE_ERRORS as exc:
-        raise MalformedMessage("bad item layout", cause=str(exc)[:200]) from exc
+        raise malformed("bad item layout", exc) from exc
     limit = item.nbytes - layout_len
     frames = []
     for offset, size in zip(layout.offsets, layout.sizes, strict=False):
@@ -203,5 +209,7 @@ def unpack_item(item: memoryview, layout_len: int) -> Any:
     decoder = msgspec.msgpack.Decoder(ext_hook=make_ext_hook(frames))
     try:
         return decoder.decode(layout.body)
-    except (msgspec.DecodeError, ValueError, TypeError) as exc:
-        raise MalformedMessage("bad item body", cause=str(exc)[:200]) from exc
+    except ProtocolError:
+        raise
+    except DECODE_ERRORS as exc:
+        raise malformed("bad item body", exc) from exc

@@ -41,11 +41,11 @@ OPTIONAL_PURE_MODULES = (
 # bytes (MAC verified with hmac.compare_digest first) or a benchmark baseline that
 # unpickles bytes it produced itself; never anything received from a socket or file.
 AUTHENTICATED_PICKLE_FILES: dict[str, str] = {
-    # control plane: connector metadata, HMAC-SHA256 verified before loads
-    "engine_side/vllm/convert.py": "HMAC-authenticated connector metadata",
+    # the seal (control plane, connector metadata): HMAC-SHA256 verified before loads
+    "protocol/seal.py": "unpickles only after the blob's MAC verified (compare_digest)",
     # DeltaExecutor control plane: cloudpickle.dumps of vLLM's callables, sent sealed
     "engine_side/vllm/executor.py": "pickles callables into the HMAC seal (dumps only)",
-    # its worker: vLLM's run_method unpickles a callable only after unseal() verified the MAC
+    # its worker: vLLM's run_method unpickles a callable only after Opener.open verified it
     "worker_side/vllm/proc.py": "callable bytes from an HMAC-verified control call",
     # the benchmark's own baseline: unpickles bytes it produced a line earlier, never
     # anything received (it measures what vLLM's path costs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine_side.vllm.divergence import RankDiverged, TokenHashBoard
+from protocol.errors import MalformedMessage
 from worker_side.vllm.tokenhash import CHECK_IN, TokenHash, parse_check_in
 
 STEPS = [(["a", "b"], [[5], [7, 8]]), (["a"], [[9]]), (["b", "c"], [[], [1]])]
@@ -34,7 +35,7 @@ def test_equal_tokens_equal_hash_and_any_difference_shows() -> None:
 def test_check_in_payload_round_trips() -> None:
     h = _hashed(STEPS)
     assert parse_check_in(h.check_in()) == (3, h.value)
-    with pytest.raises(ValueError, match="check-in payload"):
+    with pytest.raises(MalformedMessage, match="check-in payload"):
         parse_check_in(h.check_in()[:-1])
     assert CHECK_IN.size == 16
 

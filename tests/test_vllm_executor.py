@@ -59,29 +59,29 @@ class _FakeWorker:
         return x + y
 
 
-def _control(call: tuple[Any, ...], secret: bytes) -> list[bytes]:
-    from engine_side.vllm.convert import seal
-
-    return [seal({"call": call}, secret)]
-
-
 def test_control_calls_are_authenticated_before_unpickling() -> None:
-    """Names and cloudpickled callables run only under the run's HMAC key."""
+    """Names and cloudpickled callables run only under the run's HMAC key, sealed as
+    calls, each once; results come back sealed for this rank."""
     import cloudpickle
 
     from engine_side.vllm import BadSeal
-    from engine_side.vllm.convert import unseal
+    from protocol.seal import Opener, Sealer
     from worker_side.vllm import proc
 
     key = b"k" * 32
-    server = proc._Server(_FakeWorker(), None, key, is_output=False)  # type: ignore[arg-type]
-    kind, blob = server._handle(proc.CONTROL, _control(("echo", (2,), {"y": 3}), key))
-    assert kind == proc.CONTROL and unseal(blob, key) == {"result": 5}
+    calls, results = Sealer(key, b"call"), Opener(key, b"result:1")
+    server = proc._Server(_FakeWorker(), None, key, is_output=False, rank=1)  # type: ignore[arg-type]
+    kind, blob = server._handle(proc.CONTROL, [calls.seal({"call": ("echo", (2,), {"y": 3})})])
+    assert kind == proc.CONTROL and results.open(blob) == {"result": 5}
     fn = cloudpickle.dumps(lambda w, k: w.rpc_rank * k)
-    assert unseal(server._handle(proc.CONTROL, _control((fn, (7,), {}), key))[1], key) == \
-        {"result": 7}
-    with pytest.raises(BadSeal):
-        server._handle(proc.CONTROL, _control((fn, (7,), {}), b"x" * 32))
+    sealed = calls.seal({"call": (fn, (7,), {})})
+    assert results.open(server._handle(proc.CONTROL, [sealed])[1]) == {"result": 7}
+    with pytest.raises(BadSeal, match="replayed"):
+        server._handle(proc.CONTROL, [sealed])  # the same call again
+    with pytest.raises(BadSeal, match="MAC"):
+        server._handle(proc.CONTROL, [Sealer(b"x" * 32, b"call").seal({"call": (fn, (7,), {})})])
+    with pytest.raises(BadSeal, match="MAC"):  # a result (or an attach) is not a call
+        server._handle(proc.CONTROL, [Sealer(key, b"result:1").seal({"call": (fn, (7,), {})})])
 
 
 def _alive(pid: int) -> bool:

@@ -28,9 +28,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from protocol.errors import IncompatibleVersion, ProtocolError
+from protocol.faults import PeerFaults
 from protocol.messages import CheckIn, Goodbye, SnapshotRequest
 from protocol.replies import StepResult, pack_tokens
 from worker_side import events as ev
+from worker_side.ipc_dir import EndpointError
 from worker_side.replica import State, WorkerReplica
 from worker_side.transport import CheckInThread, ClientKeys, WorkerTransport
 from worker_side.waiting import DEFAULT_SPIN_MS
@@ -99,6 +101,8 @@ class Worker:
         self._last_token_seq = -1
         self._last_step = float("-inf")  # end of the last executed step: starts the spin
         self.counts = {"executed": 0, "resyncs": 0, "recomputed": 0, "rejected": 0}
+        self.rejected = PeerFaults(log, f"rank {self.rank}: ignored a message without a "
+                                   "transition")
 
     def status(self) -> CheckIn:
         """Called from the check-in thread: reads only atomically replaced fields."""
@@ -142,8 +146,8 @@ class Worker:
         except IncompatibleVersion:
             raise  # fatal: run() reports it and exits
         except ProtocolError as exc:  # a message with no transition: state unchanged
-            self.counts["rejected"] += 1
-            log.warning("rank %d: ignored %s: %s", self.rank, type(msg).__name__, exc)
+            self.counts["rejected"] += 1  # (the first one is logged)
+            self.rejected.hit("the engine", exc)
             return []
 
     def _handle(self, events: list[ev.Event]) -> bool:
@@ -236,7 +240,12 @@ def _make_runner(args: argparse.Namespace) -> ModelRunner:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s worker[{args.rank}] %(levelname)s %(message)s")
-    return Worker(args).run()
+    try:
+        worker = Worker(args)
+    except EndpointError as exc:  # e.g. an ipc directory that is not private
+        log.error("rank %d: %s", args.rank, exc)
+        return 2
+    return worker.run()
 
 
 def main(argv: list[str] | None = None) -> int:

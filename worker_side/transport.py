@@ -11,6 +11,9 @@ are decoded and handed to the caller, which feeds the pure WorkerReplica.
 * :class:`CheckInThread` owns a second DEALER: check-ins keep flowing while the
   main thread computes.  No socket is ever used from two threads.
 
+* An ``ipc://DIR`` endpoint is used only when DIR is private (ours, 0700, not a
+  symlink: :mod:`worker_side.ipc_dir`), checked before connecting: a worker never
+  sends its check-ins into another user's directory (EndpointError otherwise).
 * With ``rank`` and an ipc endpoint whose engine serves a local step ring
   (:mod:`worker_side.ring`), Deltas arrive through the ring and step results
   leave through this rank's reply ring.  :meth:`recv` merges the ring with SUB
@@ -44,6 +47,7 @@ from protocol import codec
 from protocol.errors import MalformedMessage
 from protocol.messages import AnyMessage, CheckIn, Delta
 from protocol.replies import AnyReply, StepResult, encode_reply
+from worker_side.ipc_dir import check_private_dir
 from worker_side.ring import MESSAGE, ON_PUB, RING_FILE, RingError, RingReader, unpack_frames
 
 log = logging.getLogger("deltacast.worker.transport")
@@ -80,11 +84,14 @@ def spin_poll(poller: zmq.Poller, spin_s: float,
         now = time.perf_counter()
 
 
-def channel_endpoints(endpoint: str) -> tuple[str, str]:
+def channel_endpoints(endpoint: str, private: bool = False) -> tuple[str, str]:
     """(PUB, ROUTER) endpoints of an engine: ``ipc://DIR`` → DIR/pub, DIR/ctl;
-    ``tcp://HOST:PORT`` → PORT and PORT + 1."""
+    ``tcp://HOST:PORT`` → PORT and PORT + 1.  ``private``: a worker about to connect
+    first checks that DIR is private (EndpointError: :mod:`worker_side.ipc_dir`)."""
     if endpoint.startswith("ipc://"):
         base = endpoint.rstrip("/")
+        if private:
+            check_private_dir(Path(base[len("ipc://"):]))
         return f"{base}/pub", f"{base}/ctl"
     if endpoint.startswith("tcp://"):
         host, _, port = endpoint.rpartition(":")
@@ -144,10 +151,10 @@ class WorkerTransport:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, rcvhwm: int = 1000,
                  rcvbuf: int = -1, identity: bytes | None = None,
                  rank: int | None = None) -> None:
+        pub_ep, self.ctl_endpoint = channel_endpoints(endpoint, private=True)  # (first)
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.endpoint, self.keys = endpoint, keys
         self.max_message_bytes = max_message_bytes
-        pub_ep, self.ctl_endpoint = channel_endpoints(endpoint)
         self.sub = self._socket(zmq.SUB, rcvhwm=rcvhwm, rcvbuf=rcvbuf)
         self.sub.maxmsgsize = max_message_bytes
         self.sub.subscribe(b"")
@@ -357,7 +364,7 @@ class CheckInThread(threading.Thread):
     def __init__(self, endpoint: str, status: Callable[[], CheckIn], interval: float = 0.05,
                  keys: ClientKeys | None = None) -> None:
         super().__init__(name="deltacast-checkin", daemon=True)
-        self.ctl_endpoint = channel_endpoints(endpoint)[1]
+        self.ctl_endpoint = channel_endpoints(endpoint, private=True)[1]
         self.status, self.interval, self.keys = status, interval, keys
         self._stop_event = threading.Event()
 

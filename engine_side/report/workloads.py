@@ -166,14 +166,15 @@ def load_workload(name: str, *, steps: int, batch: int | None, seed: int,
 def _recording(path: Path, steps: int) -> Source:
     """The engine's full requests of a ``deltacast record`` file, rebuilt from its Deltas.
 
-    Raises ValueError for a file that is not a recording (it is never unpickled) or
-    that another protocol major made (its digests differ).
+    Raises ValueError for a file that is not a recording (it is never unpickled), is
+    truncated or corrupt (also while its requests are read), or that another protocol
+    major made (its digests differ).
     """
     try:
         reader = RecordReader(path)
+        deltas = [frames for kind, frames in reader if kind == "execute_model"]
     except (NotARecording, IncompatibleVersion) as exc:
         raise ValueError(str(exc)) from exc
-    deltas = [frames for kind, frames in reader if kind == "execute_model"]
     if not deltas:
         raise ValueError(f"{path}: the recording holds no execute_model steps")
     state = ReplicaState(TOKEN_MODE_WORKER, reader.header.kv_groups)
@@ -187,7 +188,10 @@ def _recording(path: Path, steps: int) -> Source:
 def _rebuilt(state: ReplicaState, records: list[list[memoryview]],
              path: Path) -> Iterator[ExecuteModelRequest]:
     for i, frames in enumerate(records):
-        msg = codec.decode(frames, copy=True)
+        try:
+            msg = codec.decode(frames, copy=True)
+        except ProtocolError as exc:
+            raise ValueError(f"{path}: record {i} is corrupt: {exc}") from exc
         if not isinstance(msg, Delta):
             raise ValueError(f"{path}: record {i} is not a Delta")
         try:

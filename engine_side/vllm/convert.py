@@ -4,15 +4,12 @@ Shared by the engine-side encoder and the worker-side decoder (parameter
 conversion, ``SamplingParams`` ⇄ ``SamplingSpec`` ..., is :mod:`engine_side.vllm.params`):
 token references,
 the per-step memory whose predictions both ends compute identically, and the
-HMAC seal for opaque connector objects (the only pickle in the adapter: the MAC
-is checked with ``hmac.compare_digest`` before anything is unpickled).
+sealing of opaque connector objects (:mod:`protocol.seal`: the only pickle in the
+adapter, unpickled only after its MAC verified).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import pickle
 from collections import Counter
 from collections.abc import Iterable
 from operator import itemgetter
@@ -24,13 +21,13 @@ from engine_side.vllm.schema import TokenRef
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.packing import pack_sints, pack_uints, unpack_sints, unpack_uint_list
 from protocol.request import IntArray, RequestSpec
+from protocol.seal import BadSeal, Opener, Sealer
 from protocol.speedups import C as _C
 
-_MAC_BYTES = 32
-
-
-class BadSeal(RemoteProtocolError):
-    """A sealed (HMAC-authenticated) payload whose MAC does not verify; nothing was unpickled."""
+#: the seal labels of the step channel's opaque objects (SPEC §16): connector metadata
+#: in a step's extension (engine → every rank), connector outputs in a reply (the
+#: output rank → engine: no other rank sends replies)
+STEP_LABEL, REPLY_LABEL = b"step", b"reply"
 
 
 # ---------------------------------------------------------------- token references
@@ -241,27 +238,31 @@ def index_is_positions(index: dict[str, int], req_ids: list[str]) -> bool:
 
 
 # ---------------------------------------------------------------- sealing
-def seal(objects: dict[str, Any], secret: bytes | None) -> bytes:
-    """HMAC-SHA256-authenticated pickle of opaque connector objects (``b""`` if none)."""
-    if not objects:
-        return b""
-    if not secret:
-        raise LocalProtocolError("connector objects need a shared secret", names=sorted(objects))
-    payload = pickle.dumps(objects, protocol=5)
-    return hmac.new(secret, payload, hashlib.sha256).digest() + payload
+class ChannelSeals:
+    """One end's seals of the step channel's opaque objects: a Sealer of the label it
+    ``sends`` and an Opener of the one it ``receives`` (neither without a secret)."""
 
+    def __init__(self, secret: bytes | None, sends: bytes, receives: bytes) -> None:
+        self.sealer = Sealer(secret, sends) if secret else None
+        self.opener = Opener(secret, receives) if secret else None
 
-def unseal(blob: bytes, secret: bytes | None) -> dict[str, Any]:
-    """Verify then unpickle; raises BadSeal (nothing unpickled) on a bad or missing MAC."""
-    if not blob:
-        return {}
-    if not secret or len(blob) < _MAC_BYTES:
-        raise BadSeal("sealed payload without a usable secret or MAC")
-    mac, payload = blob[:_MAC_BYTES], blob[_MAC_BYTES:]
-    if not hmac.compare_digest(mac, hmac.new(secret, payload, hashlib.sha256).digest()):
-        raise BadSeal("sealed payload MAC does not verify")
-    objects: dict[str, Any] = pickle.loads(payload)  # authenticated above
-    return objects
+    def seal(self, objects: dict[str, Any]) -> bytes:
+        """``objects`` sealed (``b""``: none); LocalProtocolError without a secret."""
+        if not objects:
+            return b""
+        if self.sealer is None:
+            raise LocalProtocolError("connector objects need a shared secret",
+                                     names=sorted(objects))
+        return self.sealer.seal(objects)
+
+    def open(self, blob: bytes) -> dict[str, Any]:
+        """The objects of a sealed field (``{}`` for an empty field: nothing sealed, not
+        opened); BadSeal for a blob refused, or for any blob without a secret."""
+        if not blob:
+            return {}
+        if self.opener is None:
+            raise BadSeal("a sealed field, but no secret to open it with")
+        return self.opener.open(blob)
 
 
 # ---------------------------------------------------------------- id references

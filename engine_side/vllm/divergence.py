@@ -14,6 +14,9 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from protocol.errors import MalformedMessage
+from worker_side.vllm.tokenhash import parse_check_in
+
 
 @dataclass(frozen=True)
 class RankDiverged:
@@ -37,6 +40,15 @@ class TokenHashBoard:
         self.pending: OrderedDict[int, dict[int, int]] = OrderedDict()
         self.diverged: dict[int, RankDiverged] = {}
         self.compared = 0  # (rank, count) pairs compared
+
+    def check_in(self, rank: int, frames: list[bytes]) -> list[RankDiverged]:
+        """:meth:`report` of a check-in's frames (after its kind); MalformedMessage,
+        nothing recorded, for frames that are not one payload or a rank that does not
+        sample."""
+        if len(frames) != 1 or rank not in self.ranks:
+            raise MalformedMessage("not a sampling rank's check-in", rank=rank,
+                                   frames=len(frames))
+        return self.report(rank, *parse_check_in(frames[0]))
 
     def report(self, rank: int, steps: int, value: int) -> list[RankDiverged]:
         """Record ``rank``'s hash after ``steps`` outputs; the divergences it reveals."""

@@ -39,6 +39,9 @@ from engine_side.diffing import BlockHint
 from engine_side.mirror import EngineMirror
 from engine_side.shm_store import ShmStore
 from engine_side.vllm.convert import (
+    REPLY_LABEL,
+    STEP_LABEL,
+    ChannelSeals,
     StepMemory,
     TokenLedger,
     cached_order,
@@ -107,6 +110,7 @@ class SchedulerOutputEncoder:
         check_schema()
         self.kv_groups = kv_groups
         self.secret = secret
+        self.seals = ChannelSeals(secret, sends=STEP_LABEL, receives=REPLY_LABEL)
         self.epoch = epoch
         self.verify = verify
         self.fast = fast  # False: every step takes the general path (tests compare the two)
@@ -312,7 +316,7 @@ class SchedulerOutputEncoder:
         self._new_requests(so.scheduled_new_reqs, batch, pos, computed, ext)
         self._cached_requests(cached, batch, pos, computed, ext)
         self._token_lists(so, batch, pos, ext)
-        step_ext(so, batch, pos, ext, self.secret)
+        step_ext(so, batch, pos, ext, self.seals)
         mem.known.update(batch)
         mem.prev_batch = set(batch)
         blocks = self._block_tables(batch, so)
@@ -490,7 +494,7 @@ class SchedulerOutputEncoder:
     # ------------------------------------------------------------ replies
     def decode_reply(self, frames: list[Any]) -> Any:
         """The worker's ModelRunnerOutput (fresh objects); feeds the token ledger."""
-        out = decode_reply(frames, self.batches, self.secret, self._index)
+        out = decode_reply(frames, self.batches, self.seals, self._index)
         if out is not None:
             self.mem.record_output(out)
         return out

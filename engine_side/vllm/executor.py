@@ -8,11 +8,13 @@ through ``WorkerWrapperBase``), each a DEALER on this executor's ROUTER over
 ipc:// in a private 0700 directory.  ``execute_model`` / ``sample_tokens`` send
 the encoder's frames (encoded synchronously: the engine mutates the
 SchedulerOutput after dispatch) to every rank; everything else is a control
-call sealed with a per-run HMAC secret (vLLM sends functions: they travel
-cloudpickled inside the seal, never as unauthenticated pickle).  Every rank
-answers every call, so an exception on any rank is raised here; a dead rank
-marks the executor failed, wakes any waiting call and runs the failure
-callback.  Futures resolve in submission order.
+call sealed with a per-run HMAC secret (:mod:`protocol.seal`; vLLM sends functions:
+they travel cloudpickled inside the seal, never as unauthenticated pickle).  Every
+rank answers every call, so an exception on any rank is raised here; a dead rank, or
+a rank whose answer is malformed (:class:`ExecutorFailed` names it), marks the
+executor failed, wakes any waiting call and runs the failure callback.  A message on
+the ROUTER from no rank, or a malformed check-in, is dropped and counted
+(``faults``).  Futures resolve in submission order.
 
 Local step ring (default; ``additional_config={"deltacast_ring_kb": N}`` sizes it,
 default 32 MiB, 0 turns it off): calls go through the shared-memory ring of
@@ -58,14 +60,16 @@ from vllm.v1.executor.abstract import Executor, FailureCallback
 
 from engine_side.security import PrivateDir
 from engine_side.shm_store import ShmStore
-from engine_side.vllm.convert import seal, unseal
+from engine_side.vllm.answers import Answers, RankFault
 from engine_side.vllm.divergence import RankDiverged, TokenHashBoard
 from engine_side.vllm.encoder import SchedulerOutputEncoder
-from worker_side.ring import MAX_RANKS, MESSAGE, RingWriter, unpack_frames
+from protocol.errors import MalformedMessage, ProtocolError
+from protocol.faults import PeerFaults
+from protocol.seal import Opener, Sealer
+from worker_side.ring import MAX_RANKS, RingWriter
 from worker_side.transport import spin_poll
 from worker_side.vllm import proc as wire
 from worker_side.vllm.channel import DOORBELL
-from worker_side.vllm.tokenhash import parse_check_in
 
 log = logging.getLogger("deltacast.vllm.executor")
 POLL_MS = 100  # how often a waiting call re-checks that every rank is alive
@@ -75,7 +79,8 @@ RING_CALL_LIMIT = 1 << 20  # bigger calls use the ROUTER (bounds what the ring h
 
 
 class ExecutorFailed(RuntimeError):
-    """A rank died: its KV shard is gone, so the executor is permanently failed."""
+    """A rank died or sent a malformed answer: its KV shard is gone or out of step, so
+    the executor is permanently failed."""
 
 
 class _Reply(Future):  # type: ignore[type-arg]
@@ -124,6 +129,7 @@ class DeltaExecutor(Executor):
         """Ranks, token-hash board, secret, store and encoder (``extra``: vLLM's
         additional_config, the deltacast_* options)."""
         self.is_failed = False
+        self.failure = ""  # why, when a rank's answer failed it
         self.shutting_down = False
         self.failure_callback: FailureCallback | None = None
         self.world_size = self.parallel_config.world_size
@@ -134,14 +140,16 @@ class DeltaExecutor(Executor):
         self.divergent: list[RankDiverged] = []
         self._divergence_callbacks: list[Callable[[RankDiverged], None]] = []
         self.secret = secrets.token_bytes(32)
+        self._seal_call, self._seal_attach = (Sealer(self.secret, x) for x in (b"call", b"attach"))
+        self._open_result = [Opener(self.secret, b"result:%d" % r) for r in range(self.world_size)]
+        #: malformed messages: from no rank (by identity; dropped) or a rank ("rank N")
+        self.faults = PeerFaults(log, "DeltaExecutor dropped a malformed message")
         store_mb = extra.get("deltacast_mm_store_mb", 0)
         self.spin_s = float(extra.get("deltacast_spin_ms", self.spin_ms)) / 1e3
         self._replied = 0.0  # monotonic time of the last message from a rank
         self.store = ShmStore(int(store_mb) << 20) if store_mb else None
         self.encoder = SchedulerOutputEncoder(secret=self.secret, store=self.store)
         self._pending: deque[_Reply] = deque()
-        # per rank, replies in call order; None: its place, the reply comes on the ROUTER
-        self._inbox: list[deque[list[bytes] | None]] = [deque() for _ in range(self.world_size)]
         self.procs: list[BaseProcess] = []
         self._calls = 0
 
@@ -165,6 +173,7 @@ class DeltaExecutor(Executor):
         self.ring = RingWriter(self._dir.path, ring_kb << 10, min(4 << 20, ring_kb << 10)) \
             if ring_kb else None
         self.stats: Counter[str] = Counter()  # ring_calls, socket_calls, socket_replies
+        self._answers = Answers(self.world_size, self.stats)  # per rank, in call order
         self._finalizer = weakref.finalize(self, DeltaExecutor._cleanup, self.procs,
                                            self._deaths, self._sock, self._ctx, self._dir,
                                            self.ring)
@@ -203,7 +212,7 @@ class DeltaExecutor(Executor):
             for rank, (kind, *rest) in self._receive(None):
                 if kind == wire.FAILED:
                     raise RuntimeError(f"DeltaExecutor rank {rank} failed to start:\n"
-                                       + rest[0].decode(errors="replace"))
+                                       + b"".join(rest).decode(errors="replace"))
                 if kind != wire.READY:
                     raise RuntimeError(f"rank {rank} sent {kind!r} before ready")
                 ready.add(rank)
@@ -216,7 +225,7 @@ class DeltaExecutor(Executor):
         for rank, p in enumerate(self.procs):
             assert p.pid is not None  # started
             infos[rank] = self.store.add_reader(p.pid)
-        self._submit(wire.ATTACH, [seal({"attach": infos}, self.secret)], lambda r: None,
+        self._submit(wire.ATTACH, [self._seal_attach.seal({"attach": infos})], lambda r: None,
                      timeout=60).result()
 
     # ------------------------------------------------------------ failure handling
@@ -234,9 +243,24 @@ class DeltaExecutor(Executor):
         for p in self.procs:  # the other shards are useless without it
             if p.is_alive():
                 p.terminate()
+        self._fail()
+
+    def _fail(self) -> None:
+        """Mark the executor failed and run the failure callback (once)."""
+        self.is_failed = True
         callback, self.failure_callback = self.failure_callback, None
         if callback is not None:
             callback()
+
+    def _rank_fault(self, rank: int, error: ProtocolError | KeyError) -> ExecutorFailed:
+        """``rank`` answered with a malformed message (``error``): its fault, and fatal
+        (call order is lost); logged, counted, the executor failed.  Raise the result."""
+        self.faults.count(f"rank {rank}")
+        log.error("DeltaExecutor rank %d sent a malformed answer (%s); the executor has "
+                  "failed", rank, error)
+        self.failure = f"DeltaExecutor failed: rank {rank} sent a malformed answer: {error}"
+        self._fail()
+        return ExecutorFailed(self.failure)
 
     def register_failure_callback(self, callback: FailureCallback) -> None:
         if self.is_failed:
@@ -248,7 +272,7 @@ class DeltaExecutor(Executor):
         if self.is_failed or any(not p.is_alive() for p in self.procs):
             self.is_failed = True
             dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-            raise ExecutorFailed(f"DeltaExecutor failed: rank(s) {dead} died")
+            raise ExecutorFailed(self.failure or f"DeltaExecutor failed: rank(s) {dead} died")
 
     # ------------------------------------------------------------ transport
     def _receive(self, deadline: float | None) -> list[tuple[int, list[bytes]]]:
@@ -263,14 +287,19 @@ class DeltaExecutor(Executor):
         ring, got = self.ring, []
         while self._sock.poll(0, zmq.POLLIN):
             ident, *frames = self._sock.recv_multipart(copy=True)
-            if frames[0] == wire.CHECK_IN:
-                self._check_in(int(ident), frames[1])
+            rank = wire.rank_of(ident, self.world_size)
+            if rank is None or not frames:  # not from a rank (a peer in our directory?)
+                self.faults.hit(ident, MalformedMessage("not a rank's message", frames=len(frames)))
+            elif frames[0] == wire.CHECK_IN:
+                self._check_in(rank, frames[1:])
             else:
-                got.append((int(ident), frames))
+                got.append((rank, frames))
         if ring is not None:  # read after the ROUTER: a large reply's marker is in already
             for rank, kind, payload in ring.replies():
-                self._inbox[rank].append([bytes(f) for f in unpack_frames(payload)]
-                                         if kind == MESSAGE else None)
+                if rank < self.world_size:  # (a ring of no rank: nobody's answer)
+                    self._answers.ring_record(rank, kind, payload)
+                else:
+                    self.faults.hit(f"reply ring {rank}", MalformedMessage("no such rank"))
         self._replied = time.monotonic()
         return got
 
@@ -289,19 +318,15 @@ class DeltaExecutor(Executor):
         return any(self._sock.poll(step, zmq.POLLIN) or in_ring()
                    for _ in range(POLL_MS // step))
 
-    def _file(self, rank: int, frames: list[bytes]) -> None:
-        """A ROUTER reply: into the place its marker kept, else at the end."""
-        box = self._inbox[rank]
-        for i, held in enumerate(box):
-            if held is None:
-                box[i] = frames
-                self.stats["socket_replies"] += 1
-                return
-        box.append(frames)
-
-    def _check_in(self, rank: int, payload: bytes) -> None:
-        """A sampling rank's token hash: compare; name and report a diverging rank."""
-        for event in self.hashes.report(rank, *parse_check_in(payload)):
+    def _check_in(self, rank: int, frames: list[bytes]) -> None:
+        """A sampling rank's token hash: compare; name and report a diverging rank.  A
+        malformed one, or one from a rank that does not sample, is dropped and counted."""
+        try:
+            events = self.hashes.check_in(rank, frames)
+        except ProtocolError as exc:
+            self.faults.hit(f"rank {rank}", exc)
+            return
+        for event in events:
             self.divergent.append(event)
             log.error("DeltaExecutor rank %d diverged: its sampled tokens differ from rank "
                       "%d's (the output rank) within the first %d model outputs",
@@ -316,7 +341,7 @@ class DeltaExecutor(Executor):
     def _submit(self, kind: bytes, frames: list[Any], convert: Callable[[list[Any]], Any],
                 timeout: float | None) -> _Reply:
         if self.is_failed:
-            raise ExecutorFailed("DeltaExecutor has failed")
+            raise ExecutorFailed(self.failure or "DeltaExecutor has failed")
         try:
             self._broadcast(kind, frames)
         except zmq.ZMQError:
@@ -351,11 +376,14 @@ class DeltaExecutor(Executor):
 
     def _gather(self, deadline: float | None) -> list[list[bytes]]:
         """One reply per rank; raises the first rank's exception after reading all."""
-        while any(not box or box[0] is None for box in self._inbox):
-            for rank, frames in self._receive(deadline):
-                self._file(rank, frames)
-        replies: list[list[bytes]] = [box.popleft() for box in self._inbox]  # type: ignore[misc]
-        errors = [(r, f[1].decode(errors="replace")) for r, f in enumerate(replies)
+        try:
+            while self._answers.waiting():
+                for rank, frames in self._receive(deadline):
+                    self._answers.socket(rank, frames)
+            replies = self._answers.take()
+        except RankFault as fault:
+            raise self._rank_fault(fault.rank, fault.error) from fault
+        errors = [(r, b"".join(f[1:]).decode(errors="replace")) for r, f in enumerate(replies)
                   if f[0] == wire.ERROR]
         if errors:
             raise RuntimeError("; ".join(f"rank {r}: {msg}" for r, msg in errors))
@@ -364,7 +392,12 @@ class DeltaExecutor(Executor):
     # ------------------------------------------------------------ calls
     def _output(self, replies: list[list[bytes]]) -> Any:
         frames = replies[self.output_rank]
-        return self.encoder.decode_reply(frames[1:])
+        try:
+            if frames[0] != wire.OUTPUT:
+                raise MalformedMessage("the output rank's answer is not an output")
+            return self.encoder.decode_reply(frames[1:])
+        except ProtocolError as exc:
+            raise self._rank_fault(self.output_rank, exc) from exc
 
     def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
         frames = self.encoder.encode(scheduler_output)  # synchronously: it is mutated later
@@ -387,12 +420,21 @@ class DeltaExecutor(Executor):
                        non_block: bool = False) -> Any:
         """Every rank's result; a callable travels cloudpickled inside the HMAC seal."""
         sent = method if isinstance(method, str) else cloudpickle.dumps(method)
-        blob = seal({"call": (sent, args, kwargs or {})}, self.secret)
+        blob = self._seal_call.seal({"call": (sent, args, kwargs or {})})
         reply = self._submit(wire.CONTROL, [blob], self._results, timeout)
         return reply if non_block else reply.result()
 
     def _results(self, replies: list[list[bytes]]) -> list[Any]:
-        return [unseal(f[1], self.secret)["result"] for f in replies]
+        """Each rank's result, opened with that rank's Opener (label ``result:<rank>``)."""
+        out = []
+        for rank, f in enumerate(replies):
+            try:
+                if len(f) != 2 or f[0] != wire.CONTROL:
+                    raise MalformedMessage("a control answer is one sealed result")
+                out.append(self._open_result[rank].open(f[1])["result"])
+            except (ProtocolError, KeyError) as exc:
+                raise self._rank_fault(rank, exc) from exc
+        return out
 
     def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
         self.encoder.kv_groups = max(1, len(kv_cache_configs[0].kv_cache_groups))

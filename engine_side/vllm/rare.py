@@ -15,7 +15,7 @@ import sys
 from operator import attrgetter
 from typing import Any
 
-from engine_side.vllm.convert import seal
+from engine_side.vllm.convert import ChannelSeals
 from protocol.errors import LocalProtocolError
 from protocol.packing import pack_uints
 
@@ -73,13 +73,14 @@ def plain_fields(so: Any) -> bool:
 
 
 def step_ext(so: Any, batch: list[str], pos: dict[str, int], ext: dict[str, Any],
-             secret: bytes | None) -> None:
+             seals: ChannelSeals) -> None:
     """The general path's extension entries (``ext``) for a step's rare fields that
     depart from what the decoder predicts (batch-keyed dicts out of batch order, a total
     that is not the counts' sum, None for empty or empty for None, encoder stats,
     invalid drafts, KV copies and loads, common prefix blocks) and its connector metadata
-    sealed with ``secret`` (HMAC-authenticated pickle).  Raises LocalProtocolError for
-    a field that must not leave the scheduler, or that names an unscheduled request."""
+    sealed by ``seals`` (HMAC-authenticated pickle, label ``b"step"``).  Raises
+    LocalProtocolError for a field that must not leave the scheduler, or that names an
+    unscheduled request."""
     for name, d in (("spec_keys", so.scheduled_spec_decode_tokens),
                     ("enc_keys", so.scheduled_encoder_inputs)):
         keys = _dict_keys(d, batch, pos)
@@ -107,7 +108,7 @@ def step_ext(so: Any, batch: list[str], pos: dict[str, int], ext: dict[str, Any]
         raise LocalProtocolError("kv_connector_block_state is scheduler-local")
     opaque = {f: getattr(so, f) for f in CONNECTOR_FIELDS if getattr(so, f) is not None}
     if opaque:
-        ext["sealed"] = seal(opaque, secret)
+        ext["sealed"] = seals.seal(opaque)
 
 
 def _dict_keys(d: dict[str, Any], batch: list[str], pos: dict[str, int]) -> bytes | None:

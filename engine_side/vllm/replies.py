@@ -5,7 +5,8 @@ batch of the step it answers (``batches``: the encoder's batch per recent step),
 the request ids never travel; see SPEC §16 for the fields and the refusals.
 
 Contract: every call returns fresh objects (vLLM's engine may edit what it gets);
-nothing from a reply frame is unpickled unless sealed with the run's secret.
+nothing from a reply frame is unpickled unless sealed with the run's secret (label
+``b"reply"``, :mod:`protocol.seal`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from engine_side.vllm.convert import RefTable, singletons, unseal
+from engine_side.vllm.convert import ChannelSeals, RefTable, singletons
 from engine_side.vllm.schema import LogprobsWire, ReplyMsg, decode_frames
 from protocol import codec
 from protocol.errors import MalformedMessage, RemoteProtocolError
@@ -77,9 +78,10 @@ class IndexCache:
         return dict(self.index)
 
 
-def decode_reply(frames: list[Any], batches: dict[int, list[str]], secret: bytes | None,
+def decode_reply(frames: list[Any], batches: dict[int, list[str]], seals: ChannelSeals,
                  cache: IndexCache | None = None) -> Any:
-    """ModelRunnerOutput (or None) from a worker's reply frames."""
+    """ModelRunnerOutput (or None) from a worker's reply frames (``seals`` opens its
+    sealed connector outputs)."""
     ModelRunnerOutput, SamplingMaskLists = _output_types()  # noqa: N806 - classes
 
     msg = decode_frames(frames, _REPLY, ReplyMsg, "reply")
@@ -115,7 +117,7 @@ def decode_reply(frames: list[Any], batches: dict[int, list[str]], secret: bytes
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=index,
                                  sampled_token_ids=sampled,
                                  num_nans_in_logits=None if msg.nans is None else {})
-    opaque = unseal(msg.sealed, secret)
+    opaque = seals.open(msg.sealed)
     masks = None if msg.masks is None else SamplingMaskLists(*msg.masks)
     return ModelRunnerOutput(
         req_ids=req_ids, req_id_to_index=index, sampled_token_ids=sampled,

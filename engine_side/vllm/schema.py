@@ -20,7 +20,13 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from protocol.errors import LocalProtocolError, MalformedMessage
+from protocol.errors import (
+    DECODE_ERRORS,
+    LocalProtocolError,
+    MalformedMessage,
+    ProtocolError,
+    malformed,
+)
 from protocol.packing import pack_uints, unpack_uints
 from protocol.speedups import C as _C
 from protocol.tensors import make_ext_hook
@@ -423,9 +429,13 @@ def decode_frames(frames: list[Any], single: msgspec.msgpack.Decoder[Any], kind:
     """Frame 0 of a GrammarMsg or ReplyMsg as ``kind``, its tensors from the other frames
     (copied); ``single`` serves one-frame messages (no hook state to set up).  Raises
     MalformedMessage naming ``what`` for frames that do not decode."""
+    if not frames:
+        raise MalformedMessage(f"{what} without frames")
     decoder = single if len(frames) == 1 else \
         msgspec.msgpack.Decoder(kind, ext_hook=make_ext_hook(frames[1:], copy=True))
     try:
         return decoder.decode(frames[0])
-    except (msgspec.DecodeError, ValueError, TypeError) as exc:
-        raise MalformedMessage(f"{what} frames do not decode", cause=str(exc)[:200]) from exc
+    except ProtocolError:
+        raise
+    except DECODE_ERRORS as exc:
+        raise malformed(f"{what} frames do not decode", exc) from exc

@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from protocol.errors import MalformedMessage
 from worker_side.ring import MESSAGE, ON_PUB, RingError, RingReader, pack_frames, unpack_frames
 from worker_side.transport import spin_poll
 
@@ -43,7 +44,9 @@ class RankChannel:
         self._answered = 0.0  # monotonic time of the last reply: the spin runs from it
 
     def next_call(self) -> list[bytes]:
-        """The next call, waiting as long as it takes (spinning first while steps flow)."""
+        """The next call, waiting as long as it takes (spinning first while steps flow);
+        MalformedMessage for a ring record that is not one (the call is then lost: the
+        rank answers it with an error, in its place)."""
         if self.ring is None:
             self._spin()
             return self._from_dealer()
@@ -54,7 +57,13 @@ class RankChannel:
         kind, payload = self._calls.popleft()
         if kind == ON_PUB:  # the engine sent this one on our DEALER
             return self._from_dealer()
-        return [bytes(f) for f in unpack_frames(payload)]
+        try:
+            call = [bytes(f) for f in unpack_frames(payload)]
+        except ValueError as exc:
+            raise MalformedMessage("a ring record that is not a call", cause=str(exc)) from exc
+        if not call:
+            raise MalformedMessage("a call without its kind")
+        return call
 
     def reply(self, frames: list[Any]) -> None:
         """One call's reply (in call order)."""

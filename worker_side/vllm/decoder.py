@@ -27,12 +27,14 @@ import msgspec
 import numpy as np
 
 from engine_side.vllm.convert import (
+    REPLY_LABEL,
+    STEP_LABEL,
+    ChannelSeals,
     StepMemory,
     TokenLedger,
     cached_order,
     resolve_ref,
     split_rows,
-    unseal,
 )
 from engine_side.vllm.params import SamplingMaker, spec_to_lora, spec_to_pooling
 from engine_side.vllm.schema import (
@@ -57,7 +59,7 @@ from worker_side.shm_reader import ShmReader
 from worker_side.vllm.finish import finish_output
 from worker_side.vllm.grammar import GrammarDecoder
 from worker_side.vllm.mm import StoreResolver, features_from_refs, fresh
-from worker_side.vllm.quick import EXT_DECODER, NO_EXT, QuickDecoder, made, plain
+from worker_side.vllm.quick import QuickDecoder, decode_ext, made, plain
 from worker_side.vllm.replies import reply_msg
 from worker_side.vllm.turnover import turnover_output, turnover_shaped
 
@@ -106,13 +108,15 @@ class SchedulerOutputDecoder:
     ``reader``: this worker's store reader when the engine's encoder has a store
     (a local channel); ``copy``: give multimodal tensors and prompt embeds their
     own writable memory (buffer rule: ``worker_side.vllm.mm``); ``fast=False``:
-    every step takes the general path (tests compare the two).
+    every step takes the general path (tests compare the two); ``seals``: the seals of
+    the decoder this one replaces (their counters go on), else new ones of ``secret``.
     """
 
     def __init__(self, secret: bytes | None = None, ledger: TokenLedger | None = None,
                  reader: ShmReader | None = None, copy: bool = False,
-                 fast: bool = True) -> None:
+                 fast: bool = True, seals: ChannelSeals | None = None) -> None:
         self.secret = secret
+        self.seals = seals or ChannelSeals(secret, sends=REPLY_LABEL, receives=STEP_LABEL)
         self.items = None if reader is None else StoreResolver(reader)
         self.copy = copy
         self.fast = fast
@@ -165,12 +169,8 @@ class SchedulerOutputDecoder:
             so = self._plain_step(msg.seq, msg.digest, body.block_append, body, quick)
             if so is not None:
                 return so
-        raw = body.extension.get("v")
-        try:
-            ext = EXT_DECODER.decode(raw) if raw else NO_EXT
-        except codec.DECODE_ERRORS as exc:
-            raise MalformedMessage("bad vLLM step extension", cause=str(exc)[:200]) from exc
-        opaque = unseal(ext.sealed, self.secret)  # before anything changes
+        ext = decode_ext(body.extension.get("v"))
+        opaque = self.seals.open(ext.sealed)  # before anything changes
         if self.state is None:
             self.state = ReplicaState(TOKEN_MODE_WORKER, ext.kv_groups or 1)
             self.lane = SteadyLane(self.state)
@@ -458,7 +458,7 @@ class SchedulerOutputDecoder:
     def encode_reply(self, out: Any) -> list[Frame]:
         """Frames of a ModelRunnerOutput (or None) answering the newest decoded step."""
         msg = ReplyMsg(seq=self.seq, none=True) if out is None else \
-            reply_msg(out, self.batches.get(self.seq, []), self.seq, self.secret)
+            reply_msg(out, self.batches.get(self.seq, []), self.seq, self.seals)
         if out is not None:
             self.mem.record_output(out)
         self._aux.clear()

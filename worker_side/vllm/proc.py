@@ -6,9 +6,10 @@ over ipc:// in a private directory).  Engine → rank: ``[kind, *frames]``:
 * ``X`` execute_model: the encoder's Delta frames (every rank decodes them);
 * ``S`` sample_tokens: the encoder's GrammarOutput frames;
 * ``C`` control: one HMAC-sealed ``(method, args, kwargs)`` (method a name or
-  cloudpickled callable bytes, verified before anything is unpickled);
-* ``A`` attach: a sealed map rank -> store ``AttachInfo``; the rank's decoder
-  then resolves multimodal items from the engine's shared-memory store;
+  cloudpickled callable bytes, verified before anything is unpickled; seal label
+  ``b"call"``, :mod:`protocol.seal`);
+* ``A`` attach: a sealed (``b"attach"``) map rank -> store ``AttachInfo``; the rank's
+  decoder then resolves multimodal items from the engine's shared-memory store;
 * ``Q`` quit.
 
 With the executor's local step ring (its default), the same calls arrive once
@@ -16,11 +17,11 @@ through the ring and replies leave through the rank's reply ring
 (:mod:`worker_side.vllm.channel`); ready, failed and check-ins stay on the DEALER.
 
 Rank → engine: ``R`` ready, ``F`` failed to start (text), ``O`` reply frames
-(output rank), ``K`` done (other ranks), ``C`` sealed control result, ``E`` an
-exception (text).  Every rank answers every call, so an exception on ANY rank
-reaches the engine.  Unsolicited: ``H`` check-in, ``(outputs folded, token hash)``
-(:mod:`worker_side.vllm.tokenhash`), sent by a sampling rank every
-``hash_every`` model outputs right after that output's reply.
+(output rank), ``K`` done (other ranks), ``C`` sealed control result (label
+``b"result:<rank>"``), ``E`` an exception (text).  Every rank answers every call, so
+an exception on ANY rank reaches the engine.  Unsolicited: ``H`` check-in,
+``(outputs folded, token hash)`` (:mod:`worker_side.vllm.tokenhash`), sent by a
+sampling rank every ``hash_every`` model outputs right after that output's reply.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from typing import Any
 
 import zmq
 
-from engine_side.vllm.convert import seal, unseal
+from protocol.errors import MalformedMessage, ProtocolError
+from protocol.seal import Opener, Sealer
 from worker_side.vllm.channel import RankChannel
 from worker_side.vllm.decoder import SchedulerOutputDecoder
 from worker_side.vllm.tokenhash import TokenHash
@@ -43,6 +45,12 @@ from worker_side.vllm.tokenhash import TokenHash
 READY, FAILED, OUTPUT, DONE, CONTROL, ERROR, CHECK_IN = \
     b"R", b"F", b"O", b"K", b"C", b"E", b"H"
 EXECUTE, SAMPLE, QUIT, ATTACH = b"X", b"S", b"Q", b"A"
+
+
+def rank_of(identity: bytes, world_size: int) -> int | None:
+    """The rank a DEALER identity names (ASCII decimal, no leading zero), else None."""
+    rank = int(identity) if identity.isdigit() and len(identity) <= 6 else -1
+    return rank if 0 <= rank < world_size and identity == b"%d" % rank else None
 
 
 def _watch_parent(death: Connection) -> None:
@@ -138,6 +146,8 @@ class _Server:
         self.secret = secret
         self.is_output = is_output
         self.decoder = SchedulerOutputDecoder(secret=secret)
+        self.calls, self.attach = Opener(secret, b"call"), Opener(secret, b"attach")
+        self.results = Sealer(secret, b"result:%d" % rank)
         self.hash_every = hash_every
         self.token_hash = TokenHash()
         self.sampled: Any = None  # the last call's ModelRunnerOutput, hashed after replying
@@ -145,7 +155,11 @@ class _Server:
     def serve(self) -> None:
         """Answer calls until ``Q`` (the channel spins while steps flow, then sleeps)."""
         while True:
-            kind, *frames = self.channel.next_call()
+            try:
+                kind, *frames = self.channel.next_call()
+            except ProtocolError as exc:  # not a call: answered in its place, as any error
+                self.channel.reply([ERROR, f"{type(exc).__name__}: {exc}".encode()])
+                continue
             if kind == QUIT:
                 return
             try:
@@ -174,14 +188,14 @@ class _Server:
         if kind == CONTROL:
             from vllm.v1.serial_utils import run_method
 
-            method, args, kwargs = unseal(frames[0], self.secret)["call"]
+            method, args, kwargs = _sealed(self.calls, frames, "call")
             result = run_method(self.wrapper, method, args, kwargs)
-            return [CONTROL, seal({"result": result}, self.secret)]
+            return [CONTROL, self.results.seal({"result": result})]
         if kind == ATTACH:
             from worker_side.shm_reader import ShmReader
 
-            info = unseal(frames[0], self.secret)["attach"][self.rank]
-            self.decoder = SchedulerOutputDecoder(secret=self.secret,
+            info = _sealed(self.attach, frames, "attach")[self.rank]
+            self.decoder = SchedulerOutputDecoder(secret=self.secret, seals=self.decoder.seals,
                                                   reader=ShmReader.attach(info))
             return [DONE]
         raise ValueError(f"unknown call kind {kind!r}")
@@ -195,3 +209,13 @@ class _Server:
         if not self.is_output:
             return [DONE]
         return [OUTPUT, *(bytes(f) for f in self.decoder.encode_reply(out))]
+
+
+def _sealed(opener: Opener, frames: list[bytes], key: str) -> Any:
+    """``key``'s value in the one sealed frame of a call (BadSeal, MalformedMessage)."""
+    if len(frames) != 1:
+        raise MalformedMessage("a sealed call is one frame", frames=len(frames))
+    objects = opener.open(frames[0])
+    if key not in objects:
+        raise MalformedMessage("a sealed call without its value", key=key)
+    return objects[key]

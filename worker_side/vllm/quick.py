@@ -21,7 +21,7 @@ from engine_side.vllm.convert import split_rows
 from engine_side.vllm.forecast import Forecast
 from engine_side.vllm.schema import StepExt
 from protocol import codec
-from protocol.errors import InvalidDelta
+from protocol.errors import DECODE_ERRORS, InvalidDelta, malformed
 from protocol.lane import Appends, SteadyLane
 from protocol.lane_lists import LaneRows, add_at, lane_rows, lane_shaped
 from protocol.messages import Delta, DeltaBody, Rows
@@ -42,12 +42,21 @@ _EXT_OTHERS = attrgetter(*(f for f in StepExt.__struct_fields__
 _NO_EXT_OTHERS = _EXT_OTHERS(NO_EXT)
 
 
+def decode_ext(raw: bytes | None) -> StepExt:
+    """A step's ``extension["v"]`` (NO_EXT when absent); MalformedMessage for bad bytes."""
+    if not raw:
+        return NO_EXT
+    try:
+        return EXT_DECODER.decode(raw)
+    except DECODE_ERRORS as exc:
+        raise malformed("bad vLLM step extension", exc) from exc
+
+
 def frame_objects(frame: bytes) -> tuple[DeltaBody, StepExt]:
     """The body and extension of a Delta frame ``lane_view`` read."""
     msg = codec.decode([frame])
     assert isinstance(msg, Delta)  # noqa: S101 - lane_view reads Deltas alone
-    raw = msg.body.extension.get("v")
-    return msg.body, EXT_DECODER.decode(raw) if raw else NO_EXT
+    return msg.body, decode_ext(msg.body.extension.get("v"))
 
 
 def plain_body(body: DeltaBody, ext: StepExt) -> bool:

@@ -11,16 +11,16 @@ from __future__ import annotations
 from itertools import chain
 from typing import Any
 
-from engine_side.vllm.convert import RefTable, index_is_positions, seal, single_items
+from engine_side.vllm.convert import ChannelSeals, RefTable, index_is_positions, single_items
 from engine_side.vllm.schema import KVOutputWire, LogprobsWire, ReplyMsg
 from protocol.packing import pack_sints, pack_uints
 
 
-def reply_msg(out: Any, batch: list[str], seq: int, secret: bytes | None) -> ReplyMsg:
+def reply_msg(out: Any, batch: list[str], seq: int, seals: ChannelSeals) -> ReplyMsg:
     """The reply message of ModelRunnerOutput ``out`` answering step ``seq`` of ``batch``:
     request ids as positions in the batch (or names the engine learns from the reply),
     one token per request as the whole message in the common step, logprobs and the
-    rest typed, connector outputs sealed with ``secret`` (HMAC-authenticated pickle)."""
+    rest typed, connector outputs sealed by ``seals`` (HMAC-authenticated pickle)."""
     ids = RefTable(batch, [])
     fields: dict[str, Any] = {}
     if out.req_ids != batch:
@@ -50,12 +50,12 @@ def reply_msg(out: Any, batch: list[str], seq: int, secret: bytes | None) -> Rep
         fields["nans"] = ids.pairs(out.num_nans_in_logits)
     if out.sampling_masks is not None:
         fields["masks"] = tuple(out.sampling_masks)
-    fields.update(_opaque(out, secret))
+    fields.update(_opaque(out, seals))
     return ReplyMsg(seq=seq, names=tuple(ids.names), pooler=out.pooler_output, **fields)
 
-def _opaque(out: Any, secret: bytes | None) -> dict[str, Any]:
+def _opaque(out: Any, seals: ChannelSeals) -> dict[str, Any]:
     """The reply fields of ``out``'s connector outputs: KV transfer lists typed, the rest
-    sealed with ``secret``."""
+    sealed by ``seals``."""
     if out.kv_connector_output is None and out.ec_connector_output is None and \
             out.cudagraph_stats is None and out.aux_output_connector_output is None:
         return {}  # the common reply: no connector output
@@ -78,5 +78,5 @@ def _opaque(out: Any, secret: bytes | None) -> dict[str, Any]:
         if value is not None:
             opaque[key] = value
     if opaque:
-        fields["sealed"] = seal(opaque, secret)
+        fields["sealed"] = seals.seal(opaque)
     return fields

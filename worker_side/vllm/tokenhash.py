@@ -15,6 +15,8 @@ import struct
 from array import array
 from collections.abc import Sequence
 
+from protocol.errors import MalformedMessage
+
 CHECK_IN = struct.Struct("<qQ")  # outputs folded (int64), hash (uint64), little-endian
 
 
@@ -39,8 +41,8 @@ class TokenHash:
 
 
 def parse_check_in(payload: bytes) -> tuple[int, int]:
-    """``(steps, value)`` of a check-in payload; raises ValueError if malformed."""
+    """``(steps, value)`` of a check-in payload; raises MalformedMessage if malformed."""
     if len(payload) != CHECK_IN.size:
-        raise ValueError(f"check-in payload is {len(payload)} bytes, not {CHECK_IN.size}")
+        raise MalformedMessage("check-in payload is not 16 bytes", size=len(payload))
     steps, value = CHECK_IN.unpack(payload)
     return int(steps), int(value)
