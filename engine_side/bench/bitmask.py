@@ -33,6 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from engine_side.bench.figures import stamp
+from engine_side.bench.page_tables import write_figures
+
 CASES = ((32, 512), (256, 512), (32, 128256), (256, 128256))  # (requests, vocabulary)
 
 
@@ -138,14 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=21, help="messages timed per case (odd)")
     parser.add_argument("--json", default="", help="also write the results here")
+    parser.add_argument("--figures", default="", metavar="FILE",
+                        help="also write the figures envelope for BENCHMARKS.md here "
+                             "(docs/benchmarks/bitmask.json)")
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error("--reps must be at least 1")
+    started = stamp() if args.figures else None  # the run's start, for the envelope
     results = [measure(rows, vocab, args.reps) for rows, vocab in CASES]
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if args.figures:
+        write_figures(args.figures, "bitmask", results, started)
     return 0
 
 

@@ -9,9 +9,12 @@ yet fail with exit status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
+import json
 import sys
+from typing import Any
 
 KINDS = ("core", "latency", "mm")
 
@@ -53,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="small batches and few steps (smoke tests)")
     parser.add_argument("--seed", type=int, default=0, help="workload RNG seed (default: 0)")
+    parser.add_argument("--figures", default=None, metavar="FILE",
+                        help="also write the figures envelope for BENCHMARKS.md here "
+                             "(docs/benchmarks/KIND.json; implies --json)")
     for kind in KINDS[1:]:
         if _available(kind):
             hook = getattr(importlib.import_module(_module_name(kind)), "add_arguments", None)
@@ -66,4 +72,41 @@ def run(args: argparse.Namespace) -> int:
         print(f"deltacast bench: '{kind}' is not available yet "
               f"(module {_module_name(kind)} does not exist)", file=sys.stderr)
         return 2
-    return int(importlib.import_module(_module_name(kind)).run(args) or 0)
+    module = importlib.import_module(_module_name(kind))
+    if getattr(args, "figures", None):
+        return _run_with_figures(module, kind, args)
+    return int(module.run(args) or 0)
+
+
+class _Tee:
+    """stdout that also keeps what was written (the JSON rows of a run)."""
+
+    def __init__(self, out: Any) -> None:
+        self.out = out
+        self.parts: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return int(self.out.write(text))
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def _run_with_figures(module: Any, kind: str, args: argparse.Namespace) -> int:
+    """Run ``kind`` with --json, then write its rows' figures envelope (engine_side.bench.page)."""
+    from engine_side.bench import figures, page_tables
+
+    if getattr(args, "soak", 0):
+        print("deltacast bench: --figures does not apply to --soak", file=sys.stderr)
+        return 2
+    started = figures.stamp()
+    args.json = True
+    tee = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(tee):
+        status = int(module.run(args) or 0)
+    if status == 0:
+        rows = [json.loads(line) for line in "".join(tee.parts).splitlines()
+                if line.startswith("{")]
+        page_tables.write_figures(args.figures, kind, rows, started)
+    return status

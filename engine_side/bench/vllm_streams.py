@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine_side.bench.figures import stamp
+from engine_side.bench.page_tables import write_figures
 from engine_side.bench.vllm_replay import (
     Eviction,
     load_recording,
@@ -232,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     synthetic = [int(n) for n in args.synthetic]
+    started = stamp() if args.figures else None  # for the figures envelope
     if args.replay or args.scenario == "all":
         live = None
         if args.replay:
@@ -254,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
         print(render(doc))
         failures = sum(len(w.get("live", {}).get("failures", []))
                        for w in doc["workloads"].values())
+        if args.figures and not failures:  # the envelope BENCHMARKS.md is generated from
+            write_figures(args.figures, "vllm_streams", doc, started)
         return 1 if failures else 0
     model = build_tiny_model(Path(args.model or DEFAULT_MODEL))
     stats = record_scenario(model, args.scenario, Path(args.out) if args.out else None,
@@ -304,6 +309,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "scheduler leaves a step it has just built")
     parser.add_argument("--json", default="", help="write the replay document (JSON) here")
     parser.add_argument("--render", default="", help="print the tables of a saved JSON document")
+    parser.add_argument("--figures", default="", metavar="FILE",
+                        help="with --scenario all or --replay: also write the figures envelope "
+                             "for BENCHMARKS.md here (docs/benchmarks/vllm_streams.json)")
 
 
 if __name__ == "__main__":

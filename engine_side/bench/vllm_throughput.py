@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine_side.bench.figures import stamp
+from engine_side.bench.page_tables import write_figures
 from engine_side.bench.vllm_scenarios import build_tiny_model, run_child, text
 
 DEFAULT_MODEL = Path("/tmp/deltacast-tiny-llama")
@@ -142,16 +144,22 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--work-dir", default="/tmp/deltacast-throughput")
     p.add_argument("--json", default="", help="write the result document here")
+    p.add_argument("--figures", default="", metavar="FILE",
+                   help="also write the figures envelope for BENCHMARKS.md here "
+                        "(docs/benchmarks/vllm_throughput.json)")
     p.add_argument("--executor", choices=EXECUTORS, help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.executor:
         return child(args)
+    started = stamp() if args.figures else None  # for the figures envelope
     build_tiny_model(Path(args.model))
     doc = rounds(args)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
     print(render(doc))
+    if args.figures and doc["outputs_identical"]:  # the envelope BENCHMARKS.md is made from
+        write_figures(args.figures, "vllm_throughput", doc, started)
     return 0 if doc["outputs_identical"] else 1
 
 

@@ -1,0 +1,458 @@
+"""Each benchmark's own output → the table of its figures envelope (columns, rows,
+targets, notes) for :mod:`engine_side.bench.page`: the benchmarks' ``--figures FILE``
+calls :func:`write_figures`; ``--import-report`` wraps the JSON ``deltacast report``
+writes; ``--reconvert`` remakes a table from the stored raw output.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from engine_side.bench import figures
+
+SLOWER = "slower on"  # the last column of a comparison: where deltacast is slower
+NONE = "–"
+
+Fields = dict[str, Any]
+
+
+def cell(value: Any) -> str:
+    if value is None:
+        return NONE
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        size = abs(value)
+        if size >= 100:
+            return f"{value:,.0f}"
+        if size >= 10:
+            return f"{value:.1f}"
+        if size >= 0.001:  # 3 significant digits; "1.00", not "1", for 0.9996 or 1.004
+            text = f"{value:.3g}"
+            return f"{value:#.3g}" if text in ("1", "-1") and value not in (1, -1) else text
+        return f"{value:.1e}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+
+_cell = cell
+
+# ---------------------------------------------------------------- helpers for converters
+def _slower(*measures: tuple[str, float | None]) -> str:
+    """The measures (name, ours ÷ theirs with lower better) on which deltacast is slower."""
+    worse = [name for name, ratio in measures if ratio is not None and ratio > 1]
+    return ", ".join(worse) if worse else NONE
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or not b else a / b
+
+
+def _r(value: float | None, digits: int = 3) -> float | None:
+    """``value`` rounded (ints, and None, as they are)."""
+    if value is None or isinstance(value, int):
+        return value
+    return round(float(value), digits)
+
+
+def _target(target: str, value: Any, limit: str, met: bool | None) -> dict[str, Any]:
+    return {"target": target, "value": value, "limit": limit,
+            "met": None if met is None else bool(met)}
+
+
+# ---------------------------------------------------------------- core
+def from_core(rows: Sequence[dict[str, Any]]) -> Fields:
+    """``deltacast bench [core] --json`` rows → one line per scenario and batch."""
+    from engine_side.bench.core import check_targets
+
+    by = {(r["scenario"], r["batch"], r["format"]): r for r in rows}
+    cases = sorted({(r["scenario"], r["batch"]) for r in rows},
+                   key=lambda c: (c[0] != "steady_decode", c[1]))
+    table = []
+    for scenario, batch in cases:
+        ours, v1, full = (by.get((scenario, batch, f)) or {} for f in
+                          ("deltacast", "pickle_v1", "pickle"))
+        ratio = _div(ours.get("total_us"), v1.get("total_us"))
+        table.append([scenario, batch, ours.get("bytes"), v1.get("bytes"), full.get("bytes"),
+                      _r(_div(v1.get("bytes"), ours.get("bytes")), 1), ours.get("total_us"),
+                      v1.get("total_us"), full.get("total_us"), _r(ratio),
+                      _slower(("µs", ratio))])
+    baseline = next((r.get("baseline") for r in rows if r["format"] == "pickle_v1"), None)
+    notes = ["pickle_v1 is built from vLLM's own SchedulerOutput classes." if baseline == "vllm"
+             else "pickle_v1 is built from a field-for-field stand-in of vLLM's SchedulerOutput "
+                  "(vLLM was not importable).",
+             "µs = encode + decode, the median per step; each format ran on the same steps in "
+             "a rotating order (timed steps: 200 at batch ≤ 32, 100 at 256, 50 at 1024, 30 at "
+             "4096).",
+             "decode_tokens_blocks has the engine send every sampled token; steady_decode has "
+             "the workers own them."]
+    targets = [_target(t.what, _r(t.value), f"≤ {t.limit:.3g}", t.met)
+               for t in check_targets(list(rows))]
+    return {"name": "core", "title": "Core: bytes and CPU time per step",
+            "what": "Synthetic continuous-batching steps (engine_side/workloads.py) at batch "
+                    "1 to 4096: median bytes on the wire and median CPU µs per step (encode + "
+                    "decode, the worker's full rebuild included) of deltacast against "
+                    "pickle_v1 (vLLM's execute_model RPC message with its SchedulerOutput, "
+                    "pickled as its MessageQueue does) and pickle (the whole request).",
+            "columns": ["scenario", "batch", "deltacast B", "pickle_v1 B", "pickle B",
+                        "× fewer B than pickle_v1", "deltacast µs", "pickle_v1 µs",
+                        "pickle µs", "µs ÷ pickle_v1", SLOWER],
+            "rows": table, "targets": targets, "notes": notes, "raw": list(rows)}
+
+
+# ---------------------------------------------------------------- latency
+LATENCY_TARGETS = ((1, 256), (2, 256), (1, 4096), (2, 4096), (4, 4096))
+
+
+def from_latency(rows: Sequence[dict[str, Any]]) -> Fields:
+    """``deltacast bench latency --json`` rows → one line per worker count and batch."""
+    by = {(r["transport"], r["workers"], r["batch"]): r for r in rows}
+    cases = sorted({(r["workers"], r["batch"]) for r in rows})
+    table, targets = [], []
+    for workers, batch in cases:
+        ipc, sockets, tcp, vllm = (by.get((t, workers, batch)) or {} for t in
+                                   ("ipc", "ipc-sockets", "tcp-curve", "vllm-shm"))
+        p50 = _div(ipc.get("total_us"), vllm.get("total_us"))
+        cpu = _div(ipc.get("cpu_s_per_step"), vllm.get("cpu_s_per_step"))
+        table.append([workers, batch, ipc.get("total_us"), ipc.get("p99_us"),
+                      sockets.get("total_us"), tcp.get("total_us"), vllm.get("total_us"),
+                      vllm.get("p99_us"), _ms(ipc.get("cpu_s_per_step")),
+                      _ms(vllm.get("cpu_s_per_step")), _r(p50), _r(cpu),
+                      _slower(("p50", p50), ("CPU", cpu))])
+        if (workers, batch) in LATENCY_TARGETS and p50 is not None:
+            targets.append(_target(f"ipc p50 ÷ vLLM shm p50, {workers} worker"
+                                   f"{'s' if workers > 1 else ''}, batch {batch}",
+                                   _r(p50), "< 1", p50 < 1))
+    steps: dict[int, set[int]] = {}
+    for r in rows:
+        steps.setdefault(r.get("steps") or 0, set()).add(r["batch"])
+    timed = "; ".join(f"{n} at batch {', '.join(map(str, sorted(b)))}"
+                      for n, b in sorted(steps.items(), key=lambda kv: min(kv[1])))
+    return {"name": "latency", "title": "Step latency over real worker processes",
+            "what": "steady_decode steps from the engine to 1, 2 and 4 worker processes: "
+                    "latency from the engine handing over a step to every worker holding the "
+                    "rebuilt request (p50, p99 µs) and CPU per step (engine + workers), for "
+                    "the default ipc channel (shared-memory step ring), ipc without the ring, "
+                    "tcp with CURVE, and vLLM's shared-memory MessageQueue carrying the "
+                    "pickled SchedulerOutput (vllm shm).",
+            "columns": ["workers", "batch", "ipc p50 µs", "ipc p99 µs", "ipc-sockets p50 µs",
+                        "tcp-curve p50 µs", "vllm shm p50 µs", "vllm shm p99 µs",
+                        "ipc CPU ms/step", "vllm shm CPU ms/step", "p50 ÷ vllm shm",
+                        "CPU ÷ vllm shm", SLOWER],
+            "rows": table, "targets": targets,
+            "notes": ["Ratios compare ipc with vllm shm; the vLLM lane's clock starts at "
+                      "enqueue (building its SchedulerOutput is left out), ours before the "
+                      "diff.",
+                      f"Timed steps per case: {timed}; both sides spin with sched_yield "
+                      "while they wait, as vLLM's readers do."],
+            "raw": list(rows)}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+# ---------------------------------------------------------------- multimodal
+MM_FORMATS = ("memcpy", "pickle_torch", "pickle_numpy", "frames", "store_first", "store_hit",
+              "vllm_shm")
+
+
+def from_mm(rows: Sequence[dict[str, Any]]) -> Fields:
+    """``deltacast bench mm --json`` rows → total ms per image count and worker count."""
+    by = {(r["batch"], r["workers"], r["format"]): r for r in rows}
+    cases = sorted({(r["batch"], r["workers"]) for r in rows})
+    table = []
+    for batch, workers in cases:
+        cell = {f: (by.get((batch, workers, f)) or {}).get("total_us") for f in MM_FORMATS}
+        first = _div(cell["store_first"], cell["vllm_shm"])
+        frames = _div(cell["frames"], cell["vllm_shm"])
+        table.append([batch, workers, *(_ms_from_us(cell[f]) for f in MM_FORMATS),
+                      _r(first), _r(frames),
+                      _slower(("store_first", first), ("frames", frames))])
+    targets = []
+    top = max(b for b, _ in cases)
+    for batch, workers in cases:
+        if batch != top:
+            continue
+        memcpy = (by.get((batch, workers, "memcpy")) or {}).get("total_us")
+        frames_enc = (by.get((batch, workers, "frames")) or {}).get("encode_us")
+        first = (by.get((batch, workers, "store_first")) or {}).get("total_us")
+        share = _div(frames_enc, memcpy)
+        if share is not None:
+            targets.append(_target(f"frames encode ÷ memcpy, {batch} images, {workers} "
+                                   f"worker{'s' if workers > 1 else ''}", _r(share, 4), "≤ 0.1",
+                                   share <= 0.1))
+        ratio = _div(first, memcpy)
+        if ratio is not None:
+            targets.append(_target(f"store_first ÷ memcpy, {batch} images, {workers} "
+                                   f"worker{'s' if workers > 1 else ''}", _r(ratio), "≤ 1.5",
+                                   ratio <= 1.5))
+    hits = [r["bytes"] / r["batch"] for r in rows if r["format"] == "store_hit"]
+    if hits:
+        worst = max(hits)
+        targets.append(_target("store_hit bytes per image (worst case)", round(worst, 1),
+                               "≤ 100", worst <= 100))
+    repeats = sorted({int(r["repeats"]) for r in rows if r.get("repeats")}, reverse=True)
+    return {"name": "mm", "title": "Multimodal: pixel tensors to local workers",
+            "what": "Images of 3×896×896 float32 pixels (9.6 MB each) sent from the engine "
+                    "process to 1, 2 and 4 worker processes: ms until every worker holds "
+                    "every tensor, for a plain in-process copy (memcpy, the yardstick), "
+                    "vLLM-style pickles over zmq, deltacast's zero-copy tensor frames, "
+                    "deltacast's shared-memory store (first send and repeat), and vLLM 0.32's "
+                    "shared-memory object storage (vllm_shm).",
+            "columns": ["images", "workers", *(f"{f} ms" for f in MM_FORMATS),
+                        "store_first ÷ vllm_shm", "frames ÷ vllm_shm", SLOWER],
+            "rows": table, "targets": targets,
+            "notes": [f"Median of {'/'.join(map(str, repeats))} repeats (fewer for more "
+                      "images); one format at a time, workers drop everything between "
+                      "formats.",
+                      "store_first writes into pages the store pre-faulted when it was made; "
+                      "memcpy's clone faults in fresh pages."],
+            "raw": list(rows)}
+
+
+def _ms_from_us(us: float | None) -> float | None:
+    return None if us is None else round(us / 1e3, 2)
+
+
+# ---------------------------------------------------------------- wire-size report
+def from_report(report: dict[str, Any]) -> Fields:
+    """``docs/report/report.json`` → its headline table with ratios."""
+    table = []
+    for h in report["headline"]:
+        w = next(s for s in report["workloads"] if s["workload"] == h["workload"])
+        ours, v1 = w["formats"]["deltacast"], w["formats"]["pickle_v1"]
+        ratio = _div(ours["total_us"]["p50"], v1["total_us"]["p50"])
+        table.append([h["workload"], h["batch"], h["deltacast"], h["msgspec_full"],
+                      h["pickle_v1"], h["pickle"], h["pickle_v1 / deltacast"],
+                      h["deltacast µs p50"], h["pickle_v1 µs p50"], _r(ratio),
+                      _slower(("µs", ratio))])
+    labels = sorted({w["labels"].get("pickle_v1", "") for w in report["workloads"]} - {""})
+    return {"name": "report", "title": "Wire-size report",
+            "what": "Six synthetic workloads (decode_heavy, long_prefill, preemption_storm, "
+                    "spec_decode, multimodal, mixed_chat) replayed through four formats side "
+                    "by side: mean bytes per step and the median encode + decode µs per step "
+                    "of deltacast against pickle_v1 (vLLM's SchedulerOutput RPC message).",
+            "columns": ["workload", "batch", "deltacast B/step", "msgspec_full B/step",
+                        "pickle_v1 B/step", "pickle B/step", "× fewer B than pickle_v1",
+                        "deltacast µs p50", "pickle_v1 µs p50", "µs ÷ pickle_v1", SLOWER],
+            "rows": table, "targets": [],
+            "notes": ["pickle_v1 is built from vLLM's own SchedulerOutput classes."
+                      if labels and all(x.endswith("(vllm)") for x in labels) else
+                      f"pickle_v1: {', '.join(labels) or 'unlabelled'}.",
+                      "msgspec_full is the whole request in msgspec, without deltas; per-field "
+                      "splits, percentiles and plots are in docs/report/report.md."],
+            "raw": {"headline": report["headline"], "command": report.get("command")}}
+
+
+def import_report(path: Path, out: Path) -> dict[str, Any]:
+    """The envelope of the report at ``path`` (written by ``deltacast report`` just before):
+    its date is the report's start (file time less its run time), the commit and machine
+    this checkout's."""
+    report = json.loads(path.read_text())
+    fields = from_report(report)
+    written = path.stat().st_mtime
+    seconds = float(report.get("seconds", 0.0))
+    started = datetime.datetime.fromtimestamp(written - seconds, datetime.UTC)
+    dirty = figures.dirty_paths()
+    stamp = {"date": started.strftime("%Y-%m-%d %H:%M UTC"), "commit": figures.commit(),
+             "dirty": dirty, "load": None, "_t0": 0.0}
+    run = report.get("command") or "deltacast report"
+    command = (f"{figures.env_prefix()}.venv/bin/{run} && .venv/bin/python -m "
+               f"engine_side.bench.page --import-report {_repo_path(path)}")
+    env = figures.envelope(**fields, started=stamp, command_line=command)
+    env["seconds"] = seconds
+    env.pop("load", None)
+    env.pop("load_end", None)
+    figures.dump(out, env)
+    return env
+
+
+def _repo_path(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(figures.ROOT))
+    except ValueError:
+        return str(path)
+
+
+# ---------------------------------------------------------------- vLLM streams
+def from_streams(doc: dict[str, Any]) -> Fields:
+    """``python -m engine_side.bench.vllm_streams --scenario all`` document → per stream."""
+    from engine_side.bench.vllm_table import targets as stream_targets
+
+    streams = [*doc["workloads"].items(),
+               *((f"synthetic-{k}", v) for k, v in doc.get("synthetic", {}).items())]
+    table = []
+    for name, w in streams:
+        req, steps = w["request"], max(1, w["steps"])
+        fewer = _div(req["pickle_bytes"], req["bytes"])
+        median = _div(req["median_us"], req["pickle_median_us"])
+        summed = _div(req["us"], req["pickle_us"])
+        churn = w.get("churn") or {}
+        join = _div(churn.get("us"), churn.get("pickle_us")) if churn.get("steps") else None
+        same = w.get("same_batch") or {}
+        batch = _div(same.get("us"), same.get("pickle_us")) if same.get("steps") else None
+        reply = _div(w["reply"]["pickle_bytes"], w["reply"]["bytes"])
+        table.append([name, w["steps"], round(req["bytes"] / steps, 1),
+                      round(req["pickle_bytes"] / steps, 1), _r(fewer, 1),
+                      _r(req["median_us"], 1), _r(req["pickle_median_us"], 1), _r(median),
+                      _r(summed), churn.get("steps"), _r(join), _r(batch), _r(reply, 1),
+                      _slower(("median", median), ("summed", summed), ("join/leave", join),
+                              ("same-batch", batch))])
+    t = doc["total"]["request"]
+    steps = sum(w["steps"] for w in doc["workloads"].values())
+    fewer, summed = _div(t["pickle_bytes"], t["bytes"]), _div(t["us"], t["pickle_us"])
+    churn_us = sum((w.get("churn") or {}).get("us", 0) for w in doc["workloads"].values())
+    churn_pickle = sum((w.get("churn") or {}).get("pickle_us", 0)
+                       for w in doc["workloads"].values())
+    churn_steps = sum((w.get("churn") or {}).get("steps", 0) for w in doc["workloads"].values())
+    join = _div(churn_us, churn_pickle) if churn_steps else None
+    same_us = sum((w.get("same_batch") or {}).get("us", 0) for w in doc["workloads"].values())
+    same_pickle = sum((w.get("same_batch") or {}).get("pickle_us", 0)
+                      for w in doc["workloads"].values())
+    batch = _div(same_us, same_pickle)
+    reply_t = doc["total"]["reply"]
+    reply = _div(reply_t["pickle_bytes"], reply_t["bytes"])
+    table.append(["all recorded", steps, round(t["bytes"] / steps, 1),
+                  round(t["pickle_bytes"] / steps, 1), _r(fewer, 1), None, None, None,
+                  _r(summed), churn_steps, _r(join), _r(batch), _r(reply, 1),
+                  _slower(("summed", summed), ("join/leave", join), ("same-batch", batch))])
+    meta = doc.get("meta", {})
+    live = [w.get("live") for w in doc["workloads"].values() if w.get("live")]
+    differences = sum(len(x.get("failures", [])) for x in live)
+    notes = [f"vLLM = {meta.get('baseline', 'its MessageQueue serializer')} of the same "
+             f"message; each step's µs is the median of {meta.get('passes', 1)} replays, the "
+             "two paths alternating which goes first.",
+             "µs = encode + decode of the request path (execute_model + sample_tokens) per "
+             "step; median = ratio of the median steps, summed = ratio of the sums over all "
+             "steps, join/leave = steps where a request joins, leaves or resumes, same-batch "
+             "= the others.",
+             "synthetic-N: N requests in steady decode, all of them joining in the first of "
+             "its 20 steps (which is most of its summed ratio); synthetic-churn-N: one request "
+             "finishes and one joins every step (a stateful channel's worst case)."]
+    if live:
+        notes.append(f"{len(live)} workloads recorded from real vLLM CPU runs, every message "
+                     f"decoded and compared with the original: {differences} round-trip "
+                     "differences.")
+    medians = {name: _r(_div(w["request"]["median_us"], w["request"]["pickle_median_us"]))
+               for name, w in streams}
+    targets = []
+    for t in stream_targets(doc):  # median ratios to the table's precision
+        name, _, what = t["target"].partition(": ")
+        value = medians[name] if what.startswith("median µs") and name in medians else t["value"]
+        targets.append(_target(t["target"], value, t["limit"], t["met"]))
+    return {"name": "vllm_streams", "title": "vLLM streams",
+            "what": "vLLM's own per-step messages, recorded from real vLLM CPU runs of eight "
+                    "workloads (engine_side/bench/vllm_scenarios.py) and from synthetic "
+                    "streams, replayed through deltacast's SchedulerOutput encoder and decoder "
+                    "and through vLLM's MessageQueue serializer: request bytes and CPU µs per "
+                    "step.",
+            "columns": ["stream", "steps", "B/step", "vLLM B/step", "× fewer B",
+                        "median µs", "vLLM median µs", "median ÷ vLLM", "summed ÷ vLLM",
+                        "join/leave steps", "join/leave ÷ vLLM", "same-batch ÷ vLLM",
+                        "× fewer reply B", SLOWER],
+            "rows": table, "targets": targets, "notes": notes,
+            "raw": doc}
+
+
+# ---------------------------------------------------------------- TP=2 throughput
+def from_throughput(doc: dict[str, Any]) -> Fields:
+    """``python -m engine_side.bench.vllm_throughput`` document → one line per round."""
+    rounds = doc["rounds"]
+    table = [[r["round"], round(r["default"]), round(r["delta"]), _r(r["ratio"]),
+              _r(r["default_cpu_ms_per_token"]), _r(r["delta_cpu_ms_per_token"]),
+              "throughput" if r["ratio"] < 1 else NONE] for r in rounds]
+    ratios = [r["ratio"] for r in rounds]
+    median = statistics.median(ratios)
+    table.append(["median", round(statistics.median(r["default"] for r in rounds)),
+                  round(statistics.median(r["delta"] for r in rounds)), _r(median),
+                  _r(statistics.median(r["default_cpu_ms_per_token"] for r in rounds)),
+                  _r(statistics.median(r["delta_cpu_ms_per_token"] for r in rounds)),
+                  "throughput" if median < 1 else NONE])
+    above = sum(1 for x in ratios if x >= 1)
+    return {"name": "vllm_throughput", "title": "End-to-end throughput at TP=2",
+            "what": f"LLM.generate of {doc['prompts']} prompts × {doc['max_tokens']} output "
+                    f"tokens on a tiny random Llama at TP={doc['tp']} on CPU, DeltaExecutor "
+                    "against vLLM's default executor, each in a fresh process, alternating: "
+                    "output tokens/s (median of the timed generates) and CPU ms per output "
+                    "token of the whole process tree.",
+            "columns": ["round", "default tok/s", "DeltaExecutor tok/s", "Delta ÷ default",
+                        "default CPU ms/token", "Delta CPU ms/token", SLOWER],
+            "rows": table,
+            "targets": [_target("DeltaExecutor ÷ default throughput, median of rounds",
+                                _r(median), "≥ 1", median >= 1),
+                        _target("token ids identical in every process",
+                                bool(doc["outputs_identical"]), "yes",
+                                bool(doc["outputs_identical"]))],
+            "notes": [f"Ratios over {len(ratios)} rounds: median {_cell(_r(median))}, "
+                      f"spread {_cell(_r(min(ratios)))}–{_cell(_r(max(ratios)))}, {above} of "
+                      f"{len(ratios)} ≥ 1; "
+                      "a model step is milliseconds of compute, so the channel's µs barely "
+                      "show and the spread is the shared machine's.",
+                      "The median row is each column's median (its ratio: the median of the "
+                      "rounds' ratios).",
+                      f"{doc['repeats']} timed generates per process after a warm-up; "
+                      "enforce_eager, block size 32, no prefix caching."],
+            "raw": doc}
+
+
+# ---------------------------------------------------------------- structured-output bitmask
+def from_bitmask(results: Sequence[dict[str, Any]]) -> Fields:
+    """``python -m engine_side.bench.bitmask`` results → one line per case."""
+    table = [[r["requests"], r["vocab"], r["raw_bytes"], r["bytes"], r["pickle_bytes"],
+              _r(r["bytes_ratio"], 1), _r(r["us"], 1), _r(r["pickle_us"], 1),
+              _r(r["us_ratio"]), _r(r["ring_us"], 1), _r(r["ring_ratio"]),
+              _slower(("µs", r["us_ratio"]), ("µs with ring copies", r["ring_ratio"]))]
+             for r in results]
+    return {"name": "bitmask", "title": "Structured-output bitmasks",
+            "what": "sample_tokens messages carrying xgrammar-like GrammarOutput bitmasks "
+                    "(rows shared by requests at the same grammar state, states recurring "
+                    "across steps) at 512- and 128,256-token vocabularies: bytes and µs per "
+                    "message of deltacast's grammar encoder + decoder against vLLM's "
+                    "MessageQueue serializer, alone and with the two copies its shared-memory "
+                    "ring makes of the message.",
+            "columns": ["requests", "vocabulary", "bitmask B", "deltacast B", "vLLM B",
+                        "× fewer B", "deltacast µs", "vLLM µs", "µs ÷ vLLM",
+                        "vLLM + ring copies µs", "µs ÷ that", SLOWER],
+            "rows": table, "targets": [],
+            "notes": ["Medians over the timed messages (--reps, default 21); every decoded "
+                      "bitmask is checked equal to the original."],
+            "raw": list(results)}
+
+
+CONVERTERS: dict[str, Callable[[Any], Fields]] = {
+    "core": from_core, "latency": from_latency, "mm": from_mm, "report": from_report,
+    "vllm_streams": from_streams, "vllm_throughput": from_throughput, "bitmask": from_bitmask}
+
+
+def reconvert(path: Path) -> bool:
+    """Remake the table of the envelope at ``path`` from its ``raw`` output with the current
+    converter (the run's command, machine, date and commit stay); False when it has none."""
+    env = figures.load(path)
+    if env.get("raw") is None or env["name"] not in CONVERTERS or env["name"] == "report":
+        return False
+    fields = CONVERTERS[env["name"]](env["raw"])
+    fields.pop("raw", None)
+    if {k: env.get(k) for k in fields} == fields:
+        return False
+    env.update(fields)
+    figures.dump(path, env)
+    return True
+
+
+def write_figures(path: str | Path, kind: str, native: Any,
+                  started: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a benchmark's ``--figures FILE`` calls at the end: its own output → envelope."""
+    fields = CONVERTERS[kind](native)
+    return figures.write(path, started=started, **fields)
+
+
