@@ -14,77 +14,162 @@ request completed, all ranks agreed and (with ``--reference``) outputs matched.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
-import os
 import random
-import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine_side.liveness import LivenessEvent, LivenessView, WorkerDead, WorkerStuck
+from engine_side.liveness import LivenessView
 from engine_side.mirror import EngineMirror
+from engine_side.results import SampledTokens
 from engine_side.scheduler import Scheduler
-from engine_side.session import DEFAULT_ACK_SPIN, EngineSession
+from engine_side.session import DEFAULT_ACK_SPIN, EngineSession, WorkersLost
+from engine_side.stale_dirs import LockedTempDir
+from engine_side.supervisor import Supervisor, WorkersFailing
+from protocol.cli_support import (
+    EXIT_ENDPOINT,
+    EXIT_IN_USE,
+    EXIT_NO_INPUT,
+    EXIT_USAGE,
+    EXIT_WORKERS_LOST,
+    CliError,
+    configure_logging,
+    deferred_signals,
+    endpoint,
+    float_in,
+    int_in,
+)
 from protocol.messages import TOKEN_MODE_ENGINE
 from protocol.params import SamplingSpec
 from protocol.request import IntArray
-from worker_side.ring import DEFAULT_RING_BYTES
+from protocol.ring import DEFAULT_RING_BYTES
 from worker_side.waiting import DEFAULT_SPIN_MS
 
 if TYPE_CHECKING:  # zmq is imported only when a run starts
     from engine_side.security import CurveKeys
     from engine_side.transport import EngineTransport
 
+__all__ = ["Supervisor", "WorkersFailing", "add_arguments", "run"]  # (bench latency's soak)
+
 log = logging.getLogger("deltacast.demo")
 VOCAB = 512  # TinyModel's default vocabulary
+MAX_PROMPT = 80  # longest prompt of make_jobs
+MAX_WORKERS = 64  # ranks 0..63 (protocol.ring.MAX_RANKS)
+JOIN_TIMEOUT = 60.0  # seconds the engine waits for its workers to join
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks (16 tokens each)")
-    parser.add_argument("--token-budget", type=int, default=128)
-    parser.add_argument("--kill-every", type=int, default=0, metavar="K",
-                        help="chaos: kill -9 a random worker every K steps")
-    parser.add_argument("--stall", type=int, default=0, metavar="K",
-                        help="chaos: SIGSTOP a random worker every K steps (see --stall-seconds)")
-    parser.add_argument("--stall-seconds", type=float, default=1.5)
-    parser.add_argument("--endpoint", default=None,
-                        help="ipc://DIR (default: a fresh private dir) or tcp://HOST:PORT")
-    parser.add_argument("--curve", action="store_true", help="tcp: CURVE with generated keys")
-    parser.add_argument("--insecure", action="store_true", help="tcp without CURVE (warns)")
-    parser.add_argument("--server-secret-key", type=Path,
-                        help="tcp: the engine's .key_secret file (instead of --curve)")
-    parser.add_argument("--allow-key", type=Path, action="append", default=[],
-                        help="a worker public key file to admit (repeatable)")
-    parser.add_argument("--worker-secret-key", type=Path,
-                        help="with --server-secret-key: key file for locally spawned workers")
-    parser.add_argument("--remote-workers", type=int, default=0,
-                        help="also wait for this many hand-started workers (ranks after local)")
-    parser.add_argument("--liveness", type=float, default=1.0, help="dead after (seconds)")
-    parser.add_argument("--stuck-after", type=float, default=10.0)
-    parser.add_argument("--hwm", type=int, default=1000, help="PUB/SUB high-water mark")
-    parser.add_argument("--sockbuf", type=int, default=-1, help="kernel socket buffers (bytes)")
-    parser.add_argument("--ring-kb", type=int, default=DEFAULT_RING_BYTES >> 10,
-                        help="ipc: the local step ring's size in KiB (a worker stalled past "
-                             "it resyncs; 0 = sockets only)")
-    parser.add_argument("--spin-ms", type=float, default=DEFAULT_SPIN_MS,
-                        help="workers' bounded spin after each step (0 = block)")
-    parser.add_argument("--ack-spin-ms", type=float, default=DEFAULT_ACK_SPIN * 1e3,
-                        help="engine's bounded spin while waiting for a step (0 = block)")
-    parser.add_argument("--reference", action="store_true",
-                        help="also run in-process and require identical outputs")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    parser.add_argument("--no-progress", action="store_true")
+    run_ = parser.add_argument_group("workload")
+    run_.add_argument("--workers", type=int_in(0, MAX_WORKERS), default=2,
+                      help="worker processes started here (0 needs --remote-workers)")
+    run_.add_argument("--requests", type=int_in(1), default=16,
+                      help="requests in the seeded workload")
+    run_.add_argument("--seed", type=int_in(0), default=0, help="workload and model seed")
+    run_.add_argument("--max-tokens", type=int_in(1, 4096), default=24,
+                      help="most tokens a request generates (each draws 1..N)")
+    run_.add_argument("--num-blocks", type=int_in(1), default=256,
+                      help=f"KV cache blocks of 16 tokens per worker (a request needs "
+                           f"{MAX_PROMPT} + --max-tokens tokens at most)")
+    run_.add_argument("--token-budget", type=int_in(1), default=128,
+                      help="tokens scheduled per step (decodes, then prefill chunks)")
+    run_.add_argument("--reference", action="store_true",
+                      help="also run the workload in-process and require identical outputs")
+    chaos = parser.add_argument_group("chaos")
+    chaos.add_argument("--kill-every", type=int_in(1), default=None, metavar="K",
+                       help="kill -9 a random local worker every K steps; it is restarted "
+                            "and rejoins through a snapshot (off unless given)")
+    chaos.add_argument("--stall", type=int_in(1), default=None, metavar="K",
+                       help="every K steps, SIGSTOP a random local worker for "
+                            "--stall-seconds, then SIGCONT it (off unless given). Stalled "
+                            "past --liveness, it is declared dead and the run goes on "
+                            "without it; when it wakes it catches up from the step ring if "
+                            "the steps it missed still fit there, and otherwise detects the "
+                            "gap and resyncs from a snapshot (the summary's 'resyncs'). The "
+                            "default ring holds every step of a demo-sized stall; to see "
+                            "resyncs shrink it: --stall 10 --ring-kb 1 --requests 64")
+    chaos.add_argument("--stall-seconds", type=float_in(0, 60, exclusive=True), default=1.5,
+                       help="how long a --stall lasts (seconds)")
+    net = parser.add_argument_group("endpoint and security")
+    net.add_argument("--endpoint", type=endpoint, default=None,
+                     help="ipc://DIR (a private directory: ours, mode 0700, no symlink) or "
+                          "tcp://HOST:PORT (PORT and PORT+1; needs --curve, "
+                          "--server-secret-key or --insecure); default: a fresh private "
+                          "ipc directory under $XDG_RUNTIME_DIR or the temp dir")
+    net.add_argument("--curve", action="store_true",
+                     help="tcp: CURVE encryption with keys generated for this run")
+    net.add_argument("--insecure", action="store_true",
+                     help="tcp without CURVE: anyone who reaches the port can read and "
+                          "inject (trusted networks only; warns)")
+    net.add_argument("--server-secret-key", type=Path, metavar="FILE",
+                     help="tcp: the engine's .key_secret file (instead of --curve)")
+    net.add_argument("--allow-key", type=Path, action="append", default=[], metavar="FILE",
+                     help="with --server-secret-key: a worker public key file to admit "
+                          "(repeatable)")
+    net.add_argument("--worker-secret-key", type=Path, metavar="FILE",
+                     help="with --server-secret-key: the key file locally started workers use")
+    net.add_argument("--remote-workers", type=int_in(0, MAX_WORKERS), default=0,
+                     help="also wait for this many hand-started workers (`deltacast worker "
+                          "--connect ENDPOINT --rank R`, ranks after the local ones)")
+    tune = parser.add_argument_group("liveness and tuning")
+    tune.add_argument("--liveness", type=float_in(0, exclusive=True), default=1.0,
+                      help="a worker without a check-in this long (seconds) is dead: the "
+                           "run goes on without it")
+    tune.add_argument("--stuck-after", type=float_in(0, exclusive=True), default=10.0,
+                      help="a worker alive but without progress this long (seconds) is "
+                           "killed and restarted")
+    tune.add_argument("--hwm", type=int_in(0), default=1000,
+                      help="PUB/SUB high-water mark in messages (0 = unlimited)")
+    tune.add_argument("--sockbuf", type=int_in(-1), default=-1,
+                      help="kernel socket buffer bytes (-1 = the OS default)")
+    tune.add_argument("--ring-kb", type=int_in(0, 1 << 20), default=DEFAULT_RING_BYTES >> 10,
+                      help="ipc: the shared-memory step ring's size in KiB (a worker "
+                           "stalled past it resyncs; 0 = sockets only)")
+    tune.add_argument("--spin-ms", type=float_in(0), default=DEFAULT_SPIN_MS,
+                      help="workers' bounded spin after each step, ms (0 = block)")
+    tune.add_argument("--ack-spin-ms", type=float_in(0), default=DEFAULT_ACK_SPIN * 1e3,
+                      help="engine's bounded spin while waiting for a step, ms (0 = block)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true",
+                     help="print the summary as one JSON line on stdout (instead of a table)")
+    out.add_argument("--no-progress", action="store_true",
+                     help="no progress bar (there is none when stderr is not a terminal)")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What argparse cannot check alone (CliError with a one-line message)."""
+    def usage(text: str) -> CliError:
+        return CliError(text, EXIT_USAGE)
+
+    if args.workers + args.remote_workers < 1:
+        raise usage("no workers: give --workers N (N >= 1), or --remote-workers N for "
+                    "hand-started ones")
+    if args.workers + args.remote_workers > MAX_WORKERS:
+        raise usage(f"at most {MAX_WORKERS} workers in all (--workers + --remote-workers)")
+    if (args.kill_every or args.stall) and args.workers < 1:
+        raise usage("--kill-every and --stall act on local workers: give --workers N")
+    need = MAX_PROMPT + args.max_tokens
+    if args.num_blocks * 16 < need:
+        raise usage(f"--num-blocks {args.num_blocks} holds {args.num_blocks * 16} tokens, "
+                    f"but a request may need {need} ({MAX_PROMPT} prompt + --max-tokens): "
+                    f"use --num-blocks {-(-need // 16)} or more")
+    for path in (args.server_secret_key, args.worker_secret_key, *args.allow_key):
+        if path is not None and not path.is_file():
+            raise CliError(f"{path}: no such key file (make one with zmq.auth."
+                           "create_certificates, or use --curve)", EXIT_NO_INPUT)
+    if args.curve and args.server_secret_key is not None:
+        raise usage("--curve generates keys; --server-secret-key brings your own: choose one")
+    if args.server_secret_key is None and (args.allow_key or args.worker_secret_key):
+        raise usage("--allow-key and --worker-secret-key go with --server-secret-key")
+    if args.server_secret_key is not None and args.workers and args.worker_secret_key is None:
+        raise usage("with --server-secret-key, local workers need --worker-secret-key (or "
+                    "start them by hand: --workers 0 --remote-workers N)")
 
 
 # -- workload and reference --------------------------------------------------------------
@@ -98,14 +183,16 @@ class Job:
 
 
 def make_jobs(seed: int, count: int, max_tokens: int) -> list[Job]:
-    """Seeded requests: prompts of 4..80 tokens, half greedy, half seeded top-k sampling."""
+    """Seeded requests: prompts of 4..MAX_PROMPT tokens, half greedy, half seeded top-k
+    sampling."""
     rng = np.random.default_rng(seed)
     jobs = []
     for i in range(count):
         sampling = None if i % 2 == 0 else SamplingSpec(temperature=0.8, top_k=40, seed=i)
-        jobs.append(Job(f"req-{i}", int(rng.integers(0, 2 * count)),
-                        rng.integers(0, VOCAB, int(rng.integers(4, 81))).astype(np.int64),
-                        int(rng.integers(1, max_tokens + 1)), sampling))
+        arrival = int(rng.integers(0, 2 * count))  # (draw order kept: seeds reproduce)
+        prompt = rng.integers(0, VOCAB, int(rng.integers(4, MAX_PROMPT + 1))).astype(np.int64)
+        jobs.append(Job(f"req-{i}", arrival, prompt, int(rng.integers(1, max_tokens + 1)),
+                        sampling))
     return sorted(jobs, key=lambda j: (j.arrival, j.req_id))
 
 
@@ -140,93 +227,6 @@ def reference_outputs(args: argparse.Namespace) -> dict[str, list[int]]:
     return {k: v.tolist() for k, v in scheduler.finished.items()}
 
 
-# -- supervision ----------------------------------------------------------------------------
-@dataclass
-class Supervisor:
-    """Spawns worker processes, restarts the dead, applies chaos."""
-
-    argv: list[str]
-    workers: int
-    max_restarts: int = 1000
-    procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
-    restarts: int = 0
-    kills: int = 0
-    stalls: int = 0
-    events: list[dict[str, object]] = field(default_factory=list)
-    closing: bool = False
-    _stalled: dict[int, float] = field(default_factory=dict)
-    _rng: random.Random = field(default_factory=lambda: random.Random(0))
-
-    def start(self) -> None:
-        for rank in range(self.workers):
-            self.spawn(rank)
-
-    def spawn(self, rank: int) -> None:
-        cmd = [sys.executable, "-m", "worker_side.main", *self.argv, "--rank", str(rank)]
-        self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-
-    def tick(self, now: float, liveness: LivenessView) -> list[LivenessEvent]:
-        """Resume stalled workers when due; report and restart exited ones."""
-        for rank, until in list(self._stalled.items()):
-            if now >= until:
-                self._signal(rank, signal.SIGCONT)
-                del self._stalled[rank]
-        out: list[LivenessEvent] = []
-        for rank, proc in list(self.procs.items()):
-            code = proc.poll()
-            if code is None or self.closing:
-                continue
-            out += liveness.exited(rank, proc.pid, f"process exited with status {code}", now)
-            self.events.append({"rank": rank, "event": "exited", "status": code})
-            if self.restarts >= self.max_restarts:
-                raise RuntimeError(f"worker {rank} exited with status {code} and the restart "
-                                   f"budget ({self.max_restarts}) is spent; see its log above")
-            self.restarts += 1
-            self.spawn(rank)
-        return out
-
-    def on_event(self, event: object) -> None:
-        self.events.append({"event": type(event).__name__, **event.__dict__})
-        if isinstance(event, (WorkerDead, WorkerStuck)):
-            log.warning("%s", event)
-        if isinstance(event, WorkerStuck) and event.rank in self.procs:
-            self._signal(event.rank, signal.SIGKILL)  # restarted by tick()
-
-    def chaos(self, step: int, kill_every: int, stall_every: int, stall_seconds: float) -> None:
-        if kill_every and step % kill_every == 0:
-            rank = self._rng.randrange(self.workers)
-            self._signal(rank, signal.SIGKILL)
-            self.kills += 1
-        if stall_every and step % stall_every == 0 and not self._stalled:
-            rank = self._rng.randrange(self.workers)
-            self._signal(rank, signal.SIGSTOP)
-            self._stalled[rank] = time.monotonic() + stall_seconds
-            self.stalls += 1
-
-    def _signal(self, rank: int, sig: signal.Signals) -> None:
-        proc = self.procs.get(rank)
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, sig)
-
-    def resume_all(self) -> None:
-        """Stop restarting and wake stalled workers (so they can hear Goodbye)."""
-        self.closing = True
-        for rank in list(self._stalled):
-            self._signal(rank, signal.SIGCONT)
-        self._stalled.clear()
-
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Wait for workers to leave after Goodbye; kill any straggler."""
-        self.resume_all()
-        deadline = time.monotonic() + timeout
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
 # -- the run ----------------------------------------------------------------------------------
 def _security(args: argparse.Namespace, keydir: Path) -> tuple[CurveKeys | None, list[str]]:
     """(CurveKeys or None, extra worker argv) for the chosen endpoint."""
@@ -238,16 +238,18 @@ def _security(args: argparse.Namespace, keydir: Path) -> tuple[CurveKeys | None,
         server_pub = args.server_secret_key.with_suffix(".key")  # written beside it by zmq
         worker_argv = (["--server-key", str(server_pub), "--secret-key",
                         str(args.worker_secret_key)] if args.worker_secret_key else [])
+        local: dict[bytes, frozenset[int]] = {}  # the local workers' key speaks for their ranks
         if args.worker_secret_key:
-            allowed |= {load_keypair(args.worker_secret_key)[0]}
-        return CurveKeys(public, secret, allowed), worker_argv
+            local[load_keypair(args.worker_secret_key)[0]] = frozenset(range(args.workers))
+        return CurveKeys(public, secret, allowed | set(local), local), worker_argv
     if not args.curve:
         return None, []
     server_pub, server_secret = generate_keypair(keydir, "engine")
     _, worker_secret = generate_keypair(keydir, "worker")
     public, secret = load_keypair(server_secret)
-    allowed = frozenset({load_keypair(worker_secret)[0]})
-    return CurveKeys(public, secret, allowed), ["--server-key", str(server_pub),
+    worker = load_keypair(worker_secret)[0]  # shared by the local workers: pinned to their ranks
+    return CurveKeys(public, secret, frozenset({worker}), {worker: frozenset(range(args.workers))}
+                     ), ["--server-key", str(server_pub),
                                                  "--secret-key", str(worker_secret)]
 
 
@@ -264,7 +266,10 @@ def drive(args: argparse.Namespace, session: EngineSession, sup: Supervisor) -> 
 
     scheduler, jobs = make_scheduler(args), make_jobs(args.seed, args.requests, args.max_tokens)
     started, step = time.monotonic(), 0
-    with Progress(disable=args.no_progress, transient=True) as progress:
+    from rich.console import Console
+
+    quiet = args.no_progress or args.json or not sys.stderr.isatty()
+    with Progress(console=Console(stderr=True), disable=quiet, transient=True) as progress:
         task = progress.add_task("requests", total=args.requests)
         while jobs or scheduler.has_work():
             admit(scheduler, jobs, step)
@@ -288,11 +293,14 @@ def summarize(outcome: Outcome, session: EngineSession, sup: Supervisor,
         "bytes_per_step": round(s["bytes"] / max(s["steps"], 1), 1),
         "published_steps": s["steps"], "reissued": s["reissued"], "heartbeats": s["heartbeats"],
         "snapshots": s["snapshots"], "resyncs": s["resyncs"],
-        "resyncs_by_rank": {k[11:]: v for k, v in s.items() if k.startswith("resyncs_rank")},
+        "resyncs_by_rank": {k.removeprefix("resyncs_rank"): v for k, v in s.items()
+                            if k.startswith("resyncs_rank")},
         "restarts": sup.restarts, "kills": sup.kills, "stalls": sup.stalls,
         "compared": s["compared"], "rejoined_compared": s["rejoined_compared"],
         "mismatched": s["mismatched"],
         "divergent_ranks": sorted({d.rank for d in session.divergent}),
+        "bad_results": s["bad_results"], "refused": session.refusals(),
+        "engine_cpu_s": round(session.cpu_seconds, 3),
         "requests_done": len(outcome.outputs), "reference_ok": reference_ok,
         "events": sup.events,
     }
@@ -307,31 +315,68 @@ def _print_summary(summary: dict[str, object]) -> None:
                 "kills", "stalls", "reissued", "compared", "mismatched", "divergent_ranks",
                 "requests_done", "reference_ok"):
         table.add_row(key, str(summary[key]))
-    Console(stderr=True).print(table)
+    Console().print(table)
 
 
 def run(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from engine_side.security import EndpointError
-    from engine_side.transport import EngineTransport
-
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s engine %(levelname)s %(message)s")
-    with tempfile.TemporaryDirectory(prefix="dc-keys-") as keydir:
-        keys, key_argv = _security(args, Path(keydir))
-        try:
-            transport = EngineTransport(args.endpoint, keys=keys, insecure=args.insecure,
-                                        sndhwm=args.hwm, sndbuf=args.sockbuf,
-                                        ring_bytes=args.ring_kb << 10)
-        except EndpointError as exc:
-            print(f"deltacast demo: {exc}", file=sys.stderr)
-            return 2
+    check_args(args)
+    verbosity = getattr(args, "verbose", 0)
+    configure_logging(verbosity, "engine")
+    with LockedTempDir("keys") as keydir:
+        keys, key_argv = _checked_security(args, keydir)
+        transport = _transport(args, keys)
         worker_argv = ["--connect", transport.endpoint, "--model-seed", str(args.seed),
                        "--num-blocks", str(args.num_blocks), "--rcvhwm", str(args.hwm),
                        "--rcvbuf", str(args.sockbuf), "--engine-timeout", "10",
-                       "--spin-ms", str(args.spin_ms), *key_argv]
-        return _run(args, transport, Supervisor(worker_argv, args.workers))
+                       "--spin-ms", str(args.spin_ms), *key_argv, *["-v"] * verbosity,
+                       *(["--debug"] if getattr(args, "debug", False) else [])]
+        sup = Supervisor(worker_argv, args.workers,
+                         chaos_on=bool(args.kill_every or args.stall))
+        return _run(args, transport, sup)
+
+
+def _checked_security(args: argparse.Namespace,
+                      keydir: Path) -> tuple[CurveKeys | None, list[str]]:
+    """:func:`_security`, its failures as one-line CliErrors."""
+    from engine_side.security import EndpointError
+
+    try:
+        return _security(args, keydir)
+    except EndpointError as exc:  # e.g. a key file without its secret
+        raise CliError(str(exc), EXIT_ENDPOINT) from exc
+    except (ValueError, OSError) as exc:  # not a key file at all
+        raise CliError(f"cannot read the CURVE keys: {exc} (pass files written by "
+                       "zmq.auth.create_certificates)", EXIT_NO_INPUT) from exc
+
+
+def _transport(args: argparse.Namespace, keys: CurveKeys | None) -> EngineTransport:
+    """The bound transport, or a CliError saying why the endpoint cannot be used."""
+    import zmq
+
+    from engine_side.security import EndpointError, EndpointInUse
+    from engine_side.transport import EngineTransport
+
+    where = args.endpoint or "a private ipc directory"
+    try:
+        return EngineTransport(args.endpoint, keys=keys, insecure=args.insecure,
+                               sndhwm=args.hwm, sndbuf=args.sockbuf,
+                               ring_bytes=args.ring_kb << 10)
+    except EndpointInUse as exc:
+        raise CliError(str(exc), EXIT_IN_USE) from exc
+    except EndpointError as exc:
+        raise CliError(str(exc), EXIT_ENDPOINT) from exc
+    except zmq.ZMQError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise CliError(f"{where}: address already in use (the engine binds PORT and "
+                           "PORT+1): stop what listens there or choose another port",
+                           EXIT_IN_USE) from exc
+        if exc.errno in (errno.EADDRNOTAVAIL, errno.ENODEV, errno.EINVAL):
+            raise CliError(f"cannot bind {where}: {exc.strerror} (HOST must be an address "
+                           "of this machine, or *)", EXIT_ENDPOINT) from exc
+        raise
+    except OSError as exc:  # e.g. creating the ipc directory
+        raise CliError(f"cannot use {where}: {exc.strerror}: {exc.filename}; choose a "
+                       "directory you own", EXIT_ENDPOINT) from exc
 
 
 def _run(args: argparse.Namespace, transport: EngineTransport, sup: Supervisor) -> int:
@@ -341,16 +386,31 @@ def _run(args: argparse.Namespace, transport: EngineTransport, sup: Supervisor) 
     mirror = EngineMirror(epoch=random.SystemRandom().randrange(1 << 32),
                           token_mode=TOKEN_MODE_ENGINE)
     session = EngineSession(transport, mirror, liveness, on_event=sup.on_event,
-                            ticks=[lambda now: sup.tick(now, liveness)],
-                            ack_spin=args.ack_spin_ms / 1e3)
+                            ticks=[lambda now: sup.tick(now, liveness),
+                                   lambda now: session.peers.follow(sup.procs)],
+                            ack_spin=args.ack_spin_ms / 1e3,
+                            ranks=range(args.workers + args.remote_workers),
+                            validate=SampledTokens(VOCAB))  # a bad result: its rank's fault
+    total, finished = args.workers + args.remote_workers, False
     try:
         sup.start()
-        session.wait_for_workers(args.workers + args.remote_workers, timeout=60.0)
+        session.peers.follow(sup.procs)  # each local rank is the process spawned for it
+        if args.remote_workers:
+            ranks = (str(args.workers) if args.remote_workers == 1
+                     else f"R (one each of {args.workers}..{total - 1})")
+            print(f"deltacast demo: waiting for {args.remote_workers} hand-started "
+                  f"worker(s): deltacast worker --connect {transport.endpoint} --rank "
+                  f"{ranks}", file=sys.stderr)
+        session.wait_for_workers(total, timeout=JOIN_TIMEOUT)
+        log.info("all %d workers joined; running %d requests", total, args.requests)
         outcome = drive(args, session, sup)
+        finished = True
+    except WorkersLost as exc:
+        raise CliError(f"{exc}; the workers' messages above say why", EXIT_WORKERS_LOST) \
+            from exc
     finally:
-        sup.resume_all()
-        session.close("done", expect=set(range(args.workers + args.remote_workers)))
-        sup.shutdown()
+        with deferred_signals():  # a signal now waits until everything is cleaned up
+            _stop(session, sup, total, finished)
     reference_ok = None
     if args.reference:
         reference_ok = reference_outputs(args) == outcome.outputs
@@ -362,3 +422,18 @@ def _run(args: argparse.Namespace, transport: EngineTransport, sup: Supervisor) 
     ok = (len(outcome.outputs) == args.requests and not session.divergent
           and reference_ok is not False)
     return 0 if ok else 1
+
+
+def _stop(session: EngineSession, sup: Supervisor, total: int, finished: bool) -> None:
+    """Goodbye to the workers, close the sockets and the run directory, reap the workers
+    (those that never joined are killed at once when the run was cut short)."""
+    sup.resume_all()
+    if not finished:
+        sup.kill_unjoined()
+    try:
+        session.close("done" if finished else "engine stopping", expect=set(range(total)))
+    except Exception:  # cut short mid-step: the sockets and files still go
+        log.debug("closing the session failed", exc_info=True)
+    finally:
+        session.transport.close()  # (idempotent)
+        sup.shutdown(5.0 if finished else 3.0)

@@ -1,56 +1,68 @@
-"""EngineMirror: what the workers know, and the minimal delta to the next step.
+"""EngineMirror: the workers' state as the engine knows it, and one Delta per step.
 
-The mirror holds a :class:`ReplicaState` identical to every synced worker's.
-``diff(request)`` compares the engine's full request with it, builds the
-smallest :class:`Delta` that turns one into the other, applies that delta to its
-own state through the same code the workers run, and stamps the resulting
-digest.  Pure: no sockets, no threads, no clock.
+The mirror holds a :class:`ReplicaState` identical to every synced worker's.  Each
+step the engine tells it what changed -- :meth:`EngineMirror.step`: the batch in
+order with its scheduled counts, requests that finished or joined, the actual
+computed counts, block and token appends -- and the mirror writes the smallest body
+that turns the previous state into that one: the schedule's edits, and only the
+counts that depart from the protocol's predictions (SPEC §8.3).  It applies the body
+to its own state through the code every worker runs and stamps the digest.
+:meth:`EngineMirror.diff` derives those changes from a whole request instead (a
+convenience, and the tests' oracle).  Pure: no sockets, threads or clock.
 
-Identity contract: arrays and specs handed to ``diff`` MUST NOT be mutated
-afterwards.  A spec or block table that is the very object seen in the previous
-step is taken as unchanged without comparing its contents (an engine keeps its
-tables while they do not change, as vLLM keeps its block lists); anything else
-is compared in full.
-
-Handles: a request gets the lowest free handle when it is first scheduled; the
-string id crosses the wire once.  Finishes apply before adds; this mirror hands a
-freed handle to a *new* id from the next step on, while an id finished and
-re-added in one step keeps its handle and gets a fresh entry (the protocol allows
-same-step reuse either way).
+Handles: a request gets the lowest free handle when it joins; the id crosses the wire
+once.  A handle freed by a finish is reused from the next step on; an id finished and
+re-added in one step, or re-added while live, keeps its handle (a fresh entry).
 """
 
 from __future__ import annotations
 
 import heapq
-from operator import is_not
+from collections.abc import Collection, Sequence
+from itertools import compress
+from typing import Any, NamedTuple
 
-import numpy as np
+import msgspec
 
-from engine_side.diffing import BlockHint, DiffContext, _same_specs
-from protocol.errors import LocalProtocolError
-from protocol.messages import TOKEN_MODE_WORKER, Delta, DeltaBody, Snapshot
-from protocol.plan import STEADY_BODY
-from protocol.request import (
-    ExecuteModelRequest,
-    IntArray,
-    Ragged,
-    RequestSpec,
-    requests_equal,
+from protocol.errors import LocalProtocolError, ProtocolError
+from protocol.messages import (
+    EMPTY_BODY,
+    NO_RARE,
+    TOKEN_MODE_WORKER,
+    Delta,
+    DeltaBody,
+    NewRequest,
+    RareBody,
+    Rows,
+    Snapshot,
+    Spec,
+    encode_spec,
 )
+from protocol.packing import pack_row_counts, pack_uints
 from protocol.snapshot import build_snapshot
-from protocol.state import ReplicaState
+from protocol.state import Applied, ReplicaState
 
-PREFIX_MIN_TOKENS = 16  # shortest shared prompt prefix worth a reference
-
-
-_INT64 = np.dtype(np.int64)
-_NONE = np.zeros(0, dtype=np.int64)
+#: rows of one KV group: (positions in the new batch, values per row, flat values)
+BlockRows = tuple[list[int], list[int], list[int]]
 
 
-def _is_int64(values: IntArray, expected: bytes) -> bool:
-    """``values`` is a 1-D int64 array holding exactly ``expected`` (False: no verdict)."""
-    return (type(values) is np.ndarray and values.dtype is _INT64 and values.ndim == 1
-            and values.tobytes() == expected)
+class Entry(NamedTuple):
+    """A request joining the state: its spec and what travels beside it."""
+
+    spec: Spec
+    computed: int = 0
+    tokens: Any = None  # engine-token mode: its whole token history
+    mm_data: tuple[Any, ...] = ()
+    mm_embed: tuple[Any, ...] = ()
+    embeds: Any = None
+
+
+def rows(keys: list[int], counts: list[int], values: list[int], n: int = -1) -> Rows:
+    """The Rows of (positions, counts, flat values); counts omitted when all are one,
+    keys omitted when they are every position ``0..n-1`` in order."""
+    every = len(keys) == n and keys[-1] == n - 1 and keys == list(range(n)) if n > 0 else False
+    return Rows(keys=b"" if every else pack_uints(keys), counts=pack_row_counts(counts),
+                values=pack_uints(values))
 
 
 class HandleAllocator:
@@ -71,200 +83,185 @@ class HandleAllocator:
 
 
 class EngineMirror:
-    """The engine's model of the workers' state; produces one Delta per step.
+    """The engine's model of the workers' state; one Delta per step.
 
     Args:
         epoch: this engine incarnation (u32); a restarted engine MUST use a new one.
         token_mode: TOKEN_MODE_WORKER (workers own sampled tokens) or TOKEN_MODE_ENGINE.
-        kv_groups: number of KV-cache groups (block tables per request).
-        verify: rebuild after every diff and compare with the input (tests; O(batch)).
+        kv_groups: block tables per request.
+        keep_tables: keep whole block tables (snapshots need them).
     """
 
     def __init__(self, epoch: int = 1, token_mode: int = TOKEN_MODE_WORKER, kv_groups: int = 1,
-                 verify: bool = False) -> None:
+                 keep_tables: bool = True) -> None:
         if not 0 <= epoch < 1 << 32:
             raise LocalProtocolError("epoch must be a u32", epoch=epoch)
-        self.epoch = epoch
-        self.seq = 0
-        self.state = ReplicaState(token_mode, kv_groups)
-        self.handles: dict[str, int] = {}
+        self.epoch, self.seq = epoch, 0
+        self.state = ReplicaState(token_mode, kv_groups, keep_tables)
+        self.ids: dict[str, int] = {}  # live request id -> handle
         self.allocator = HandleAllocator()
-        self.prefix_index: dict[bytes, int] = {}
-        self._prefix_key: dict[int, bytes] = {}
-        self.verify = verify
-        self._last_ids: list[str] = []
-        self._last_handles: IntArray = np.zeros(0, dtype=np.int64)
-        self._last_specs: list[RequestSpec] = []
-        #: the block tables of the last diffed request: the same object again is unchanged
-        self._last_tables: tuple[Ragged, ...] = ()
-        #: handle -> the engine's own spec object (identity makes unchanged specs free)
-        self.engine_specs: dict[int, RequestSpec] = {}
-        self._steady_ok = token_mode == TOKEN_MODE_WORKER  # engine tokens: never empty
-        self._nsched: tuple[IntArray, bytes] = (self.state.nsched, b"")  # and its bytes
+        self.batch: list[str] = []  # the last step's batch (schedule order)
+        self._nsched: list[int] = []  # and its counts
 
-    def diff(self, request: ExecuteModelRequest, hint: BlockHint | None = None) -> Delta:
-        """The delta from the workers' state to ``request``; advances the mirror.
-        ``hint``: the caller's word on which block-table rows changed (see BlockHint).
+    # -- the step -----------------------------------------------------------------------
+    def step(self, batch: list[str], nsched: list[int], *, finished: Collection[str] = (),
+             added: Sequence[Entry] = (), computed: list[int] | None = None,
+             appends: Sequence[BlockRows | None] = (),
+             replaces: Sequence[BlockRows | None] = (),
+             tokens: BlockRows | None = None, truncate: tuple[list[int], list[int]] | None = None,
+             spec_tokens: Rows | None = None, encoder_inputs: Rows | None = None,
+             preempted: Collection[str] = (), resumed: Collection[str] = (),
+             free_encoder_mm_hashes: tuple[str, ...] = (), blocks_to_zero: Any = None,
+             structured: bool = False, pending: bool = False, num_spec: int = 0,
+             extension: bytes = b"") -> tuple[Delta, Applied]:
+        """The Delta of one step, applied to the mirror.
 
-        Raises LocalProtocolError for an inconsistent request (the mirror is then
-        unchanged).
+        ``batch``: the scheduled request ids in order, ``nsched`` their scheduled counts;
+        ``finished``: ids that ended since the last step (unknown ones are passed on by
+        name); ``added``: requests joining (or re-sent: a live id is replaced);
+        ``computed``: each batch row's computed count (None: as the protocol predicts);
+        block and token rows name positions in ``batch``.
+
+        Raises LocalProtocolError for an inconsistent step (the mirror unchanged).
         """
-        if self._steady_ok and self._is_steady(request):
-            return self._advance(request)
-        return self._diff(request, hint)
-
-    def apply_body(self, body: DeltaBody) -> Delta:
-        """The Delta of a body the caller built against the current schedule itself (an
-        adapter's fast path: no adds, finishes or schedule edits); advances the mirror.
-
-        Raises InvalidDelta (mirror unchanged) when the body does not apply.
-        """
-        if body is STEADY_BODY:
-            self.state.advance()
-        else:
-            self.state.apply(body)
-            if body.block_append or body.block_replace:
-                self._last_tables = ()  # the last request's tables are stale now
-        self.seq += 1
-        return Delta(self.epoch, self.seq, self.state.digest, body)
-
-    def lane_delta(self, body: DeltaBody, digest: int) -> Delta:
-        """The Delta of a body a :class:`protocol.lane.SteadyLane` over :attr:`state`
-        took (its digest); the mirror advances without touching the state."""
-        return Delta(self.epoch, self.lane_seq(bool(body.block_append)), digest, body)
-
-    def lane_seq(self, appended: bool) -> int:
-        """:meth:`lane_delta`'s seq, for a caller that writes the Delta's frame itself
-        (``appended``: the body appends blocks)."""
-        if appended:
-            self._last_tables = ()  # the last request's tables are stale now
-        self.seq += 1
-        return self.seq
-
-    def _diff(self, request: ExecuteModelRequest, hint: BlockHint | None = None) -> Delta:
-        ctx = DiffContext(self, request, hint)
+        ids = self.ids
+        fin: list[int] = []
+        fin_ids: set[str] = set()
+        unknown: list[str] = []
+        for r in finished:
+            h = ids.get(r)
+            if h is None:
+                unknown.append(r)
+            else:
+                fin.append(h)
+                fin_ids.add(r)
+        if len(fin) > 1 or len(unknown) > 1:  # (bytes independent of set order)
+            fin.sort()
+            unknown.sort()
+        joined: dict[str, int] = {}
+        fresh: list[int] = []
+        for entry in added:
+            if not entry.spec.prompt and not entry.spec.prompt_none:
+                raise LocalProtocolError("a spec carries packed prompt ids or prompt_none",
+                                         req_id=entry.spec.req_id)
+            h = ids.get(entry.spec.req_id)
+            if h is None:
+                h = self.allocator.allocate()
+                fresh.append(h)
+            joined[entry.spec.req_id] = h
         try:
-            body = ctx.build()
-        except LocalProtocolError:
-            for req_id, h in ctx.new_ids:  # hand back handles allocated for this request
-                if self.handles.get(req_id) != h:
-                    self.allocator.release(h)
-            raise
-        delta = self.apply_turnover(
-            body, ctx.freed_ids,
-            [(rid, h, request.specs[ctx.added_at[h]]) for rid, h in ctx.new_ids],
-            request.req_ids, request.specs)
-        self._last_tables = request.block_tables
-        if self.verify and not requests_equal(self.state.rebuild(), request):
-            raise LocalProtocolError("mirror rebuild differs from the request", seq=self.seq)
-        return delta
-
-    def _is_steady(self, r: ExecuteModelRequest) -> bool:
-        """The common decode step, checked touching as little as possible: the same
-        batch (list identity compares), the very block tables of the last step, no
-        step-only field, the same scheduled counts.  The computed counts are compared
-        by :meth:`_advance`.  False is no verdict: :class:`DiffContext` then decides."""
-        if (r.finished_req_ids or r.preempted_req_ids or r.resumed_req_ids
-                or r.free_encoder_mm_hashes or r.blocks_to_zero is not None or r.extension
-                or r.has_structured_output_requests or r.pending_structured_output_tokens
-                or r.num_spec_tokens_to_schedule or r.output_token_ids is not None):
-            return False
-        state, tables, last = self.state, r.block_tables, self._last_tables
-        if self._last_handles is not state.schedule:
-            return False
-        if len(tables) == 1 == len(last):  # one KV group: a single identity test
-            if tables[0] is not last[0]:
-                return False
-        elif len(tables) != len(last) or any(map(is_not, tables, last)):
-            return False
-        n = len(r.req_ids)  # len(): the cheapest probe of a (1-D) array's size
-        spec, enc = r.spec_token_ids, r.encoder_inputs
-        if (len(spec.values) or len(enc.values) or len(spec.lengths) != n
-                or len(enc.lengths) != n or r.req_ids != self._last_ids
-                or not _same_specs(r.specs, self._last_specs)):
-            return False
-        nsched = self._nsched
-        if nsched[0] is not state.nsched:
-            nsched = self._nsched = (state.nsched, state.nsched.tobytes())
-        return _is_int64(r.num_scheduled_tokens, nsched[1])
-
-    def _advance(self, request: ExecuteModelRequest) -> Delta:
-        """The steady step: the empty delta, applied through ``state.advance``."""
-        state = self.state
-        if not _is_int64(request.num_computed_tokens, state.lookahead().prediction()):
-            return self._diff(request)
-        state.advance()
-        self.seq += 1
-        if self.verify and not requests_equal(state.rebuild(), request):
-            raise LocalProtocolError("mirror rebuild differs from the request", seq=self.seq)
-        return Delta(self.epoch, self.seq, state.digest, STEADY_BODY)
-
-    def apply_turnover(self, body: DeltaBody, freed: list[tuple[str, int]],
-                       added: list[tuple[str, int, RequestSpec]], req_ids: list[str],
-                       specs: list[RequestSpec]) -> Delta:
-        """The Delta of a body built against the mirror: by :meth:`diff`, or by an
-        adapter's fast path for a step where requests leave the batch and new ones join
-        (the same body :meth:`diff` builds).  ``freed``: the finished (id, handle) pairs
-        it names; ``added``: the (id, handle, spec) of its adds (handles from
-        :attr:`allocator`); ``req_ids`` and ``specs``: the step's batch.  Advances the
-        mirror as :meth:`diff` does.
-
-        Raises InvalidDelta (mirror unchanged) when the body does not apply."""
-        plan = self.state.apply(body)  # None: a steady step (appends at most)
-        self._after_apply(_NONE if plan is None else plan.finished, freed, added, req_ids, specs)
-        self._last_tables = ()  # the step's whole tables were never built
-        self.seq += 1
-        return Delta(epoch=self.epoch, seq=self.seq, digest=self.state.digest, body=body)
-
-    def finish_taken(self, freed: list[tuple[str, int]]) -> int:
-        """The seq of a finish step (:mod:`protocol.lane_drop`) whose finish and lane step
-        the caller committed to :attr:`state`: ``freed``, the finished (id, handle)
-        pairs.  Advances the mirror as :meth:`apply_turnover` does."""
-        self._freed([h for _, h in freed], freed, [])
-        # (no steady diff follows a step whose whole tables were never built: the batch
-        # memory _is_steady reads is left as it is)
-        self._last_tables = ()
-        self.seq += 1
-        return self.seq
-
-    def _after_apply(self, finished: IntArray, freed: list[tuple[str, int]],
-                     added: list[tuple[str, int, RequestSpec]], req_ids: list[str],
-                     specs: list[RequestSpec]) -> None:
-        self._freed(finished.tolist(), freed, added)
-        # the state's own schedule array: identity lets the next diff take cached paths
-        self._last_ids, self._last_handles = list(req_ids), self.state.schedule
-        self._last_specs = list(specs)
-
-    def _freed(self, finished: list[int], freed: list[tuple[str, int]],
-               added: list[tuple[str, int, RequestSpec]]) -> None:
-        """The finished handles released (but those re-added) and the adds indexed."""
-        for h in finished:
-            self._drop_prefix(h)
-        reused = {h for _, h, _ in added}
-        for req_id, h in freed:
-            if h not in reused:
-                del self.handles[req_id]
-                self.engine_specs.pop(h, None)
+            rare = NO_RARE
+            if unknown or encoder_inputs is not None or preempted or resumed \
+                    or free_encoder_mm_hashes or blocks_to_zero is not None or num_spec \
+                    or truncate is not None or (replaces and any(r is not None for r in replaces)):
+                rare = RareBody(
+                    finished_unknown=tuple(unknown), encoder_inputs=encoder_inputs,
+                    preempted=self._pack_ids(preempted, joined),
+                    resumed=self._pack_ids(resumed, joined),
+                    free_encoder_mm_hashes=tuple(free_encoder_mm_hashes),
+                    blocks_to_zero=None if blocks_to_zero is None else pack_uints(blocks_to_zero),
+                    num_spec_tokens_to_schedule=num_spec,
+                    block_replace=_groups(replaces, self.state.kv_groups),
+                    truncate=None if truncate is None else Rows(
+                        keys=pack_uints(truncate[0]), values=pack_uints(truncate[1])))
+            delta, applied = self._step(batch, nsched, fin, fin_ids, added, joined, computed,
+                                        appends, tokens, rare, spec_tokens, structured,
+                                        pending, extension)
+        except (ProtocolError, KeyError, IndexError, ValueError, TypeError) as exc:
+            for h in fresh:
                 self.allocator.release(h)
-        for req_id, h, spec in added:
-            self._drop_prefix(h)
-            self.handles[req_id] = h
-            self.engine_specs[h] = spec
-            self._index_prefix(h)
+            if isinstance(exc, LocalProtocolError):
+                raise
+            raise LocalProtocolError("the step does not apply to the mirror",
+                                     cause=f"{type(exc).__name__}: {exc}"[:200]) from exc
+        self._after(batch, nsched, fin_ids, joined)
+        return delta, applied
 
-    def _index_prefix(self, h: int) -> None:
-        prompt = self.state.handle_of(h).prompt_token_ids
-        if prompt is not None and prompt.size >= PREFIX_MIN_TOKENS:
-            key = prompt[:PREFIX_MIN_TOKENS].tobytes()
-            if key not in self.prefix_index:
-                self.prefix_index[key] = h
-                self._prefix_key[h] = key
+    def _pack_ids(self, names: Collection[str], joined: dict[str, int]) -> bytes:
+        if not names:
+            return b""
+        return pack_uints(sorted(joined[r] if r in joined else self.ids[r] for r in names))
 
-    def _drop_prefix(self, h: int) -> None:
-        key = self._prefix_key.pop(h, None)
-        if key is not None:
-            del self.prefix_index[key]
+    def _step(self, batch: list[str], nsched: list[int], fin: list[int], fin_ids: set[str],
+              added: Sequence[Entry], joined: dict[str, int], computed: list[int] | None,
+              appends: Sequence[BlockRows | None], tokens: BlockRows | None,
+              rare: RareBody, spec_tokens: Rows | None, structured: bool, pending: bool,
+              extension: bytes) -> tuple[Delta, Applied]:
+        state = self.state
+        specs = [e.spec for e in added] if added else []
+        news = tuple(NewRequest(handle=h, spec=encode_spec(e.spec), computed=e.computed,
+                                output=b"" if e.tokens is None else pack_uints(e.tokens),
+                                mm_data=e.mm_data, mm_embed=e.mm_embed, embeds=e.embeds)
+                     for h, e in zip(joined.values(), added, strict=True)) if added else ()
+        drop = append = b""
+        if fin or news or batch != self.batch:
+            drop, append, full = self._edits(batch, fin_ids, joined)
+            if full:
+                rare = msgspec.structs.replace(rare, schedule_full=full)
+        blocks = _groups(appends, state.kv_groups) if appends else ()
+        if not (fin or news or drop or append or blocks or tokens or spec_tokens or structured
+                or pending or extension) and rare is NO_RARE:
+            body = EMPTY_BODY  # (count exceptions, if any, are added by apply)
+        else:
+            body = DeltaBody(
+                finished=pack_uints(fin) if fin else b"", added=news, schedule_drop=drop,
+                schedule_append=append, block_append=blocks,
+                tokens=None if tokens is None else rows(*tokens, n=len(batch)),
+                spec_tokens=spec_tokens, has_structured_output=structured,
+                pending_structured_output=pending, rare=rare, extension=extension)
+        same = nsched == self._nsched and computed is None and body is EMPTY_BODY
+        applied = state.apply(body, specs=specs, actual=None if same else (nsched, computed))
+        self.seq += 1
+        return Delta(self.epoch, self.seq, state.digest, applied.body), applied  # type: ignore[arg-type]
 
+    def _edits(self, batch: list[str], fin_ids: set[str],
+               joined: dict[str, int]) -> tuple[bytes, bytes, bytes]:
+        """(schedule_drop, schedule_append, schedule_full) taking the last schedule to
+        ``batch``: drops and appends when the kept requests keep their order (a request
+        finished or re-added in place keeps its position)."""
+        old, ids = self.batch, self.ids
+        gone = fin_ids.difference(joined) if fin_ids else fin_ids
+        cut: list[int] | None = None
+        if len(gone) <= 8:  # the common step: a few finish, the rest keep their order
+            cut = sorted(old.index(r) for r in gone if r in old)
+            kept = old.copy() if cut else old
+            for p in reversed(cut):
+                del kept[p]
+            if batch[:len(kept)] != kept:
+                cut = None  # (others left or moved: the general case below)
+        if cut is None:
+            staying = set(batch).difference(gone)
+            keep = [r in staying for r in old]
+            kept = list(compress(old, keep))
+            if batch[:len(kept)] == kept:
+                cut = [p for p, k in enumerate(keep) if not k]
+        if cut is not None:
+            tail = batch[len(kept):]
+            try:
+                handles = [joined[r] if r in joined else ids[r] for r in tail]
+            except KeyError as exc:
+                raise LocalProtocolError("the batch names a request that is not live",
+                                         req_id=str(exc)) from None
+            return (pack_uints(cut) if cut else b"", pack_uints(handles) if handles else b"",
+                    b"")
+        try:
+            return b"", b"", pack_uints([joined[r] if r in joined else ids[r] for r in batch])
+        except KeyError as exc:
+            raise LocalProtocolError("the batch names a request that is not live",
+                                     req_id=str(exc)) from None
+
+    def _after(self, batch: list[str], nsched: list[int], fin_ids: set[str],
+               joined: dict[str, int]) -> None:
+        """The mirror's memory after an applied step: ids and handles, the batch."""
+        readded = set(joined.values())
+        for rid in fin_ids:
+            h = self.ids.pop(rid)
+            if h not in readded:
+                self.allocator.release(h)
+        self.ids.update(joined)
+        self.batch, self._nsched = list(batch), list(nsched)
+
+    # -- reading -----------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
         """The whole state at the current seq (for a joining or resyncing worker)."""
         return build_snapshot(self.state, self.epoch, self.seq)
@@ -273,3 +270,13 @@ class EngineMirror:
         """(epoch, seq, digest) of the newest state, for a Heartbeat."""
         return self.epoch, self.seq, self.state.digest
 
+
+def _groups(per_group: Sequence[BlockRows | None], groups: int) -> tuple[Rows, ...]:
+    """One Rows per KV group (empty rows where a group has none), or () for none at all."""
+    if not per_group or all(g is None or not g[0] for g in per_group):
+        return ()
+    if len(per_group) != groups:
+        raise LocalProtocolError("block rows must have one entry per KV group",
+                                 got=len(per_group), groups=groups)
+    return tuple(rows(*g) if g is not None and g[0] else Rows(keys=pack_uints([]))
+                 for g in per_group)

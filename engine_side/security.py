@@ -6,7 +6,7 @@ Rules (SPEC.md, security section):
   per run, holding a lock file so a second engine cannot take the socket paths
   over (a zmq ipc bind silently unlinks an existing socket file).  An explicit
   ``ipc://DIR`` must be such a directory too (no symlink, ours, 0700:
-  :mod:`worker_side.ipc_dir`, whose checks the workers run before connecting).
+  :mod:`protocol.ipc_dir`, whose checks the workers run before connecting).
 * Any ``tcp://`` endpoint, loopback included, needs CURVE *and* an allow list of
   worker public keys enforced by a ZAP authenticator (CURVE alone accepts any
   client key).  ``insecure=True`` skips this, with a warning.  Anything else is
@@ -24,6 +24,7 @@ import random
 import shutil
 import socket
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from worker_side.ipc_dir import EndpointError, open_private_dir
+from engine_side.stale_dirs import sweep_stale_dirs
+from protocol.ipc_dir import EndpointError, open_private_dir
 
 log = logging.getLogger("deltacast.security")
 
@@ -49,11 +51,16 @@ class EndpointInUse(EndpointError):
 
 @dataclass(frozen=True)
 class CurveKeys:
-    """The engine's key pair and the public keys of the workers allowed in (z85 bytes)."""
+    """The engine's key pair and the public keys of the workers allowed in (z85 bytes).
+
+    ``pinned`` maps an allowed key to the ranks it may speak for (a key shared by several
+    local workers); any other allowed key is bound to the first rank it names
+    (:mod:`engine_side.peers`)."""
 
     public: bytes
     secret: bytes
     allowed: frozenset[bytes] = field(default_factory=frozenset)
+    pinned: Mapping[bytes, frozenset[int]] = field(default_factory=dict)
 
 
 def generate_keypair(directory: Path, name: str) -> tuple[Path, Path]:
@@ -109,23 +116,31 @@ def check_tcp_policy(endpoint: str, keys: CurveKeys | None, insecure: bool) -> N
 
 def start_authenticator(ctx: zmq.Context[zmq.Socket[bytes]],
                         allowed: frozenset[bytes]) -> ThreadAuthenticator:
-    """A ZAP handler on ``ctx`` that admits exactly the ``allowed`` CURVE public keys."""
+    """A ZAP handler on ``ctx`` that admits exactly the ``allowed`` CURVE public keys
+    (its :class:`AllowList` is ``auth.allow_list``: it counts the rejected handshakes)."""
     auth = ThreadAuthenticator(ctx, log=logging.getLogger("deltacast.zap"))
+    auth.allow_list = AllowList(allowed)  # type: ignore[attr-defined]
     auth.start()
-    auth.configure_curve_callback("*", credentials_provider=_AllowList(allowed))
+    auth.configure_curve_callback("*", credentials_provider=auth.allow_list)  # type: ignore[attr-defined]
     return auth
 
 
-class _AllowList:
-    """ZAP credentials provider: a fixed set of z85 public keys."""
+class AllowList:
+    """ZAP credentials provider: a fixed set of z85 public keys.  Rejections are counted
+    (``rejected``); the first is logged, then one in every 10,000 (a handshake flood must
+    not become a log flood: the ZAP thread shares the engine's interpreter)."""
 
     def __init__(self, allowed: frozenset[bytes]) -> None:
         self.allowed = allowed
+        self.rejected = 0
 
     def callback(self, domain: str, key: bytes) -> bool:
         ok = key in self.allowed  # pyzmq passes the z85-encoded key
         if not ok:
-            log.warning("rejected a CURVE client with an unknown public key")
+            self.rejected += 1
+            if self.rejected % 10_000 == 1:
+                log.warning("rejected a CURVE client with an unknown public key (%d so far)",
+                            self.rejected)
         return ok
 
 
@@ -136,15 +151,19 @@ class PrivateDir:
         path: an explicit directory (created 0700 if missing, or reused when unlocked
             and private); None makes a fresh one under $XDG_RUNTIME_DIR or /tmp.
 
+    Directories that dead engines left behind are removed first
+    (:func:`engine_side.stale_dirs.sweep_stale_dirs`: a ``kill -9`` frees the lock).
+
     Raises EndpointInUse if another engine holds the lock, EndpointError if the
     directory is not private (a symlink, a file, another user's, not 0700:
-    :func:`worker_side.ipc_dir.open_private_dir`), its lock file is a symlink, or the
+    :func:`protocol.ipc_dir.open_private_dir`), its lock file is a symlink, or the
     socket paths would exceed 107 bytes.  Everything in it is reached through the
     checked descriptor of the directory, never by following a name again.
     """
 
     def __init__(self, path: Path | None = None) -> None:
         self._lock_fd = self._dir_fd = -1
+        sweep_stale_dirs()  # what killed engines left behind (their locks are free)
         if path is None:
             base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
             path, self.created = Path(tempfile.mkdtemp(prefix="dc-", dir=base)), True

@@ -15,6 +15,16 @@ the lowest rank that answered; every other answer -- including late ones, up
 to ``history`` steps back -- is compared with them, and a mismatch names the
 diverging rank.
 
+Who may speak for which rank is :class:`engine_side.peers.PeerBook`'s decision: a
+message from a principal that may not speak for the rank it names is dropped and
+counted, never acted on; snapshot requests are rate-limited per principal, and a
+principal refused too often is muted (its frames dropped undecoded).  A step result
+for the pending step is checked (``validate``, :mod:`engine_side.results`) before it
+counts as an answer: a bad one is its rank's fault (:class:`BadResult`, listed with
+the divergent ranks, and the rank leaves the wait set), never an exception here.
+Liveness deadlines are not judged while the ROUTER is backlogged (the check-ins may
+be in the queue), up to the liveness bound.
+
 If nobody can answer step S (every rank that could died, and the ranks alive
 joined after S), the session re-issues the same request as a new step: its KV
 writes are idempotent, so a freshly rejoined rank can answer it.  If no rank is
@@ -41,11 +51,22 @@ from engine_side.liveness import (
     WorkerStuck,
 )
 from engine_side.mirror import EngineMirror
+from engine_side.peers import (
+    BAD_RESULT,
+    RATE_LIMITED,
+    SECOND_SESSION,
+    UNDECODABLE,
+    PeerBook,
+    Principal,
+    declared_pid,
+)
+from engine_side.request_diff import RequestDiffer
 from protocol.messages import CheckIn, Goodbye, Heartbeat, Hello, SnapshotRequest
 from protocol.replies import AnyReply, StepResult
 from protocol.request import ExecuteModelRequest
 
 if TYPE_CHECKING:  # the session never touches zmq itself
+    from engine_side.results import Validator
     from engine_side.transport import EngineTransport
 
 log = logging.getLogger("deltacast.engine")
@@ -76,6 +97,14 @@ class Diverged:
     source_rank: int
 
 
+@dataclass(frozen=True)
+class BadResult(Diverged):
+    """``rank`` answered step ``seq`` with a result that does not fit it (``reason``);
+    ``source_rank`` is -1.  Counted as a divergence: the rank is at fault."""
+
+    reason: str = ""
+
+
 class EngineSession:
     """Lock-step engine loop (see the module docstring).
 
@@ -89,6 +118,11 @@ class EngineSession:
             (the demo's supervisor reports exited processes this way).
         strict: raise :class:`WorkerDied` (after ``on_event``) as soon as a worker
             is found dead, instead of carrying on without it.
+        ranks: the ranks that exist (None: any); a message naming another is refused.
+        validate: checks a result for the pending step against its request
+            (:mod:`engine_side.results`); None checks epoch and seq only.
+        peers: the binding and rate rules (default: a PeerBook over ``ranks`` with the
+            transport's pinned keys).
     """
 
     def __init__(self, transport: EngineTransport, mirror: EngineMirror,
@@ -97,8 +131,15 @@ class EngineSession:
                  on_event: Callable[[object], None] | None = None,
                  ticks: list[Tick] | None = None, history: int = 4096, strict: bool = False,
                  ack_spin: float = DEFAULT_ACK_SPIN,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 ranks: range | frozenset[int] | None = None,
+                 validate: Validator | None = None, peers: PeerBook | None = None) -> None:
         self.transport, self.mirror = transport, mirror
+        self.peers = peers or PeerBook(ranks, getattr(transport, "pinned", None))
+        self.validate = validate
+        self._request: ExecuteModelRequest | None = None  # the pending step's
+        self._behind_since: float | None = None
+        self.differ = RequestDiffer(mirror)
         self.liveness = liveness or LivenessView()
         self.heartbeat_interval, self.orphan_timeout = heartbeat_interval, orphan_timeout
         self.on_event = on_event or (lambda event: None)
@@ -115,6 +156,10 @@ class EngineSession:
         self.rank_of: dict[bytes, int] = {}  # DEALER identity -> rank
         self._last_publish = self._step_published = -1.0
         self._pending = -1
+        self._cpu0 = time.process_time()
+        if hasattr(transport, "on_fault"):  # an undecodable message counts against its sender
+            transport.on_fault = lambda peer, exc: self._refuse(peer, UNDECODABLE, "")
+        self.cpu_seconds = 0.0  # this process's CPU time (all threads) until close()
 
     # -- stepping -------------------------------------------------------------------------
     def run_step(self, request: ExecuteModelRequest) -> StepResult:
@@ -130,7 +175,8 @@ class EngineSession:
                 resumed_req_ids=frozenset())
 
     def publish_step(self, request: ExecuteModelRequest) -> int:
-        delta = self.mirror.diff(request)
+        delta = self.differ.diff(request)
+        self._request = request
         self.stats["bytes"] += self.transport.publish(delta)
         self.stats["steps"] += 1
         self._step_published = now = self.clock()
@@ -189,6 +235,17 @@ class EngineSession:
                       event.rank, event.seq, event.source_rank)
             self.on_event(event)
 
+    def _bad_result(self, peer: bytes, result: StepResult, reason: str) -> None:
+        """A result for the pending step that does not fit it: the rank's fault."""
+        self.stats["bad_results"] += 1
+        self._refuse(peer, BAD_RESULT, f"rank {result.rank}, step {result.seq}: {reason}")
+        event = BadResult(result.rank, result.seq, -1, reason)
+        self.divergent.append(event)
+        self.answers.pop(result.rank, None)
+        self.joined_at.pop(result.rank, None)  # not waited for; a good answer rejoins it
+        log.error("rank %d sent a bad result for step %d: %s", result.rank, result.seq, reason)
+        self.on_event(event)
+
     # -- servicing ---------------------------------------------------------------------------
     def service(self, timeout: float, spin: float = 0.0) -> None:
         """One round: heartbeat if due, worker messages (``spin`` > 0: polled without
@@ -199,31 +256,95 @@ class EngineSession:
             self.transport.publish(Heartbeat(epoch=epoch, seq=seq, digest=digest))
             self._last_publish = now
             self.stats["heartbeats"] += 1
-        for identity, msg in self.transport.recv(int(timeout * 1000), min(spin, timeout)):
-            self._dispatch(identity, msg)
+        for identity, principal, msg in self._recv(int(timeout * 1000), min(spin, timeout)):
+            self._dispatch(identity, msg, principal)
         now = self.clock()
-        events = [e for tick in self.ticks for e in tick(now)] + self.liveness.poll(now)
+        events = [e for tick in self.ticks for e in tick(now)]
+        if not self._behind(now):
+            events += self.liveness.poll(now)
         for event in events:
             self._liveness_event(event)
 
-    def _dispatch(self, identity: bytes, msg: AnyReply) -> None:
+    def _recv(self, timeout_ms: int, spin: float = 0.0
+              ) -> list[tuple[bytes, Principal, AnyReply]]:
+        recv_from = getattr(self.transport, "recv_from", None)
+        if recv_from is None:  # a transport that vouches for nobody (tests)
+            return [(i, None, m) for i, m in self.transport.recv(timeout_ms, spin)]
+        return recv_from(timeout_ms, spin)  # type: ignore[no-any-return]
+
+    def _behind(self, now: float) -> bool:
+        """Whether the ROUTER was left backlogged (check-ins may be waiting in it): then
+        silence is not judged, for at most the liveness bound."""
+        if not getattr(self.transport, "backlog", False):
+            self._behind_since = None
+            return False
+        if self._behind_since is None:
+            self._behind_since = now
+        self.stats["backlogged_rounds"] += 1
+        return now - self._behind_since < self.liveness.dead_after
+
+    def _refuse(self, peer: bytes, reason: str, detail: str) -> None:
+        self.stats["refused"] += 1
+        if self.peers.refuse(peer, reason, self.clock(), detail):
+            mute = getattr(self.transport, "mute", None)
+            if mute is not None:
+                mute(peer, self.peers.mute_s)
+
+    def _pid(self, identity: bytes, principal: Principal, msg: AnyReply) -> int | None:
+        """The process a message comes from: the kernel's word on ipc, else a check-in's
+        pid, else the pid a core worker's DEALER names itself with."""
+        if principal is not None and principal.startswith(b"pid:"):
+            return int(principal[4:])
+        if isinstance(msg, CheckIn):
+            return msg.pid
+        return declared_pid(identity)
+
+    def _claim(self, identity: bytes, principal: Principal, msg: AnyReply, rank: int) -> bool:
+        """Whether the sender may speak for ``rank`` (:meth:`PeerBook.claim`); a refusal
+        is counted against it."""
+        pid = self._pid(identity, principal, msg)
+        why: str | None = None
+        if isinstance(msg, CheckIn) and pid != msg.pid:
+            why = SECOND_SESSION  # a check-in naming a process it does not come from
+        else:
+            view = self.liveness.workers.get(rank)
+            why = self.peers.claim(principal, rank, pid,
+                                   view.pid if view is not None and view.alive else None)
+        if why is not None:
+            self._refuse(principal if principal is not None else identity, why,
+                         f"{type(msg).__name__} for rank {rank} (pid {pid})")
+        return why is None
+
+    def _dispatch(self, identity: bytes, msg: AnyReply, principal: Principal = None) -> None:
         now = self.clock()
+        peer = principal if principal is not None else identity
+        if isinstance(msg, Goodbye):  # it names no rank: the one its sender speaks for
+            rank = self.peers.rank_of(principal)
+            rank = self.rank_of.get(identity) if rank is None else rank
+            if rank is not None and self._claim(identity, principal, msg, rank):
+                self.goodbyes.add(rank)
+                self.joined_at.pop(rank, None)
+                self.liveness.left(rank)
+            return
+        if not isinstance(msg, CheckIn | SnapshotRequest | StepResult):
+            self._refuse(peer, "unexpected " + type(msg).__name__, "")
+            return
+        if not self._claim(identity, principal, msg, msg.rank):
+            return
         if isinstance(msg, CheckIn):
             self.stats["checkins"] += 1
             for event in self.liveness.check_in(msg.rank, msg.pid, msg.seq, msg.state, now):
                 self._liveness_event(event)
         elif isinstance(msg, SnapshotRequest):
+            if not self.peers.allow_snapshot((peer, msg.rank), now):
+                self._refuse(peer, RATE_LIMITED, f"a snapshot request for rank {msg.rank}")
+                return
             self.rank_of[identity] = msg.rank
             self._serve_snapshot(identity, msg.rank)
-        elif isinstance(msg, StepResult):
+        else:
             if identity:  # b"": it came through a reply ring (its DEALER is known already)
                 self.rank_of[identity] = msg.rank
-            self._step_result(msg)
-        elif isinstance(msg, Goodbye) and identity in self.rank_of:
-            rank = self.rank_of[identity]
-            self.goodbyes.add(rank)
-            self.joined_at.pop(rank, None)
-            self.liveness.left(rank)
+            self._step_result(msg, peer)
 
     def _serve_snapshot(self, identity: bytes, rank: int) -> None:
         """Hello (version and features, checked by the worker), then the snapshot."""
@@ -237,13 +358,21 @@ class EngineSession:
         self.snapshots_by_identity[identity] += 1
         self.joined_at[rank] = self.mirror.seq + 1
 
-    def _step_result(self, msg: StepResult) -> None:
+    def _step_result(self, msg: StepResult, peer: bytes) -> None:
         if msg.epoch != self.mirror.epoch:
+            self.stats["other_epoch"] += 1  # a worker not yet resynced to this engine
             return
         if msg.seq == self._pending:
+            problem = (self.validate(self._request, msg)
+                       if self.validate is not None and self._request is not None else None)
+            if problem is not None:
+                self._bad_result(peer, msg, problem)
+                return
             self.answers[msg.rank] = msg
             if self.joined_at.get(msg.rank, msg.seq + 1) > msg.seq:
                 self.joined_at[msg.rank] = msg.seq
+        elif msg.seq > self.mirror.seq:
+            self._refuse(peer, BAD_RESULT, f"a result for step {msg.seq}, not yet published")
         else:
             self._compare(msg)
 
@@ -256,6 +385,17 @@ class EngineSession:
         self.on_event(event)
         if self.strict and isinstance(event, WorkerDead):
             raise WorkerDied(event)
+
+    def refusals(self) -> dict[str, int]:
+        """Worker messages not acted on, by reason: the peer rules' refusals, frames that
+        do not decode, frames of muted peers dropped undecoded, CURVE handshakes refused."""
+        out = dict(self.peers.refused)
+        allow_list = getattr(self.transport, "allow_list", None)
+        for name, count in (("muted", getattr(self.transport, "muted_drops", 0)),
+                            ("handshakes", getattr(allow_list, "rejected", 0))):
+            if count:
+                out[name] = count
+        return out
 
     # -- lifecycle ---------------------------------------------------------------------------
     def wait_for_workers(self, count: int, timeout: float) -> None:
@@ -274,6 +414,7 @@ class EngineSession:
         self.transport.publish(Goodbye(epoch=epoch, seq=seq, reason=reason))
         deadline = self.clock() + timeout
         while expect and not expect <= self.goodbyes and self.clock() < deadline:
-            for identity, msg in self.transport.recv(20):
-                self._dispatch(identity, msg)
+            for identity, principal, msg in self._recv(20):
+                self._dispatch(identity, msg, principal)
+        self.cpu_seconds = time.process_time() - self._cpu0
         self.transport.close()

@@ -15,8 +15,16 @@ Sending: frames from :func:`protocol.codec.encode`; a message with large
 tensor frames goes out zero-copy with a ``MessageTracker``, and ``publish``
 waits for it (buffer-lifetime rule of :mod:`protocol.tensors`).
 
+Receiving: :meth:`EngineTransport.recv_from` hands out each worker message with the
+*principal* vouched for (the CURVE key the ZAP handler admitted; on ipc the connecting
+process, from ``SO_PEERCRED``, a process of another user refused outright; a reply ring's
+rank); :mod:`engine_side.peers` decides what it may say.  A message that does not decode
+is its sender's fault (counted per connection, reported to ``on_fault``).  A muted
+peer's frames are dropped undecoded, at most :data:`MUTED_RATE` a second: past that the
+ROUTER is left unread for a millisecond, so the flood backs up into its sender.
+
 Local step ring (ipc endpoints, ``ring_bytes`` > 0, the default): Deltas go
-through the shared-memory ring of :mod:`worker_side.ring` instead of PUB (one
+through the shared-memory ring (:mod:`engine_side.ring`) instead of PUB (one
 that does not fit goes on PUB behind an ON_PUB marker), and workers' step
 results come back through their reply rings; everything else stays on the
 sockets.  A worker blocked on SUB is woken by a doorbell: one empty frame on PUB.
@@ -25,11 +33,17 @@ sockets.  A worker blocked on SUB is woken by a doorbell: one empty frame on PUB
 from __future__ import annotations
 
 import logging
+import os
+import time
+from collections.abc import Callable, Hashable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import zmq
 
+from engine_side.peers import Bucket, curve_principal
+from engine_side.ring import RingWriter
 from engine_side.security import (
     CurveKeys,
     PrivateDir,
@@ -37,17 +51,37 @@ from engine_side.security import (
     start_authenticator,
 )
 from protocol import codec
-from protocol.errors import ProtocolError
+from protocol.endpoints import DEFAULT_MAX_MESSAGE_BYTES, channel_endpoints
+from protocol.errors import MalformedMessage, ProtocolError
 from protocol.faults import PeerFaults
 from protocol.messages import Delta, Message
 from protocol.replies import AnyReply, decode_reply
-from worker_side.ring import DEFAULT_RING_BYTES, MESSAGE, RING_FILE, RingWriter
-from worker_side.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_endpoints, spin_poll
+from protocol.ring import DEFAULT_RING_BYTES, MESSAGE, RING_FILE
+from protocol.spin import spin
 
 log = logging.getLogger("deltacast.engine.transport")
 
 ZERO_COPY_MIN = 64 << 10  # tensor frames at least this big are sent zero-copy + tracked
 _BATCH = 1024
+_MAX_MUTED = 4096  # muted peers remembered at most (expired ones go first)
+#: frames of muted peers dropped per second at most; past it the ROUTER is not read for
+#: _PAUSE_S, so a flood backs up into its sender's socket (honest messages are at most a
+#: few frames behind in zmq's fair queue: they wait one pause at most)
+MUTED_RATE = 10_000.0
+_PAUSE_S = 0.001
+
+
+#: ``spin_poll(poller, spin_s, elsewhere=None)``: :func:`protocol.spin.spin` on our clock
+spin_poll = partial(spin, clock=time.perf_counter, pause=os.sched_yield)
+
+
+class Inbound(NamedTuple):
+    """One worker message: the ROUTER identity of its connection (b"" for a reply ring),
+    the principal vouched for (:meth:`EngineTransport.recv_from`) and the message."""
+
+    identity: bytes
+    principal: bytes | None
+    msg: AnyReply
 
 
 class PublishStalled(Exception):
@@ -72,7 +106,8 @@ class EngineTransport:
     def __init__(self, endpoint: str | None = None, *, keys: CurveKeys | None = None,
                  insecure: bool = False, sndhwm: int = 1000, sndbuf: int = -1,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 track_timeout: float = 5.0, ring_bytes: int = DEFAULT_RING_BYTES) -> None:
+                 track_timeout: float = 5.0, ring_bytes: int = DEFAULT_RING_BYTES,
+                 muted_rate: float = MUTED_RATE) -> None:
         check_tcp_policy(endpoint or "", keys, insecure)
         self.private: PrivateDir | None = None
         self.ring: RingWriter | None = None
@@ -86,6 +121,10 @@ class EngineTransport:
         self.track_timeout = track_timeout
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.auth = start_authenticator(self.ctx, keys.allowed) if keys is not None else None
+        self.allow_list = getattr(self.auth, "allow_list", None)  # counts refused handshakes
+        #: principals pinned to ranks (:class:`CurveKeys` ``pinned``), for the session
+        self.pinned: dict[bytes, frozenset[int]] = {
+            curve_principal(k): frozenset(r) for k, r in (keys.pinned if keys else {}).items()}
         pub_ep, ctl_ep = channel_endpoints(endpoint)
         try:
             self.pub = self._socket(zmq.PUB, keys)
@@ -106,6 +145,16 @@ class EngineTransport:
         self.faults = PeerFaults(log, "dropped a worker message that does not decode")
         self.bytes_published = 0
         self.doorbells = 0
+        #: whether the last drain stopped at its batch limit (more messages were waiting)
+        self.backlog = False
+        self.muted_drops = 0  # frames of muted peers dropped undecoded
+        self.pauses = 0  # reads of the ROUTER paused because muted peers used their budget
+        self._muted: dict[bytes, float] = {}
+        self._muted_budget = Bucket(muted_rate, max(1.0, muted_rate * _PAUSE_S), 0.0, 0.0)
+        self._paused_until = 0.0
+        #: called with (principal or identity, error) for each message that does not decode
+        self.on_fault: Callable[[bytes, ProtocolError], None] | None = None
+        self._uid = os.getuid()
 
     def _socket(self, kind: int, keys: CurveKeys | None) -> zmq.Socket[bytes]:
         sock = self.ctx.socket(kind)
@@ -160,9 +209,19 @@ class EngineTransport:
         """Worker messages that arrived within ``timeout_ms``, with sender identities;
         ``spin_s`` as in :meth:`WorkerTransport.recv` (a bounded non-blocking spin first,
         watching the reply rings too)."""
+        return [(identity, msg) for identity, _, msg in self.recv_from(timeout_ms, spin_s)]
+
+    def recv_from(self, timeout_ms: int, spin_s: float = 0.0) -> list[Inbound]:
+        """:meth:`recv` with the principal each message came from (:mod:`engine_side.peers`:
+        ``key:`` + its CURVE key, ``pid:`` + the ipc peer's pid, ``ring:`` + the rank of a
+        reply ring; None when nobody vouches for it, tcp without CURVE)."""
+        pause = self._paused_until - time.monotonic()
+        if pause > 0:  # muted peers' frames used the read budget: let them wait in zmq
+            time.sleep(min(pause, timeout_ms / 1e3))
         ring = self.ring
         if ring is None:
             if not (spin_poll(self.poller, spin_s) or self.router.poll(timeout_ms)):
+                self.backlog = False
                 return []
             return self._drain_router()
         out = self._ring_replies(ring)
@@ -172,6 +231,7 @@ class EngineTransport:
         if not ready and not ring.replies_pending():
             # blocking: a ring reply is seen on the next call (the caller's timeout late)
             ready = bool(self.router.poll(timeout_ms))
+        self.backlog = False
         return self._ring_replies(ring) + (self._drain_router() if ready else [])
 
     @property
@@ -179,32 +239,77 @@ class EngineTransport:
         """Worker messages dropped because they do not decode (all peers)."""
         return self.faults.total
 
-    def _drain_router(self) -> list[tuple[bytes, AnyReply]]:
+    def mute(self, peer: bytes, seconds: float) -> None:
+        """Drop ``peer``'s frames (a principal, or an identity when it has none) without
+        decoding them for ``seconds`` (:class:`engine_side.peers.PeerBook` decides)."""
+        if len(self._muted) >= _MAX_MUTED:
+            now = time.monotonic()
+            self._muted = {p: t for p, t in self._muted.items() if t > now}
+        self._muted[peer] = time.monotonic() + seconds
+
+    def _principal(self, frame: zmq.Frame) -> bytes | None:
+        if self.auth is not None:  # CURVE: the key the ZAP handler admitted
+            return curve_principal(str(frame.get("User-Id")))
+        if self.private is None:
+            return None  # tcp --insecure: nobody vouches for the sender
+        # ipc: "ADDR:UID:GID:PID" from SO_PEERCRED, filled in by the kernel
+        _, uid, _, pid = str(frame.get("Peer-Address")).rsplit(":", 3)
+        return b"pid:" + pid.encode() if int(uid) == self._uid else b"uid:" + uid.encode()
+
+    def _drain_router(self) -> list[Inbound]:
         """Up to _BATCH ROUTER messages; one that does not decode is its sender's fault:
-        dropped and counted (:attr:`faults`), never raised."""
-        out: list[tuple[bytes, AnyReply]] = []
+        dropped and counted (:attr:`faults`), never raised.  A muted sender's frames are
+        dropped undecoded (:attr:`muted_drops`); :attr:`backlog` says whether more wait."""
+        out: list[Inbound] = []
+        muted, now = self._muted, time.monotonic()
         for _ in range(_BATCH):
             try:
                 identity, *frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self.backlog = False
                 break
             try:
-                out.append((identity.bytes, decode_reply(frames)))
+                principal = self._principal(frames[0]) if frames else None
+            except (zmq.ZMQError, ValueError):
+                principal = None
+            sender = identity.bytes
+            if muted and muted.get(principal or sender, 0.0) > now:
+                self.muted_drops += 1
+                if not self._muted_budget.take(now):  # read no more for a while: the
+                    self._paused_until = now + _PAUSE_S  # flood backs up into its sender
+                    self.pauses += 1
+                    self.backlog = True
+                    break
+                continue
+            if principal is not None and principal.startswith(b"uid:"):
+                self._fault(sender, principal, MalformedMessage("a process of another user"))
+                continue
+            try:
+                out.append(Inbound(sender, principal, decode_reply(frames)))
             except ProtocolError as exc:
-                self.faults.hit(identity.bytes, exc)
+                self._fault(sender, principal, exc)
+        else:
+            self.backlog = True
         return out
 
-    def _ring_replies(self, ring: RingWriter) -> list[tuple[bytes, AnyReply]]:
+    def _ring_replies(self, ring: RingWriter) -> list[Inbound]:
         """Replies from the reply rings (identity b"": they name their rank)."""
-        out: list[tuple[bytes, AnyReply]] = []
+        out: list[Inbound] = []
         for rank, kind, payload in ring.replies():
             if kind != MESSAGE:  # this channel's workers send large replies on DEALER alone
                 continue
             try:
-                out.append((b"", decode_reply([payload])))
+                out.append(Inbound(b"", b"ring:%d" % rank, decode_reply([payload])))
             except ProtocolError as exc:
-                self.faults.hit(f"rank {rank} (reply ring)", exc)
+                self._fault(f"rank {rank} (reply ring)", b"ring:%d" % rank, exc)
         return out
+
+    def _fault(self, sender: Hashable, principal: bytes | None, exc: ProtocolError) -> None:
+        """A message that does not decode: counted per connection (:attr:`faults`) and
+        reported to :attr:`on_fault` with its principal (or identity)."""
+        self.faults.hit(sender, exc)
+        if self.on_fault is not None:
+            self.on_fault(principal if principal is not None else sender, exc)  # type: ignore[arg-type]
 
     def close(self) -> None:
         """Close sockets (linger 0), stop ZAP, remove the ring and the ipc directory."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -102,6 +103,12 @@ class Workload:
         self.steps = 0
         self._table: Ragged | None = None  # the last emitted block table (reused while valid)
         self._table_order: IntArray = np.zeros(0, dtype=np.int64)
+        #: this step's changes as the engine knows them (``EngineMirror.step`` arguments):
+        #: new blocks and new tokens per slot since the last step, slots admitted
+        self.changes: dict[str, Any] = {}
+        self._grown: dict[int, list[int]] = {}
+        self._sampled: dict[int, list[int]] = {}
+        self._admitted: list[int] = []
 
     def _alloc_columns(self) -> None:
         n = self.batch
@@ -130,6 +137,7 @@ class Workload:
         nsched, drafts = self._plan(order)
         self._allocate(order, nsched)
         req = self._request(order, nsched, drafts, finished)
+        self.changes = self._changes(req, order)
         self._advance(order, nsched)
         self._finish(order)
         self.steps += 1
@@ -155,6 +163,7 @@ class Workload:
         for rank, slot in enumerate(free.tolist()):
             self._new_request(slot, phase=rank if first else None)
         self.order.extend(free.tolist())
+        self._admitted = free.tolist()
 
     def _new_request(self, slot: int, phase: int | None) -> None:
         """Fill ``slot``; ``phase`` staggers prompt+history lengths mod the block size."""
@@ -209,6 +218,8 @@ class Workload:
         starts = np.repeat(have - np.cumsum(need - have) + (need - have), need - have)
         self.blocks[rows, starts + np.arange(count)] = taken
         self.nblocks[slots] = need
+        for slot, block in zip(rows.tolist(), taken.tolist(), strict=True):
+            self._grown.setdefault(slot, []).append(block)
         self._table = None  # tables changed
 
     # -- emitting ----------------------------------------------------------------------------
@@ -236,6 +247,39 @@ class Workload:
             finished_req_ids=frozenset(finished),
         )
 
+    def _changes(self, req: ExecuteModelRequest, order: IntArray) -> dict[str, Any]:
+        """The step as :meth:`engine_side.mirror.EngineMirror.step` takes it: what the
+        engine knows changed (admissions, finishes, new blocks and tokens), not the
+        whole request."""
+        from engine_side.mirror import Entry
+        from protocol.rebuild import ragged_rows, wire_spec
+
+        slots: list[int] = order.tolist()
+        admitted = set(self._admitted)
+        added = []
+        for slot in self._admitted:
+            spec, _, _, _ = wire_spec(self.specs[slot])  # type: ignore[arg-type]
+            history = self.tokens[slot, :self.out_len[slot]].copy() \
+                if self.scenario.engine_tokens else None
+            added.append(Entry(spec, 0, history))
+            self._sampled.pop(slot, None)
+        grown: tuple[list[int], list[int], list[int]] = ([], [], [])
+        tokens: tuple[list[int], list[int], list[int]] = ([], [], [])
+        for p, slot in enumerate(slots):
+            for rows, values in ((grown, self._grown.get(slot)),
+                                 (tokens, None if slot in admitted else self._sampled.get(slot))):
+                if values:
+                    rows[0].append(p)
+                    rows[1].append(len(values))
+                    rows[2].extend(values)
+        self._grown, self._sampled, self._admitted = {}, {}, []
+        return {"batch": req.req_ids, "nsched": req.num_scheduled_tokens.tolist(),
+                "finished": req.finished_req_ids, "added": added,
+                "computed": req.num_computed_tokens.tolist(),
+                "appends": [grown if grown[0] else None],
+                "tokens": tokens if tokens[0] else None,
+                "spec_tokens": ragged_rows(req.spec_token_ids, 1)}
+
     def _advance(self, order: IntArray, nsched: IntArray) -> None:
         """The model ran: computed tokens advance, decoding requests sample tokens."""
         k = self.scenario.spec_tokens
@@ -247,7 +291,10 @@ class Workload:
         if self.scenario.engine_tokens and new.any():
             rows = np.repeat(order, new)
             cols = np.repeat(self.out_len[order] - np.cumsum(new) + new, new) + np.arange(rows.size)
-            self.tokens[rows, cols] = self.rng.integers(0, self.vocab, rows.size)
+            sampled = self.rng.integers(0, self.vocab, rows.size)
+            self.tokens[rows, cols] = sampled
+            for slot, token in zip(rows.tolist(), sampled.tolist(), strict=True):
+                self._sampled.setdefault(slot, []).append(token)
         self.out_len[order] += new
 
     def _finish(self, order: IntArray) -> None:

@@ -4,4 +4,4 @@ Nothing in this package opens sockets or imports torch (except
 ``protocol.tensors``, which handles tensors).
 """
 
-PROTOCOL_VERSION = (2, 0)
+PROTOCOL_VERSION = (3, 0)

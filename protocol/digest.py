@@ -1,304 +1,191 @@
 """The replicated-state digest: a 64-bit sum of per-item terms, updated in O(changes).
 
 digest = Σ spec terms + Σ computed-token terms + Σ block terms + Σ token terms
-         + schedule term   (all mod 2**64)
+         + schedule term   (all mod 2**64; SPEC.md §5)
 
-Each term is a splitmix64 mix of an item keyed by its handle and position, or (the
+A term is a splitmix64 mix of an item keyed by its handle and position, or (the
 computed and scheduled counts) the count times such a mixed odd key, so a change
 anywhere changes the digest with overwhelming probability, and adding or removing
-one item changes only its own term.  The linear terms make a count change one
-product (the steady lane's count exceptions and advances).  No Python ``hash()`` is
-used, so digests are stable across processes and PYTHONHASHSEED values.
+one item changes only its own term.  Counts enter linearly: advancing a whole
+schedule by its scheduled counts adds one cached constant.  No Python ``hash()``:
+digests are stable across processes.  Each function has a scalar form (Python ints,
+for the few items of a common step) and an array form (numpy, for many); both give
+the same values.
 """
 
 from __future__ import annotations
 
 import hashlib
-from itertools import repeat
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from protocol.speedups import C as _C
+from protocol import kernels
 
 MASK = (1 << 64) - 1
 U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
 
-_K_SPEC = np.uint64(0x9E3779B97F4A7C15)
-_K_COMP = np.uint64(0xC2B2AE3D27D4EB4F)
-_K_POS = np.uint64(0x165667B19E3779F9)
-_K_HANDLE = np.uint64(0xD6E8FEB86659FD93)
-_K_GROUP = np.uint64(0xFF51AFD7ED558CCD)
-_K_TOKEN = np.uint64(0xC4CEB9FE1A85EC53)
-_K_SCHED = np.uint64(0x27D4EB2F165667C5)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+K_SPEC = 0x9E3779B97F4A7C15
+K_COMP = 0xC2B2AE3D27D4EB4F
+K_POS = 0x165667B19E3779F9
+K_HANDLE = 0xD6E8FEB86659FD93
+K_GROUP = 0xFF51AFD7ED558CCD
+K_TOKEN = 0xC4CEB9FE1A85EC53
+K_SCHED = 0x27D4EB2F165667C5
+#: added inside every block and token term, so no item mixes zero (mix64(0) = 0)
+K_ROW = 0x2545F4914F6CDD1D
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_U = np.uint64
+_NM1, _NM2 = _U(_M1), _U(_M2)
+_S30, _S27, _S31 = _U(30), _U(27), _U(31)
+
+#: at most this many items: Python ints (a numpy call chain costs microseconds)
+SMALL = 24
 
 
-def mix64(x: npt.ArrayLike) -> U64:
-    """splitmix64 finaliser over a uint64 array (array arithmetic wraps silently)."""
-    z = np.array(x, dtype=np.uint64, ndmin=1)
+def mix64_int(z: int) -> int:
+    """splitmix64's finaliser of one value < 2**64."""
+    z ^= z >> 30
+    z = (z * _M1) & MASK
+    z ^= z >> 27
+    z = (z * _M2) & MASK
+    return z ^ (z >> 31)
+
+
+def mix64(z: U64) -> U64:
+    """:func:`mix64_int` over a uint64 array, in place (uint64 arithmetic wraps)."""
     z ^= z >> _S30
-    z *= _M1
+    z *= _NM1
     z ^= z >> _S27
-    z *= _M2
+    z *= _NM2
     z ^= z >> _S31
     return z
 
 
-def _u64(a: npt.ArrayLike) -> U64:
-    return np.asarray(a, dtype=np.int64).astype(np.uint64)
+def u64(values: Any) -> U64:
+    """Integers as uint64 (two's complement for negatives), a fresh array."""
+    return np.asarray(values, dtype=np.int64).astype(np.uint64)
 
 
-def _scalar(value: int) -> np.uint64:
-    return np.uint64(value & MASK)
+def total(terms: U64) -> int:
+    """Sum of terms mod 2**64."""
+    return int(terms.sum(dtype=np.uint64)) if terms.size else 0
 
 
-def total(terms: npt.NDArray[Any]) -> int:
-    """Sum of terms mod 2**64 as a Python int."""
-    return int(terms.sum(dtype=np.uint64)) & MASK if terms.size else 0
+# -- specs ---------------------------------------------------------------------------
+def spec_term(handle: int, raw: Any) -> int:
+    """The term of a request whose spec travelled as ``raw`` (its exact wire bytes)."""
+    h = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+    return mix64_int(h ^ ((handle * K_SPEC) & MASK))
 
 
-def spec_hash(encoded_spec: bytes) -> int:
-    """64-bit content hash of a request's static data (its canonical encoding)."""
-    return int.from_bytes(hashlib.blake2b(encoded_spec, digest_size=8).digest(), "little")
+# -- computed counts: count * key(handle) ----------------------------------------------
+def handle_key(h: int) -> int:
+    """``mix64(h * K_COMP + K_HANDLE) | 1`` (remembered: handles are small and reused)."""
+    if h < len(_HANDLE_KEYS):
+        return _HANDLE_KEYS[h]
+    if not 0 <= h < 1 << 25:
+        return mix64_int((h * K_COMP + K_HANDLE) & MASK) | 1
+    grow = np.arange(len(_HANDLE_KEYS), max(2 * len(_HANDLE_KEYS), h + 1, 1024), dtype=np.uint64)
+    _HANDLE_KEYS.extend((mix64(grow * _U(K_COMP) + _U(K_HANDLE)) | _U(1)).tolist())
+    return _HANDLE_KEYS[h]
 
 
-def spec_terms(handles: npt.ArrayLike, hashes: npt.ArrayLike) -> U64:
-    return mix64(np.asarray(hashes, dtype=np.uint64) ^ (_u64(handles) * _K_SPEC))
+_HANDLE_KEYS: list[int] = []  # handle_key(h) by h, as far as handles have reached
 
 
-def spec_term_int(handle: int, spec_hash: int) -> int:
-    """:func:`spec_terms` of one handle."""
-    return mix64_int(spec_hash ^ ((handle * _SPEC_I) & MASK))
+def keyed_sum(handles: I64, counts: I64) -> int:
+    """Σ counts[i] * key(handles[i]) mod 2**64 (the computed terms, and the advance)."""
+    got = kernels.keyed_sum(handles, counts, K_COMP, 0, K_HANDLE, 0)
+    if got is not None:
+        return got
+    return keyed_sum_py(handles, counts, K_COMP, 0, K_HANDLE, 0)
 
 
-#: handle_keys of handles 0..size-1, grown on demand up to KEY_CACHE_LIMIT handles (a key
-#: depends on the handle alone, so one table serves every state in the process)
-KEY_CACHE_LIMIT = 1 << 20
-_key_cache: U64 = np.zeros(0, dtype=np.uint64)
+def keyed_sum_py(handles: I64, counts: I64, k_handle: int, k_pos: int, k_add: int,
+                 plus: int) -> int:
+    """Σ (counts[i] + plus) * (mix64(handles[i] * k_handle + i * k_pos + k_add) | 1) mod
+    2**64: the reference of the C kernel (numpy past :data:`SMALL` items)."""
+    if handles.size <= SMALL:
+        hs: list[int] = handles.tolist()
+        cs: list[int] = counts.tolist()
+        return sum((c + plus) * (mix64_int((h * k_handle + i * k_pos + k_add) & MASK) | 1)
+                   for i, (h, c) in enumerate(zip(hs, cs, strict=True))) & MASK
+    pos = np.arange(handles.size, dtype=np.uint64)
+    keys = mix64(u64(handles) * _U(k_handle) + pos * _U(k_pos) + _U(k_add)) | _U(1)
+    return total((counts.astype(np.uint64) + _U(plus)) * keys)
 
 
-def _handle_keys_uncached(handles: npt.ArrayLike) -> U64:
-    return mix64(_u64(handles) * _K_COMP + _K_HANDLE) | np.uint64(1)
+# -- blocks: mix(block*K_SPEC + position*K_POS + handle*K_HANDLE + group*K_GROUP + K_ROW) -
+def block_row_terms(handles: list[int], group: int, starts: list[int], counts: list[int],
+                    values: list[int]) -> list[int]:
+    """Each row's block-term sum: row ``i`` puts ``counts[i]`` of the flat ``values`` at
+    positions ``starts[i]..`` of handle ``handles[i]``'s table in ``group``."""
+    salt = (group * K_GROUP + K_ROW) & MASK
+    sums = kernels.row_mix_sums(handles, starts, counts, values, K_SPEC, K_POS, K_HANDLE, salt)
+    if sums is not None:
+        return sums
+    if len(values) > SMALL:
+        rows = np.repeat(np.arange(len(handles)), counts)
+        offsets = np.cumsum(counts) - np.asarray(counts)
+        at_ = np.asarray(starts, dtype=np.int64)[rows] + np.arange(len(values)) - offsets[rows]
+        hs = np.asarray(handles, dtype=np.int64)[rows]
+        z = mix64(u64(values) * _U(K_SPEC) + u64(at_) * _U(K_POS) + u64(hs) * _U(K_HANDLE)
+                  + _U(salt))
+        out = np.zeros(len(handles), dtype=np.uint64)
+        np.add.at(out, rows, z)
+        return out.tolist()  # type: ignore[no-any-return]
+    return row_sums_py(handles, starts, counts, values, K_SPEC, K_POS, K_HANDLE, salt)
 
 
-def handle_keys(handles: npt.ArrayLike) -> U64:
-    """Odd 64-bit per-handle multipliers for the linear computed-token terms (from a
-    process-wide table: one gather instead of a chain of numpy calls)."""
-    global _key_cache
-    h = np.asarray(handles, dtype=np.int64)
-    if not h.size:
-        return np.zeros(0, dtype=np.uint64)
-    top = int(h.max())
-    if int(h.min()) < 0 or top >= KEY_CACHE_LIMIT:
-        return _handle_keys_uncached(h)
-    keys = _key_cache  # one read: a thread growing the table swaps in a whole new one
-    if top >= keys.size:
-        keys = _handle_keys_uncached(np.arange(min(max(2 * top, 1024), KEY_CACHE_LIMIT),
-                                               dtype=np.int64))
-        if keys.size > _key_cache.size:
-            _key_cache = keys
-    return keys[h]
-
-
-def computed_terms(handles: npt.ArrayLike, computed: npt.ArrayLike) -> U64:
-    """``computed * key(handle)``: linear, so advancing a whole schedule by its
-    scheduled counts adds one cacheable constant (Σ nsched·key) to the digest."""
-    return _u64(computed) * handle_keys(handles)
-
-
-def block_terms(handle: int, group: int, start: int, blocks: npt.ArrayLike) -> U64:
-    """Terms of ``blocks`` at positions ``start..`` of one handle's table in ``group``."""
-    b = _u64(blocks)
-    return block_terms_rows(np.full(b.size, handle), group, np.arange(start, start + b.size), b)
-
-
-def block_terms_rows(handles: npt.ArrayLike, group: int, positions: npt.ArrayLike,
-                     blocks: npt.ArrayLike) -> U64:
-    """Terms of block ids at (handle, position) pairs of ``group`` (aligned arrays)."""
-    salt = _u64(handles) * _K_HANDLE + _scalar(group * int(_K_GROUP))
-    return mix64(_u64(blocks) * _K_SPEC + _u64(positions) * _K_POS + salt)
-
-
-def token_terms(handles: npt.ArrayLike, positions: npt.ArrayLike, tokens: npt.ArrayLike) -> U64:
-    """Terms of output tokens (aligned arrays of handle, position, token)."""
-    return mix64(_u64(tokens) * _K_TOKEN + _u64(positions) * _K_POS + _u64(handles) * _K_SPEC)
-
-
-def schedule_keys(handles: npt.ArrayLike, positions: npt.ArrayLike | None = None) -> U64:
-    """Odd multipliers of the scheduled counts, per (handle, position); positions
-    ``0..`` by default."""
-    h = _u64(handles)
-    pos = np.arange(h.size, dtype=np.uint64) if positions is None else _u64(positions)
-    return mix64(h * _K_SCHED + pos * _K_POS) | np.uint64(1)
-
-
-def schedule_term(handles: npt.ArrayLike, num_scheduled: npt.ArrayLike) -> int:
-    """``(count + 1) * skey(handle, position)`` summed: linear in the counts, so a count
-    change costs one product; the ``+ 1`` keeps a zero count's place in the term."""
-    if _C is not None:  # one C loop instead of a chain of numpy calls
-        got: int | None = _C.keyed_sum(_as_list(handles), _as_list(num_scheduled),
-                                       int(_K_SCHED), 0, int(_K_POS), 1)
-        if got is not None:
-            return got
-    return total((_u64(num_scheduled) + np.uint64(1)) * schedule_keys(handles))
-
-
-def _as_list(values: npt.ArrayLike) -> object:
-    """An array's items as Python ints for the C loops (anything else passes through:
-    C refuses what is not a list of ints, and the numpy path decides)."""
-    return values.tolist() if isinstance(values, np.ndarray) and values.ndim == 1 else values
-
-
-# -- the same terms on Python ints, for the few items of a common step ---------------------
-# (each numpy call costs a microsecond or more; a handful of items is cheaper in Python)
-SMALL = 16  # at most this many items: Python ints (numpy costs ~15 µs a call chain)
-
-_M1I, _M2I = int(_M1), int(_M2)
-_SPEC_I, _COMP_I, _POS_I = int(_K_SPEC), int(_K_COMP), int(_K_POS)
-_HANDLE_I, _GROUP_I = int(_K_HANDLE), int(_K_GROUP)
-_SCHED_I = int(_K_SCHED)
-
-
-def mix64_int(z: int) -> int:
-    """:func:`mix64` of one value < 2**64."""
-    z ^= z >> 30
-    z = (z * _M1I) & MASK
-    z ^= z >> 27
-    z = (z * _M2I) & MASK
-    return z ^ (z >> 31)
-
-
-def handle_key_int(h: int) -> int:
-    return mix64_int((h * _COMP_I + _HANDLE_I) & MASK) | 1
-
-
-def computed_change(handles: list[int], deltas: list[int]) -> int:
-    """Digest change of adding ``deltas`` to the computed counts of ``handles``."""
-    if _C is not None:
-        got: int | None = _C.keyed_sum(handles, deltas, _COMP_I, _HANDLE_I, 0, 0)
-        if got is not None:
-            return got
-    if len(handles) > SMALL:
-        d = np.asarray(deltas, dtype=np.int64).astype(np.uint64)
-        return total(d * handle_keys(handles))
-    return sum(d * handle_key_int(h) for h, d in zip(handles, deltas, strict=True)) & MASK
-
-
-def schedule_key_list(handles: list[int]) -> list[int]:
-    """:func:`schedule_keys` of a schedule (positions ``0..``) as Python ints (one C loop
-    when it takes the list: numpy's call chain costs ~10 µs on a small schedule)."""
-    if _C is not None:
-        got: list[int] | None = _C.key_list(handles, _SCHED_I, 0, _POS_I)
-        if got is not None:
-            return got
-    return schedule_keys(handles).tolist()  # type: ignore[no-any-return]
-
-
-def handle_key_list(handles: list[int]) -> list[int]:
-    """:func:`handle_keys` as Python ints (one C loop when it takes the list)."""
-    if _C is not None:
-        got: list[int] | None = _C.key_list(handles, _COMP_I, _HANDLE_I, 0)
-        if got is not None:
-            return got
-    if len(handles) <= SMALL:  # a few: Python ints beat numpy's call chain
-        return list(map(handle_key_int, handles))
-    return handle_keys(handles).tolist()  # type: ignore[no-any-return]
-
-
-def schedule_key_int(h: int, position: int) -> int:
-    """:func:`schedule_keys` of one (handle, position)."""
-    return mix64_int((h * _SCHED_I + position * _POS_I) & MASK) | 1
-
-
-def schedule_change(handles: list[int], positions: list[int], old: list[int],
-                    new: list[int]) -> int:
-    """Digest change of the scheduled counts at ``positions`` going from ``old`` to ``new``."""
-    if len(handles) > SMALL:
-        moved = np.asarray(new, dtype=np.int64) - np.asarray(old, dtype=np.int64)
-        return total(moved.astype(np.uint64) * schedule_keys(handles, positions))
-    return sum((b - a) * schedule_key_int(h, p)
-               for h, p, a, b in zip(handles, positions, old, new, strict=True)) & MASK
-
-
-def block_row_sums(handle: int, group: int, start: int, blocks: list[int]) -> int:
-    """Sum of :func:`block_terms` of one row's ``blocks`` at ``start..`` (Python ints;
-    :func:`mix64_int` inlined: a call per block would cost a third more)."""
-    salt = (handle * _HANDLE_I + ((group * _GROUP_I) & MASK)) & MASK
-    total, pos = 0, start * _POS_I
-    for b in blocks:
-        z = (b * _SPEC_I + pos + salt) & MASK
-        z ^= z >> 30
-        z = (z * _M1I) & MASK
-        z ^= z >> 27
-        z = (z * _M2I) & MASK
-        total += z ^ (z >> 31)
-        pos += _POS_I
-    return total & MASK
-
-
-def group_salt(group: int) -> int:
-    """The KV group's share of every block term of that group."""
-    return (group * _GROUP_I) & MASK
-
-
-#: a block term's multipliers: (block id, position in the table, handle)
-BLOCK_KEYS = (_SPEC_I, _POS_I, _HANDLE_I)
-
-
-def block_unit_terms(handles: list[int], group: int, positions: list[int],
-                     blocks: list[int]) -> list[int]:
-    """:func:`block_terms_rows` of one block per row (aligned lists, Python ints;
-    :func:`mix64_int` inlined)."""
-    g = (group * _GROUP_I) & MASK
-    if _C is not None:
-        terms: list[int] | None = _C.unit_terms(handles, positions, blocks, g, _SPEC_I,
-                                                _POS_I, _HANDLE_I)
-        if terms is not None:
-            return terms
-    return unit_terms_py(handles, g, positions, blocks)
-
-
-def unit_terms_py(handles: list[int], g: int, positions: list[int],
-                  blocks: list[int]) -> list[int]:
-    """:func:`block_unit_terms` without the speedups (the reference; ``g`` the group's
-    salt)."""
-    out = []
-    for h, p, b in zip(handles, positions, blocks, strict=True):
-        z = (b * _SPEC_I + p * _POS_I + h * _HANDLE_I + g) & MASK
-        z ^= z >> 30
-        z = (z * _M1I) & MASK
-        z ^= z >> 27
-        z = (z * _M2I) & MASK
-        out.append(z ^ (z >> 31))
+def row_sums_py(handles: list[int], starts: list[int], counts: list[int], values: list[int],
+                k_value: int, k_pos: int, k_handle: int, salt: int) -> list[int]:
+    """Per row, Σ mix64(v * k_value + p * k_pos + handle * k_handle + salt) mod 2**64 over
+    its values at positions start, start + 1, ...: the reference of the C kernel."""
+    out, at = [], 0
+    for h, start, n in zip(handles, starts, counts, strict=True):
+        base, pos, acc = (h * k_handle + salt) & MASK, start * k_pos, 0
+        for v in values[at:at + n]:
+            acc += mix64_int((v * k_value + pos + base) & MASK)
+            pos += k_pos
+        out.append(acc & MASK)
+        at += n
     return out
 
 
-def row_terms(handles: list[int], group: int, starts: list[int], counts: list[int],
-              values: list[int]) -> list[int]:
-    """Each row's block-term sum: row ``i`` appends ``counts[i]`` of the flat ``values``
-    to handle ``handles[i]``'s table in ``group`` at ``starts[i]``.  Python ints; rows
-    of one block each in C (:mod:`protocol.speedups`), else with numpy past :data:`SMALL`."""
-    if len(values) == len(handles) and 0 not in counts:  # one block per row: a term each
-        if len(values) > SMALL and _C is None:
-            return block_terms_rows(handles, group, starts, values).tolist()  # type: ignore[no-any-return]
-        return block_unit_terms(handles, group, starts, values)
-    terms, at = [], 0
-    if _C is not None and len(values) > len(handles):  # whole rows: a term per block in C
-        hs: list[int] = []
-        positions: list[int] = []
-        for h, start, n in zip(handles, starts, counts, strict=True):
-            hs += repeat(h, n)
-            positions += range(start, start + n)
-        units = block_unit_terms(hs, group, positions, values)
-        for n in counts:
-            terms.append(sum(units[at:at + n]) & MASK)
-            at += n
-        return terms
-    for h, start, n in zip(handles, starts, counts, strict=True):
-        terms.append(block_row_sums(h, group, start, values[at:at + n]))
-        at += n
-    return terms
+# -- tokens: mix(token*K_TOKEN + position*K_POS + handle*K_SPEC + K_ROW) ------------------
+def token_sums(handles: I64, starts: I64, counts: I64, values: I64) -> U64:
+    """Each row's token-term sum (row ``i``: ``counts[i]`` of the flat ``values`` at
+    positions ``starts[i]..`` of handle ``handles[i]``'s history), as uint64."""
+    if not handles.size:
+        return np.zeros(0, dtype=np.uint64)
+    got = kernels.row_mix_sums(handles.tolist(), starts.tolist(), counts.tolist(),
+                               values.tolist(), K_TOKEN, K_POS, K_SPEC, K_ROW)
+    if got is not None:
+        return np.array(got, dtype=np.uint64)
+    rows = np.repeat(np.arange(handles.size), counts)
+    offsets = np.cumsum(counts) - counts
+    pos = np.repeat(starts - offsets, counts) + np.arange(values.size)
+    z = mix64(u64(values) * _U(K_TOKEN) + u64(pos) * _U(K_POS) + u64(handles[rows])
+              * _U(K_SPEC) + _U(K_ROW))
+    if values.size == handles.size and bool((counts == 1).all()):  # one token a row
+        return z
+    sums = np.zeros(handles.size, dtype=np.uint64)
+    np.add.at(sums, rows, z)
+    return sums
+
+
+# -- the schedule: Σ (count + 1) * skey(handle, position) -------------------------------
+def schedule_key(h: int, position: int) -> int:
+    return mix64_int((h * K_SCHED + position * K_POS) & MASK) | 1
+
+
+def schedule_term(handles: I64, counts: I64) -> int:
+    """``(count + 1) * skey(handle, position)`` summed: linear in the counts (a count
+    change costs one product); the ``+ 1`` keeps a zero count's place in the term."""
+    got = kernels.keyed_sum(handles, counts, K_SCHED, K_POS, 0, 1)
+    if got is not None:
+        return got
+    return keyed_sum_py(handles, counts, K_SCHED, K_POS, 0, 1)

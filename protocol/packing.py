@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from protocol import kernels
 from protocol.errors import MalformedMessage
-from protocol.speedups import C as _C
 
 UInts = npt.NDArray[np.uint64]
 _MAX_WIDTH = 64
@@ -79,19 +79,16 @@ def _pack_list(values: list[int]) -> bytes | None:
 
 
 def _pack_short(values: list[int]) -> bytes | None:
-    """:func:`_pack_list` of a short list, in C when the speedups are built (None:
+    """:func:`_pack_list` of a short list, in C when the kernels are built (None:
     the C version does not take it -- a negative or huge value -- so Python decides)."""
-    if _C is not None:
-        packed: bytes | None = _C.pack_list(values)
-        if packed is not None:
-            return packed
-    return _pack_list(values)
+    packed = kernels.pack_list(values)
+    return packed if packed is not None else _pack_list(values)
 
 
 def pack_uints(values: npt.ArrayLike) -> bytes:
     """Pack non-negative integers at the minimal common bit width."""
     if type(values) is list:
-        packed = _C.pack_list(values) if _C is not None else None  # any length
+        packed = kernels.pack_list(values)  # any length
         if packed is None and len(values) <= PACK_SMALL and set(map(type, values)) <= _INT:
             packed = _pack_list(values)
         if packed is not None:
@@ -99,11 +96,11 @@ def pack_uints(values: npt.ArrayLike) -> bytes:
     elif type(values) is np.ndarray and values.dtype.kind in "iu":
         if values.size <= PACK_SMALL:
             packed = _pack_short(values.ravel().tolist())  # Python ints beat numpy's fixed costs
-        elif _C is not None and values.dtype != np.uint64:  # (uint64 may not fit int64)
-            packed = _C.pack_array(np.ascontiguousarray(values, dtype=np.int64).ravel())
+        elif kernels.NATIVE and values.dtype != np.uint64:  # (uint64 may not fit int64)
+            packed = kernels.pack_array(np.ascontiguousarray(values, dtype=np.int64).ravel())
         else:
             packed = None
-        if packed is not None:  # None: a negative value, or no speedups
+        if packed is not None:  # None: a negative value, or no C kernels
             return packed
     arr = np.asarray(values)
     if arr.size and arr.min() < 0:
@@ -118,13 +115,6 @@ def pack_uints(values: npt.ArrayLike) -> bytes:
     shifts = np.arange(width, dtype=np.uint64)
     bits = ((arr[:, None] >> shifts) & np.uint64(1)).astype(np.uint8)
     return head + np.packbits(bits.ravel(), bitorder="little").tobytes()
-
-
-def pack_uints_plus_one(values: list[int]) -> bytes:
-    """:func:`pack_uints` of each value plus one (draft tokens travel so: vLLM's ``-1``
-    placeholders pack as unsigned); one C call when the speedups are built."""
-    packed = _C.pack_plus_one(values) if _C is not None else None
-    return packed if packed is not None else pack_uints([v + 1 for v in values])
 
 
 def pack_row_counts(counts: list[int] | npt.NDArray[np.int64]) -> bytes:
@@ -147,10 +137,9 @@ def unpack_uints(buf: bytes, *, limit: int = 1 << 26) -> npt.NDArray[np.int64]:
         if short and buf[0] == 64 and max(short) > INT64_MAX:
             raise MalformedMessage("packed value does not fit int64")
         return np.array(short, dtype=np.int64)
-    if _C is not None:  # a long array in one pass (None: malformed, or past int64)
-        native = _C.unpack_array(buf, limit)
-        if native is not None:
-            return np.frombuffer(native, dtype=np.int64)
+    native = kernels.unpack_array(buf, limit)  # one pass (None: malformed, or past int64)
+    if native is not None:
+        return np.frombuffer(native, dtype=np.int64)
     raw = _unpack_raw(buf, limit)
     if raw.dtype == np.uint64 and raw.size and int(raw.max()) > INT64_MAX:
         raise MalformedMessage("packed value does not fit int64")
@@ -159,15 +148,15 @@ def unpack_uints(buf: bytes, *, limit: int = 1 << 26) -> npt.NDArray[np.int64]:
 
 def _raw_list(buf: bytes) -> list[int] | None:
     """The raw values of a short packed array as Python ints (None: not short)."""
-    if _C is not None and len(buf) >= 2 and buf[1] <= SMALL:
-        out: list[int] | None = _C.raw_list(buf)
+    if len(buf) >= 2 and buf[1] <= SMALL:
+        out = kernels.raw_list(buf, SMALL)
         if out is not None:
             return out
     return _raw_list_py(buf)  # not taken, or malformed: Python decides and raises
 
 
 def _raw_list_py(buf: bytes) -> list[int] | None:
-    """:func:`_raw_list` without the speedups (the reference)."""
+    """:func:`_raw_list` without the C kernels (the reference)."""
     if len(buf) < 2 or buf[1] > SMALL or buf[0] > _MAX_WIDTH:
         return None
     width, count = buf[0], buf[1]
@@ -184,7 +173,7 @@ def _raw_list_py(buf: bytes) -> list[int] | None:
 
 def unpack_uint_list(buf: bytes, *, limit: int = 1 << 26) -> list[int]:
     """:func:`unpack_uints` as a list of Python ints (short arrays without numpy)."""
-    out = _C.raw_list(buf, limit) if _C is not None else None  # any length, or None
+    out = kernels.raw_list(buf, limit)  # any length, or None
     if out is None:
         out = _raw_list_py(buf)
     if out is None:
@@ -192,13 +181,6 @@ def unpack_uint_list(buf: bytes, *, limit: int = 1 << 26) -> list[int]:
     if out and buf[0] == 64 and max(out) > INT64_MAX:
         raise MalformedMessage("packed value does not fit int64")
     return out
-
-
-def unpack_uint_list_minus_one(buf: bytes, *, limit: int = 1 << 26) -> list[int]:
-    """:func:`unpack_uint_list`, each value minus one (the inverse of
-    :func:`pack_uints_plus_one`)."""
-    out = _C.raw_list_minus_one(buf, limit) if _C is not None else None
-    return out if out is not None else [v - 1 for v in unpack_uint_list(buf, limit=limit)]
 
 
 def _unpack_raw(buf: bytes, limit: int) -> npt.NDArray[np.uint64] | npt.NDArray[np.int64]:
@@ -226,7 +208,7 @@ def _unpack_raw(buf: bytes, limit: int) -> npt.NDArray[np.uint64] | npt.NDArray[
 def pack_sints(values: npt.ArrayLike) -> bytes:
     """Pack signed integers (zig-zag mapped) at the minimal bit width."""
     if type(values) is list:
-        packed = _C.pack_signed_list(values) if _C is not None else None  # any length
+        packed = kernels.pack_signed_list(values)  # any length
         if packed is not None:
             return packed
         if len(values) <= PACK_SMALL and all(
@@ -246,10 +228,9 @@ def unpack_sints(buf: bytes) -> npt.NDArray[np.int64]:
 
 def unpack_sint_list(buf: bytes) -> list[int]:
     """:func:`unpack_sints` as a list of Python ints."""
-    if _C is not None:
-        out: list[int] | None = _C.raw_signed_list(buf)  # any length, or None
-        if out is not None:
-            return out
+    out = kernels.raw_signed_list(buf, 1 << 26)  # any length, or None
+    if out is not None:
+        return out
     raw = _raw_list_py(buf)
     if raw is None:
         return _unpack_sints(buf).tolist()  # type: ignore[no-any-return]
@@ -259,15 +240,6 @@ def unpack_sint_list(buf: bytes) -> list[int]:
 def _unpack_sints(buf: bytes) -> npt.NDArray[np.int64]:
     z = _unpack_raw(buf, 1 << 26).astype(np.uint64)
     return ((z >> np.uint64(1)).view(np.int64)) ^ -((z & np.uint64(1)).view(np.int64))
-
-
-def int64_array(values: list[int]) -> npt.NDArray[np.int64]:
-    """``np.array(values, dtype=np.int64)`` of a list of ints (a prompt's token ids): one
-    C pass when the speedups are built (numpy converts item by item, ~20 ns each)."""
-    native = _C.int64_bytes(values) if _C is not None and type(values) is list else None
-    if native is None:
-        return np.array(values, dtype=np.int64)
-    return np.frombuffer(native, dtype=np.int64)
 
 
 def empty_ints() -> npt.NDArray[np.int64]:

@@ -108,3 +108,30 @@ class Opener:
             raise BadSeal("sealed payload is not a dict", got=type(objects).__name__)
         self.counter = counter
         return objects
+
+
+class ChannelSeals:
+    """One end's seals of the step channel's opaque objects: a Sealer of the label it
+    ``sends`` and an Opener of the one it ``receives`` (neither without a secret)."""
+
+    def __init__(self, secret: bytes | None, sends: bytes, receives: bytes) -> None:
+        self.sealer = Sealer(secret, sends) if secret else None
+        self.opener = Opener(secret, receives) if secret else None
+
+    def seal(self, objects: dict[str, Any]) -> bytes:
+        """``objects`` sealed (``b""``: none); LocalProtocolError without a secret."""
+        if not objects:
+            return b""
+        if self.sealer is None:
+            raise LocalProtocolError("connector objects need a shared secret",
+                                     names=sorted(objects))
+        return self.sealer.seal(objects)
+
+    def open(self, blob: bytes) -> dict[str, Any]:
+        """The objects of a sealed field (``{}`` for an empty field: nothing sealed, not
+        opened); BadSeal for a blob refused, or for any blob without a secret."""
+        if not blob:
+            return {}
+        if self.opener is None:
+            raise BadSeal("a sealed field, but no secret to open it with")
+        return self.opener.open(blob)

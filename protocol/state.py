@@ -1,463 +1,496 @@
-"""The replicated state shared by the engine mirror and every worker replica.
+"""The replicated state and its one transition: applying a Delta body.
 
 Theory of operation
 -------------------
-The engine and each worker hold a ``ReplicaState``.  The engine computes a
-delta against its own copy and applies that *same* delta to it, so both sides
-run the same code on the same bytes.  Applying is two-phase:
-:func:`protocol.plan.prepare` checks everything and computes the resulting
-digest; :meth:`ReplicaState.commit` then mutates and cannot fail.
+Rule 1: everything that changes the replicated state lives here.  The engine and
+every receiver -- the reference workers and the vLLM ranks alike -- hold a
+``ReplicaState`` and apply the same bodies with :meth:`ReplicaState.apply`; the
+engine stamps the resulting digest on the Delta and a receiver refuses a body whose
+digest differs.
 
-State: live requests by handle (static spec, computed-token count, block table
-per KV group, output tokens in engine-token mode), the current schedule with
-its scheduled-token counts, and the 64-bit digest of all of it.  The step-only
-fields of the last delta (speculative tokens, finished ids, ...) are kept
-beside it so :meth:`rebuild` can produce that step's ``ExecuteModelRequest``.
+State: live requests by handle (the spec as sent, the computed-token count, per KV
+group the block table's length and term sum -- the tables themselves only with
+``keep_tables`` -- and, in engine-token mode, the token history), the schedule with
+its scheduled-token counts, and the 64-bit digest of all of it (SPEC.md §5), plus two
+cached sums: the schedule term and the steady advance (Σ count · key(handle)).
 
-Invariants: ``digest`` always equals :meth:`recompute_digest`; nothing handed
-out by :meth:`rebuild` aliases mutable state (block arrays are replaced, never
-edited; token views never change; everything else is copied).
+Applying is two-phase: :meth:`_prepare` decodes and checks everything and computes
+the resulting digest without mutating; :meth:`_commit` cannot fail, so a bad body
+leaves the state exactly as it was.  Cost is O(rows the body names), plus O(schedule)
+vector work when the schedule's membership or order changes; a body naming nothing
+(the steady decode step) costs one vector add.  Order: SPEC.md §8.3.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from itertools import chain
-from typing import Any
+from dataclasses import dataclass
 
-import msgspec
 import numpy as np
-from msgspec.structs import replace
 
 from protocol import digest as dg
-from protocol.block_cache import patch_later
-from protocol.columns import BlockTable, HandleColumns, TokenBuffer, absorb_rows_py
-from protocol.errors import DECODE_ERRORS, InvalidDelta, LocalProtocolError, malformed
-from protocol.lookahead import Lookahead
-from protocol.messages import TOKEN_MODE_ENGINE, TOKEN_MODE_WORKER, Delta, DeltaBody
-from protocol.plan import (
-    STEADY_BODY,
-    BlockEdit,
-    FewAppends,
-    Plan,
-    StepInfo,
-    advance_delta,
-    encode_spec_for_hash,
-    few_appends,
-    lane_step,
-    prepare,
-    prepare_appends,
-    steady_step,
+from protocol import kernels
+from protocol.body_rows import all_distinct, read_exceptions, read_rowset, with_exceptions
+from protocol.columns import I64, HandleColumns, RowTable
+from protocol.errors import InvalidDelta, LocalProtocolError
+from protocol.membership import Applied, Membership, RowSet, plan_membership
+from protocol.messages import (
+    EMPTY_BODY,
+    MAX_BLOCK_ID,
+    MAX_COUNT,
+    NO_RARE,
+    TOKEN_MODE_ENGINE,
+    TOKEN_MODE_WORKER,
+    DeltaBody,
+    NewRequest,
+    Spec,
 )
-from protocol.rebuild import rebuild_request
-from protocol.request import ExecuteModelRequest, IntArray, RequestSpec
-from protocol.speedups import C as _C
-from protocol.state_rows import RequestRows
+from protocol.packing import (
+    unpack_uint_list,
+    unpack_uints,
+)
 
+MASK = dg.MASK
+U64 = dg.U64
+Edit = tuple[I64, I64, I64, I64, U64]  # handles, starts, counts, flat values, row term sums
+Rows_ = tuple[list[int], list[int], list[int], list[int], list[int]]  # the same, as lists
+_Rows = tuple[list[int], list[int]] | None  # count exceptions: positions, values
 _EMPTY = np.zeros(0, dtype=np.int64)
-_DELTA = msgspec.msgpack.Decoder(Delta)  # a lane's last step kept as its Delta's frame
 _EMPTY.flags.writeable = False
-#: journaled rows up to this many are absorbed by scalar writes (see _absorb_few)
-FEW_ABSORBED = 32
+#: rows up to this many are written one by one; more, by vector scatters
+FEW_ROWS = 16
+#: what applying a body that names nothing did (shared: read, never written)
+STEADY = Applied()
+STEADY.body = EMPTY_BODY
 
 
-def _frame_body(frame: bytes) -> DeltaBody:
-    """The body of a Delta frame a lane kept (lane_view took it: it decodes; any bytes
-    that do not are MalformedMessage all the same)."""
-    try:
-        return _DELTA.decode(frame).body
-    except DECODE_ERRORS as exc:
-        raise malformed("a lane step's frame does not decode", exc) from exc
+@dataclass(slots=True)
+class _Plan:
+    """Phase one's result: everything :meth:`ReplicaState._commit` writes."""
+
+    digest: int
+    applied: Applied
+    member: Membership
+    nsched: I64
+    sched_term: int
+    advance: int
+    computed_rows: tuple[list[int], list[int]] | None  # (handles, deltas)
+    block_edits: list[Rows_]  # per KV group
+    tokens: Edit | None  # token appends (starts after the cuts)
+    cuts: tuple[I64, I64, U64] | None  # handles, new lengths, term sums dropped
 
 
-class ReplicaState(RequestRows):
-    """Pure, columnar replicated state (no I/O, no clock)."""
+class ReplicaState:
+    """Pure replicated state (no I/O, no clock).
 
-    def __init__(self, token_mode: int = TOKEN_MODE_WORKER, kv_groups: int = 1) -> None:
+    Args:
+        token_mode: TOKEN_MODE_WORKER or TOKEN_MODE_ENGINE (token histories kept).
+        kv_groups: block tables per request.
+        keep_tables: keep the block tables themselves (snapshots, rebuilt requests);
+            without them the digest still covers every block.
+    """
+
+    def __init__(self, token_mode: int = TOKEN_MODE_WORKER, kv_groups: int = 1,
+                 keep_tables: bool = True) -> None:
         if token_mode not in (TOKEN_MODE_WORKER, TOKEN_MODE_ENGINE):
             raise LocalProtocolError("unknown token mode", token_mode=token_mode)
-        if kv_groups < 1:
-            raise LocalProtocolError("kv_groups must be >= 1", kv_groups=kv_groups)
-        self.token_mode = token_mode
-        self.kv_groups = kv_groups
-        self._cols = HandleColumns(kv_groups)
-        #: computed counts of the schedule after steady advances, not yet written to
-        #: ``_cols`` (the steady step skips that scatter; see :attr:`cols`)
-        self._pending: IntArray | None = None
-        self._ahead: Lookahead | None = None
-        self._fresh: IntArray | None = None  # the current step's rebuilt column, unused yet
-        self.specs: list[RequestSpec | None] = []
-        self.blocks: list[BlockTable] = [BlockTable() for _ in range(kv_groups)]
-        self.tokens: list[TokenBuffer | None] = []
-        self.schedule: IntArray = _EMPTY
-        self.nsched: IntArray = _EMPTY
+        if not 1 <= kv_groups <= 64:
+            raise LocalProtocolError("kv_groups must be 1..64", kv_groups=kv_groups)
+        self.token_mode, self.kv_groups = token_mode, kv_groups
+        self.cols = HandleColumns(kv_groups)
+        self.requests: list[NewRequest | None] = []  # as added (spec bytes, tensors)
+        self.specs: list[Spec | None] = []
+        self.tables = [RowTable() for _ in range(kv_groups)] if keep_tables else None
+        self.tokens = RowTable(np.int64) if token_mode == TOKEN_MODE_ENGINE else None
+        self.schedule: I64 = _EMPTY
+        self.nsched: I64 = _EMPTY
+        self.sched_term = 0  # Σ (count + 1) * skey(handle, position)
+        self.advance = 0  # Σ count * key(handle): the digest change of a steady advance
         self.digest = 0
-        self._step = StepInfo()
-        #: the last lane body whose step fields :attr:`step` makes when first read (a
-        #: settle before a general step, which replaces them, never pays for them)
-        self._lane_last: DeltaBody | bytes | None = None
-        self._lane_finished: frozenset[str] = frozenset()  # that body's finished ids
-        self.version = 0  # counts changes (a :class:`protocol.lane.SteadyLane` checks it)
-        self._rebuild_cache: dict[object, object] = {}
-        #: (schedule, nsched, their schedule term): see :meth:`schedule_term`
-        self._schedule_term: tuple[IntArray, IntArray, int] = (self.schedule, self.nsched, 0)
+        self._sched_list: tuple[I64 | None, list[int]] = (None, [])
+        self._counts_list: tuple[I64 | None, list[int]] = (None, [])
 
-    # -- applying deltas ------------------------------------------------------------
-    def apply(self, body: DeltaBody, expected_digest: int | None = None) -> Plan | None:
-        """Apply a delta body; with ``expected_digest``, refuse a mismatch unchanged.
 
-        Returns the applied plan, or None for a steady step: the empty body (see
-        :meth:`advance`) or one adding block appends and an extension alone (see
-        :meth:`_steady_appends`).  Raises InvalidDelta (state unchanged) for an
-        inapplicable delta or a digest mismatch.
+    # -- applying ----------------------------------------------------------------------
+    def apply(self, body: DeltaBody, expected_digest: int | None = None,
+              specs: list[Spec] | None = None,
+              actual: tuple[list[int], list[int] | None] | None = None) -> Applied:
+        """Apply ``body``; with ``expected_digest``, refuse a mismatch unchanged.
+
+        The engine's side of a step: ``specs``, the decoded spec of each added request
+        (otherwise decoded here); ``actual``, each new schedule position's actual
+        scheduled count and computed count (None: as predicted) -- the body's count
+        exceptions (which it must not carry) are then derived here, from the protocol's
+        predictions, and ``applied.body`` is the completed body to send.  Raises
+        InvalidDelta or MalformedMessage (the state unchanged) for a body that does not
+        apply.
         """
-        if body == STEADY_BODY:
-            self.advance(expected_digest)
-            return None
-        if body.block_append and self._steady_appends(body, expected_digest):
-            return None
-        plan = prepare(self, body)
+        if (body is EMPTY_BODY or body == EMPTY_BODY) and (
+                actual is None or self._as_predicted(*actual)):
+            return self._advance(expected_digest)  # the steady step (same transition)
+        plan = self._prepare(body, specs, actual)
         if expected_digest is not None and plan.digest != expected_digest:
-            raise InvalidDelta("state digest mismatch", expected=expected_digest, got=plan.digest)
-        self.commit(plan)
-        return plan
+            raise InvalidDelta("state digest mismatch", expected=expected_digest,
+                               got=plan.digest)
+        self._commit(plan)
+        return plan.applied
 
-    def advance(self, expected_digest: int | None = None) -> None:
-        """Apply the empty delta (the steady decode step): the schedule and its counts
-        repeat and every scheduled request's computed count advances by its scheduled
-        count.  O(1) digest (the advance term and step fields are cached per schedule);
-        the counts come from a :class:`Lookahead` table (one numpy call per few steps)."""
-        steady = self._steady()
-        digest = (self.digest + steady[2]) & dg.MASK
-        if expected_digest is not None and digest != expected_digest:
-            raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
-        self._take_row()
-        self.step = steady[3]
-        self.digest = digest
-        self.version += 1
-
-    def _steady_appends(self, body: DeltaBody, expected_digest: int | None) -> bool:
-        """The steady advance plus block appends (and an extension): the common vLLM
-        step, applied keeping the :class:`Lookahead` (a general commit drops it).
-
-        The same checks, errors, digest and resulting state as :func:`prepare` and
-        :meth:`commit`: rows the Python-int path (:func:`few_appends`) does not take
-        are planned by the general block code.  False, with nothing done, when the body
-        carries anything else or not one entry per KV group.
-        """
-        groups = body.block_append
-        if len(groups) != self.kv_groups or \
-                replace(body, block_append=(), extension={}) != STEADY_BODY:
-            return False
-        rows_few = [few_appends(self, g, rows) for g, rows in enumerate(groups)]
-        fast = [few for few in rows_few if few is not None]
-        planned = None if len(fast) == len(rows_few) else prepare_appends(self, body)
-        digest = self.digest + sum(few.change for few in fast) if planned is None else planned[2]
-        steady = self._steady()
-        digest = (digest + steady[2]) & dg.MASK
-        if expected_digest is not None and digest != expected_digest:
-            raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
-        self._take_row()
-        if planned is None:
-            for g, few in enumerate(fast):
-                self._commit_few(g, few)
-        else:
-            self._commit_blocks(planned[0], planned[1], same_schedule=True)
-        self._rebuild_cache.pop("template", None)
-        step: StepInfo = steady[3]
-        if body.extension:
-            step = dataclasses.replace(step, extension=dict(body.extension))
-        self.step = step
-        self.digest = digest
-        self.version += 1
-        return True
-
-    @property
-    def step(self) -> StepInfo:
-        """The step-only fields of the last applied delta."""
-        last = self._lane_last
-        if last is not None:  # a settled lane's last body: the state is as it left it
-            self._lane_last = None
-            if not isinstance(last, DeltaBody):  # its Delta's frame, read when first needed
-                last = _frame_body(last)
-            self._step = lane_step(self, last, self._steady()[3], self._lane_finished)
-        return self._step
-
-    @step.setter
-    def step(self, value: StepInfo) -> None:
-        self._step, self._lane_last = value, None
-
-    def steady_advance_term(self) -> int:
-        """The digest change of one steady advance of the current schedule (cached)."""
-        return self._steady()[2]  # type: ignore[no-any-return]
-
-    def absorb_lane(self, segments: list[list[Any]], extra: list[int],
-                    journal: list[list[tuple[list[int], list[int], list[int], list[int],
-                                             list[int]]]],
-                    lengths: list[list[int]], last: DeltaBody | bytes, digest: int,
-                    advance: int, computed_now: list[int] | None = None,
-                    finished: frozenset[str] = frozenset()) -> None:
-        """Commit the steps a :class:`protocol.lane.SteadyLane` checked and journaled (see
-        :mod:`protocol.lane`): the advances ([scheduled counts, steps] per stretch of
-        unchanged counts, the last stretch's counts now current) and computed-count
-        exceptions by position; per group the appends ((handles, starts, counts, ids,
-        row terms) per step) and the schedule's final table lengths; the last body's
-        step fields (``last``: the body or its Delta's frame, read when the fields are;
-        ``finished``: the ids it finished, :mod:`protocol.lane_drop`); the
-        digest and the next advance term.  ``computed_now``: the
-        schedule's computed counts after all that, when the lane keeps them (one write
-        instead of one add per stretch).  Cannot fail."""
-        self._flush()
-        self._ahead = self._fresh = None
-        computed, sched = self._cols.computed, self.schedule
-        if not _write_counts(computed, sched, computed_now):
-            for nsched, steps in segments:  # int64 arithmetic wraps like repeated adds
-                if steps:
-                    computed[sched] += steps * np.array(nsched, dtype=np.int64)
-            if any(extra):
-                computed[sched] += np.array(extra, dtype=np.int64)
-        final = segments[-1][0]
-        if final != self.nsched.tolist():
-            nsched = np.array(final, dtype=np.int64)
-            nsched.flags.writeable = False  # shared by rebuild, replaced on change
-            self._cols.last_nsched[sched] = nsched
-            self.nsched = nsched
-            self._rebuild_cache["advance"] = (sched, nsched, advance)
-        for g, rows in enumerate(journal):
-            if rows:
-                self._absorb_appends(g, rows, lengths[g])
-        self._rebuild_cache.pop("template", None)
-        if last == STEADY_BODY and not finished:
-            self.step = steady_step(self)
-        else:  # its step fields are made when first read
-            self._lane_last, self._lane_finished = last, finished
-        self.digest = digest
-        self.version += 1
-
-    def _absorb_appends(self, g: int, rows: list[tuple[list[int], list[int], list[int],
-                                                         list[int], list[int]]],
-                        lengths: list[int]) -> None:
-        self._rebuild_cache.pop(f"blocks{g}", None)  # its cached flat table is stale
-        self._rebuild_cache.pop(f"patches{g}", None)
-        if sum(len(r[0]) for r in rows) <= FEW_ABSORBED:
-            self._absorb_few(g, rows)
-            return
-        hs, starts, counts, values = (np.fromiter(chain.from_iterable(r[k] for r in rows),
-                                                  dtype=np.int64) for k in range(4))
-        terms = np.fromiter(chain.from_iterable(r[4] for r in rows), dtype=np.uint64)
-        table = self.blocks[g]
-        table.write(hs, starts, counts, values)
-        table.lengths[self.schedule] = lengths  # (a handle's rows may repeat across steps)
-        np.add.at(self._cols.block_sum[g], hs, terms)  # uint64 wraps: sums are mod 2**64
-
-    def _absorb_few(self, g: int, rows: list[tuple[list[int], list[int], list[int],
-                                                     list[int], list[int]]]) -> None:
-        """:meth:`_absorb_appends` of a few journaled rows: scalar and slice writes in step
-        order (numpy's fancy indexing and ``add.at`` cost ~15 µs of fixed overhead), so
-        a row appended in several steps ends at its last length.  One C call writes them
-        all when the table already fits them (else, or without the speedups,
-        :func:`absorb_rows_py`, which grows it)."""
-        table, sums = self.blocks[g], self._cols.block_sum[g]
-        if _C is None or not _C.absorb_rows(table.table, table.lengths, sums, rows):
-            absorb_rows_py(table, sums, rows)
-
-    def _commit_few(self, g: int, few: FewAppends) -> None:
-        """:meth:`_commit_blocks` of :func:`few_appends` rows (scalar and slice writes)."""
-        table, block_sum = self.blocks[g], self._cols.block_sum
-        ends = [start + n for start, n in zip(few.starts, few.counts, strict=True)]
-        table.ensure(max(few.handles), max(ends))
-        cells, lengths, values, at = table.table, table.lengths, few.values, 0
-        for h, start, end, total in zip(few.handles, few.starts, ends, few.sums, strict=True):
-            if end == start + 1:
-                cells[h, start] = values[at]
-            else:
-                cells[h, start:end] = values[at:at + end - start]
-            at += end - start
-            lengths[h] = end
-            block_sum[g, h] = total
-        patch_later(self, g, (few.handles, few.counts, values), True)
-
-    def _steady(self) -> Any:
-        """(schedule, nsched, advance term, step fields) of the steady step (cached)."""
+    def _as_predicted(self, counts: list[int], computed: list[int] | None) -> bool:
+        """Whether a body naming nothing takes the schedule to ``counts`` and
+        ``computed`` with no exception (the engine's steady step)."""
         sched, nsched = self.schedule, self.nsched
-        steady: Any = self._rebuild_cache.get("steady")
-        if steady is None or steady[0] is not sched or steady[1] is not nsched:
-            steady = (sched, nsched, advance_delta(self), steady_step(self))
-            self._rebuild_cache["steady"] = steady
-        return steady
+        if len(counts) != sched.size or counts != self.schedule_counts():
+            return False
+        return computed is None or computed == (self.cols.computed[sched] + nsched).tolist()
 
-    def _take_row(self) -> None:
-        """The counts of one steady advance: the next look-ahead row."""
-        ahead = self.lookahead()
-        i = ahead.next
-        ahead.next = i + 1
-        self._pending = ahead.private[i]  # written back to the columns when next read
-        self._fresh = ahead.public[i]  # the rebuilt request's column (handed out once)
+    def schedule_counts(self) -> list[int]:
+        """The scheduled counts as a list (remembered while they are the same array)."""
+        known = self._counts_list
+        if known[0] is not self.nsched:
+            known = self._counts_list = (self.nsched, self.nsched.tolist())
+        return known[1]
 
-    def lookahead(self) -> Lookahead:
-        """The steady look-ahead table of the current schedule (built when needed)."""
-        ahead = self._ahead
-        if ahead is None or not ahead.fits(self.schedule, self.nsched):
-            pending = self._pending
-            base = pending if pending is not None else self._cols.computed[self.schedule]
-            ahead = self._ahead = Lookahead(base, self.schedule, self.nsched)
-        return ahead
-
-    def scheduled_computed(self) -> IntArray:
-        """The schedule's computed counts, as a fresh array."""
-        fresh = self._fresh
-        if fresh is not None:
-            self._fresh = None
-            return fresh
-        pending = self._pending
-        if pending is not None:
-            return pending.copy()
-        return self._cols.computed[self.schedule]
-
-    def _drop_ahead(self) -> None:
-        """The counts are about to change otherwise than by a steady advance."""
-        self._flush()
-        self._ahead = self._fresh = None
-
-    @property
-    def lazy_cols(self) -> HandleColumns:
-        """The columns as they are: ``computed`` may lag steady advances still pending
-        (read it through :attr:`cols`); every other column is current."""
-        return self._cols
-
-    @property
-    def cols(self) -> HandleColumns:
-        """The per-handle columns (steady advances still pending are written first)."""
-        if self._pending is not None:
-            self._flush()
-        return self._cols
-
-    def _flush(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._cols.computed[self.schedule] = pending
-
-    def commit(self, plan: Plan) -> None:
-        """Mutate the state as ``plan`` says (phase two; cannot fail)."""
-        self._drop_ahead()
-        self._forget_all(plan.finished.tolist())
-        self._install_all(plan.added)
-        self._commit_tokens(plan)
-        self._commit_blocks(plan.blocks, plan.appended,  # type: ignore[attr-defined]
-                            plan.schedule is self.schedule)
-        cols = self.cols
-        cols.computed[plan.computed_handles] = plan.computed_values
-        self._rebuild_cache.pop("template", None)
-        if plan.schedule is not self.schedule or plan.nsched is not self.nsched:
-            if plan.schedule is not self.schedule:
-                self._rebuild_cache.pop("schedule", None)
-            if plan.schedule is not self.schedule or plan.added or plan.finished.size:
-                # (else the same schedule of the same handles: membership holds)
-                cols.in_sched[self.schedule] = False
-                cols.in_sched[plan.schedule] = True
-            cols.last_nsched[plan.schedule] = plan.nsched
-            self.schedule, self.nsched = plan.schedule, plan.nsched
-        term = getattr(plan, "schedule_term", None)
-        if term is not None:
-            self._schedule_term = term
-        advance = getattr(plan, "advance", None)
-        if advance is not None:  # the next steady advance, known from the changed counts
-            self._rebuild_cache["advance"] = (self.schedule, self.nsched, advance)
-        self.step = plan.step
-        self.digest = plan.digest
-        self.version += 1
-
-    def commit_drop(self, finished: list[int], schedule: IntArray, nsched: IntArray, term: int,
-                    digest: int) -> None:
-        """The finish of :mod:`protocol.lane_drop` (its phase two; cannot fail): the
-        ``finished`` handles forgotten, ``schedule`` (the old one less their positions)
-        and its ``nsched`` installed with their schedule ``term``, the ``digest`` set."""
-        self._drop_ahead()
-        self._forget_all(finished)  # (out of the schedule too: the stayers' membership holds)
-        self.schedule, self.nsched, self._schedule_term = schedule, nsched, \
-            (schedule, nsched, term)
-        # no step fields of their own (the lane's step has them): the steady ones, made
-        # when read
-        self._lane_last, self._lane_finished = STEADY_BODY, frozenset()
+    def _advance(self, expected_digest: int | None) -> Applied:
+        """A body naming nothing: the schedule repeats and every computed count advances
+        by its scheduled count (SPEC §8.3 step 6a alone; ``advance`` holds its digest
+        change)."""
+        digest = (self.digest + self.advance) & MASK
+        if expected_digest is not None and digest != expected_digest:
+            raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
+        if self.schedule.size:
+            self.cols.computed[self.schedule] += self.nsched
         self.digest = digest
-        self.version += 1
+        return STEADY
 
-    def _commit_tokens(self, plan: Plan) -> None:
-        sums = self.cols.token_sum
-        for h, n in plan.truncate.items():
-            self.tokens[h].truncate(n)  # type: ignore[union-attr]
-            sums[h] = (int(sums[h]) - plan.truncated_sums[h]) & dg.MASK  # type: ignore[attr-defined]
-        rows = plan.token_rows
-        if rows is None:
+    def _prepare(self, body: DeltaBody, specs: list[Spec] | None,
+                  actual: tuple[list[int], list[int] | None] | None) -> _Plan:
+        applied = Applied()
+        member = plan_membership(self, body, specs, applied)
+        new, prev_n = member.schedule, self.nsched
+        made: tuple[_Rows, _Rows] = (None, None)  # the exceptions derived here, decoded
+        if actual is not None:
+            body, made = with_exceptions(body, member, *actual)
+        applied.body = body
+        d = (self.digest + member.change) & MASK
+        nsched = member.counts
+        rows = body.scheduled_tokens
+        if rows is not None:  # 7. scheduled-count exceptions
+            pos, values = made[0] or read_exceptions(rows, new.size, signed=False)
+            if pos:
+                nsched = nsched.copy() if nsched is prev_n else nsched
+                nsched[pos] = values
+                applied.recounted = pos
+        if nsched is not prev_n:
+            nsched.flags.writeable = False
+        sched_term, advance = self._terms(new, nsched, new is self.schedule,
+                                          applied.recounted + (member.kept_reset or []))
+        d += sched_term - self.sched_term
+        computed_rows = None
+        if body.computed_tokens is not None:  # 6b. computed-count exceptions
+            pos, deltas = made[1] or read_exceptions(body.computed_tokens, new.size,
+                                                      signed=True)
+            if new is self.schedule and not member.adds:  # positions of the last schedule
+                sched = self.schedule_list(new)
+                hs = [sched[p] for p in pos]
+                base = (self.cols.computed[hs] + prev_n[pos]).tolist() if pos else []
+            else:
+                hs = new[pos].tolist() if pos else []
+                base = member.computed_after(hs)
+            if any(not 0 <= b + x <= MAX_COUNT for b, x in zip(base, deltas, strict=True)):
+                raise InvalidDelta("a computed count would leave 0..MAX_COUNT")
+            d += sum(x * dg.handle_key(h) for h, x in zip(hs, deltas, strict=True))
+            computed_rows = (hs, deltas)
+        edits, change = self._blocks(body, new, member.reset, applied)
+        d += change
+        tokens, cuts, change = self._tokens(body, new, member)
+        if body.spec_tokens is not None or body.rare is not NO_RARE:
+            self._step_fields(body, new.size, member, applied)
+        return _Plan((d + change) & MASK, applied, member, nsched, sched_term, advance,
+                     computed_rows, edits, tokens, cuts)
+
+    def _step_fields(self, body: DeltaBody, n: int, member: Membership,
+                     applied: Applied) -> None:
+        """8. The fields that only describe this step, checked and decoded: rows keyed
+        by schedule position, handles live after the body, packed block ids."""
+        rare = body.rare
+        if body.spec_tokens is not None:
+            applied.spec_rows = read_rowset(body.spec_tokens, n)
+        if rare.encoder_inputs is not None:
+            applied.encoder_rows = read_rowset(rare.encoder_inputs, n)
+        for name in ("preempted", "resumed"):
+            packed = getattr(rare, name)
+            if packed:
+                hs = unpack_uint_list(packed)
+                added = {a[0] for a in member.adds}
+                specs = self.specs
+                if any(h not in added and (h >= len(specs) or specs[h] is None
+                                           or h in applied.finished) for h in hs):
+                    raise InvalidDelta(f"{name} handles must be live", handles=len(hs))
+                setattr(applied, name, hs)
+        if rare.blocks_to_zero is not None:
+            applied.zero = unpack_uint_list(rare.blocks_to_zero) if rare.blocks_to_zero else []
+
+    def _terms(self, new: I64, nsched: I64, same: bool, changed: list[int]) -> tuple[int, int]:
+        """The schedule term and the advance constant of (new, nsched); ``same``: ``new``
+        is the current schedule and ``nsched`` differs from its counts at most at the
+        positions ``changed``."""
+        prev_n = self.nsched
+        if same and nsched is prev_n:
+            return self.sched_term, self.advance
+        if same and len(changed) <= dg.SMALL and (len(changed) * 32 < new.size
+                                                    or not kernels.NATIVE):
+            # counts changed at a few positions (at most ``changed``): their terms alone
+            sched = self.schedule_list(new)
+            st = adv = 0
+            for p in set(changed):
+                m = int(nsched[p]) - int(prev_n[p])
+                if m:
+                    h = sched[p]
+                    st += m * dg.schedule_key(h, p)
+                    adv += m * dg.handle_key(h)
+            return (self.sched_term + st) & MASK, (self.advance + adv) & MASK
+        return dg.schedule_term(new, nsched), dg.keyed_sum(new, nsched)
+
+    def _blocks(self, body: DeltaBody, new: I64, reset: set[int] | frozenset[int],
+                applied: Applied,
+                ) -> tuple[list[Rows_], int]:
+        """5. Per group, the replaced then appended rows as (handles, starts, counts,
+        ids, term sums), and the digest change."""
+        groups = self.kv_groups
+        replace, append = body.rare.block_replace, body.block_append
+        if not replace and not append:
+            return [], 0
+        if (replace and len(replace) != groups) or (append and len(append) != groups):
+            raise InvalidDelta("block rows must have one entry per KV group")
+        applied.blocks, applied.replaced = [None] * groups, [None] * groups
+        cols, edits, d = self.cols, [], 0
+        sched = self.schedule_list(new)
+        for g in range(groups):
+            block_len, block_sum = cols.block_len[g], cols.block_sum[g]
+            hs: list[int] = []
+            starts: list[int] = []
+            counts: list[int] = []
+            ids: list[int] = []
+            length: dict[int, int] = {}  # replaced rows' lengths, for the appends after them
+            for rows, out in ((replace[g] if replace else None, applied.replaced),
+                              (append[g] if append else None, applied.blocks)):
+                if rows is None:
+                    continue
+                rs = read_rowset(rows, new.size)
+                if not rs.keys:
+                    continue
+                if rs.values and max(rs.values) > MAX_BLOCK_ID:
+                    raise InvalidDelta("block id out of range")
+                out[g] = rs
+                row_hs = [sched[p] for p in rs.keys]
+                if out is applied.replaced:
+                    d -= sum(int(block_sum[h]) for h in row_hs if h not in reset)
+                    row_starts = [0] * len(row_hs)
+                    for h, n in zip(row_hs, rs.counts, strict=True):
+                        length[h] = n
+                elif reset or length:
+                    row_starts = [length.get(h, 0 if h in reset else int(block_len[h]))
+                                  for h in row_hs]
+                else:
+                    row_starts = [int(block_len[h]) for h in row_hs]
+                hs += row_hs
+                starts += row_starts
+                counts += rs.counts
+                ids += rs.values
+            sums = dg.block_row_terms(hs, g, starts, counts, ids)
+            d += sum(sums)
+            edits.append((hs, starts, counts, ids, sums))
+        return edits, d
+
+    def _tokens(self, body: DeltaBody, new: I64, member: Membership,
+                ) -> tuple[Edit | None, tuple[I64, I64, U64] | None, int]:
+        """4. Truncations, then token appends (engine-token mode), and the digest change."""
+        trunc_rows, rows = body.rare.truncate, body.tokens
+        if trunc_rows is None and rows is None:
+            return None, None, 0
+        if self.tokens is None:
+            raise InvalidDelta("tokens in worker-token mode")
+        d, cuts = 0, None
+        length = member.token_lengths(new)
+        if trunc_rows is not None:
+            pos, values = read_exceptions(trunc_rows, new.size, signed=False)
+            hs = new[pos]
+            to = np.asarray(values, dtype=np.int64)
+            if (to > length[pos]).any():
+                raise InvalidDelta("truncation beyond the history")
+            fresh = {h: toks for h, _, _, _, toks in member.adds if toks is not None}
+            dropped = np.asarray([dg.total(dg.token_sums(
+                np.array([h]), np.array([n]), np.array([int(length[p]) - n]),
+                (fresh[h] if h in fresh else self.tokens.row(h))[n:int(length[p])]))
+                for h, n, p in zip(hs.tolist(), values, pos, strict=True)], dtype=np.uint64)
+            d -= dg.total(dropped)
+            length = length.copy()
+            length[pos] = to
+            cuts = (hs, to, dropped)
+        tokens = None
+        if rows is not None:
+            flat = unpack_uints(rows.values) if rows.values else _EMPTY
+            if rows.keys:
+                keys = unpack_uints(rows.keys)
+                if keys.size and (int(keys.max()) >= new.size or not all_distinct(keys)):
+                    raise InvalidDelta("token rows must be distinct schedule positions")
+            else:  # every position, in order
+                keys = np.arange(new.size)
+            counts = unpack_uints(rows.counts) if rows.counts else None
+            if (keys.size if counts is None else int(counts.sum())) != flat.size or (
+                    counts is not None and counts.size != keys.size):
+                raise InvalidDelta("token rows do not fit the schedule")
+            if counts is None:
+                counts = np.ones(keys.size, dtype=np.int64)
+            hs, starts = new[keys], length[keys]
+            sums = dg.token_sums(hs, starts, counts, flat)
+            d += dg.total(sums)
+            tokens = (hs, starts, counts, flat, sums)
+        return tokens, cuts, d
+
+    # -- phase two -----------------------------------------------------------------------
+    def _commit(self, plan: _Plan) -> None:
+        cols, prev, member = self.cols, self.schedule, plan.member
+        if prev.size:
+            cols.computed[prev] += self.nsched
+        for h in plan.applied.finished:
+            self._forget(h)
+        for h, new, spec, term, toks in member.adds:
+            self._install(h, new, spec, term, toks)
+        if plan.computed_rows is not None:
+            for h, x in zip(*plan.computed_rows, strict=True):
+                cols.computed[h] += x
+        if member.schedule is not prev:
+            cols.pos[prev] = -1
+            cols.pos[member.schedule] = np.arange(member.schedule.size)
+        self.schedule, self.nsched = member.schedule, plan.nsched
+        self.sched_term, self.advance = plan.sched_term, plan.advance
+        for g, edit in enumerate(plan.block_edits):
+            if edit[0]:
+                self._commit_blocks(g, *edit)
+        if plan.cuts is not None:
+            hs, to, dropped = plan.cuts
+            cols.token_len[hs] = to
+            cols.token_sum[hs] -= dropped
+        if plan.tokens is not None:
+            hs, starts, counts, values, sums = plan.tokens
+            assert self.tokens is not None  # engine-token mode (checked in phase one)
+            if hs.size:
+                self._write_rows(self.tokens, hs, starts, counts, values,
+                                 distinct=True)  # (distinct schedule positions)
+                cols.token_len[hs] = starts + counts
+                cols.token_sum[hs] += sums  # (uint64 wraps: sums are mod 2**64)
+        self.digest = plan.digest
+
+    def _commit_blocks(self, g: int, hs: list[int], starts: list[int], counts: list[int],
+                       ids: list[int], sums: list[int]) -> None:
+        """One KV group's replaced and appended rows (a handle's later row wins)."""
+        cols, table = self.cols, None if self.tables is None else self.tables[g]
+        if len(hs) <= FEW_ROWS:
+            block_sum, block_len, at = cols.block_sum[g], cols.block_len[g], 0
+            for h, start, n, term in zip(hs, starts, counts, sums, strict=True):
+                block_sum[h] = term if start == 0 else (int(block_sum[h]) + term) & MASK
+                block_len[h] = start + n
+                if table is not None:
+                    table.write(h, start, ids[at:at + n])
+                at += n
             return
-        sums[rows.handles] += rows.sums  # uint64 arithmetic wraps: digest sums are mod 2**64
-        bufs, bounds = self.tokens, rows.offsets.tolist()
-        for i, h in enumerate(rows.handles.tolist()):
-            if bounds[i + 1] > bounds[i]:
-                bufs[h].append(rows.values[bounds[i]:bounds[i + 1]])  # type: ignore[union-attr]
+        h_, s_, n_ = (np.asarray(v, dtype=np.int64) for v in (hs, starts, counts))
+        cols.block_sum[g, h_[s_ == 0]] = 0
+        np.add.at(cols.block_sum[g], h_, np.asarray(sums, dtype=np.uint64))
+        cols.block_len[g, h_] = 0  # a handle's rows continue each other: the last ends furthest
+        np.maximum.at(cols.block_len[g], h_, s_ + n_)
+        if table is not None:
+            self._write_rows(table, h_, s_, n_, np.asarray(ids, dtype=np.int64))
 
-    def _commit_blocks(self, edits: list[BlockEdit],
-                       appended: dict[int, tuple[IntArray, IntArray, IntArray]],
-                       same_schedule: bool) -> None:
-        for g, edit in enumerate(edits):
-            if not edit.sum_handles.size:
-                continue
-            table = self.blocks[g]
-            if edit.rep_handles.size:
-                table.write(edit.rep_handles, np.zeros(edit.rep_handles.size, dtype=np.int64),
-                            edit.rep_counts, edit.rep_values)
-            table.write(edit.app_handles, edit.app_starts, edit.app_counts, edit.app_values)
-            self._cols.block_sum[g, edit.sum_handles] = edit.sums
-            patch_later(self, g, appended.get(g), same_schedule)
+    @staticmethod
+    def _write_rows(table: RowTable, hs: I64, starts: I64, counts: I64, values: I64,
+                    distinct: bool = False) -> None:
+        """Rows into ``table``; distinct handles in the many-row case (a handle's rows
+        that continue each other are written one by one, in order).  ``distinct``: the
+        caller knows the handles are."""
+        if hs.size > FEW_ROWS and (distinct or all_distinct(hs)):
+            table.scatter(hs, starts, counts, values)
+            return
+        at = 0
+        for h, start, n in zip(hs.tolist(), starts.tolist(), counts.tolist(), strict=True):
+            table.write(h, start, values[at:at + n])
+            at += n
 
-    # -- reading ----------------------------------------------------------------------
-    def live_handles(self) -> IntArray:
+    def _forget(self, h: int) -> None:
+        cols = self.cols
+        cols.live[h] = False
+        cols.spec_term[h] = cols.computed[h] = cols.token_sum[h] = cols.token_len[h] = 0
+        cols.block_len[:, h] = 0
+        cols.block_sum[:, h] = 0
+        self.requests[h] = self.specs[h] = None
+        for table in (*(self.tables or ()), *((self.tokens,) if self.tokens else ())):
+            table.clear(h)
+
+    def _install(self, h: int, new: NewRequest, spec: Spec, term: int,
+                 tokens: I64 | None) -> None:
+        cols = self.cols
+        cols.ensure(h)
+        if cols.live[h]:
+            self._forget(h)
+        grow = h + 1 - len(self.specs)
+        if grow > 0:
+            self.specs.extend([None] * grow)
+            self.requests.extend([None] * grow)
+        cols.live[h] = True
+        cols.spec_term[h] = term
+        cols.computed[h] = new.computed
+        self.specs[h], self.requests[h] = spec, new
+        if tokens is not None and tokens.size and self.tokens is not None:
+            self.tokens.write(h, 0, tokens)
+            cols.token_len[h] = tokens.size
+            cols.token_sum[h] = dg.total(dg.token_sums(
+                np.array([h]), np.zeros(1, np.int64), np.array([tokens.size]), tokens))
+
+    # -- reading -------------------------------------------------------------------------
+    def schedule_list(self, schedule: I64 | None = None) -> list[int]:
+        """``schedule`` (default: the current one) as a list of handles, remembered for
+        the last array asked for (schedules are replaced, never edited in place)."""
+        if schedule is None:
+            schedule = self.schedule
+        known = self._sched_list
+        if known[0] is not schedule:
+            known = self._sched_list = (schedule, schedule.tolist())
+        return known[1]
+
+    def live_handles(self) -> I64:
         return np.flatnonzero(self.cols.live).astype(np.int64)
 
-    def handle_of(self, h: int) -> RequestSpec:
+    def spec_of(self, h: int) -> Spec:
         spec = self.specs[h] if 0 <= h < len(self.specs) else None
         if spec is None:
             raise LocalProtocolError("handle is not live", handle=h)
         return spec
 
+    def token_history(self, h: int) -> I64:
+        """Handle ``h``'s tokens (engine-token mode; a fresh array)."""
+        if self.tokens is None:
+            return np.zeros(0, dtype=np.int64)
+        if h >= self.tokens.lengths.size:
+            return np.zeros(0, dtype=np.int64)
+        return self.tokens.table[h, :self.cols.token_len[h]].astype(np.int64)
+
     def recompute_digest(self) -> int:
-        """The digest from scratch, O(state): for tests and periodic verification."""
-        total = 0
+        """The digest from scratch, O(state): for tests and verification."""
+        total, cols = 0, self.cols
         for h in self.live_handles().tolist():
-            spec = self.handle_of(h)
-            total += dg.total(dg.spec_terms([h], [dg.spec_hash(encode_spec_for_hash(spec))]))
-            total += dg.total(dg.computed_terms([h], [self.cols.computed[h]]))
-            for g in range(self.kv_groups):
-                total += dg.total(dg.block_terms(h, g, 0, self.blocks[g][h]))
-            buf = self.tokens[h] if h < len(self.tokens) else None
-            if buf is not None:
-                toks = buf.view()
-                total += dg.total(dg.token_terms(np.full(toks.size, h), np.arange(toks.size),
-                                                 toks))
+            total += int(cols.spec_term[h]) + int(cols.computed[h]) * dg.handle_key(h)
+            if self.tables is not None:
+                for g, table in enumerate(self.tables):
+                    row = table.row(h).tolist()
+                    total += dg.block_row_terms([h], g, [0], [len(row)], row)[0] if row else 0
+            else:
+                total += int(cols.block_sum[:, h].sum(dtype=np.uint64))
+            toks = self.token_history(h)
+            if toks.size:
+                total += dg.total(dg.token_sums(np.array([h]), np.zeros(1, np.int64),
+                                                np.array([toks.size]), toks))
         total += dg.schedule_term(self.schedule, self.nsched)
-        return total & dg.MASK
-
-    def schedule_term(self) -> int:
-        """``dg.schedule_term`` of the current schedule and counts (cached per pair of
-        arrays: both are replaced on change, never edited)."""
-        cached = self._schedule_term
-        if cached[0] is not self.schedule or cached[1] is not self.nsched:
-            cached = (self.schedule, self.nsched, dg.schedule_term(self.schedule, self.nsched))
-            self._schedule_term = cached
-        return cached[2]
-
-    def rebuild(self) -> ExecuteModelRequest:
-        """The full request of the last applied step, made of fresh containers."""
-        return rebuild_request(self)
+        return total & MASK
 
 
-def _write_counts(computed: IntArray, sched: IntArray, counts: list[int] | None) -> bool:
-    """``computed[sched] = counts``; False, nothing written, without counts or when one
-    does not fit int64 (the caller then adds the advances, which wrap as int64 does)."""
-    if counts is None:
-        return False
-    try:
-        computed[sched] = np.array(counts, dtype=np.int64)
-    except OverflowError:
-        return False
-    return True
+__all__ = ["STEADY", "Applied", "ReplicaState", "RowSet"]

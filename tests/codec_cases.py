@@ -1,5 +1,5 @@
-"""Hypothesis strategies for every wire message, and the tensor count the codec tests
-use (tests/test_codec.py)."""
+"""Hypothesis strategies for every wire message of protocol major 3, and the tensor
+count the codec tests use (tests/test_codec.py)."""
 
 from __future__ import annotations
 
@@ -19,16 +19,19 @@ from protocol.messages import (
     Heartbeat,
     Hello,
     Message,
+    MMItem,
     NewRequest,
+    RareBody,
     Rows,
     Snapshot,
     SnapshotBody,
     SnapshotRequest,
+    Spec,
+    encode_spec,
 )
 from protocol.packing import pack_uints
 from protocol.params import (
     LoRASpec,
-    MMFeatureRef,
     PoolingSpec,
     RepetitionDetectionSpec,
     SamplingSpec,
@@ -93,30 +96,38 @@ pooling_specs = st.fixed_dictionaries({}, optional={
 }).map(lambda fields: PoolingSpec(**fields))  # type: ignore[arg-type]  # fmt: skip
 lora_specs = st.builds(LoRASpec, lora_name=text, lora_int_id=small, lora_path=text,
                        base_model_name=st.none() | text, load_inplace=st.booleans())
-mm_features = st.builds(MMFeatureRef, modality=text, identifier=text, offset=small, length=small,
-                        mm_hash=st.none() | text, data=st.none() | nested_tensors,
-                        is_embed=st.none() | tensors())
-new_requests = st.builds(
-    NewRequest, handle=st.integers(0, 2**24), req_id=text, prompt=maybe_packed,
-    prefix_handle=st.integers(-1, 99), prefix=small, prompt_none=st.booleans(),
+mm_items = st.builds(MMItem, modality=text, identifier=text, offset=small, length=small,
+                     mm_hash=st.none() | text)
+specs = st.builds(
+    Spec, req_id=text, prompt=maybe_packed, prompt_none=st.booleans(),
     sampling=st.none() | sampling_specs, pooling=st.none() | pooling_specs,
-    lora=st.none() | lora_specs, mm_features=st.lists(mm_features, max_size=2).map(tuple),
-    prompt_embeds=st.none() | tensors(),
+    lora=st.none() | lora_specs, mm=st.lists(mm_items, max_size=2).map(tuple),
     prompt_is_token_ids=st.none() | st.lists(st.booleans(), max_size=4).map(tuple),
-    num_computed=small, output=maybe_packed,
+    embeds=st.none() | st.tuples(text, st.lists(small, max_size=3).map(tuple)),
 )
-rows = st.builds(Rows, handles=maybe_packed, counts=maybe_packed, values=maybe_packed)
-DELTA_VALUES: dict[str, st.SearchStrategy[Any]] = {
-    "finished": packed, "finished_unknown": st.lists(text, max_size=2).map(tuple),
-    "added": st.lists(new_requests, max_size=2).map(tuple), "schedule_full": packed,
-    "schedule_drop": packed, "schedule_append": packed, "scheduled_tokens": rows,
-    "computed_tokens": rows, "block_replace": st.lists(rows, max_size=2).map(tuple),
-    "block_append": st.lists(rows, max_size=2).map(tuple), "truncate": rows, "tokens": rows,
-    "spec_tokens": rows, "encoder_inputs": rows, "preempted": packed, "resumed": packed,
+new_requests = st.builds(
+    NewRequest, handle=st.integers(0, 2**24), spec=specs.map(encode_spec), computed=small,
+    output=maybe_packed, mm_data=st.lists(st.none() | nested_tensors, max_size=2).map(tuple),
+    mm_embed=st.lists(st.none() | tensors(), max_size=2).map(tuple),
+    embeds=st.none() | tensors(),
+)
+rows = st.builds(Rows, keys=maybe_packed, counts=maybe_packed, values=maybe_packed)
+RARE_VALUES: dict[str, st.SearchStrategy[Any]] = {
+    "finished_unknown": st.lists(text, max_size=2).map(tuple), "schedule_full": packed,
+    "block_replace": st.lists(rows, max_size=2).map(tuple), "truncate": rows,
+    "encoder_inputs": rows, "preempted": packed, "resumed": packed,
     "free_encoder_mm_hashes": st.lists(text, max_size=2).map(tuple), "blocks_to_zero": packed,
-    "has_structured_output": st.booleans(), "pending_structured_output": st.booleans(),
     "num_spec_tokens_to_schedule": small,
-    "extension": st.dictionaries(text, st.binary(max_size=8), max_size=2),
+}  # fmt: skip
+rare_bodies = st.fixed_dictionaries({}, optional=RARE_VALUES).map(lambda f: RareBody(**f))
+DELTA_VALUES: dict[str, st.SearchStrategy[Any]] = {
+    "finished": packed, "added": st.lists(new_requests, max_size=2).map(tuple),
+    "schedule_drop": packed, "schedule_append": packed, "scheduled_tokens": rows,
+    "computed_tokens": rows, "block_append": st.lists(rows, max_size=2).map(tuple),
+    "tokens": rows, "spec_tokens": rows, "has_structured_output": st.booleans(),
+    "pending_structured_output": st.booleans(), "rare": rare_bodies,
+    "extension": st.dictionaries(text, st.binary(max_size=8), max_size=2).map(
+        msgspec.msgpack.encode),
 }  # fmt: skip
 delta_bodies = st.fixed_dictionaries({}, optional=DELTA_VALUES).map(lambda f: DeltaBody(**f))
 snapshot_bodies = st.builds(
@@ -127,7 +138,7 @@ snapshot_bodies = st.builds(
 )
 MESSAGES: dict[type[Message], st.SearchStrategy[Any]] = {
     Hello: st.builds(Hello, ints, ints, major=ints, minor=ints, features=ints, role=text,
-                     rank=ints),
+                     rank=ints, config=text, version=text),
     Goodbye: st.builds(Goodbye, ints, ints, reason=text),
     Heartbeat: st.builds(Heartbeat, ints, ints, digest=u64),
     Delta: st.builds(Delta, ints, ints, digest=u64, body=delta_bodies),

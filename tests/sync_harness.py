@@ -1,6 +1,6 @@
 """The convergence harness of ``tests/test_sync_stateful.py``: a random engine workload,
-the engine mirror, a lossy fake network and checked worker replicas, every check of
-that test's invariants 1-4 in one place (see its docstring)."""
+the engine mirror (diffing whole requests), a lossy fake network and checked worker
+replicas, every check of that test's invariants 1-4 in one place (see its docstring)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ from dataclasses import dataclass, field
 import msgspec
 from engine_model import EngineModel
 from fakenet import FakeNetwork
+from oracle import Cache, Oracle
 
 from engine_side.mirror import EngineMirror
 from protocol import codec
 from protocol.messages import Delta, Heartbeat
+from protocol.rebuild import rebuild_request
 from protocol.request import ExecuteModelRequest, RequestSpec, _same_value, request_differences
+from protocol.state import ReplicaState
 from worker_side import events as ev
 from worker_side.replica import State, WorkerReplica
 
@@ -24,20 +27,29 @@ Key = tuple[int, int]  # (epoch, seq)
 class CheckedReplica(WorkerReplica):
     """A replica that rebuilds the request right after *every* applied delta.
 
-    ``request()`` only reflects the last Applied of a ``receive`` call, but one
-    call may apply several buffered deltas after a snapshot; this hook checks
-    each of them through the same public ``request()``.
+    ``applied``/``last`` only hold the last delta a ``receive`` call applied, but one
+    call may apply several (buffered deltas after a snapshot or after a retransmitted
+    one); the replica sets ``last`` right after each delta applies, so this hook sees
+    every one of them, in order, and rebuilds it as a receiver would.
     """
 
-    def __init__(self) -> None:
-        super().__init__(silence_timeout=1.0, snapshot_retry=0.5)
+    def __init__(self, start: tuple[int, ReplicaState] | None = None) -> None:
         self.rebuilt: list[tuple[Key, ExecuteModelRequest]] = []
+        self.cache: Cache = {}
+        super().__init__(silence_timeout=1.0, snapshot_retry=0.5, start=start)
 
-    def _apply(self, delta: Delta, now: float) -> list[ev.Event]:
-        events = super()._apply(delta, now)
-        if any(isinstance(e, ev.Applied) for e in events):
-            self.rebuilt.append(((self.epoch, delta.seq), self.request()))
-        return events
+    @property
+    def last(self) -> Delta | None:
+        return self._last
+
+    @last.setter
+    def last(self, delta: Delta | None) -> None:
+        self._last = delta
+        if delta is None:
+            return
+        assert self.data is not None and self.applied is not None and self.seq == delta.seq
+        request = rebuild_request(self.data, delta.body, self.applied, self.cache)
+        self.rebuilt.append(((self.epoch, delta.seq), request))
 
 
 class Comparator:
@@ -70,7 +82,7 @@ class Comparator:
 @dataclass
 class Worker:
     replica: CheckedReplica = field(default_factory=CheckedReplica)
-    anchor: Key | None = None  # last snapshot loaded or step applied
+    anchor: Key | None = None  # last snapshot loaded or step applied (or the start)
     wants_snapshot: bool = False
     applied: int = 0
     checked: tuple[int, int, int] | None = None  # (id(data), epoch, seq) digest-checked
@@ -79,18 +91,26 @@ class Worker:
 class Harness:
     """Engine model + mirror + fake network + checked replicas; every check is here."""
 
-    def __init__(self, token_mode: int, kv_groups: int, workers: int) -> None:
+    def __init__(self, token_mode: int, kv_groups: int, workers: int,
+                 started: bool = False) -> None:
+        """``started``: the first workers exist from the epoch's start (``start=``) and
+        need no snapshot; else they join and ask for one."""
         self.model = EngineModel(token_mode, kv_groups)
-        self.mirror = EngineMirror(1, token_mode, kv_groups)
+        self.oracle = Oracle(1, token_mode, kv_groups, check=False)  # compared here
         self.net = FakeNetwork()
         self.workers: list[Worker] = []
         self.history: dict[Key, ExecuteModelRequest] = {}
+        self.deltas: dict[Key, Delta] = {}  # every delta published (for retransmissions)
         self.digests: dict[Key, int] = {(1, 0): self.mirror.state.digest}
         self.now = 0.0
         self.coverage: Counter[str] = Counter()
         self.compare = Comparator()
         for _ in range(workers):
-            self.join()
+            self.join(started)
+
+    @property
+    def mirror(self) -> EngineMirror:
+        return self.oracle.mirror
 
     # -- engine ------------------------------------------------------------------------
     def step(self, seed: int) -> ExecuteModelRequest:
@@ -98,11 +118,11 @@ class Harness:
 
     def publish(self, request: ExecuteModelRequest) -> ExecuteModelRequest:
         """Diff ``request`` against the mirror, check the mirror, send the delta."""
-        delta = self.mirror.diff(request)
+        delta = self.oracle.diff(request)
         key = (delta.epoch, delta.seq)
-        diffs = self.compare.differences(self.mirror.state.rebuild(), request)
-        assert not diffs, f"engine mirror at {key} differs in {diffs}"  # EngineMirror.verify
-        self.history[key], self.digests[key] = request, delta.digest
+        diffs = self.compare.differences(self.oracle.rebuild(), request)
+        assert not diffs, f"engine mirror at {key} differs in {diffs}"
+        self.history[key], self.digests[key], self.deltas[key] = request, delta.digest, delta
         self.net.publish(delta)
         self._count(request, delta)
         return request
@@ -110,11 +130,12 @@ class Harness:
     def _count(self, request: ExecuteModelRequest, delta: Delta) -> None:
         """Which delta features this step exercised (coverage statistics)."""
         b, c = delta.body, self.coverage
-        c["prefix refs"] += sum(a.prefix_handle >= 0 for a in b.added)
-        c["truncations"] += b.truncate is not None
-        c["block replacements"] += bool(b.block_replace)
-        c["unknown finishes"] += bool(b.finished_unknown)
-        c["full schedules"] += bool(b.schedule_full)
+        c["truncations"] += b.rare.truncate is not None
+        c["block replacements"] += bool(b.rare.block_replace)
+        c["unknown finishes"] += bool(b.rare.finished_unknown)
+        c["full schedules"] += bool(b.rare.schedule_full)
+        c["schedule edits"] += bool(b.schedule_drop or b.schedule_append)
+        c["count departures"] += b.scheduled_tokens is not None or b.computed_tokens is not None
         c["same-step id reuse"] += bool(request.finished_req_ids & set(request.req_ids))
         c["preemptions"] += bool(request.preempted_req_ids)
         c["resumptions"] += bool(request.resumed_req_ids)
@@ -122,7 +143,7 @@ class Harness:
 
     def restart(self, keep: bool) -> None:
         m = self.mirror
-        self.mirror = EngineMirror(m.epoch + 1, m.state.token_mode, m.state.kv_groups)
+        self.oracle = Oracle(m.epoch + 1, m.state.token_mode, m.state.kv_groups, check=False)
         self.digests[(self.mirror.epoch, 0)] = self.mirror.state.digest
         self.model.restart(keep)
 
@@ -131,14 +152,42 @@ class Harness:
         self.net.publish(Heartbeat(epoch=epoch, seq=seq, digest=digest))
 
     # -- workers -----------------------------------------------------------------------
-    def join(self) -> int:
-        self.workers.append(Worker())
+    def join(self, started: bool = False) -> int:
+        """A new worker; ``started``: it exists from the epoch's start (``start=``),
+        so the engine must not have stepped yet."""
+        if not started:
+            self.workers.append(Worker())
+            return self.net.join()
+        m = self.mirror
+        assert m.seq == 0
+        state = ReplicaState(m.state.token_mode, m.state.kv_groups)
+        self.workers.append(Worker(CheckedReplica(start=(m.epoch, state)), anchor=(m.epoch, 0)))
         return self.net.join()
+
+    def missing(self, w: int) -> list[Key]:
+        """The deltas a DESYNCED worker of the engine's epoch misses (empty otherwise)."""
+        replica = self.workers[w].replica
+        if replica.state is not State.DESYNCED or replica.epoch != self.mirror.epoch:
+            return []
+        return [(replica.epoch, s) for s in range(replica.seq + 1, self.mirror.seq + 1)]
+
+    def retransmit(self, w: int, keys: list[Key], front: bool = False) -> None:
+        """Send these published deltas to worker ``w`` again (``front``: in this order,
+        ahead of everything in flight)."""
+        self.coverage["retransmitted deltas"] += len(keys)
+        for key in reversed(keys) if front else keys:
+            self.net.send(w, self.deltas[key], front=front)
 
     def deliver(self, w: int) -> list[ev.Event]:
         msg = codec.decode(self.net.links[w].pop())
-        events = self.workers[w].replica.receive(msg, self.now)
+        worker = self.workers[w]
+        was = worker.replica.state
+        events = worker.replica.receive(msg, self.now)
         self.check_events(w, events)
+        if was is State.DESYNCED and worker.replica.state is State.SYNCED \
+                and not any(isinstance(e, ev.SnapshotLoaded) for e in events):
+            self.coverage["recovered by retransmission"] += 1
+            worker.wants_snapshot = False
         return events
 
     def serve_snapshot(self, w: int, front: bool = False) -> None:

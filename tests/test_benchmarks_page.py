@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_side.bench import figures, page
+from engine_side.bench import figures, page, page_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "benchmarks"
@@ -101,8 +101,8 @@ def test_slower_is_said_plainly() -> None:
     rows = [["a", 1.5, "µs"], ["b", 0.5, page.NONE]]
     lines = page._table(["case", "ratio", page.SLOWER], rows)
     assert lines[2].endswith("| **µs** |") and lines[3].endswith("| – |")
-    assert page._slower(("µs", 1.2), ("bytes", 0.1)) == "µs"
-    assert page._slower(("µs", 0.9), ("bytes", None)) == page.NONE
+    assert page_tables._slower(("µs", 1.2), ("bytes", 0.1)) == "µs"
+    assert page_tables._slower(("µs", 0.9), ("bytes", None)) == page.NONE
 
 
 def test_command_is_relative_to_the_repository() -> None:

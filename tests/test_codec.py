@@ -32,35 +32,35 @@ import zmq
 from codec_cases import (
     DELTA_VALUES,
     MESSAGES,
+    RARE_VALUES,
     any_message,
     count_tensors,
-    delta_bodies,
-    ints,
     u64,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nested import assert_same
+from oracle import Oracle, replica_request, state_fingerprint
 
-from engine_side.mirror import EngineMirror
 from protocol import codec
 from protocol.errors import MalformedMessage
 from protocol.messages import (
+    EMPTY_BODY,
     MESSAGE_TYPES,
     Delta,
     DeltaBody,
     Heartbeat,
     Message,
+    MMItem,
     NewRequest,
+    RareBody,
     Snapshot,
     SnapshotBody,
+    Spec,
+    encode_spec,
 )
 from protocol.packing import pack_uints
-from protocol.params import (
-    MMFeatureRef,
-    SamplingSpec,
-)
-from protocol.plan import STEADY_BODY
+from protocol.params import SamplingSpec
 from protocol.request import ExecuteModelRequest, Ragged, RequestSpec, requests_equal
 from protocol.tensors import tensors_equal
 from worker_side import events as ev
@@ -69,8 +69,10 @@ from worker_side.replica import State, WorkerReplica
 # ---------------------------------------------------------------- round-trips
 
 
-def test_strategies_cover_every_message_type() -> None:
+def test_strategies_cover_every_message_type_and_body_field() -> None:
     assert set(MESSAGES) == set(MESSAGE_TYPES)
+    assert set(DELTA_VALUES) == set(DeltaBody.__struct_fields__)
+    assert set(RARE_VALUES) == set(RareBody.__struct_fields__)
 
 
 @settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
@@ -82,68 +84,39 @@ def test_roundtrip_every_message(msg: Message, copy: bool) -> None:
     as_bytes = [bytes(f) for f in frames]  # as a socket delivers them
     assert_same(msg, codec.decode(as_bytes, copy=copy))
     assert codec.encoded_size(frames) == sum(map(len, as_bytes))
-    if isinstance(msg, Delta) and not count_tensors(msg):
-        _check_delta_header(msg, bytes(frames[0]))
+    if not count_tensors(msg):
+        assert as_bytes == [msgspec.msgpack.encode(msg)]  # frame 0 is msgspec's encoding
+        if isinstance(msg, Delta):
+            _check_body_headers(msg.body)
 
 
-def _check_delta_header(msg: Delta, frame: bytes) -> None:
-    """Frame 0 is msgspec's encoding with the body's map header shortened (SPEC §6.2),
-    and a receiver also takes msgspec's own longer header (any map header)."""
-    plain, body = msgspec.msgpack.encode(msg), msgspec.msgpack.encode(msg.body)
-    assert_same(msg, codec.decode([plain]))
-    entries = len(msgspec.msgpack.decode(body))
-    if entries > 15 or len(plain) > codec.COMPACT_LIMIT:
-        assert frame == plain
-        return
-    assert body[:3] == bytes((0xDE, 0, entries))  # msgspec: map16 for DeltaBody
-    assert frame == plain[:-len(body)] + bytes((0x80 | entries,)) + body[3:]
+def _check_body_headers(body: DeltaBody) -> None:
+    """A DeltaBody and its RareBody have fewer than 16 fields: one-byte map headers
+    (SPEC §6.2) whatever they hold."""
+    assert len(DeltaBody.__struct_fields__) < 16 and len(RareBody.__struct_fields__) < 16
+    for struct in (body, body.rare):
+        encoded = msgspec.msgpack.encode(struct)
+        assert encoded[0] == 0x80 | len(msgspec.msgpack.decode(encoded))
 
 
-@given(st.integers(0, (1 << 64) - 1), st.integers(0, (1 << 64) - 1),
-       st.integers(0, (1 << 64) - 1))
-def test_the_steady_delta_shortcut_writes_the_general_bytes(epoch: int, seq: int,
-                                                           digest: int) -> None:
-    """The steady Delta (the shared empty body) is written without encoding the struct:
-    the same bytes as the general path, which decode back to it."""
-    msg = Delta(epoch, seq, digest, STEADY_BODY)
-    frames = codec.encode(msg)
-    assert len(frames) == 1
-    _check_delta_header(msg, bytes(frames[0]))
-    assert_same(msg, codec.decode(frames))
+@given(st.integers(0, 127), st.integers(0, 127), u64)
+def test_the_steady_decode_delta_is_fourteen_bytes(epoch: int, seq: int, digest: int) -> None:
+    """The empty body costs one byte: [tag, epoch, seq, digest, {}] in 14 bytes when epoch
+    and seq are small and the digest takes its full nine."""
+    frames = codec.encode(Delta(epoch, seq, digest | 1 << 63, EMPTY_BODY))
+    assert len(frames) == 1 and len(frames[0]) == 14 and bytes(frames[0])[-1] == 0x80
+    assert_same(Delta(epoch, seq, digest | 1 << 63, EMPTY_BODY), codec.decode(frames))
 
 
-_PLAIN_VALUES = {k: v for k, v in DELTA_VALUES.items() if k in codec.PLAIN_BODY_FIELDS}
-plain_bodies = st.fixed_dictionaries({}, optional=_PLAIN_VALUES).map(lambda f: DeltaBody(**f))
-
-
-@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
-@given(st.builds(Delta, ints, ints, digest=u64, body=plain_bodies | delta_bodies),
-       st.booleans())
-def test_the_plain_view_reads_plain_deltas_and_nothing_else(msg: Delta, compact: bool) -> None:
-    """decode_plain reads the frame of a Delta that sets no body field but the plain
-    ones (under either map header) as decode does, and refuses every other frame:
-    the worker's plain step may only ever see a body that is plain."""
-    frames = codec.encode(msg)
-    frame = bytes(frames[0]) if compact or len(frames) > 1 else msgspec.msgpack.encode(msg)
-    view = codec.decode_plain(frame)
-    default = DeltaBody()
-    plain = all(getattr(msg.body, f) == getattr(default, f) for f in DeltaBody.__struct_fields__
-                if f not in codec.PLAIN_BODY_FIELDS)
-    if not plain or len(frames) != 1 or len(frame) > codec.PLAIN_FRAME_LIMIT:
-        assert view is None
-        return
-    assert view is not None
-    assert (view.epoch, view.seq, view.digest) == (msg.epoch, msg.seq, msg.digest)
-    for f in codec.PLAIN_BODY_FIELDS:
-        assert getattr(view.body, f) == getattr(msg.body, f)
-
-
-@settings(max_examples=300)
-@given(st.binary(max_size=64))
-def test_the_plain_view_of_random_bytes_is_none_or_a_plain_delta(frame: bytes) -> None:
-    view = codec.decode_plain(frame)
-    assert view is None or isinstance(view, codec.PlainDelta)
-    assert codec.decode_plain(memoryview(frame)) is None  # bytes only
+def test_a_spec_travels_as_the_bytes_it_was_sent_as() -> None:
+    """NewRequest.spec is the Spec's own msgpack (what the digest hashes): the receiver
+    gets those exact bytes, not a re-encoding."""
+    raw = encode_spec(Spec(req_id="r", prompt=pack_uints([1, 2, 3]),
+                           sampling=SamplingSpec(seed=5)))
+    msg = codec.decode(codec.encode(Delta(1, 1, 0, DeltaBody(added=(NewRequest(3, raw),)))))
+    assert isinstance(msg, Delta)
+    got = msg.body.added[0].spec
+    assert isinstance(got, msgspec.Raw) and bytes(got) == bytes(raw)
 
 
 ZOO: dict[str, Any] = {
@@ -160,9 +133,9 @@ ZOO: dict[str, Any] = {
 @pytest.mark.parametrize("name", list(ZOO))
 def test_zoo_in_prompt_embeds_and_mm_data(name: str) -> None:
     t = ZOO[name]()
-    feature = MMFeatureRef("image", "img0", 0, 4, data={"pixels": [t, t], "x": None}, is_embed=t)
-    add = NewRequest(handle=0, req_id="a", prompt_none=True, prompt_embeds=t,
-                     mm_features=(feature,))
+    spec = encode_spec(Spec(req_id="a", prompt_none=True, mm=(MMItem("image", "img0", 0, 4),)))
+    add = NewRequest(handle=0, spec=spec, mm_data=({"pixels": [t, t], "x": None},),
+                     mm_embed=(t,), embeds=t)
     for msg in (Delta(1, 1, 0, DeltaBody(added=(add,))), Snapshot(1, 1, 0,
                                                                   SnapshotBody(requests=(add,)))):
         frames = codec.encode(msg)
@@ -190,13 +163,14 @@ def pair() -> Any:
 
 
 def _embeds_message(t: torch.Tensor) -> Snapshot:
-    return Snapshot(1, 1, 0, SnapshotBody(requests=(NewRequest(0, "a", prompt_embeds=t),)))
+    spec = encode_spec(Spec(req_id="a", prompt_none=True))
+    return Snapshot(1, 1, 0, SnapshotBody(requests=(NewRequest(0, spec, embeds=t),)))
 
 
 def _embeds(frames: list[Any], copy: bool) -> Any:
     msg = codec.decode(frames, copy=copy)
     assert isinstance(msg, Snapshot)
-    return msg.body.requests[0].prompt_embeds
+    return msg.body.requests[0].embeds
 
 
 BIG = 1 << 15  # 128 KiB of float32: above pyzmq's copy threshold, so really zero-copy
@@ -246,10 +220,9 @@ def test_copy_true_is_independent_of_the_received_buffers(pair: Any) -> None:
 )
 def test_sampling_costs_only_non_default_fields(spec: SamplingSpec, size: int) -> None:
     assert len(msgspec.msgpack.encode(spec)) == size
-    add = NewRequest(handle=0, req_id="r")
-    with_spec = NewRequest(handle=0, req_id="r", sampling=spec)
-    extra = len(msgspec.msgpack.encode(with_spec)) - len(msgspec.msgpack.encode(add))
-    assert extra == size + 2  # the field key "s"
+    plain = encode_spec(Spec(req_id="r"))
+    with_spec = encode_spec(Spec(req_id="r", sampling=spec))
+    assert len(bytes(with_spec)) - len(bytes(plain)) == size + 2  # the field key "s"
 
 
 def test_float_defaults_made_elsewhere_are_omitted() -> None:
@@ -266,10 +239,10 @@ def test_float_defaults_made_elsewhere_are_omitted() -> None:
 
 
 def _rich_message() -> Delta:
-    feature = MMFeatureRef("image", "i", 0, 2, data={"px": torch.ones(40)})
-    add = NewRequest(handle=3, req_id="x", prompt=pack_uints([5, 6, 7]),
-                     sampling=SamplingSpec(seed=1), mm_features=(feature,),
-                     prompt_embeds=np.ones((2, 3), np.float32))
+    spec = encode_spec(Spec(req_id="x", prompt=pack_uints([5, 6, 7]),
+                            sampling=SamplingSpec(seed=1), mm=(MMItem("image", "i", 0, 2),)))
+    add = NewRequest(handle=3, spec=spec, mm_data=({"px": torch.ones(40)},),
+                     embeds=np.ones((2, 3), np.float32))
     return Delta(1, 9, 2**63 + 5, DeltaBody(added=(add,), finished=pack_uints([1, 2])))
 
 
@@ -346,14 +319,14 @@ def _request(live: list[int], computed: dict[int, int], blocks: dict[int, list[i
 @functools.cache
 def _world() -> tuple[Snapshot, Delta, ExecuteModelRequest]:
     """(snapshot at seq 2, the delta 3 that follows, the engine's step-3 request)."""
-    mirror = EngineMirror(verify=True)
+    oracle = Oracle()
     blocks = {i: [10 * i, 10 * i + 1] for i in range(8)}
-    mirror.diff(_request([0, 1, 2, 3, 4], dict.fromkeys(range(8), 0), blocks))
-    mirror.diff(_request([0, 1, 2, 3, 4], {i: 5 for i in range(8)}, blocks))
-    snap = mirror.snapshot()
+    oracle.diff(_request([0, 1, 2, 3, 4], dict.fromkeys(range(8), 0), blocks))
+    oracle.diff(_request([0, 1, 2, 3, 4], {i: 5 for i in range(8)}, blocks))
+    snap = oracle.mirror.snapshot()
     blocks |= {1: [11, 12, 99], 4: [7], 5: [50, 51]}
     truth = _request([1, 4, 3, 5, 6], {1: 7, 3: 9, 4: 0, 5: 3, 6: 0}, blocks, finished=(0, 2))
-    return snap, mirror.diff(truth), truth
+    return snap, oracle.diff(truth), truth
 
 
 def _synced(snap: Snapshot) -> WorkerReplica:
@@ -372,17 +345,17 @@ def _flips(size: int, header: int = 14) -> list[tuple[int, int]]:
 def test_bit_flips_of_a_delta_are_rejected_or_exact() -> None:
     snap, delta, truth = _world()
     body = bytes(codec.encode(delta)[0])
-    before = _synced(snap).data.rebuild()  # type: ignore[union-attr]
+    before = state_fingerprint(_synced(snap).data)  # type: ignore[arg-type]
     outcomes: dict[str, int] = {}
     for pos, bit in _flips(len(body)):
         mutated = bytearray(body)
         mutated[pos] ^= 1 << bit
         outcome = _feed_mutated(snap, bytes(mutated), before, truth, delta.digest)
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
-    # measured: most flips break msgpack or fail the digest/validity check; a few are
-    # semantically neutral (e.g. inside a float that encodes the same spec) and apply exactly
-    assert outcomes["RejectedDelta"] > outcomes.get("Applied", 0) * 10
-    assert {"Malformed", "EpochChanged", "GapDetected", "Discarded"} <= set(outcomes)
+    # most flips break msgpack or fail the digest/validity check; a few are semantically
+    # neutral (e.g. inside a float that encodes the same spec) and apply exactly
+    assert outcomes["RejectedDelta"] > outcomes.get("Applied", 0) * 10, outcomes
+    assert {"Malformed", "EpochChanged", "GapDetected", "Discarded"} <= set(outcomes), outcomes
 
 
 @settings(max_examples=60)
@@ -392,29 +365,34 @@ def test_mutated_deltas_never_leave_a_wrong_state(edits: list[tuple[int, int]]) 
     mutated = bytearray(codec.encode(delta)[0])
     for pos, value in edits:
         mutated[pos % len(mutated)] = value
-    before = _synced(snap).data.rebuild()  # type: ignore[union-attr]
+    before = state_fingerprint(_synced(snap).data)  # type: ignore[arg-type]
     _feed_mutated(snap, bytes(mutated), before, truth, delta.digest)
 
 
-def _feed_mutated(snap: Snapshot, body: bytes, before: ExecuteModelRequest,
+def _feed_mutated(snap: Snapshot, body: bytes, before: tuple[Any, ...],
                   truth: ExecuteModelRequest, truth_digest: int) -> str:
     try:
         msg = codec.decode([body])
     except MalformedMessage:
         return "Malformed"
     replica = _synced(snap)
+    data = replica.data
+    assert data is not None
     try:
         events = replica.receive(msg, 1.0)
     except MalformedMessage:
         return "Malformed"
-    data = replica.data
-    assert data is not None and data.digest == data.recompute_digest()
+    assert replica.data is data and data.digest == data.recompute_digest()
     if any(isinstance(e, ev.Applied) for e in events):
         assert data.digest == truth_digest
-        assert requests_equal(replica.request(), truth)
+        assert requests_equal(replica_request(replica), truth)
         return "Applied"
     assert data.digest == snap.digest
-    assert requests_equal(data.rebuild(), before)
+    fields = ("digest", "sched_term", "advance", "schedule", "nsched", "columns")
+    now = state_fingerprint(data)
+    assert {f: v for f, v in zip(fields, now, strict=False)} == \
+        {f: v for f, v in zip(fields, before, strict=False)}
+    assert now[8:] == before[8:]  # tables and tokens (requests differ: a fresh load)
     kinds = {type(e) for e in events}
     if isinstance(msg, Delta):
         assert kinds & {ev.RejectedDelta, ev.Discarded, ev.GapDetected, ev.EpochChanged}, events

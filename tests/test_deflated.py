@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from engine_side.vllm.schema import (
+from protocol.bitmask import (
     MAX_INFLATED,
     Deflated,
     SparseWords,

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from engine_side.security import free_tcp_endpoint
+from protocol.cli_support import EXIT_ENDPOINT
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,7 +77,7 @@ def test_demo_over_tcp_with_curve() -> None:
 
 def test_demo_refuses_tcp_without_keys_or_insecure_flag() -> None:
     code, _, err = demo("--endpoint", "tcp://127.0.0.1:45999", "--requests", "1", timeout=60)
-    assert code == 2
+    assert code == EXIT_ENDPOINT
     assert "refusing to bind tcp://127.0.0.1:45999 without CURVE" in err
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from engine_side.security import EndpointError, EndpointInUse, PrivateDir
 from engine_side.transport import EngineTransport
-from worker_side.ipc_dir import check_private_dir
+from protocol.ipc_dir import check_private_dir
 from worker_side.transport import CheckInThread, WorkerTransport
 
 NOBODY = 65534

@@ -63,3 +63,25 @@ def test_raised_errors_carry_their_fields() -> None:
     with pytest.raises(LocalProtocolError) as local:
         ReplicaState(token_mode=5)
     assert "token_mode=5" in str(local.value)
+
+
+def test_the_core_raises_typed_errors_with_fields() -> None:
+    """Major 3's core: a spec that does not decode is MalformedMessage (its cause named),
+    a body that does not fit the state InvalidDelta, a step that does not fit the
+    mirror LocalProtocolError -- each with the fields that say why."""
+    import msgspec
+
+    from engine_side.mirror import EngineMirror
+    from protocol.messages import NewRequest
+    from protocol.packing import pack_uints
+
+    not_a_spec = DeltaBody(added=(NewRequest(handle=0, spec=msgspec.Raw(b"\x01")),))
+    with pytest.raises(MalformedMessage) as bad:
+        ReplicaState().apply(not_a_spec)
+    assert "ValidationError" in str(bad.value.fields["cause"])
+    with pytest.raises(InvalidDelta) as unfit:
+        ReplicaState().apply(DeltaBody(finished=pack_uints([3])))
+    assert "finished" in unfit.value.message
+    with pytest.raises(LocalProtocolError) as local:
+        EngineMirror().step(["x"], [1, 2])
+    assert local.value.fields

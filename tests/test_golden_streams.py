@@ -147,7 +147,7 @@ def test_todays_adapter_rebuilds_every_golden_record() -> None:
     from worker_side.vllm.decoder import SchedulerOutputDecoder
 
     for name, (meta, records) in golden_streams().items():
-        enc = SchedulerOutputEncoder(meta.get("kv_groups"), secret=SECRET, verify=True)
+        enc = SchedulerOutputEncoder(meta.get("kv_groups"), secret=SECRET)
         dec = SchedulerOutputDecoder(secret=SECRET)
         for i, (kind, obj) in enumerate(records):
             expected = copy.deepcopy(obj)

@@ -3,12 +3,20 @@
 * The pure modules (wire vocabulary, codec, state machines, mirror, replica)
   never import ``zmq``, and never import ``torch``: only ``protocol.tensors``
   handles tensors.
+* ``protocol/`` has no sockets, threads, clock or vLLM (by its imports), and its
+  source, C included, names no vLLM scheduler type or field.
+* The library modules of ``engine_side`` and ``worker_side`` never import each other
+  (what both ends share is protocol vocabulary); only the harnesses that run both
+  ends in one process may.
+* No import cycles among the packages' modules (every import counts: function-level
+  and TYPE_CHECKING ones too).
 * No source file deserialises with pickle from the network.
 * Every module stays small (about 500 lines).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import re
@@ -147,3 +155,143 @@ def test_modules_stay_small() -> None:
     long = {path.relative_to(REPO_ROOT).as_posix(): n for path in files
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+# -- imports, read with ast (function-level and TYPE_CHECKING imports included) -------------
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sources(*roots: str) -> dict[str, Path]:
+    """Module name -> file, for every .py under ``roots``."""
+    return {_module_name(p): p for root in roots for p in sorted((REPO_ROOT / root).rglob("*.py"))}
+
+
+def _imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, absolute module name, names it imports) of every import statement in
+    ``path`` (for ``import M``: M, []; for ``from M import a``: M, [a])."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: list[tuple[int, str, list[str]]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against this module's package
+                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, *([base] if base else [])])
+            out.append((node.lineno, base, [a.name for a in node.names]))
+    return out
+
+
+#: modules that run both ends in one process (benchmarks, reports, the demo, the CLI, the
+#: recorder of a vLLM run): the only ones that may import the other side
+HARNESSES = ("engine_side/bench/", "engine_side/report/", "engine_side/demo.py",
+             "engine_side/cli.py", "engine_side/vllm/record.py")
+
+
+def test_engine_and_worker_libraries_do_not_import_each_other() -> None:
+    """Each side's library reaches the other only through protocol vocabulary (a rank is
+    spawned by module path: a string, not an import)."""
+    offenders = []
+    for side, other in (("engine_side", "worker_side"), ("worker_side", "engine_side")):
+        for path in _sources(side).values():
+            rel = path.relative_to(REPO_ROOT).as_posix()
+            if rel.startswith(HARNESSES):
+                continue
+            offenders += [f"{rel}:{line}: imports {mod}" for line, mod, _ in _imports(path)
+                          if mod.split(".")[0] == other]
+    assert not offenders, "library modules importing the other side:\n" + "\n".join(offenders)
+
+
+def test_harness_exceptions_exist() -> None:
+    missing = [h for h in HARNESSES if not (REPO_ROOT / h).exists()]
+    assert not missing, f"stale HARNESSES entries: {missing}"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` that hold a cycle (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1 or node in graph[node]:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    modules = _sources(*PACKAGES)
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for _, mod, names in _imports(path):  # a name that is a submodule: an edge to it
+            graph[name] |= {f"{mod}.{n}" if f"{mod}.{n}" in modules else mod
+                            for n in names or [""]} & modules.keys()
+    assert len(graph) > 50 and any(graph.values())  # (the modules and their edges were found)
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles (each line: modules that import each other in a loop):\n" \
+        + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+#: what protocol/ must not import (sockets, threads, clock, process control, vLLM), with
+#: the one module allowed each exception and why
+IMPURE_IMPORTS = ("zmq", "torch", "vllm", "socket", "select", "selectors", "asyncio",
+                  "threading", "_thread", "multiprocessing", "subprocess", "time")
+IMPURE_ALLOWED = {
+    ("protocol/tensors.py", "torch"): "the one module that handles tensors",
+    ("protocol/ring.py", "threading"): "a Lock used only as a memory fence (no thread)",
+    ("protocol/codec.py", "threading"): "threading.local: per-thread codec scratch (no thread)",
+}
+#: vLLM's scheduler vocabulary, which protocol/ (its C included) never names
+VLLM_NAMES = re.compile(r"SchedulerOutput|NewRequestData|CachedRequestData|"
+                        r"scheduled_new_reqs|scheduled_cached_reqs")
+
+
+def test_protocol_has_no_sockets_threads_clock_or_vllm() -> None:
+    offenders = []
+    for path in _sources("protocol").values():
+        rel = path.relative_to(REPO_ROOT).as_posix()
+        offenders += [f"{rel}:{line}: imports {mod}" for line, mod, _ in _imports(path)
+                      if mod.split(".")[0] in IMPURE_IMPORTS
+                      and (rel, mod.split(".")[0]) not in IMPURE_ALLOWED]
+    assert not offenders, "impure imports in protocol/:\n" + "\n".join(offenders)
+
+
+def test_protocol_source_names_no_vllm_scheduler_type() -> None:
+    files = [p for pattern in ("*.py", "*.pyi", "*.c", "*.h")
+             for p in sorted((REPO_ROOT / "protocol").rglob(pattern))]
+    assert any(p.suffix == ".c" for p in files)  # (the C was found)
+    offenders = [f"{p.relative_to(REPO_ROOT).as_posix()}:{n}: {m.group()}"
+                 for p in files for n, line in enumerate(p.read_text(encoding="utf-8")
+                                                         .splitlines(), start=1)
+                 if (m := VLLM_NAMES.search(line))]
+    assert not offenders, "vLLM names in protocol/:\n" + "\n".join(offenders)
+
+
+def test_impure_exceptions_are_still_needed() -> None:
+    stale = [k for k in IMPURE_ALLOWED if not any(
+        mod.split(".")[0] == k[1] for _, mod, _ in _imports(REPO_ROOT / k[0]))]
+    assert not stale, f"stale IMPURE_ALLOWED entries: {stale}"

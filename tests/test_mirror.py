@@ -1,26 +1,37 @@
-"""EngineMirror, focused scenarios: steady-state cost, prefixes, id reuse, updates, preemption.
+"""EngineMirror and RequestDiffer, focused scenarios: steady-state cost, id reuse, updates,
+preemption, refusals, fresh rebuilt containers.
 
-Every step goes engine → ``codec`` → a real ``WorkerReplica``, and the worker's
-rebuilt request must equal the engine's (``requests_equal``); the mirror runs with
-``verify=True`` too.  Byte budgets are the protocol's promises (issue "What must
-be shown"); the measured values are noted beside them.
+Every step goes engine → ``codec`` → a real ``WorkerReplica``; the request the worker
+rebuilds (``rebuild_request`` of its state, the oracle) must equal the engine's, and so
+must the one rebuilt from the mirror's own state.  Byte budgets are the protocol's
+promises; the measured values are noted beside them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
+from oracle import Oracle, replica_request, state_fingerprint
 
-from engine_side.diffing import BlockHint
-from engine_side.mirror import PREFIX_MIN_TOKENS, EngineMirror
+from engine_side.mirror import EngineMirror, Entry
+from engine_side.workloads import Workload
 from protocol import codec
 from protocol.errors import LocalProtocolError
-from protocol.messages import TOKEN_MODE_ENGINE, TOKEN_MODE_WORKER, Delta, DeltaBody
-from protocol.packing import unpack_uints
+from protocol.messages import (
+    EMPTY_BODY,
+    TOKEN_MODE_ENGINE,
+    TOKEN_MODE_WORKER,
+    Delta,
+    Spec,
+)
+from protocol.packing import pack_uints
 from protocol.params import SamplingSpec
+from protocol.rebuild import rebuild_request
 from protocol.request import ExecuteModelRequest, Ragged, RequestSpec, requests_equal
+from protocol.state import ReplicaState
 from worker_side import events as ev
 from worker_side.replica import WorkerReplica
 
@@ -46,26 +57,35 @@ class Row:
 
 @dataclass
 class Pair:
-    """An engine mirror and one worker replica joined by the codec."""
+    """An engine mirror (diffing whole requests) and one worker replica joined by the codec."""
 
     token_mode: int = TOKEN_MODE_WORKER
     check: bool = True  # compare every rebuilt request (O(batch) deep equality per step)
-    mirror: EngineMirror = field(init=False)
+    oracle: Oracle = field(init=False)
     replica: WorkerReplica = field(default_factory=WorkerReplica)
 
     def __post_init__(self) -> None:
-        self.mirror = EngineMirror(token_mode=self.token_mode, verify=self.check)
+        self.oracle = Oracle(token_mode=self.token_mode, check=self.check)
         self.replica.receive(codec.decode(codec.encode(self.mirror.snapshot())), 0.0)
+        self.cache: dict = {}
+
+    @property
+    def mirror(self) -> EngineMirror:
+        return self.oracle.mirror
 
     def step(self, rows: list[Row], **extra: tuple[str, ...]) -> tuple[Delta, int]:
         """Diff one step, ship it, check the worker rebuilt it; returns (delta, wire bytes)."""
         request = batch(rows, **extra)
-        frames = codec.encode(self.mirror.diff(request))
+        frames = codec.encode(self.oracle.diff(request))
         delta = codec.decode(frames)
         assert isinstance(delta, Delta)
         assert self.replica.receive(delta, 0.0) == [ev.Applied(delta.seq)]
-        assert not self.check or requests_equal(self.replica.request(), request)
+        assert not self.check or requests_equal(self.request(), request)
         return delta, codec.encoded_size(frames)
+
+    def request(self) -> ExecuteModelRequest:
+        """The request the worker rebuilds for the step it just applied."""
+        return replica_request(self.replica, self.cache)
 
 
 def batch(rows: list[Row], finished: tuple[str, ...] = (), preempted: tuple[str, ...] = (),
@@ -102,7 +122,7 @@ def prefill(n: int, tokens: bool = False, seed: int = 0) -> list[Row]:
 
 
 @pytest.mark.parametrize("n", [1, 256, 4096])
-def test_steady_decode_is_an_empty_body(n: int) -> None:
+def test_steady_decode_is_an_empty_body_of_14_bytes(n: int) -> None:
     pair, rows = Pair(check=n <= 256), prefill(n)
     pair.step(rows)
     decode_step(rows)
@@ -110,81 +130,82 @@ def test_steady_decode_is_an_empty_body(n: int) -> None:
     for _ in range(3):
         decode_step(rows)
         delta, size = pair.step(rows)
-        assert delta.body == DeltaBody()
-        assert size <= 32  # measured: 16 bytes at every batch size
-    assert requests_equal(pair.replica.request(), batch(rows))
+        assert delta.body == EMPTY_BODY
+        assert size == 14  # [tag, epoch, seq, digest (9 bytes), {}]
+    assert requests_equal(pair.request(), batch(rows))
+
+
+def test_steady_decode_through_the_step_api_is_an_empty_body() -> None:
+    """``EngineMirror.step`` with the batch, counts and computed counts as predicted (what
+    an engine that knows its changes passes) writes the empty body too."""
+    workload = Workload("steady_decode", 64, seed=2)
+    mirror = EngineMirror(token_mode=workload.token_mode)
+    for _ in workload.warmup():
+        mirror.step(**workload.changes)
+    for _ in range(4):
+        workload.step()
+        delta, _ = mirror.step(**workload.changes)
+        assert delta.body == EMPTY_BODY and len(codec.encode(delta)[0]) == 14
 
 
 def test_engine_tokens_one_token_per_request_and_a_block_per_16() -> None:
-    pair, rows = Pair(TOKEN_MODE_ENGINE), prefill(256, tokens=True)
-    rng = np.random.default_rng(1)
-    pair.step(rows)
-    next_block = 10_000
-    for step in range(3):
-        decode_step(rows)
-        for i, r in enumerate(rows):
-            assert r.tokens is not None
-            r.tokens.append(int(rng.integers(VOCAB - 16, VOCAB)))  # 17-bit token ids
-            if i % 16 == step % 16:
-                r.blocks = [*r.blocks, next_block]
-                next_block += 1
-        delta, size = pair.step(rows)
-        if step:  # after the first step the scheduled counts are steady
-            assert delta.body.tokens is not None and delta.body.block_append
-            assert size <= 900  # measured: 641 bytes
+    """Workload "decode_tokens_blocks" at batch 256 through ``EngineMirror.step`` with the
+    workload's own changes: at most 900 bytes a step (measured: 631-633), and a worker fed
+    those deltas rebuilds the workload's requests exactly."""
+    workload = Workload("decode_tokens_blocks", 256, seed=1)
+    mirror = EngineMirror(token_mode=workload.token_mode)
+    worker = ReplicaState(workload.token_mode)
+    cache: dict = {}
 
+    def step(request: ExecuteModelRequest) -> tuple[Delta, int]:
+        delta, _ = mirror.step(**workload.changes)
+        frames = codec.encode(delta)
+        got = codec.decode(frames)
+        assert isinstance(got, Delta)
+        applied = worker.apply(got.body, got.digest)
+        assert requests_equal(rebuild_request(worker, got.body, applied, cache), request)
+        return got, codec.encoded_size(frames)
 
-# ---------------------------------------------------------------- prefix references
-
-
-def test_prefix_reference_for_a_live_prompt_only() -> None:
-    pair = Pair()
-    shared = list(range(1000, 1000 + PREFIX_MIN_TOKENS + 4))
-    a = Row(spec("a", shared), 20, 0, [1, 2])
-    pair.step([a])
-    b = Row(spec("b", shared[:18] + [7, 8, 9]), 21, 0, [3, 4])
-    delta, _ = pair.step([a, b])
-    (add,) = delta.body.added
-    assert add.prefix_handle >= 0 and add.prefix == 18
-    assert unpack_uints(add.prompt).tolist() == [7, 8, 9]  # only the suffix travels
-    # once "a" and "b" are finished, a third prompt sharing the prefix carries it whole
-    pair.step([], finished=("a", "b"))
-    c = Row(spec("c", shared + [5]), 21, 0, [5])
-    delta, _ = pair.step([c])
-    assert delta.body.added[0].prefix_handle == -1
-    assert unpack_uints(delta.body.added[0].prompt).tolist() == shared + [5]
-
-
-def test_no_prefix_reference_to_a_request_finished_in_the_same_step() -> None:
-    pair = Pair()
-    shared = list(range(PREFIX_MIN_TOKENS + 2))
-    pair.step([Row(spec("a", shared), 18, 0, [1])])
-    delta, _ = pair.step([Row(spec("b", shared), 18, 0, [2])], finished=("a",))
-    assert delta.body.added[0].prefix_handle == -1
+    for request in workload.warmup():
+        step(request)
+    sizes = []
+    for _ in range(16):
+        delta, size = step(workload.step())
+        assert delta.body.tokens is not None and delta.body.block_append
+        sizes.append(size)
+    assert max(sizes) <= 900, sizes
 
 
 # ---------------------------------------------------------------- lifecycle edge cases
 
 
 def test_finished_and_readded_in_the_same_step() -> None:
+    """The same id ends and joins again in one step: the old entry ends (its id is in
+    finished_req_ids), the new one starts fresh -- its own spec and table, nothing of
+    the old one's carried."""
     pair = Pair()
-    pair.step([Row(spec("x", [1, 2, 3]), 3, 0, [1])])
+    pair.step([Row(spec("x", [1, 2, 3]), 3, 0, [1, 2])])
     again = Row(spec("x", [4, 5, 6, 7], temperature=0.0), 4, 0, [9])
     delta, _ = pair.step([again], finished=("x",))
     assert delta.body.finished and len(delta.body.added) == 1
-    assert pair.replica.request().specs[0].sampling == SamplingSpec(temperature=0.0)
-    assert pair.replica.request().finished_req_ids == frozenset({"x"})
+    request = pair.request()
+    assert request.specs[0].sampling == SamplingSpec(temperature=0.0)
+    assert request.finished_req_ids == frozenset({"x"})
+    assert request.block_tables[0].to_lists() == [[9]]
+    assert request.num_computed_tokens.tolist() == [0]
 
 
 def test_update_same_id_new_spec() -> None:
+    """A live id sent with a new spec is an add that replaces the entry (no finish)."""
     pair = Pair()
     row = Row(spec("u", [1, 2, 3]), 3, 0, [1])
     pair.step([row])
     decode_step([row])
     row.spec = spec("u", [1, 2, 3], max_tokens=99)
     delta, _ = pair.step([row])
-    assert not delta.body.finished and delta.body.added[0].req_id == "u"
-    assert pair.replica.request().specs[0].sampling == SamplingSpec(max_tokens=99)
+    assert not delta.body.finished and len(delta.body.added) == 1
+    assert pair.request().specs[0].sampling == SamplingSpec(max_tokens=99)
+    assert pair.request().finished_req_ids == frozenset()
 
 
 def test_preempt_then_resume_with_a_replaced_block_table() -> None:
@@ -192,25 +213,65 @@ def test_preempt_then_resume_with_a_replaced_block_table() -> None:
     a, b = Row(spec("a", [1] * 8), 8, 0, [1, 2]), Row(spec("b", [2] * 8), 8, 0, [3, 4])
     pair.step([a, b])
     decode_step([a, b])
-    pair.step([a], preempted=("b",))  # b loses its blocks but stays live
+    pair.step([a], preempted=("b",))  # b leaves the batch but stays live
+    assert pair.request().preempted_req_ids == frozenset({"b"})
     decode_step([a])
     b.computed, b.scheduled, b.blocks = 0, 9, [7, 8, 9]
     delta, _ = pair.step([a, b], resumed=("b",))
-    assert delta.body.block_replace and not delta.body.added  # no re-add, a new table
-    assert pair.replica.request().resumed_req_ids == frozenset({"b"})
+    assert delta.body.rare.block_replace and not delta.body.added  # no re-add, a new table
+    assert pair.request().resumed_req_ids == frozenset({"b"})
+    assert pair.request().block_tables[0].to_lists() == [a.blocks, [7, 8, 9]]
 
 
 def test_misaligned_columns_leave_the_mirror_unchanged() -> None:
     pair, rows = Pair(), prefill(3)
     pair.step(rows)
-    digest, seq = pair.mirror.state.digest, pair.mirror.seq
+    before = (state_fingerprint(pair.mirror.state), pair.mirror.seq, dict(pair.mirror.ids))
     decode_step(rows)
     bad = batch(rows)
     bad.num_scheduled_tokens = bad.num_scheduled_tokens[:2]
     with pytest.raises(LocalProtocolError):
-        pair.mirror.diff(bad)
-    assert (pair.mirror.state.digest, pair.mirror.seq) == (digest, seq)
+        pair.oracle.diff(bad)
+    assert (state_fingerprint(pair.mirror.state), pair.mirror.seq, dict(pair.mirror.ids)) \
+        == before
     pair.step(rows)  # the next valid step still applies on the worker
+
+
+@pytest.mark.parametrize("case", ["counts", "computed", "finished_scheduled", "unknown_id",
+                                  "bad_position", "groups"])
+def test_an_inconsistent_step_is_refused_and_the_mirror_unchanged(case: str) -> None:
+    """``EngineMirror.step`` raises LocalProtocolError for a step that does not fit its
+    state -- counts or computed counts not one per batch row, a request both finished
+    and scheduled (vLLM never schedules what it finishes), an id that is not live, a
+    block row outside the batch, rows for another number of KV groups -- and then
+    holds exactly what it held: the next valid step applies."""
+    mirror = EngineMirror()
+    specs = [Spec(req_id=r, prompt=pack_uints([1, 2])) for r in "abc"]
+    mirror.step(["a", "b", "c"], [2, 2, 2], added=[Entry(s) for s in specs])
+    before = (state_fingerprint(mirror.state), mirror.seq, dict(mirror.ids), mirror.batch)
+    cases: dict[str, dict[str, Any]] = {
+        "counts": {"nsched": [1, 1]}, "computed": {"computed": [2, 2]},
+        "finished_scheduled": {"finished": ["b"]}, "unknown_id": {"batch": ["a", "b", "zzz"]},
+        "bad_position": {"appends": [([3], [1], [5])]},
+        "groups": {"appends": [([0], [1], [5]), ([0], [1], [6])]}}
+    step = {"batch": ["a", "b", "c"], "nsched": [1, 1, 1], **cases[case]}
+    with pytest.raises(LocalProtocolError):
+        mirror.step(step.pop("batch"), step.pop("nsched"), **step)
+    assert (state_fingerprint(mirror.state), mirror.seq, dict(mirror.ids), mirror.batch) \
+        == before
+    delta, _ = mirror.step(["a", "b", "c"], [1, 1, 1])
+    assert delta.seq == 2 and mirror.state.digest == mirror.state.recompute_digest()
+
+
+def test_a_handle_freed_by_a_finish_is_reused_from_the_next_step() -> None:
+    mirror = EngineMirror()
+    specs = {r: Spec(req_id=r, prompt=pack_uints([1, 2])) for r in "abcd"}
+    mirror.step(["a", "b"], [1, 1], added=[Entry(specs["a"]), Entry(specs["b"])])
+    assert mirror.ids == {"a": 0, "b": 1}
+    mirror.step(["b", "c"], [1, 1], finished=["a"], added=[Entry(specs["c"])])
+    assert mirror.ids == {"b": 1, "c": 2}  # a's handle is not reused in its finishing step
+    mirror.step(["b", "c", "d"], [1, 1, 1], added=[Entry(specs["d"])])
+    assert mirror.ids == {"b": 1, "c": 2, "d": 0}
 
 
 # ---------------------------------------------------------------- rebuilt containers
@@ -222,69 +283,80 @@ def test_rebuilt_containers_are_fresh() -> None:
     decode_step(rows)
     request = batch(rows)
     pair.step(rows)
-    first = pair.replica.data.rebuild()  # type: ignore[union-attr]
-    with pytest.raises(ValueError):  # block tables are shared read-only, never edited
-        first.block_tables[0].values[:] = -1
-    with pytest.raises(ValueError):
-        first.block_tables[0].lengths[:] = -1
-    first.num_computed_tokens[:] = -1
-    with pytest.raises(ValueError):
-        first.num_scheduled_tokens[:] = -1
+    first = pair.request()
+    for column in (first.block_tables[0].values, first.block_tables[0].lengths,
+                   first.num_computed_tokens, first.num_scheduled_tokens):
+        column[:] = -1  # the caller's to edit: nothing it holds aliases the state
     first.req_ids.append("intruder")
-    assert requests_equal(pair.replica.data.rebuild(), request)  # type: ignore[union-attr]
+    first.specs.clear()
+    assert requests_equal(pair.request(), request)
+    assert pair.replica.data is not None
+    assert pair.replica.data.digest == pair.replica.data.recompute_digest()
 
 
-def test_output_token_rows_are_read_only_views() -> None:
+def test_output_token_rows_never_change_once_handed_out() -> None:
     pair, rows = Pair(TOKEN_MODE_ENGINE), prefill(2, tokens=True)
     pair.step(rows)
     decode_step(rows)
     for r in rows:
         r.tokens = [5, 6]
     pair.step(rows)
-    out = pair.replica.request().output_token_ids
+    out = pair.request().output_token_ids
     assert out is not None
-    for row in out:
-        assert not row.flags.writeable
-        with pytest.raises(ValueError):
-            row[0] = 0
     decode_step(rows)
     for r in rows:
         r.tokens = [5, 6, 7]
     pair.step(rows)
-    assert [row.tolist() for row in out] == [[5, 6], [5, 6]]  # earlier views never change
-
-
-# ---------------------------------------------------------------- block hints
-
-
-def _hinted_and_plain(steps: list[tuple[ExecuteModelRequest, BlockHint | None]]) -> None:
-    """Each step diffed by two mirrors, one given the hint: the same bodies, and the
-    hinted mirror's state rebuilds the request (verify)."""
-    hinted, plain = EngineMirror(verify=True), EngineMirror(verify=True)
-    for request, hint in steps:
-        assert hinted.diff(request, hint).body == plain.diff(request).body
-
-
-def test_block_hints_give_the_bodies_of_a_whole_table_diff() -> None:
-    """Rows that left, a kept row growing, rows joining at the end (new, and one the
-    mirror holds that grew while away), and a hint whose kept row restarts (ignored)."""
-    rows = prefill(4)
-    steps: list[tuple[ExecuteModelRequest, BlockHint | None]] = [(batch(rows), None)]
     decode_step(rows)
-    away = rows.pop(1)  # scheduled again later, its table grown meanwhile
-    rows[1].blocks = [*rows[1].blocks, 70, 71]
-    steps.append((batch(rows), BlockHint(3, ([1],), ([2],))))
+    for r in rows:
+        r.tokens = [5, 8]  # a truncation and a different token where 6 was
+    pair.step(rows)
+    assert [row.tolist() for row in out] == [[5, 6], [5, 6]]  # earlier rows never change
+
+
+def test_appends_to_rows_ending_at_one_offset_rebuild_in_batch_order() -> None:
+    """Appends naming a row and the empty row after it (both end at one offset), the later
+    row first: each block lands in its own row."""
+    pair = Pair()
+    rows = [Row(spec(f"r{i}", [i] * 4), 4, 0, [i] * (i % 3)) for i in range(4)]
+    pair.step(rows)  # rows of 0, 1, 2 and 0 blocks
     decode_step(rows)
-    away.blocks, away.computed, away.scheduled = [*away.blocks, 80], away.computed + 1, 1
-    joined = Row(spec("new", [5, 6, 7]), 3, 0, [90, 91])
-    rows[0].blocks = [*rows[0].blocks, 72]
-    steps.append((batch([*rows, away, joined]), BlockHint(3, ([0],), ([1],))))
-    decode_step([*rows, away, joined])
-    rows[2].spec = spec(rows[2].spec.req_id, [1, 2, 3], max_tokens=7)  # an update: restarts
-    rows[2].blocks = [*rows[2].blocks, 73]
-    steps.append((batch([*rows, away, joined]), BlockHint(5, ([2],), ([1],))))
-    decode_step([*rows, away, joined])
-    rows[0].blocks, rows[1].blocks = [*rows[0].blocks, 74, 75], [*rows[1].blocks, 76]
-    away.blocks = [98, 99]  # replaced while away: a replacement past the kept rows
-    steps.append((batch([rows[0], rows[1], away, joined]), BlockHint(2, ([0, 1],), ([2, 1],))))
-    _hinted_and_plain(steps)
+    rows[3].blocks = [*rows[3].blocks, 76]
+    rows[2].blocks = [*rows[2].blocks, 97]
+    pair.step(rows)
+    assert pair.request().block_tables[0].to_lists() == [[], [1], [2, 2, 97], [76]]
+
+
+@pytest.mark.parametrize("capacity", [64, 128])  # the columns' first sizes
+def test_a_join_past_the_columns_capacity_in_a_step_with_tokens(capacity: int) -> None:
+    """Engine tokens: a request joins under the first handle past the state's columns
+    while the others get tokens (and one a truncation) -- the engine and a worker both
+    apply it (found by the stateful test: the token lengths were read before the
+    columns grew)."""
+    mirror = EngineMirror(token_mode=TOKEN_MODE_ENGINE)
+    worker = ReplicaState(TOKEN_MODE_ENGINE)
+    ids = [f"r{i}" for i in range(capacity)]
+
+    def step(batch: list[str], **kwargs: object) -> None:
+        delta, _ = mirror.step(batch, [1] * len(batch), **kwargs)  # type: ignore[arg-type]
+        got = codec.decode(codec.encode(delta))
+        assert isinstance(got, Delta)
+        worker.apply(got.body, got.digest)
+        assert worker.digest == worker.recompute_digest()
+
+    step(ids, added=[Entry(Spec(req_id=r, prompt=pack_uints([1])), 0, [5, 6]) for r in ids])
+    late = Spec(req_id="late", prompt=pack_uints([2]))
+    step([*ids, "late"], added=[Entry(late, 0, [7])],
+         tokens=(list(range(capacity)), [1] * capacity, [9] * capacity),
+         truncate=([0], [1]))
+    assert mirror.ids["late"] == capacity
+    assert worker.token_history(capacity).tolist() == [7]
+    assert worker.token_history(0).tolist() == [5, 9]
+
+
+def test_a_spec_without_prompt_ids_or_prompt_none_is_refused_unchanged() -> None:
+    """Every receiver refuses such a spec (SPEC §6.2), so the mirror must not send it."""
+    mirror = EngineMirror()
+    with pytest.raises(LocalProtocolError):
+        mirror.step(["a"], [1], added=[Entry(Spec(req_id="a"))])
+    assert mirror.seq == 0 and mirror.ids == {} and mirror.state.digest == 0

@@ -1,12 +1,14 @@
 """The worker's transition table, exhaustively (h2 style): every (State, Input) pair.
 
 For each pair the replica is put into that state by a realistic history (a
-snapshot loaded → SYNCED, a gap → DESYNCED, a Goodbye → CLOSED, a fresh or
-closed-then-restarted worker → AWAITING_SNAPSHOT) and fed a real message that
-classifies as that input.  The resulting state must be the table's target; for a
-pair missing from ``TRANSITIONS`` the replica raises RemoteProtocolError and
-changes nothing.  Whenever the replica ends SYNCED its digest must equal the
-engine's at its (epoch, seq).
+snapshot loaded → SYNCED, a replica started with ``start=`` → SYNCED at seq 0, a gap
+→ DESYNCED, a Goodbye → CLOSED, a fresh or closed-then-restarted worker →
+AWAITING_SNAPSHOT) and fed a real message that classifies as that input.  The
+resulting state must be the table's target; for a pair missing from ``TRANSITIONS``
+the replica raises RemoteProtocolError and changes nothing.  Whenever the replica
+ends SYNCED its digest must equal the engine's at its (epoch, seq).  A DESYNCED
+replica recovers by a snapshot or by the deltas it missed, retransmitted: an
+in-order delta applies, then the buffered deltas that continue it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from oracle import Oracle, replica_request, state_fingerprint
 
 from engine_side.mirror import EngineMirror
 from protocol.errors import IncompatibleVersion, RemoteProtocolError
@@ -33,7 +36,8 @@ from protocol.messages import (
     SnapshotRequest,
 )
 from protocol.params import SamplingSpec
-from protocol.request import ExecuteModelRequest, Ragged, RequestSpec
+from protocol.request import ExecuteModelRequest, Ragged, RequestSpec, requests_equal
+from protocol.state import ReplicaState
 from worker_side import events as ev
 from worker_side.replica import TRANSITIONS, Action, Input, State, WorkerReplica
 
@@ -66,17 +70,23 @@ class Engine:
     """An engine incarnation that keeps every delta, snapshot and digest it produced."""
 
     epoch: int
-    mirror: EngineMirror = field(init=False)
+    oracle: Oracle = field(init=False)
     deltas: dict[int, Delta] = field(default_factory=dict)
+    requests: dict[int, ExecuteModelRequest] = field(default_factory=dict)
     snapshots: dict[int, Snapshot] = field(default_factory=dict)
     heartbeats: dict[int, Heartbeat] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.mirror = EngineMirror(epoch=self.epoch, verify=True)
+        self.oracle = Oracle(epoch=self.epoch)
+
+    @property
+    def mirror(self) -> EngineMirror:
+        return self.oracle.mirror
 
     def step(self) -> Delta:
-        delta = self.mirror.diff(_request(self.mirror.seq + 1))
-        self.deltas[delta.seq] = delta
+        request = _request(self.mirror.seq + 1)
+        delta = self.oracle.diff(request)
+        self.deltas[delta.seq], self.requests[delta.seq] = delta, request
         self.snapshots[delta.seq] = self.mirror.snapshot()
         self.heartbeats[delta.seq] = self.heartbeat()
         return delta
@@ -97,7 +107,7 @@ class World:
 
     def digest_at(self, epoch: int, seq: int) -> int:
         engine = self.engine if epoch == self.engine.epoch else self.restarted
-        return engine.snapshots[seq].digest
+        return 0 if seq == 0 else engine.snapshots[seq].digest
 
 
 def _world() -> World:
@@ -128,13 +138,40 @@ def synced() -> World:
     return w
 
 
+def started() -> World:
+    """A replica that exists from the epoch's start (``start=``): SYNCED at seq 0."""
+    w = _world()
+    w.replica = WorkerReplica(start=(1, ReplicaState()))
+    assert w.replica.state is State.SYNCED and (w.replica.epoch, w.replica.seq) == (1, 0)
+    return w
+
+
 def desynced() -> World:
-    """Synced at 3, then delta 5 overtook delta 4 (a gap), and 4 arrived late."""
+    """Synced at 3, then a heartbeat says 4 was published: delta 4 was lost."""
     w = synced()
-    d4, d5 = w.engine.step(), w.engine.step()
-    assert isinstance(_feed(w, d5)[0], ev.GapDetected)
-    _feed(w, d4)
-    assert w.replica.state is State.DESYNCED
+    w.engine.upto(4)
+    assert isinstance(_feed(w, w.engine.heartbeat())[0], ev.GapDetected)
+    assert w.replica.state is State.DESYNCED and w.replica.seq == 3
+    return w
+
+
+def rejected() -> World:
+    """Synced at 3, then delta 4 arrived with a digest that does not match."""
+    w = synced()
+    d4 = w.engine.step()
+    assert isinstance(_feed(w, Delta(d4.epoch, d4.seq, d4.digest ^ 1, d4.body))[0],
+                      ev.RejectedDelta)
+    assert w.replica.state is State.DESYNCED and w.replica.seq == 3
+    return w
+
+
+def holding() -> World:
+    """Synced at 3, then delta 5 arrived while 4 is still missing (a gap): DESYNCED at
+    3, holding 5 (not in the table's situations: a stale snapshot then leaves a gap)."""
+    w = synced()
+    w.engine.upto(5)
+    assert isinstance(_feed(w, w.engine.deltas[5])[0], ev.GapDetected)
+    assert w.replica.state is State.DESYNCED and w.replica.seq == 3
     return w
 
 
@@ -156,8 +193,8 @@ def reopened() -> World:
 
 SITUATIONS: dict[State, list[Callable[[], World]]] = {
     State.AWAITING_SNAPSHOT: [fresh, reopened],
-    State.SYNCED: [synced],
-    State.DESYNCED: [desynced],
+    State.SYNCED: [synced, started],
+    State.DESYNCED: [desynced, rejected],
     State.CLOSED: [closed],
 }
 
@@ -249,6 +286,9 @@ def test_transition(state: State, kind: Input) -> None:
             assert replica.data is not None
             assert replica.data.digest == world.digest_at(replica.epoch, replica.seq)
             assert replica.data.digest == replica.data.recompute_digest()
+            if events and isinstance(events[-1], ev.Applied):  # the step a receiver builds
+                engine = world.engine if replica.epoch == 1 else world.restarted
+                assert requests_equal(replica_request(replica), engine.requests[replica.seq])
 
 
 def test_missing_pairs_are_exactly_the_documented_ones() -> None:
@@ -259,18 +299,84 @@ def test_missing_pairs_are_exactly_the_documented_ones() -> None:
 
 
 def test_stale_snapshot_then_buffered_gap_stays_desynced() -> None:
-    """LOAD reaches SYNCED only if the buffered deltas continue the snapshot."""
-    w = desynced()  # at 3, holding 4 and 5
-    events = _feed(w, w.engine.snapshots[2])  # stale and older: 3 is missing after it
+    """LOAD reaches SYNCED only if the buffered deltas continue the snapshot; the missing
+    delta, retransmitted, then applies with the buffered one that continues it."""
+    w = holding()  # at 3, holding 5
+    events = _feed(w, w.engine.snapshots[2])  # stale and older: 3 and 4 are missing after it
     assert [type(e) for e in events][:2] == [ev.SnapshotLoaded, ev.GapDetected]
     assert w.replica.state is State.DESYNCED and w.replica.seq == 2
-    _feed(w, w.engine.deltas[3])  # buffered
-    events = _feed(w, w.engine.snapshots[2])  # now 3, 4, 5 continue it
-    assert [type(e) for e in events] == [ev.SnapshotLoaded, ev.Applied, ev.Applied, ev.Applied]
+    events = _feed(w, w.engine.deltas[3])  # in order: applies; 4 is still missing
+    assert [type(e) for e in events][:2] == [ev.Applied, ev.GapDetected]
+    assert w.replica.state is State.DESYNCED and w.replica.seq == 3
+    events = _feed(w, w.engine.deltas[4])  # now 4 and the buffered 5 apply
+    assert [type(e) for e in events] == [ev.Applied, ev.Applied]
     assert w.replica.state is State.SYNCED and w.replica.seq == 5
+    assert w.replica.data is not None and w.replica.data.digest == w.digest_at(1, 5)
+    assert requests_equal(replica_request(w.replica), w.engine.requests[5])
 
 
-@pytest.mark.parametrize("situation", [fresh, synced, desynced, closed, reopened])
+def test_retransmitted_deltas_recover_a_desynced_replica_without_a_snapshot() -> None:
+    """Lost deltas sent again, out of order and duplicated: each in-order one applies
+    with every buffered delta that continues it; the snapshot request is withdrawn."""
+    w = synced()  # at 3
+    w.engine.upto(8)
+    d = w.engine.deltas
+    assert isinstance(_feed(w, d[6], 1.0)[0], ev.GapDetected)  # 4 and 5 lost
+    _feed(w, d[8], 1.0)  # 7 lost too
+    assert [type(e) for e in w.replica.poll(1.1)] == []  # asked for a snapshot already
+    events = _feed(w, d[5], 2.0)  # a retransmission overtaking another: still a gap
+    assert w.replica.state is State.DESYNCED and isinstance(events[0], ev.Buffered)
+    events = _feed(w, d[4], 2.0)  # 4, then the buffered 5 and 6; 7 is missing
+    assert [e.seq for e in events if isinstance(e, ev.Applied)] == [4, 5, 6]
+    assert ev.GapDetected(7, 8) in events and w.replica.state is State.DESYNCED
+    assert _feed(w, d[5], 2.0) == [ev.Buffered(5)]  # stale now: held, never applied
+    events = _feed(w, d[7], 3.0)  # 7, then the buffered 8
+    assert [e.seq for e in events if isinstance(e, ev.Applied)] == [7, 8]
+    assert w.replica.state is State.SYNCED and w.replica.seq == 8
+    assert w.replica.data is not None and w.replica.data.digest == w.digest_at(1, 8)
+    assert w.replica.data.digest == w.replica.data.recompute_digest()
+    assert requests_equal(replica_request(w.replica), w.engine.requests[8])
+    assert w.replica.last is d[8]
+    assert not any(isinstance(e, ev.NeedSnapshot) for e in w.replica.poll(60.0))
+    assert [type(e) for e in _feed(w, w.engine.step(), 61.0)] == [ev.Applied]
+
+
+def test_a_rejected_delta_changes_nothing_and_its_true_copy_then_applies() -> None:
+    """A delta whose digest differs is refused with the state exactly as it was (two-phase
+    application); the genuine delta, sent again, applies: no snapshot needed."""
+    w = synced()  # at 3
+    d4 = w.engine.step()
+    before = state_fingerprint(w.replica.data)  # type: ignore[arg-type]
+    tampered = Delta(d4.epoch, d4.seq, d4.digest ^ 1, d4.body)
+    events = _feed(w, tampered)
+    assert isinstance(events[0], ev.RejectedDelta) and w.replica.state is State.DESYNCED
+    assert state_fingerprint(w.replica.data) == before  # type: ignore[arg-type]
+    assert w.replica.seq == 3 and w.replica.applied is None
+    assert _feed(w, d4) == [ev.Applied(4)]
+    assert w.replica.state is State.SYNCED and w.replica.data.digest == d4.digest  # type: ignore[union-attr]
+    assert requests_equal(replica_request(w.replica), w.engine.requests[4])
+
+
+def test_a_replica_started_at_the_epoch_start_needs_no_snapshot() -> None:
+    """``start=(epoch, state)``: SYNCED at seq 0, the epoch's deltas apply from the first;
+    ``applied`` and ``last`` hold the last applied delta's record, ``applied`` only
+    right after it; another epoch desyncs it as any synced replica."""
+    w = started()
+    assert w.replica.poll(0.0) == []  # nothing to ask for
+    for seq in (1, 2, 3):
+        delta = _delta(w, seq)
+        assert delta is not None and _feed(w, delta) == [ev.Applied(seq)]
+        assert w.replica.last is delta and w.replica.applied is not None
+        assert requests_equal(replica_request(w.replica), w.engine.requests[seq])
+    _feed(w, w.engine.heartbeat())
+    assert w.replica.applied is None and w.replica.last is w.engine.deltas[3]
+    assert w.replica.data is not None and w.replica.data.digest == w.digest_at(1, 3)
+    events = _feed(w, w.restarted.deltas[1])
+    assert isinstance(events[0], ev.EpochChanged) and w.replica.state is State.DESYNCED
+
+
+@pytest.mark.parametrize("situation", [fresh, synced, started, desynced, rejected, holding,
+                                       closed, reopened])
 def test_hello_major_version(situation: Callable[[], World]) -> None:
     w = situation()
     before = _observable(w.replica)
@@ -283,7 +389,7 @@ def test_hello_major_version(situation: Callable[[], World]) -> None:
 
 
 @pytest.mark.parametrize("epoch", [1, 2])
-@pytest.mark.parametrize("situation", [synced, desynced, closed])
+@pytest.mark.parametrize("situation", [synced, started, desynced, holding, closed])
 def test_worker_to_engine_messages_are_refused(situation: Callable[[], World],
                                                epoch: int) -> None:
     w = situation()

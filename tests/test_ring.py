@@ -1,5 +1,6 @@
-"""The local step ring (worker_side/ring.py) and its use by the transports: order, wrap,
-overrun, ON_PUB markers, reply rings, doorbells, re-attachment."""
+"""The local step ring (protocol/ring.py; its ends engine_side/ring.py and
+worker_side/ring.py) and its use by the transports: order, wrap, overrun, ON_PUB
+markers, reply rings, doorbells, re-attachment."""
 
 from __future__ import annotations
 
@@ -12,17 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from engine_side.ring import RingWriter
 from protocol.messages import AnyMessage, Delta, DeltaBody, Heartbeat
 from protocol.replies import StepResult
-from worker_side.ring import (
-    MESSAGE,
-    ON_PUB,
-    RingError,
-    RingReader,
-    RingWriter,
-    pack_frames,
-    unpack_frames,
-)
+from protocol.ring import MESSAGE, ON_PUB, pack_frames, unpack_frames
+from worker_side.ring import RingError, RingReader
 
 
 @pytest.fixture
@@ -146,8 +141,8 @@ def test_transport_merges_ring_and_pub_in_stream_order_and_rings_the_doorbell(
             engine.publish(Heartbeat(epoch=1, seq=0))
             if worker.recv(10):
                 break
-        small = DeltaBody(finished_unknown=("a",))
-        large = DeltaBody(finished_unknown=tuple(f"req-{i}" for i in range(100)))  # > 512 B
+        small = DeltaBody(extension=b"a")
+        large = DeltaBody(extension=bytes(600))  # > 512 B: half the ring
         for seq, body in enumerate([small, large, small], start=1):
             engine.publish(Delta(epoch=1, seq=seq, digest=0, body=body))
         got: list[int] = []

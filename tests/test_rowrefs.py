@@ -1,4 +1,4 @@
-"""Grammar bitmask rows by reference (engine_side.vllm.rowrefs): an encoder's and a
+"""Grammar bitmask rows by reference (protocol.bitmask): an encoder's and a
 decoder's row tables advance together, every bitmask comes back exact and writable,
 repeated rows cost a reference, and hostile references are refused before anything
 changes."""
@@ -13,8 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_side.vllm.rowrefs import RowTable
-from engine_side.vllm.schema import Deflated, RowRefs, SparseWords, expand, inflate
+from protocol.bitmask import Deflated, RowRefs, RowTable, SparseWords, expand, inflate
 from protocol.errors import MalformedMessage, RemoteProtocolError
 from protocol.packing import pack_uints
 

@@ -23,8 +23,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from oracle import Oracle
 
 from engine_side.mirror import EngineMirror
+from engine_side.request_diff import RequestDiffer
 from protocol.messages import TOKEN_MODE_ENGINE, TOKEN_MODE_WORKER
 from protocol.params import SamplingSpec
 from protocol.request import ExecuteModelRequest, Ragged, RequestSpec
@@ -112,8 +114,9 @@ def _frozen(tokens: list[int]) -> np.ndarray:
 
 
 def run(driver: Driver, runner: ModelRunner | None = None,
-        mirror: EngineMirror | None = None, steps: int | None = None) -> Tokens:
-    """Drive ``runner`` for ``steps`` steps (or to completion); return the outputs so far."""
+        mirror: RequestDiffer | Oracle | None = None, steps: int | None = None) -> Tokens:
+    """Drive ``runner`` for ``steps`` steps (or to completion), each step diffed into
+    ``mirror`` when given; return the outputs so far."""
     runner = runner or ModelRunner(MODEL, num_blocks=NUM_BLOCKS, block_size=BLOCK)
     done = 0
     while steps is None or done < steps:
@@ -240,9 +243,10 @@ def test_bad_requests_raise() -> None:
 @pytest.mark.parametrize("steps", [1, 2, 4])  # mid-prefill, prefill just done, decoding
 def test_recompute_then_continue_matches(steps: int) -> None:
     driver = Driver(prompts(), budget=24, max_tokens=8, sampling=SEEDED)
-    mirror = EngineMirror(token_mode=TOKEN_MODE_ENGINE, verify=True)
+    oracle = Oracle(token_mode=TOKEN_MODE_ENGINE)  # checks every step rebuilds exactly
+    mirror = oracle.mirror
     old = fresh_runner()
-    run(driver, old, mirror, steps=steps)
+    run(driver, old, oracle, steps=steps)
     rejoined, stale = fresh_runner(), fresh_runner()
     state = load_snapshot(mirror.snapshot())
     assert rejoined.recompute(state) > 0
@@ -259,7 +263,7 @@ def test_recompute_then_continue_matches(steps: int) -> None:
 def test_recompute_worker_owned_covers_prompt_only() -> None:
     driver = Driver(prompts(2), budget=64, sampling=SEEDED, engine_tokens=False)
     mirror = EngineMirror(token_mode=TOKEN_MODE_WORKER)
-    run(driver, fresh_runner(), mirror, steps=3)
+    run(driver, fresh_runner(), RequestDiffer(mirror), steps=3)
     rejoined = fresh_runner()
     assert rejoined.recompute(mirror.state) == 5 + 40
     req = driver.next_request()

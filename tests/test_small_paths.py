@@ -1,17 +1,34 @@
-"""Python-int paths for the few items of a common step agree with the numpy paths:
-short packed arrays, digest changes, and same-schedule deltas applied to a state."""
+"""Python-int paths for the few items of a common step agree with the numpy paths (short
+packed arrays, digest terms, the state's row writes), and the few-rows paths keep the
+general checks: a bad body is refused with the state unchanged."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
+import pytest
+from core_streams import core_streams, spec_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracle import state_fingerprint
+from replica_bodies import first_step
 
-from engine_side.mirror import EngineMirror
+from engine_side.mirror import EngineMirror, Entry
 from protocol import digest as dg
-from protocol.messages import DeltaBody, Rows
+from protocol import kernels
+from protocol import state as state_module
+from protocol.errors import InvalidDelta
+from protocol.messages import (
+    EMPTY_BODY,
+    MAX_BLOCK_ID,
+    TOKEN_MODE_ENGINE,
+    TOKEN_MODE_WORKER,
+    DeltaBody,
+    RareBody,
+    Rows,
+    Spec,
+)
 from protocol.packing import (
     SMALL,
     pack_sints,
@@ -21,8 +38,7 @@ from protocol.packing import (
     unpack_uint_list,
     unpack_uints,
 )
-from protocol.plan import STEADY_BODY
-from protocol.request import ExecuteModelRequest, Ragged, RequestSpec
+from protocol.rebuild import rebuild_request
 from protocol.state import ReplicaState
 
 INT64 = (1 << 63) - 1
@@ -42,246 +58,204 @@ def test_short_signed_lists_pack_like_arrays(values: list[int]) -> None:
     assert unpack_sint_list(packed) == values == unpack_sints(packed).tolist()
 
 
-@given(st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 5000), st.integers(0, 999),
-                          st.integers(0, 999)), max_size=2 * dg.SMALL))
-def test_digest_changes_match_the_numpy_terms(items: list[tuple[int, int, int, int]]) -> None:
-    hs, pos, old, new = (list(c) for c in zip(*items, strict=True)) if items else ([],) * 4
-    keys = dg.mix64(dg._u64(hs) * dg._K_SCHED + dg._u64(pos) * dg._K_POS) | np.uint64(1)
-    expected = (dg.total((dg._u64(new) + np.uint64(1)) * keys)
-                - dg.total((dg._u64(old) + np.uint64(1)) * keys)) & dg.MASK
-    assert dg.schedule_change(hs, pos, old, new) == (expected if items else 0)
-    deltas = [b - a for a, b in zip(old, new, strict=True)]
-    expected = (dg.total(dg.computed_terms(hs, new)) - dg.total(dg.computed_terms(hs, old)))
-    assert dg.computed_change(hs, deltas) == (expected & dg.MASK if items else 0)
-    if items:
-        assert dg.block_row_sums(hs[0], 1, pos[0], new) == dg.total(
-            dg.block_terms(hs[0], 1, pos[0], new))
-    assert dg.block_unit_terms(hs, 2, pos, new) == dg.block_terms_rows(hs, 2, pos, new).tolist()
-    for counts in ([1] * len(hs), [k % 3 for k in range(len(hs))]):  # numpy past dg.SMALL
-        flat = [v for v, c in zip(new, counts, strict=True) for _ in range(c)]
-        rows, at = [], 0
-        for h, p, c in zip(hs, pos, counts, strict=True):
-            rows.append(dg.total(dg.block_terms(h, 0, p, flat[at:at + c])) if c else 0)
-            at += c
-        assert dg.row_terms(hs, 0, pos, counts, flat) == rows
+def _every_path(fn: Any) -> list[Any]:
+    """``fn()`` with the C kernels, then without them on the numpy lines (every count
+    taken as many) and on the Python-int lines (every count taken as few)."""
+    out = [fn()]
+    for small in (0, 1 << 30):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernels, "keyed_sum", lambda *args: None)
+            patch.setattr(kernels, "row_mix_sums", lambda *args: None)
+            patch.setattr(dg, "SMALL", small)
+            out.append(fn())
+    return out
 
 
-def _request(n: int, computed: list[int], nsched: list[int],
-             tables: list[list[int]]) -> ExecuteModelRequest:
-    ids = [f"r{i}" for i in range(n)]
-    prompt = np.arange(8, dtype=np.int64)
-    prompt.flags.writeable = False
-    return ExecuteModelRequest(
-        req_ids=ids, specs=[RequestSpec(rid, prompt) for rid in ids],
-        num_scheduled_tokens=np.array(nsched, dtype=np.int64),
-        num_computed_tokens=np.array(computed, dtype=np.int64),
-        block_tables=(Ragged.from_lists(tables),), spec_token_ids=Ragged.empty(n),
-        encoder_inputs=Ragged.empty(n))
+@given(st.lists(st.tuples(st.integers(0, 1 << 24), st.integers(0, 5000),
+                          st.integers(0, (1 << 31) - 1), st.integers(0, 3)),
+                max_size=2 * dg.SMALL))
+def test_python_int_digest_terms_equal_the_numpy_ones(
+        items: list[tuple[int, int, int, int]]) -> None:
+    """Every digest term has one value whichever line computes it (C kernel, numpy,
+    Python ints), and it is the definition's (SPEC §5) computed term by term: keyed
+    sums of counts, the schedule term, block row terms and token row terms."""
+    hs, pos, values, counts = (list(c) for c in zip(*items, strict=True)) if items else ([],) * 4
+    h_, c_ = np.asarray(hs, dtype=np.int64), np.asarray(values, dtype=np.int64)
+    keyed = sum(c * dg.handle_key(h) for h, c in zip(hs, values, strict=True)) & dg.MASK
+    assert _every_path(lambda: dg.keyed_sum(h_, c_)) == [keyed] * 3
+    sched = sum((c + 1) * dg.schedule_key(h, i)
+                for i, (h, c) in enumerate(zip(hs, values, strict=True))) & dg.MASK
+    assert _every_path(lambda: dg.schedule_term(h_, c_)) == [sched] * 3
+    flat = [v + k for v, c in zip(values, counts, strict=True) for k in range(c)]
+    salt = (3 * dg.K_GROUP + dg.K_ROW) & dg.MASK
+    rows, at = [], 0
+    for h, p, c in zip(hs, pos, counts, strict=True):
+        rows.append(sum(dg.mix64_int((v * dg.K_SPEC + (p + k) * dg.K_POS + h * dg.K_HANDLE
+                                      + salt) & dg.MASK)
+                        for k, v in enumerate(flat[at:at + c])) & dg.MASK)
+        at += c
+    assert _every_path(lambda: dg.block_row_terms(hs, 3, pos, counts, flat)) == [rows] * 3
+    token_rows, at = [], 0
+    for h, p, c in zip(hs, pos, counts, strict=True):
+        token_rows.append(sum(dg.mix64_int((v * dg.K_TOKEN + (p + k) * dg.K_POS + h * dg.K_SPEC
+                                            + dg.K_ROW) & dg.MASK)
+                              for k, v in enumerate(flat[at:at + c])) & dg.MASK)
+        at += c
+    got = dg.token_sums(h_, np.asarray(pos, dtype=np.int64), np.asarray(counts, dtype=np.int64),
+                        np.asarray(flat, dtype=np.int64))
+    assert got.tolist() == token_rows
+
+
+def _bodies(stream: dict[str, Any]) -> list[tuple[DeltaBody, int, int]]:
+    """A core stream through a mirror: each step's body, digest and recomputed digest."""
+    mode = TOKEN_MODE_ENGINE if stream["engine_tokens"] else TOKEN_MODE_WORKER
+    mirror = EngineMirror(token_mode=mode, kv_groups=stream["kv_groups"])
+    out = []
+    for step in stream["steps"]:
+        kw = dict(step["kwargs"])
+        kw["added"] = [Entry(spec_of(req, t), req.computed,
+                             req.tokens if stream["engine_tokens"] else None)
+                       for req, t in kw["added"]]
+        delta, _ = mirror.step(kw.pop("batch"), kw.pop("nsched"), **kw)
+        out.append((delta.body, mirror.state.digest, mirror.state.recompute_digest()))
+    return out
 
 
 @settings(max_examples=60, deadline=None)
+@given(stream=core_streams(max_steps=8, max_batch=40))
+def test_few_rows_paths_give_the_vector_paths_bodies_and_digests(
+        stream: dict[str, Any]) -> None:
+    """Joins, finishes, schedule edits, count departures, block and token rows: the
+    Python-int lines (every count taken as few) and the vector lines (every count taken
+    as many) make the same bodies and digests, equal to the digest recomputed."""
+    default = _bodies(stream)
+    assert all(digest == recomputed for _, digest, recomputed in default)
+    for few in (0, 1 << 30):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(dg, "SMALL", few)
+            patch.setattr(state_module, "FEW_ROWS", few)
+            assert _bodies(stream) == default
+
+
+def _state(n: int, groups: int = 1) -> tuple[EngineMirror, ReplicaState]:
+    """A mirror after its first step (tests/replica_bodies.py: ``i % 3`` blocks
+    ``[100 * k + i, ...]`` for request ``i``) and a replica state of that step."""
+    mirror, delta = first_step(n, groups)
+    state = ReplicaState(kv_groups=groups)
+    state.apply(delta.body, delta.digest)
+    return mirror, state
+
+
+def _refused_unchanged(state: ReplicaState, body: DeltaBody) -> None:
+    before = state_fingerprint(state)
+    with pytest.raises(InvalidDelta):
+        state.apply(body)
+    assert state_fingerprint(state) == before
+    assert state.digest == state.recompute_digest()
+
+
+def test_a_same_schedule_body_is_checked_before_anything_changes() -> None:
+    _, state = _state(3)
+    _refused_unchanged(state, DeltaBody(computed_tokens=Rows(keys=pack_uints([1]),
+                                                             values=pack_sints([-20]))))
+
+
+@pytest.mark.parametrize("n", [3, 40])  # the few-rows lines and the vector lines
+def test_bad_block_appends_are_refused_unchanged(n: int) -> None:
+    """A position outside the schedule, a repeated position, counts that do not add up,
+    a block id past int32 (on one row and on many) and a group count that is not the
+    state's: each refused, the state unchanged; a good append then applies."""
+    _, state = _state(n)
+    every = list(range(n))
+    bad = [Rows(keys=pack_uints([n]), values=pack_uints([5])),
+           Rows(keys=pack_uints([1, 1]), values=pack_uints([5, 6])),
+           Rows(keys=pack_uints([1]), counts=pack_uints([2]), values=pack_uints([5])),
+           Rows(keys=pack_uints([1]), values=pack_uints([MAX_BLOCK_ID + 1])),
+           Rows(keys=pack_uints(every), values=pack_uints([5] * (n - 1) + [MAX_BLOCK_ID + 1])),
+           Rows(values=pack_uints([5] * (n + 1)))]  # every position: one value too many
+    for rows in bad:
+        _refused_unchanged(state, DeltaBody(block_append=(rows,)))
+        _refused_unchanged(state, DeltaBody(rare=RareBody(block_replace=(rows,))))
+    _refused_unchanged(state, DeltaBody(block_append=(Rows(keys=pack_uints([0]),
+                                                           values=pack_uints([1])),) * 2))
+    _refused_unchanged(state, DeltaBody(computed_tokens=Rows(keys=pack_uints([0]),
+                                                             values=pack_sints([-(1 << 40)]))))
+    good = DeltaBody(block_append=(Rows(keys=pack_uints([2, 0]), counts=pack_uints([2, 1]),
+                                        values=pack_uints([9, 10, MAX_BLOCK_ID])),))
+    state.apply(good)
+    assert state.digest == state.recompute_digest()
+    assert state.tables is not None
+    h0, h2 = state.schedule[0], state.schedule[2]
+    assert state.tables[0].row(h2).tolist() == [2, 102, 9, 10]
+    assert state.tables[0].row(h0).tolist() == [MAX_BLOCK_ID]
+
+
+def test_absent_counts_mean_one_value_per_row() -> None:
+    """SPEC §6 Rows: ``n`` absent = one value per row, ``h`` absent = every position in
+    order, for block rows and per-step rows alike."""
+    _, state = _state(3)
+    body = DeltaBody(block_append=(Rows(keys=pack_uints([2, 0]), values=pack_uints([9, 11])),),
+                     spec_tokens=Rows(values=pack_uints([5, 6, 7])))
+    applied = state.apply(body)
+    assert state.digest == state.recompute_digest()
+    assert state.tables is not None
+    assert state.tables[0].row(state.schedule[2]).tolist() == [2, 102, 9]
+    assert state.tables[0].row(state.schedule[0]).tolist() == [11]
+    request = rebuild_request(state, body, applied, {})
+    assert request.spec_token_ids.to_lists() == [[4], [5], [6]]  # drafts travel as id + 1
+    every = DeltaBody(block_append=(Rows(values=pack_uints([20, 21, 22])),))
+    state.apply(every)
+    assert [state.tables[0].row(h).tolist()[-1] for h in state.schedule] == [20, 21, 22]
+    assert state.digest == state.recompute_digest()
+
+
+@settings(max_examples=40, deadline=None)
 @given(st.integers(1, 40), st.data())
-def test_same_schedule_deltas_keep_the_digest(n: int, data: st.DataObject) -> None:
-    """Count exceptions, changed scheduled counts and block appends, then steady steps:
-    the incremental digest equals the one recomputed from scratch."""
-    computed, nsched = [8] * n, [1] * n
-    tables = [[i] for i in range(n)]
-    mirror = EngineMirror(verify=True)
-    mirror.diff(_request(n, computed, nsched, tables))
+def test_same_schedule_steps_keep_the_digest_and_end_steady(n: int, data: st.DataObject) -> None:
+    """Count departures, changed scheduled counts and block appends on one schedule, then
+    steady steps: the incremental digest equals the recomputed one; steady steps send
+    the empty body."""
+    mirror, _ = _state(n)
+    computed = mirror.state.cols.computed[mirror.state.schedule].tolist()
+    nsched = mirror.state.nsched.tolist()
+    batch = list(mirror.batch)
     for step in range(6):
         computed = [c + s for c, s in zip(computed, nsched, strict=True)]
         for i in data.draw(st.lists(st.integers(0, n - 1), max_size=4, unique=True)):
             computed[i] = max(0, computed[i] + data.draw(st.integers(-3, 3)))
         for i in data.draw(st.lists(st.integers(0, n - 1), max_size=4, unique=True)):
             nsched[i] = data.draw(st.integers(1, 4))
-        for i in data.draw(st.lists(st.integers(0, n - 1), max_size=40)):
-            tables[i] = tables[i] + [1000 * step + i]
-        mirror.diff(_request(n, computed, list(nsched), [list(t) for t in tables]))
+        grown = sorted(set(data.draw(st.lists(st.integers(0, n - 1), max_size=40))))
+        appends = [(grown, [1] * len(grown), [1000 * step + i for i in grown])]
+        mirror.step(batch, list(nsched), computed=list(computed), appends=appends)
         assert mirror.state.recompute_digest() == mirror.state.digest
+        assert mirror.state.cols.computed[mirror.state.schedule].tolist() == computed
     for _ in range(3):
         computed = [c + s for c, s in zip(computed, nsched, strict=True)]
-        assert mirror.diff(_request(n, computed, list(nsched), tables)).body == STEADY_BODY
+        delta, _ = mirror.step(batch, list(nsched), computed=list(computed))
+        assert delta.body is EMPTY_BODY
         assert mirror.state.recompute_digest() == mirror.state.digest
 
 
-def test_a_same_schedule_body_is_checked_before_anything_changes() -> None:
-    mirror = EngineMirror()
-    mirror.diff(_request(3, [8] * 3, [1] * 3, [[0], [1], [2]]))
-    state: ReplicaState = mirror.state
-    before = state.digest
-    bad = DeltaBody(computed_tokens=Rows(handles=pack_uints([1]), values=pack_sints([-20])))
-    try:
-        state.apply(bad)
-    except Exception as exc:  # noqa: BLE001 - the type is checked below
-        assert type(exc).__name__ == "InvalidDelta"
-    else:
-        raise AssertionError("a negative computed count was applied")
-    assert state.digest == before == state.recompute_digest()
-
-
-def test_bad_block_appends_are_refused_unchanged() -> None:
-    """The few-appends path keeps the general checks: a handle not live, a repeated
-    handle, a shape mismatch and a count-overflowing exception are all refused."""
-    mirror = EngineMirror()
-    mirror.diff(_request(3, [8] * 3, [1] * 3, [[0], [1], [2]]))
-    state: ReplicaState = mirror.state
-    before = state.digest
-    bad = [Rows(handles=pack_uints([7]), values=pack_uints([5])),
-           Rows(handles=pack_uints([1, 1]), values=pack_uints([5, 6])),
-           Rows(handles=pack_uints([1]), counts=pack_uints([2]), values=pack_uints([5]))]
-    bodies = [DeltaBody(block_append=(rows,)) for rows in bad]
-    bodies.append(DeltaBody(computed_tokens=Rows(handles=pack_uints([0]),
-                                                 values=pack_sints([(1 << 63) - 9]))))
-    for body in bodies:
-        try:
-            state.apply(body)
-        except Exception as exc:  # noqa: BLE001 - the type is checked below
-            assert type(exc).__name__ == "InvalidDelta", exc
-        else:
-            raise AssertionError(f"applied {body}")
-        assert state.digest == before == state.recompute_digest()
-    good = DeltaBody(block_append=(Rows(handles=pack_uints([2, 0]), counts=pack_uints([2, 1]),
-                                        values=pack_uints([9, 10, 11])),))
-    state.apply(good)
+@pytest.mark.parametrize("n", [3, 20])  # rows written one by one, and by vector scatters
+def test_rows_whose_counts_add_up_to_the_row_count_are_written_whole(n: int) -> None:
+    """Block and token rows of uneven counts whose sum happens to equal the number of rows
+    (here 2, 0, 1, 1, ...): every row gets all its values, not one each."""
+    mirror = EngineMirror(token_mode=TOKEN_MODE_ENGINE)
+    specs = [Spec(req_id=f"r{i}", prompt=pack_uints([1, 2])) for i in range(n)]
+    delta, _ = mirror.step([f"r{i}" for i in range(n)], [1] * n,
+                           added=[Entry(s, 0, [9, 9, 9]) for s in specs],
+                           appends=[(list(range(n)), [3] * n, [5] * 3 * n)])
+    state = ReplicaState(TOKEN_MODE_ENGINE)
+    state.apply(delta.body, delta.digest)
+    counts = [2, 0] + [1] * (n - 2)
+    values = list(range(10, 10 + n))
+    rows = Rows(counts=pack_uints(counts), values=pack_uints(values))
+    state.apply(DeltaBody(rare=RareBody(block_replace=(rows,)), tokens=rows))
+    assert state.tables is not None
+    tables = [state.tables[0].row(h).tolist() for h in state.schedule]
+    histories = [state.token_history(h).tolist() for h in state.schedule]
+    assert tables[:2] == [[10, 11], []] and tables[2:] == [[v] for v in values[2:]]
+    assert histories[:2] == [[9, 9, 9, 10, 11], [9, 9, 9]]
+    assert histories[2:] == [[9, 9, 9, v] for v in values[2:]]
     assert state.digest == state.recompute_digest()
-    assert state.blocks[0][2].tolist() == [2, 9, 10] and state.blocks[0][0].tolist() == [0, 11]
-
-
-def test_absent_counts_mean_one_value_per_row() -> None:
-    """SPEC §6 Rows: ``n`` absent = one value per row, for block rows and aligned rows."""
-    mirror = EngineMirror()
-    mirror.diff(_request(3, [8] * 3, [1] * 3, [[0], [1], [2]]))
-    state: ReplicaState = mirror.state
-    state.apply(DeltaBody(block_append=(Rows(handles=pack_uints([2, 0]),
-                                             values=pack_uints([9, 11])),),
-                          spec_tokens=Rows(values=pack_uints([4, 5, 6]))))
-    assert state.digest == state.recompute_digest()
-    assert state.blocks[0][2].tolist() == [2, 9] and state.blocks[0][0].tolist() == [0, 11]
-    assert state.rebuild().spec_token_ids.to_lists() == [[4], [5], [6]]
-
-
-@given(st.lists(st.integers(0, (1 << 20) + 64), max_size=40))
-def test_cached_handle_keys_match_the_mixed_ones(handles: list[int]) -> None:
-    """The process-wide key table (grown on demand, bypassed past its limit) gives the
-    keys the mixing function gives; one handle's spec term likewise on Python ints."""
-    expected = dg._handle_keys_uncached(handles) if handles else np.zeros(0, np.uint64)
-    assert dg.handle_keys(handles).tolist() == expected.tolist()
-    assert [dg.handle_key_int(h) for h in handles] == expected.tolist()
-    for h in handles[:4]:
-        assert dg.spec_term_int(h, h * 7919) == int(dg.spec_terms([h], [h * 7919])[0])
-
-
-def _general_bodies(state: ReplicaState) -> list[DeltaBody]:
-    """Bodies that finish handle 0, add handle 5 and edit tables, some of them refused."""
-    from protocol.messages import NewRequest
-
-    add = NewRequest(handle=5, req_id="r5", prompt=pack_uints(list(range(8))))
-    sched = state.schedule.tolist()
-    common: dict[str, Any] = {"finished": pack_uints([0]), "added": (add,),
-              "schedule_drop": pack_uints([0]), "schedule_append": pack_uints([5])}
-    replace = Rows(handles=pack_uints([5, 1]), counts=pack_uints([3, 0]),
-                   values=pack_uints([40, 41, 42]))
-    append = Rows(handles=pack_uints([2, 5]), counts=pack_uints([2, 1]),
-                  values=pack_uints([50, 51, 52]))
-    bad = [Rows(handles=pack_uints([0]), values=pack_uints([1])),  # finished: not live
-           Rows(handles=pack_uints([2, 2]), values=pack_uints([1, 2])),  # repeated
-           Rows(handles=pack_uints([2]), counts=pack_uints([2]), values=pack_uints([1])),
-           Rows(handles=pack_uints([2]), values=pack_uints([1 << 31]))]  # over 31 bits
-    assert sched == [0, 1, 2]
-    bodies = [DeltaBody(**common, block_replace=(replace,)),
-              DeltaBody(**common, block_append=(append,)),
-              DeltaBody(**common, block_replace=(replace,), block_append=(append,))]
-    bodies += [DeltaBody(**common, block_append=(rows,)) for rows in bad]
-    return bodies + [DeltaBody(**common, block_replace=(rows,)) for rows in bad]
-
-
-def test_few_block_edits_of_general_steps_match_the_numpy_path() -> None:
-    """Replacements and appends of a step that also finishes and adds (Python ints for a
-    few rows) give the numpy path's tables and digest, and refuse what it refuses with
-    the same error, leaving the state unchanged."""
-    import pytest
-
-    from protocol.plan_blocks import BlockPlanner
-
-    def outcome(body: DeltaBody) -> tuple[object, ...]:
-        mirror = EngineMirror()
-        mirror.diff(_request(3, [8] * 3, [1] * 3, [[0], [1, 2], [3]]))
-        state: ReplicaState = mirror.state
-        before = state.digest
-        try:
-            state.apply(body)
-        except Exception as exc:  # noqa: BLE001 - compared below
-            assert state.digest == before == state.recompute_digest()
-            return type(exc).__name__, str(exc)
-        assert state.digest == state.recompute_digest()
-        return state.digest, [state.blocks[0][h].tolist() for h in (1, 2, 5)]
-
-    mirror = EngineMirror()
-    mirror.diff(_request(3, [8] * 3, [1] * 3, [[0], [1, 2], [3]]))
-    few_edit, taken = BlockPlanner._few_edit, []
-
-    def spy(self: BlockPlanner, *args: object) -> object:
-        edit = few_edit(self, *args)  # type: ignore[arg-type]
-        taken.append(edit is not None)
-        return edit
-
-    refused = 0
-    for body in _general_bodies(mirror.state):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(BlockPlanner, "_few_edit", spy)
-            fast = outcome(body)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(BlockPlanner, "_few_edit", lambda *args: None)
-            assert outcome(body) == fast
-        refused += fast[0] == "InvalidDelta"
-    assert refused == 8 and taken[:3] == [True] * 3
-
-
-def _general_run(steps: list[list[tuple[str, int, int]]]) -> list[tuple[DeltaBody, int, int]]:
-    """Requests of (id, computed, scheduled) rows through a verifying mirror: each step's
-    body, digest and recomputed digest."""
-    prompt = np.arange(8, dtype=np.int64)
-    prompt.flags.writeable = False
-    specs = {rid: RequestSpec(rid, prompt) for step in steps for rid, _, _ in step}
-    mirror = EngineMirror(verify=True)
-    out: list[tuple[DeltaBody, int, int]] = []
-    for rows in steps:
-        ids = [rid for rid, _, _ in rows]
-        request = ExecuteModelRequest(
-            req_ids=ids, specs=[specs[rid] for rid in ids],
-            num_scheduled_tokens=np.array([s for _, _, s in rows], dtype=np.int64),
-            num_computed_tokens=np.array([c for _, c, _ in rows], dtype=np.int64),
-            block_tables=(Ragged.from_lists([[int(rid[1:])] for rid in ids]),),
-            spec_token_ids=Ragged.empty(len(ids)), encoder_inputs=Ragged.empty(len(ids)))
-        body = mirror.diff(request).body
-        out.append((body, mirror.state.digest, mirror.state.recompute_digest()))
-    return out
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.data())
-def test_few_count_paths_of_changed_schedules_match_the_numpy_paths(
-        data: st.DataObject) -> None:
-    """Schedules that drop, add and reorder requests, with computed and scheduled counts
-    off the prediction: the Python-int count paths give the numpy paths' bodies and
-    digests (and the digest recomputed from scratch)."""
-    import pytest
-
-    from protocol import plan, plan_counts
-
-    pool = [f"r{i}" for i in range(12)]
-    steps, computed = [], dict.fromkeys(pool, 0)
-    for _ in range(data.draw(st.integers(2, 6))):
-        ids = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=12, unique=True))
-        rows = []
-        for rid in ids:
-            computed[rid] += data.draw(st.integers(-2, 5))
-            computed[rid] = max(computed[rid], 0)
-            rows.append((rid, computed[rid], data.draw(st.integers(1, 4))))
-        steps.append(rows)
-    few = _general_run(steps)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan, "FEW_ROWS", 0)  # the schedule edits
-        mp.setattr(plan_counts, "FEW_ROWS", 0)  # the computed and scheduled counts
-        assert _general_run(steps) == few
-    assert all(digest == recomputed for _, digest, recomputed in few)

@@ -1,15 +1,17 @@
 """Convergence of engine mirror and worker replicas over a lossy network (model-based).
 
 A random engine workload (``tests/engine_model.py``) produces one full
-``ExecuteModelRequest`` per step; the :class:`EngineMirror` turns it into a Delta
-that travels as bytes through ``tests/fakenet.py`` to several
-:class:`WorkerReplica`s, with loss, duplication, reordering, late joins,
-heartbeats, snapshots on request and engine restarts.  Checked throughout:
+``ExecuteModelRequest`` per step; a :class:`RequestDiffer` turns it into the
+:class:`EngineMirror`'s Delta, which travels as bytes through ``tests/fakenet.py`` to
+several :class:`WorkerReplica`s, with loss, duplication, reordering, late joins,
+replicas there from the epoch's start (``start=``), heartbeats, snapshots on request,
+retransmissions of the deltas a desynced replica missed, and engine restarts.
+Checked throughout:
 
-1. every applied step rebuilds exactly the engine's request for that step, and
-   no genuine delta or snapshot is ever rejected;
-2. a replica never applies across a gap: after ``SnapshotLoaded(s)`` it applies
-   ``s + 1, s + 2, ...`` of the same epoch and nothing else;
+1. every applied step rebuilds (``rebuild_request``) exactly the engine's request for
+   that step, and no genuine delta or snapshot is ever rejected;
+2. a replica never applies across a gap: after ``SnapshotLoaded(s)`` (or its start at
+   ``s = 0``) it applies ``s + 1, s + 2, ...`` of the same epoch and nothing else;
 3. a SYNCED replica's digest is consistent and equals the engine's at its seq;
 4. after delivering everything plus a snapshot, all replicas are SYNCED at the
    engine's seq with the engine's digest (``settle``, also run at teardown).
@@ -63,13 +65,13 @@ class SyncMachine(RuleBasedStateMachine):
 
     @initialize(token_mode=st.sampled_from([TOKEN_MODE_WORKER, TOKEN_MODE_ENGINE]),
                 kv_groups=st.sampled_from([1, 2]), workers=st.integers(1, 3),
-                cold=st.booleans(), seed=SEEDS)
-    def start(self, token_mode: int, kv_groups: int, workers: int, cold: bool,
+                start=st.sampled_from(["cold", "warm", "started"]), seed=SEEDS)
+    def start(self, token_mode: int, kv_groups: int, workers: int, start: str,
               seed: int) -> None:
-        self._h = Harness(token_mode, kv_groups, workers)
+        self._h = Harness(token_mode, kv_groups, workers, started=start == "started")
         self.seed = seed  # engine steps draw nothing: their seeds follow from this one
         self.h.poll(0.0)  # joining replicas ask for a snapshot
-        for w in range(0 if cold else workers):  # warm start: the snapshot at seq 0 arrived
+        for w in range(workers if start == "warm" else 0):  # the snapshot at seq 0 arrived
             self.h.serve_snapshot(w)
             self.h.deliver(w)
 
@@ -184,6 +186,22 @@ class SyncMachine(RuleBasedStateMachine):
         self.h.serve_snapshot(w, front)
         note(f"snapshot at {self.h.mirror.seq} queued for worker {w} (front: {front})")
 
+    @precondition(lambda self: any(self.h.missing(w) for w in range(len(self.h.workers))))
+    @rule(data=st.data(), front=st.booleans(), how=st.sampled_from(["all", "first", "some"]))
+    def retransmit(self, data: st.DataObject, front: bool, how: str) -> None:
+        """Recovery without a snapshot: the engine sends a desynced worker (of its epoch)
+        the deltas it missed -- all of them, only the first, or a random subset."""
+        wanting = [w for w in range(len(self.h.workers)) if self.h.missing(w)]
+        w = data.draw(st.sampled_from(wanting), label="worker")
+        keys = self.h.missing(w)
+        if how == "first":
+            keys = keys[:1]
+        elif how == "some":
+            keys = data.draw(st.lists(st.sampled_from(keys), min_size=1, unique=True),
+                             label="deltas")
+        self.h.retransmit(w, keys, front)
+        note(f"retransmit {[k[1] for k in keys]} to worker {w} (front: {front})")
+
     @precondition(lambda self: any(w.wants_snapshot for w in self.h.workers))
     @rule(data=st.data())
     def lose_snapshot_request(self, data: st.DataObject) -> None:
@@ -215,9 +233,13 @@ TestSyncStateful = SyncMachine.TestCase
 
 
 # -- deterministic scenarios ---------------------------------------------------------------
-def _synced_harness(token_mode: int, kv_groups: int, workers: int) -> Harness:
-    """A harness whose workers have loaded the initial snapshot."""
-    h = Harness(token_mode, kv_groups, workers)
+def _synced_harness(token_mode: int, kv_groups: int, workers: int,
+                    started: bool = False) -> Harness:
+    """A harness whose workers have loaded the initial snapshot (or, ``started``,
+    exist from the epoch's start)."""
+    h = Harness(token_mode, kv_groups, workers, started=started)
+    if started:
+        return h
     h.poll(0.0)
     for w in range(workers):
         assert h.workers[w].wants_snapshot
@@ -236,11 +258,12 @@ def _step_and_deliver(h: Harness, seed: int) -> None:
         assert worker.anchor == (h.mirror.epoch, h.mirror.seq)
 
 
+@pytest.mark.parametrize("started", [False, True])
 @pytest.mark.parametrize("token_mode", [TOKEN_MODE_WORKER, TOKEN_MODE_ENGINE])
 @pytest.mark.parametrize("kv_groups", [1, 2])
-def test_scripted_lossless(token_mode: int, kv_groups: int) -> None:
+def test_scripted_lossless(token_mode: int, kv_groups: int, started: bool) -> None:
     """Adds, prefills, decodes, preemption, resume, id reuse; equality at every step."""
-    h = _synced_harness(token_mode, kv_groups, workers=2)
+    h = _synced_harness(token_mode, kv_groups, workers=2, started=started)
     m = h.model
     for seed in range(4):
         m.add_request(seed)
@@ -290,6 +313,32 @@ def test_drop_then_snapshot() -> None:
     _step_and_deliver(h, 24)
     assert h.workers[1].replica.state is State.SYNCED
     assert h.workers[1].replica.seq == h.workers[0].replica.seq == h.mirror.seq
+
+
+@pytest.mark.parametrize("front", [False, True])
+def test_drop_then_retransmit(front: bool) -> None:
+    """Lost deltas are detected at the next one; the engine sends the missing ones again
+    and the replica applies them and the buffered ones after them: SYNCED, no snapshot."""
+    h = _synced_harness(TOKEN_MODE_ENGINE, 2, workers=2, started=True)
+    for seed in range(5):
+        h.model.add_request(seed)
+    for seed in range(10, 14):
+        _step_and_deliver(h, seed)
+    for seed in range(20, 24):
+        h.step(seed)
+    h.net.links[1].drop(0)  # worker 1 misses steps 5 and 6
+    h.net.links[1].drop(0)
+    h.deliver(1)
+    assert h.workers[1].replica.state is State.DESYNCED and h.workers[1].wants_snapshot
+    assert h.missing(1) == [(1, 5), (1, 6), (1, 7), (1, 8)]
+    h.retransmit(1, h.missing(1)[:2], front=front)  # only what was lost
+    while h.net.links[1].queue:
+        h.deliver(1)
+    assert h.workers[1].replica.state is State.SYNCED and not h.workers[1].wants_snapshot
+    assert h.workers[1].replica.stats["snapshots"] == 0
+    assert h.coverage["recovered by retransmission"] == 1
+    _step_and_deliver(h, 24)
+    assert h.workers[1].applied == h.mirror.seq
 
 
 def test_engine_tokens_edited_before_the_last_token() -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from oracle import Oracle
 
 from engine_side.demo import admit, make_jobs, make_scheduler, reference_outputs
 from engine_side.liveness import LivenessView, WorkerBack, WorkerDead, WorkerJoined, WorkerStuck
@@ -126,7 +127,7 @@ def test_replies_round_trip_and_reject_garbage() -> None:
             decode_reply(frames)
 
 
-def _drive(scheduler: Scheduler, runner: object, mirror: EngineMirror | None = None,
+def _drive(scheduler: Scheduler, runner: object, mirror: Oracle | None = None,
            arrivals: int = 10) -> dict[str, list[int]]:
     rng = np.random.default_rng(3)
     for i in range(arrivals):
@@ -134,7 +135,7 @@ def _drive(scheduler: Scheduler, runner: object, mirror: EngineMirror | None = N
     while scheduler.has_work():
         request = scheduler.schedule()
         if mirror is not None:
-            mirror.diff(request)  # verify=True: the workers' rebuild equals the request
+            mirror.diff(request)  # the oracle: the workers' rebuild equals the request
         out = runner.execute(request)  # type: ignore[attr-defined]
         scheduler.update(out.req_ids, out.token_ids)
     return {k: v.tolist() for k, v in scheduler.finished.items()}
@@ -151,7 +152,7 @@ def test_scheduler_preemption_and_chunking_do_not_change_outputs() -> None:
     model = TinyModel(seed=0)
     roomy = Scheduler(num_blocks=256, token_budget=256, max_running=16)
     tight = Scheduler(num_blocks=12, token_budget=24, max_running=8)
-    mirror = EngineMirror(token_mode=TOKEN_MODE_ENGINE, verify=True)
+    mirror = Oracle(token_mode=TOKEN_MODE_ENGINE)
     want = _drive(roomy, ModelRunner(model, num_blocks=256))
     got = _drive(tight, ModelRunner(model, num_blocks=256), mirror)
     assert tight.num_preemptions > 0
@@ -248,15 +249,15 @@ def test_large_tensor_frames_go_out_zero_copy_and_arrive_intact(short_dir: Path,
                                                                 ring: int) -> None:
     import torch
 
-    from protocol.messages import Delta, DeltaBody, NewRequest
+    from protocol.messages import Delta, DeltaBody, NewRequest, Spec, encode_spec
     from protocol.tensors import tensors_equal
     from worker_side.transport import WorkerTransport
 
     engine = EngineTransport(f"ipc://{short_dir}/e", ring_bytes=ring)
     worker = WorkerTransport(engine.endpoint, rank=0)
     embeds = torch.arange(300_000, dtype=torch.float32).reshape(1000, 300)
-    body = DeltaBody(added=(NewRequest(handle=0, req_id="r", prompt_none=True,
-                                       prompt_embeds=embeds),))
+    spec = encode_spec(Spec(req_id="r", prompt_none=True, embeds=("float32", (1000, 300))))
+    body = DeltaBody(added=(NewRequest(handle=0, spec=spec, embeds=embeds),))
     try:
         for _ in range(500):  # until the subscription is live (bounded)
             engine.publish(Heartbeat(epoch=1, seq=0))
@@ -266,7 +267,7 @@ def test_large_tensor_frames_go_out_zero_copy_and_arrive_intact(short_dir: Path,
         embeds.zero_()  # allowed: publish waited on the MessageTracker (or copied into the ring)
         assert size > embeds.nbytes
         delta = next(m for _ in range(200) for m in worker.recv(20) if isinstance(m, Delta))
-        received = delta.body.added[0].prompt_embeds
+        received = delta.body.added[0].embeds
         assert tensors_equal(received, torch.arange(300_000, dtype=torch.float32)
                              .reshape(1000, 300))
     finally:
@@ -304,7 +305,7 @@ class Harness:
 
 def spawn_worker(endpoint: str, rank: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "worker_side.main", "--connect", endpoint, "--rank", str(rank),
-           "--num-blocks", "256", "--engine-timeout", "20", *extra]
+           "--num-blocks", "256", "--engine-timeout", "20", "-v", *extra]  # -v: worker-stats
     return subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.DEVNULL, stderr=log.open("wb"))
 
 

@@ -24,16 +24,11 @@ from vllm.v1.outputs import KVConnectorOutput, LogprobsLists, ModelRunnerOutput 
 from vllm_equal import assert_vllm_equal  # noqa: E402
 from vllm_streams import scheduler_streams  # noqa: E402
 
-from engine_side.vllm import BadSeal, SchedulerOutputEncoder, SchemaMismatch, TokenLedger  # noqa: E402
-from engine_side.vllm.schema import (  # noqa: E402
-    DEFLATE_MAX,
-    GrammarMsg,
-    ReplyMsg,
-    check_schema,
-    sparse_words,
-    vllm_classes,
-)
+from engine_side.vllm import BadSeal, SchedulerOutputEncoder, SchemaMismatch  # noqa: E402
+from engine_side.vllm.schema import check_schema, vllm_classes  # noqa: E402
+from protocol.bitmask import DEFLATE_MAX, GrammarMsg, sparse_words  # noqa: E402
 from protocol.errors import MalformedMessage, RemoteProtocolError  # noqa: E402
+from protocol.ext import ReplyMsg  # noqa: E402
 from protocol.packing import pack_uints  # noqa: E402
 from worker_side.vllm import SchedulerOutputDecoder  # noqa: E402
 
@@ -45,11 +40,10 @@ def _wire(frames: list[Any]) -> list[bytes]:
     return [bytes(f) for f in frames]
 
 
-def _pair(ledger: bool = False, kv_groups: int | None = None,
+def _pair(kv_groups: int | None = None,
           ) -> tuple[SchedulerOutputEncoder, SchedulerOutputDecoder]:
-    return (SchedulerOutputEncoder(kv_groups, secret=SECRET,
-                                   ledger=TokenLedger() if ledger else None, verify=True),
-            SchedulerOutputDecoder(secret=SECRET, ledger=TokenLedger() if ledger else None))
+    return (SchedulerOutputEncoder(kv_groups, secret=SECRET),
+            SchedulerOutputDecoder(secret=SECRET))
 
 
 @settings(max_examples=40)
@@ -71,8 +65,10 @@ def test_generated_streams_round_trip_exactly(stream: dict[str, Any]) -> None:
 
 @settings(max_examples=15)
 @given(stream=scheduler_streams(v2=True))
-def test_v2_prefill_references_tokens_workers_hold(stream: dict[str, Any]) -> None:
-    enc, dec = _pair(ledger=True, kv_groups=stream["kv_groups"])
+def test_v2_streams_and_their_replies_round_trip(stream: dict[str, Any]) -> None:
+    """Model Runner V2's shape: resumed requests arrive as new ones whose
+    ``prefill_token_ids`` (the history) travel as a reference to their prompt."""
+    enc, dec = _pair(kv_groups=stream["kv_groups"])
     for so in stream["steps"]:
         got = dec.decode(_wire(enc.encode(so)))
         assert_vllm_equal(so, got)
@@ -382,7 +378,7 @@ SCENARIOS = ("main", "spec")
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine_side.bench.vllm_streams import build_tiny_model
+    from engine_side.bench.vllm_scenarios import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny-llama")
 
@@ -449,7 +445,8 @@ def test_sampling_params_from_equal_specs_are_exact_and_share_nothing() -> None:
     no list or set is shared with an earlier request's."""
     from vllm import SamplingParams
 
-    from engine_side.vllm.params import SamplingMaker, SpecReader, sampling_to_spec
+    from engine_side.vllm.params import SpecReader, sampling_to_spec
+    from worker_side.vllm.params import SamplingMaker
 
     params = [SamplingParams(temperature=0.0, max_tokens=8, stop=["x"], stop_token_ids=[3]),
               SamplingParams(temperature=0.0, max_tokens=8, stop=["x"], stop_token_ids=[3]),

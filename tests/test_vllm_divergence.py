@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from engine_side.vllm.divergence import RankDiverged, TokenHashBoard
+from protocol.calls import CHECK_IN_PAYLOAD, parse_check_in
 from protocol.errors import MalformedMessage
-from worker_side.vllm.tokenhash import CHECK_IN, TokenHash, parse_check_in
+from worker_side.vllm.tokenhash import TokenHash
 
 STEPS = [(["a", "b"], [[5], [7, 8]]), (["a"], [[9]]), (["b", "c"], [[], [1]])]
 
@@ -37,7 +38,7 @@ def test_check_in_payload_round_trips() -> None:
     assert parse_check_in(h.check_in()) == (3, h.value)
     with pytest.raises(MalformedMessage, match="check-in payload"):
         parse_check_in(h.check_in()[:-1])
-    assert CHECK_IN.size == 16
+    assert CHECK_IN_PAYLOAD.size == 16
 
 
 def test_board_names_the_rank_that_differs_from_the_reference_once() -> None:

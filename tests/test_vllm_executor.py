@@ -28,7 +28,7 @@ TOKEN_BUDGET = 256  # max_num_batched_tokens in the script
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine_side.bench.vllm_streams import build_tiny_model
+    from engine_side.bench.vllm_scenarios import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("vllm-exec") / "tiny-llama")
 

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine_side.bench.vllm_streams import build_tiny_model
+    from engine_side.bench.vllm_scenarios import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("vllm-features") / "tiny-llama")
 

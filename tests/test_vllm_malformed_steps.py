@@ -2,11 +2,10 @@
 
 The engine's input is its own scheduler's, so a malformed step is a bug on our side of
 the wire (a vLLM we do not know, a patched scheduler).  It must fail loudly, as a typed
-:class:`LocalProtocolError` that names the requests, before anything is sent -- never a
-bare KeyError, never a frame that silently finishes or schedules some other request.
-Each generated valid stream gets one step corrupted one way; the fast encoder (the
-same-batch, finish and turnover paths) and the general one (``fast=False``) must raise
-the same error.
+:class:`LocalProtocolError`, before anything is sent and with the encoder's mirror of
+the workers' state unchanged -- never a bare KeyError or IndexError, never a frame that
+silently finishes or schedules some other request.  Each generated valid stream gets
+one step corrupted one way.
 
 The worker's input comes off the wire: any corruption of a real frame must decode
 (a flip in a field no digest covers) or raise a typed ProtocolError -- never a bare
@@ -22,13 +21,19 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
+import msgspec  # noqa: E402
 from hypothesis import HealthCheck, assume, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from oracle import state_fingerprint  # noqa: E402
+from vllm_equal import assert_vllm_equal  # noqa: E402
 from vllm_streams import scheduler_streams  # noqa: E402
 
 from engine_side.vllm import SchedulerOutputEncoder  # noqa: E402
-from engine_side.vllm.convert import check_scheduled  # noqa: E402
+from protocol import codec  # noqa: E402
 from protocol.errors import LocalProtocolError, MalformedMessage, ProtocolError  # noqa: E402
+from protocol.ext import TokenRef, decode_ext, encode_ext  # noqa: E402
+from protocol.messages import Delta  # noqa: E402
+from protocol.packing import pack_uints  # noqa: E402
 from worker_side.vllm import SchedulerOutputDecoder  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -118,21 +123,37 @@ CORRUPTIONS = {
 }
 
 
-def _refusal(steps: list[Any], fast: bool) -> LocalProtocolError:
-    """The error the last of ``steps`` raises (the ones before it must encode)."""
-    enc = SchedulerOutputEncoder(secret=SECRET, fast=fast)
+def _mirror(enc: SchedulerOutputEncoder) -> tuple[Any, ...]:
+    """Everything the encoder's mirror holds: its state, seq, ids, batch, and the handles
+    its allocator hands out (free ones below its next; a freed top one is the same)."""
+    m = enc.mirror
+    assert m is not None
+    free, top = set(m.allocator._free), m.allocator._next
+    while top - 1 in free:
+        top -= 1
+        free.discard(top)
+    return (state_fingerprint(m.state), m.seq, dict(m.ids), list(m.batch), list(m._nsched),
+            sorted(free), top)
+
+
+def _refusal(steps: list[Any], kv_groups: int) -> LocalProtocolError:
+    """The error the last of ``steps`` raises (the ones before it must encode), the
+    mirror unchanged by it."""
+    enc = SchedulerOutputEncoder(kv_groups, secret=SECRET)
     for so in steps[:-1]:
         enc.encode(copy.deepcopy(so))
+    before = _mirror(enc)
     with pytest.raises(LocalProtocolError) as caught:
         enc.encode(steps[-1])
+    assert _mirror(enc) == before
     return caught.value
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(stream=scheduler_streams(max_steps=10, rare=False), name=st.sampled_from(
-    sorted(CORRUPTIONS)), data=st.data())
-def test_every_path_refuses_a_malformed_step_alike(stream: dict[str, Any], name: str,
-                                                    data: st.DataObject) -> None:
+@pytest.mark.parametrize("name", sorted(CORRUPTIONS))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=scheduler_streams(max_steps=10, rare=False), data=st.data())
+def test_a_malformed_step_is_refused_typed_before_the_mirror_changes(
+        name: str, stream: dict[str, Any], data: st.DataObject) -> None:
     corrupt, applies = CORRUPTIONS[name]
     fits = [i for i, so in enumerate(stream["steps"]) if i and applies(so)]
     assume(fits)
@@ -140,17 +161,16 @@ def test_every_path_refuses_a_malformed_step_alike(stream: dict[str, Any], name:
     steps = [copy.deepcopy(so) for so in stream["steps"][:at + 1]]
     cached = len(steps[-1].scheduled_cached_reqs.req_ids)
     corrupt(steps[-1], data.draw(st.integers(0, max(0, cached - 1)), label="request"))
-    fast, general = _refusal(steps, True), _refusal(steps, False)
-    assert str(fast) == str(general)
-    event(f"{name}: {general.message}")
+    event(f"{name}: {_refusal(steps, stream['kv_groups']).message}")
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stream=scheduler_streams(max_steps=12, rare=False), data=st.data())
 def test_a_finished_request_never_runs_in_place_of_another(stream: dict[str, Any],
                                                             data: st.DataObject) -> None:
-    """The finish path's shape with one stayer swapped for a finished request (which the
-    last batch held, so every position check but the ids passes): refused alike."""
+    """A step where only finishes change the batch, with one stayer swapped for a
+    finished request (which the last batch held, so every position check but the ids
+    passes): refused."""
     steps = stream["steps"]
 
     def finish_shaped(so: Any, last: dict[str, int]) -> bool:
@@ -166,31 +186,69 @@ def test_a_finished_request_never_runs_in_place_of_another(stream: dict[str, Any
     cached = len(steps[-1].scheduled_cached_reqs.req_ids)
     _finished_instead(steps[-1], data.draw(st.integers(0, cached - 1), label="request"),
                       list(steps[-2].num_scheduled_tokens))
-    assert str(_refusal(steps, True)) == str(_refusal(steps, False))
+    event(_refusal(steps, stream["kv_groups"]).message)
 
 
-def test_the_scheduled_check_names_the_requests() -> None:
-    """The three ways num_scheduled_tokens can disagree with the requests, in one
-    error; a step that agrees passes (any order of its keys)."""
-    from types import SimpleNamespace as NS
+# ---------------------------------------------------------------- hand-made steps
+def _first(ids: list[str], groups: int = 1) -> Any:
+    """A first step: ``ids`` join with a 4-token prompt, one block per KV group each."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
-    def step(cached: list[str], new: list[str], keys: list[str]) -> Any:
-        return NS(scheduled_cached_reqs=NS(req_ids=cached),
-                  scheduled_new_reqs=[NS(req_id=r) for r in new],
-                  num_scheduled_tokens=dict.fromkeys(keys, 1))
+    new = [NewRequestData(rid, [1, 2, 3, k], [], SamplingParams(temperature=0), None,
+                          tuple([10 * g + k] for g in range(groups)), 0, None)
+           for k, rid in enumerate(ids)]
+    return SchedulerOutput(new, CachedRequestData.make_empty(), dict.fromkeys(ids, 4),
+                           4 * len(ids), {}, {}, set(), [], preempted_req_ids=set())
 
-    check_scheduled(step(["a", "b"], ["c"], ["c", "a", "b"]))
-    with pytest.raises(LocalProtocolError) as caught:
-        check_scheduled(step(["a", "a", "b"], ["c"], ["a", "b", "d"]))
-    assert caught.value.fields == {"repeated": ["a"], "unscheduled": ["c"],
-                                   "unknown": ["d"]}
+
+def _next(ids: list[str], computed: int) -> Any:
+    """The next step of ``ids``: one token each, ``computed`` computed, nothing new."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    cached = CachedRequestData(ids, set(), [], {}, [None] * len(ids), [computed] * len(ids),
+                               [1] * len(ids))
+    return SchedulerOutput([], cached, dict.fromkeys(ids, 1), len(ids), {}, {}, set(), [],
+                           preempted_req_ids=set())
+
+
+def _empty() -> Any:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    so = SchedulerOutput.make_empty()
+    so.preempted_req_ids = set()
+    return so
+
+
+def test_a_new_request_of_another_kv_group_count_is_refused_typed() -> None:
+    """A new request whose block table has more lists than the encoder's KV groups."""
+    enc = SchedulerOutputEncoder(1, secret=SECRET)
+    enc.encode(_first(["a"]))
+    before = _mirror(enc)
+    with pytest.raises(LocalProtocolError):
+        enc.encode(_first(["b"], groups=2))
+    assert _mirror(enc) == before
+
+
+def test_kv_groups_are_not_guessed_from_a_step_without_new_requests() -> None:
+    """The executor leaves ``kv_groups`` to the encoder (the first new request's table
+    says it); a first step with no new request (a connector still loading) must not fix
+    it at one: a two-group request later round-trips, or is refused typed."""
+    enc, dec = SchedulerOutputEncoder(secret=SECRET), SchedulerOutputDecoder(SECRET)
+    for so in (_empty(), _first(["a"], groups=2)):
+        expected = copy.deepcopy(so)
+        try:
+            frames = [bytes(f) for f in enc.encode(so)]
+        except LocalProtocolError:
+            return
+        assert_vllm_equal(expected, dec.decode(frames))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stream=scheduler_streams(max_steps=8), data=st.data())
 def test_a_corrupted_frame_decodes_or_is_refused_typed(stream: dict[str, Any],
                                                        data: st.DataObject) -> None:
-    enc = SchedulerOutputEncoder(secret=SECRET)
+    enc = SchedulerOutputEncoder(stream["kv_groups"], secret=SECRET)
     frames = [[bytes(f) for f in enc.encode(copy.deepcopy(so))] for so in stream["steps"]]
     at = data.draw(st.integers(0, len(frames) - 1), label="step")
     dec = SchedulerOutputDecoder(SECRET)
@@ -221,38 +279,24 @@ def test_a_corrupted_frame_decodes_or_is_refused_typed(stream: dict[str, Any],
 def test_a_sampling_field_name_off_the_wire_is_checked() -> None:
     """A new request's float fields sent as ints are named on the wire; a name that is
     not one of SamplingParams' float fields is MalformedMessage (it was a KeyError)."""
-    from test_vllm_turnover import _first
-
     frames = [bytes(f) for f in SchedulerOutputEncoder(secret=SECRET).encode(_first(["a"]))]
     assert b"temperature" in frames[0]  # (the toy's greedy requests say temperature=0)
-    bad = [frames[0].replace(b"temperature", b"tdmperature"), *frames[1:]]
-    with pytest.raises(MalformedMessage, match="bad vLLM step extension"):
-        SchedulerOutputDecoder(SECRET).decode(bad)
-    # a name that is not UTF-8 (msgspec raises UnicodeDecodeError, a ValueError)
-    bad = [frames[0].replace(b"temperature", b"\xffemperature"), *frames[1:]]
-    with pytest.raises(MalformedMessage, match="bad vLLM step extension"):
-        SchedulerOutputDecoder(SECRET).decode(bad)
+    for name in (b"tdmperature", b"\xffemperature"):  # another name; not UTF-8
+        bad = [frames[0].replace(b"temperature", name), *frames[1:]]
+        with pytest.raises(MalformedMessage, match="bad step extension"):
+            SchedulerOutputDecoder(SECRET).decode(bad)
 
 
 def test_extension_lists_that_do_not_fit_the_step_are_malformed() -> None:
-    """Resent token lists for more requests than the step resends (the extension is
-    no part of the digest, so only the output's assembly finds it)."""
-    import msgspec
-    from test_vllm_turnover import _first, _step
-
-    from engine_side.vllm.schema import StepExt, TokenRef
-    from protocol import codec
-    from protocol.messages import Delta
-
+    """Resent token lists for a request the step does not hold (the extension is no
+    part of the digest, so only the output's assembly finds it)."""
     enc, dec = SchedulerOutputEncoder(secret=SECRET), SchedulerOutputDecoder(SECRET)
     dec.decode([bytes(f) for f in enc.encode(_first(["a"]))])
-    general = _step(["a"], 1, free_encoder_mm_hashes=["h"])  # (a rare field: the general path)
-    msg = codec.decode([bytes(f) for f in enc.encode(general)])
+    msg = codec.decode([bytes(f) for f in enc.encode(_next(["a"], 4))])
     assert isinstance(msg, Delta)
-    raw = msg.body.extension.get("v")
-    ext = msgspec.msgpack.decode(raw, type=StepExt) if raw else StepExt()
-    grown = msgspec.structs.replace(ext, all_tokens=(TokenRef(),))
-    body = msgspec.structs.replace(msg.body, extension={"v": msgspec.msgpack.encode(grown)})
+    grown = msgspec.structs.replace(decode_ext(msg.body.extension), all_keys=pack_uints([5]),
+                                    all_tokens=(TokenRef(),))
+    body = msgspec.structs.replace(msg.body, extension=encode_ext(grown))
     frames = [bytes(f) for f in codec.encode(msgspec.structs.replace(msg, body=body))]
     with pytest.raises(MalformedMessage, match="does not fit its step"):
         dec.decode(frames)
@@ -264,7 +308,8 @@ def test_prompt_logprob_ids_must_be_integers() -> None:
     import numpy as np
     from vllm import SamplingParams
 
-    from engine_side.vllm.params import sampling_to_spec, spec_to_sampling
+    from engine_side.vllm.params import sampling_to_spec
+    from worker_side.vllm.params import spec_to_sampling
 
     ids = np.array([1, 2], dtype=np.int32)
     spec, floats, dtype = sampling_to_spec(SamplingParams(prompt_logprob_token_ids=ids))
@@ -278,7 +323,8 @@ def test_an_unknown_output_kind_off_the_wire_is_malformed() -> None:
     import msgspec
     from vllm import SamplingParams
 
-    from engine_side.vllm.params import sampling_to_spec, spec_to_sampling
+    from engine_side.vllm.params import sampling_to_spec
+    from worker_side.vllm.params import spec_to_sampling
 
     spec, _, _ = sampling_to_spec(SamplingParams(temperature=0.5))
     bad = msgspec.structs.replace(spec, output_kind=7)

@@ -43,9 +43,9 @@ from engine_side.shm_store import ShmStore  # noqa: E402
 from engine_side.vllm import SchedulerOutputEncoder  # noqa: E402
 from engine_side.vllm.mm import UnsupportedItem, content_key  # noqa: E402
 from protocol import codec  # noqa: E402
+from protocol.items import StoreRef, as_store_ref  # noqa: E402
 from protocol.messages import Delta, DeltaBody  # noqa: E402
 from protocol.store_handles import ForgedHandle, StaleHandle  # noqa: E402
-from worker_side.mm_items import StoreRef, as_store_ref  # noqa: E402
 from worker_side.shm_reader import ShmReader  # noqa: E402
 from worker_side.vllm import SchedulerOutputDecoder  # noqa: E402
 
@@ -140,8 +140,9 @@ class Local:
     def __init__(self, kv_groups: int | None = None, capacity: int = 1 << 24) -> None:
         self.store = ShmStore(capacity)
         self.reader = ShmReader.attach(self.store.add_reader(os.getpid()))
-        self.enc = SchedulerOutputEncoder(kv_groups, secret=SECRET, store=self.store, verify=True)
-        self.dec = SchedulerOutputDecoder(secret=SECRET, reader=self.reader)
+        self.enc = SchedulerOutputEncoder(kv_groups, secret=SECRET, store=self.store)
+        self.dec = SchedulerOutputDecoder(secret=SECRET)
+        self.dec.attach_store(self.reader)
 
     def close(self) -> None:
         self.reader.close()
@@ -149,11 +150,11 @@ class Local:
 
     def check_lifetimes(self) -> None:
         """Both ends agree on every count; the reader holds exactly the counted items."""
-        assert self.enc.items is not None and self.enc.items.engine is not None
-        assert self.dec.items is not None
-        engine = self.enc.items.engine
-        assert engine.counts == self.dec.items.worker.lifetimes.counts
+        assert self.enc.items is not None and self.dec.items is not None
+        engine = self.enc.items
+        assert engine.counts == self.dec.items.counts
         assert set(self.reader.held_keys) == {engine.key_of(i) for i in engine.counts}
+        assert set(self.dec.items.held.values()) == set(self.reader.held_keys)
 
 
 @pytest.fixture
@@ -178,7 +179,7 @@ def _scramble(got: Any) -> None:
 def test_streams_with_items_round_trip_through_frames(stream: dict[str, Any],
                                                       data: st.DataObject) -> None:
     stream = with_items(stream, data)
-    enc = SchedulerOutputEncoder(stream["kv_groups"], secret=SECRET, verify=True)
+    enc = SchedulerOutputEncoder(stream["kv_groups"], secret=SECRET)
     dec = SchedulerOutputDecoder(secret=SECRET)
     for so in stream["steps"]:
         expected = copy.deepcopy(so)
@@ -250,15 +251,15 @@ def send(pair: Local, so: Any) -> tuple[list[bytes], Any]:
 def feature_data(frames: list[bytes]) -> list[Any]:
     delta = codec.decode(frames)
     assert isinstance(delta, Delta) and isinstance(delta.body, DeltaBody)
-    return [f.data for a in delta.body.added for f in a.mm_features]
+    return [d for a in delta.body.added for d in a.mm_data]
 
 
 def test_store_hit_sends_only_the_key(local: Local) -> None:
     x = image(1)  # 49 kB of pixels
     frames, got = send(local, step([new_req("a", [("X", x)])], encode={"a": [0]}))
     assert len(frames) == 1 and sum(map(len, frames)) < 1000
-    assert local.enc.items is not None and local.enc.items.engine is not None
-    assert local.enc.items.engine.stats.written == 1
+    assert local.enc.items is not None
+    assert local.enc.items.stats.written == 1
     pixels = got.scheduled_new_reqs[0].mm_features[0].data["pixel_values"].data
     assert pixels.data_ptr() != x["pixel_values"].data.data_ptr()  # zero-copy from the store:
     base = torch.frombuffer(local.reader._data, dtype=torch.uint8).data_ptr()  # test-only peek
@@ -267,14 +268,14 @@ def test_store_hit_sends_only_the_key(local: Local) -> None:
     ref = as_store_ref(feature_data(frames)[0])
     assert ref == StoreRef()  # no handle: the worker holds it
     assert len(msgspec.msgpack.encode(ref)) <= 10
-    assert local.enc.items.engine.stats.written == 1 and local.enc.items.engine.stats.hits == 1
+    assert local.enc.items.stats.written == 1 and local.enc.items.stats.hits == 1
     remote = SchedulerOutputEncoder(1, secret=SECRET)
     inline = _wire(remote.encode(step([new_req("b", [("X", image(1))])])))
     assert sum(map(len, inline)) > 49_000  # the same step without a store
 
 
 def test_item_freed_after_last_request_and_encoder_cache(local: Local) -> None:
-    engine_counts = lambda: local.enc.items.engine.counts  # type: ignore[union-attr]  # noqa: E731
+    engine_counts = lambda: local.enc.items.counts  # type: ignore[union-attr]  # noqa: E731
     send(local, step([new_req("a", [("X", image(1))]), new_req("b", [("X", image(1))])],
                      encode={"a": [0]}))
     assert engine_counts() == {"X": 3} and local.reader.holds("X")  # 2 requests + cache
@@ -306,18 +307,18 @@ def test_copy_gives_writable_private_tensors() -> None:
     nr = got.scheduled_new_reqs[0]
     nr.mm_features[0].data["pixel_values"].data.zero_()
     nr.prompt_embeds.zero_()
-    spec = dec.state.rebuild().specs[0]  # type: ignore[union-attr]
-    assert float(spec.prompt_embeds.sum()) == 32.0
-    assert torch.equal(spec.mm_features[0].data["i"][0][1], x["pixel_values"].data)
+    assert dec.state is not None
+    held = dec.state.requests[0]  # what the decoder's state keeps
+    assert held is not None and float(held.embeds.sum()) == 32.0
+    assert torch.equal(held.mm_data[0]["i"][0][1], x["pixel_values"].data)
 
 
 def _tamper(frames: list[bytes], edit: Any) -> list[bytes]:
     delta = codec.decode(frames)
     assert isinstance(delta, Delta) and isinstance(delta.body, DeltaBody)
     added = delta.body.added[0]
-    feature = added.mm_features[0]
-    feature = msgspec.structs.replace(feature, data=edit(feature.data))
-    added = msgspec.structs.replace(added, mm_features=(feature,))
+    added = msgspec.structs.replace(added, mm_data=(edit(added.mm_data[0]),
+                                                    *added.mm_data[1:]))
     body = msgspec.structs.replace(delta.body, added=(added, *delta.body.added[1:]))
     return _wire(codec.encode(msgspec.structs.replace(delta, body=body)))
 
@@ -344,7 +345,8 @@ def test_stale_handle_is_refused(local: Local) -> None:
     local.dec.decode(first)
     send(local, step(finished={"a"}))
     assert not local.reader.holds("X")
-    replay = SchedulerOutputDecoder(secret=SECRET, reader=local.reader)
+    replay = SchedulerOutputDecoder(secret=SECRET)
+    replay.attach_store(local.reader)
     with pytest.raises(StaleHandle):
         replay.decode(first)
 
@@ -355,3 +357,20 @@ def test_unsupported_item_is_refused_before_sending() -> None:
         "text", MultiModalBatchedField())})  # type: ignore[arg-type]  # deliberately no tensor
     with pytest.raises(UnsupportedItem):
         enc.encode(step([new_req("a", [("X", bad)])]))
+
+
+@pytest.mark.parametrize("fault", ["index", "count"])
+def test_a_failed_step_takes_back_its_store_references(local: Local, fault: str) -> None:
+    """A step that fails after its items were written (a bad encoder input index: the
+    lifetime plan refuses it; a negative scheduled count: the mirror does) leaves the
+    store's references and the counts as they were."""
+    from protocol.errors import LocalProtocolError
+
+    so = step([new_req("a", [("X", image(1))])],
+              encode={"a": [5]} if fault == "index" else None)
+    if fault == "count":
+        so.num_scheduled_tokens = {"a": -1}
+    with pytest.raises(LocalProtocolError):
+        local.enc.encode(so)
+    assert local.enc.items is not None and local.enc.items.counts == {}
+    assert local.store._entries["X"].refs == 0  # written, then given back (test-only peek)

@@ -42,7 +42,7 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine_side.bench.vllm_streams import build_tiny_model
+    from engine_side.bench.vllm_scenarios import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("vllm-serve") / "tiny-llama")
 

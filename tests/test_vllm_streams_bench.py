@@ -1,8 +1,10 @@
-"""Smoke tests of the vLLM-streams benchmark machinery (replay, JSON document, tables).
+"""The vLLM-streams benchmark: replay, the JSON document, exactness checks, tables, targets.
 
-The verdict logic is checked on a hand-made document (no vLLM needed); the rest
-runs on a tiny synthetic stream written to a real recording file, so it takes a
-second.  Parts that need vLLM are skipped cleanly when it is not installed.
+The verdicts, tables and the page's converter are checked on a hand-made document
+(no vLLM needed); the replay runs on the committed golden streams
+(``tests/golden/streams``: real vLLM runs) and on small synthetic streams, so it
+takes seconds on a fresh machine.  Parts that need vLLM are skipped cleanly when it
+is not installed.  Timings are never asserted: only which figures go where.
 """
 
 from __future__ import annotations
@@ -14,137 +16,227 @@ from typing import Any
 
 import pytest
 
+from engine_side.bench import figures, page_tables, vllm_streams
 from engine_side.bench.vllm_table import kinds, render, targets
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed")
+GOLDEN = Path(__file__).resolve().parent / "golden" / "streams"
+RECORDED = ("main", "golden16")  # real vLLM runs, no classes beyond vLLM's
 
 
-def _path(nbytes: int, pbytes: int, us: float = 10.0, pus: float = 20.0) -> dict[str, Any]:
-    return {"bytes": nbytes, "pickle_bytes": pbytes, "us": us, "pickle_us": pus,
-            "median_bytes": nbytes, "pickle_median_bytes": pbytes, "median_us": us,
-            "pickle_median_us": pus}
+def _path(steps: int, nbytes: int, vbytes: int, us: float, vus: float, bus: float,
+          ) -> dict[str, Any]:
+    return {"steps": steps, "bytes": nbytes, "vllm_bytes": vbytes, "us": us * steps,
+            "vllm_us": vus * steps, "bare_us": bus * steps, "median_us": us,
+            "median_vllm_us": vus, "median_bare_us": bus}
 
 
-def _stream(nbytes: int, pbytes: int, running: int = 4, steady: int | None = 16,
-            ) -> dict[str, Any]:
-    return {"steps": 10, "max_running": running, "request": _path(nbytes, pbytes),
-            "reply": _path(nbytes, pbytes * 2),
-            "steady": {"steps": 3, "max_over_blocks": steady, "within_32": 2,
-                       "median_bytes": steady},
-            "reply_at_max_running": {"steps": 2, "median_bytes": 10, "pickle_median_bytes": 95}}
+def _stream(us: float = 10.0, join_us: float = 10.0, vus: float = 20.0, nbytes: int = 100,
+            vbytes: int = 2000, join: int = 2, steps: int = 10) -> dict[str, Any]:
+    """A replay summary: ``steps`` steps of which ``join`` join or leave; ours ``us`` per
+    step (``join_us`` at join/leave steps), vLLM's ``vus``, bare pickle's half of it."""
+    same = steps - join
+    return {"steps": steps, "max_running": 8, "median_running": 6, "passes": 1,
+            "request": _path(steps, nbytes, vbytes, us, vus, vus / 2),
+            "reply": _path(steps, nbytes // 2, vbytes, us, vus, vus / 2),
+            "join_leave": _path(join, 0, 0, join_us, vus, vus / 2),
+            "same_batch": _path(same, 0, 0, us, vus, vus / 2),
+            "request_fields": {"header": 40 * steps, "added.prompt": 60 * steps}}
 
 
 def _doc() -> dict[str, Any]:
-    workloads = {"decode": _stream(100, 1000, running=256), "chunked": _stream(100, 700),
-                 "prefix": _stream(100, 700, steady=40)}
-    total = {p: {k: sum(w[p][k] for w in workloads.values())
-                 for k in ("bytes", "pickle_bytes", "us", "pickle_us")}
-             for p in ("request", "reply")}
-    return {"meta": {"date": "today", "commit": "abc", "load": 1.0}, "workloads": workloads,
-            "synthetic": {}, "total": total}
+    workloads = {"decode": _stream(), "online64": _stream(us=25.0, join_us=35.0),
+                 "prefix": _stream(join_us=29.0, vbytes=1000)}
+    return {"meta": {"date": "today", "commit": "abc", "load": 1.0, "passes": 1,
+                     "kernels": True, "vllm": "0.32.0"},
+            "workloads": workloads,
+            "synthetic": {"256": _stream(join=1), "churn-16": _stream(us=30.0, join=10,
+                                                                       join_us=30.0)},
+            "total": vllm_streams.totals(workloads)}
 
 
-def test_targets_judge_each_limit() -> None:
-    verdicts = {t["target"]: t["met"] for t in targets(_doc())}
-    assert verdicts["decode: × fewer request bytes"] is True  # 10× ≥ 8×
-    assert verdicts["chunked: × fewer request bytes"] is True  # 7× ≥ 6× (its own limit)
-    assert verdicts["prefix: × fewer request bytes"] is False  # 7× < 8×
-    assert verdicts["all recorded: × fewer request bytes"] is False  # 8× < 15×
-    assert verdicts["prefix: steady decode B − 4/new block (worst of 3; 2 within)"] is False
-    assert verdicts["decode: steady decode B − 4/new block (worst of 3; 2 within)"] is True
-    assert verdicts["decode: × fewer reply bytes at 256 requests (median of 2 steps)"] is False
-    assert all(v for k, v in verdicts.items() if "µs" in k)  # 10 µs against 20
-    # the churn streams (ours, a join and a finish every step) are reported, not judged
-    doc = _doc()
-    doc["synthetic"] = {"churn-16": _stream(100, 1000), "256": _stream(100, 1000, 256)}
-    doc["synthetic"]["churn-16"]["request"]["median_us"] = 100.0  # 5× pickle's 20
-    judged = {t["target"]: t for t in targets(doc)}
-    churn = judged["synthetic-churn-16: median µs ÷ pickle (worst case, no target)"]
-    assert churn["met"] is None and churn["value"] == 5.0 and churn["limit"] == "–"
-    assert judged["synthetic-256: median µs ÷ pickle"]["met"] is True  # 0.5 ≤ 0.5
-    assert "| 5.0 | – | reported |" in render(doc)
+def test_targets_judge_each_limit_against_vllm_and_report_bare_pickle() -> None:
+    got = {t["target"]: t for t in targets(_doc())}
+    median = {k: v["met"] for k, v in got.items() if k.endswith(": median µs ÷ vLLM")}
+    assert median == {"decode: median µs ÷ vLLM": True, "online64: median µs ÷ vLLM": False,
+                      "prefix: median µs ÷ vLLM": True, "synthetic-256: median µs ÷ vLLM": True,
+                      "synthetic-churn-16: median µs ÷ vLLM": False}  # 25 and 30 µs > 20
+    join = got["online64: join/leave steps' median µs ÷ vLLM (2 steps)"]
+    assert join["value"] == 1.75 and join["bare"] == 3.5 and join["met"] is False
+    assert got["prefix: join/leave steps' median µs ÷ vLLM (2 steps)"]["met"] is True  # 1.45
+    assert not [k for k in got if k.startswith("synthetic") and "join/leave" in k]
+    summed = got["all recorded: summed µs ÷ vLLM"]  # (100 + 250 + 100) / 600
+    assert summed["value"] == pytest.approx(0.75) and summed["met"] is False
+    assert summed["limit"] == "≤ 0.7"
+    fewer = got["all recorded: × fewer request bytes"]  # 5000 / 300
+    assert fewer["value"] == pytest.approx(16.667) and fewer["met"] is True
+    same = got["online64: same-batch steps' median µs ÷ vLLM (8 steps)"]
+    assert same["met"] is None and same["value"] == 1.25 and same["bare"] == 2.5
+    doc = _doc()  # a faster run meets the summed target
+    for w in doc["workloads"].values():
+        w["request"]["us"] = 5.0 * w["steps"]
+    doc["total"] = vllm_streams.totals(doc["workloads"])
+    assert {t["target"]: t["met"] for t in targets(doc)}["all recorded: summed µs ÷ vLLM"]
 
 
 def test_render_has_one_row_per_stream_and_the_totals() -> None:
     text = render(_doc())
-    assert "by step kind" in text  # documents without step kinds: a table without rows
-    for name in ("decode", "chunked", "prefix", "**all recorded**"):
-        assert text.count(f"| {name} |") == 2  # request and reply tables
-    assert "**8.0×**" in text and "**not met**" in text
-    # the baseline is named: a document without one is from the bare-pickle sessions
-    assert "pickle = bare pickle.dumps + loads)" in text
+    for name in ("decode", "online64", "prefix", "synthetic-256", "synthetic-churn-16"):
+        # the request, step-kind, reply and request-field tables
+        assert text.count(f"| {name} |") == 4, name
+    assert text.count("| **all recorded** |") == 2  # the request and reply tables
+    assert "| synthetic-churn-16 | 10 | 30.0 | 1.50 | 3.00 | 0 | – | – | – |" in kinds(_doc())
+    assert "**16.7×**" in text and "**not met**" in text and "| reported |" in text
+    assert "header 40%" in text and "added.prompt 60%" in text
+    assert "C kernels" in text and "Exactness" not in text
+
+
+def test_the_page_converter_reads_the_document() -> None:
     doc = _doc()
-    doc["meta"]["baseline"] = "vLLM's MessageQueue serializer"
-    assert "pickle = vLLM's MessageQueue serializer)" in render(doc)
+    fields = page_tables.from_streams(doc)
+    env = {**fields, "command": ".venv/bin/python -m engine_side.bench.vllm_streams "
+                                "--figures f.json",
+           "machine": dict.fromkeys(figures.MACHINE_KEYS, "?"),
+           "date": "2026-01-01 00:00 UTC", "commit": "abcdef0"}
+    assert figures.envelope_problems(env) == []
+    rows = {r[0]: r for r in env["rows"]}
+    assert list(rows) == ["decode", "online64", "prefix", "synthetic-256",
+                          "synthetic-churn-16", "all recorded"]
+    assert rows["online64"][-1] == "median, summed, join/leave, same-batch"
+    assert rows["decode"][-1] == page_tables.NONE
+    assert rows["all recorded"][4] == pytest.approx(16.7)
+    assert [t["target"] for t in env["targets"]] == [t["target"] + (
+        "" if t["bare"] is None else f" (bare pickle: {page_tables.cell(t['bare'])})")
+        for t in targets(doc)]
+    assert env["raw"] is doc
 
 
-@pytest.fixture(scope="module")
-def recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A synthetic stream written as a real recording (what a live run would write)."""
-    pytest.importorskip("vllm", reason="vLLM is not installed")
-    from engine_side.bench.vllm_replay import synthetic_decode
-    from engine_side.vllm.encoder import SchedulerOutputEncoder
-    from engine_side.vllm.record import RecordWriter
-    from worker_side.vllm.decoder import SchedulerOutputDecoder
+def test_recordings_are_reused_unless_fresh(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streams already in the cache are kept (no model is built); --fresh records all."""
+    from engine_side.bench import vllm_online, vllm_scenarios
 
-    path = tmp_path_factory.mktemp("streams") / "tiny.dcrec"
-    enc, dec = SchedulerOutputEncoder(), SchedulerOutputDecoder()
-    with RecordWriter(path, meta={"scenario": "tiny"}, vllm_version="0.32.0") as writer:
-        for kind, obj in synthetic_decode(8, 40, prompt=64):
-            if kind == "execute_model":
-                frames = enc.encode(obj)
-                dec.decode([bytes(f) for f in frames])
-            else:
-                frames = dec.encode_reply(obj)
-            writer.write(kind, [bytes(f) for f in frames])
-    return path
+    calls: list[tuple[str, Any]] = []
+
+    def build(path: Path) -> Path:
+        calls.append(("model", path))
+        return path
+
+    def record_many(model: Path, names: Any, out: Path, force: bool = False) -> dict[str, Any]:
+        calls.append(("record", (list(names), out, force)))
+        return {}
+
+    monkeypatch.setattr(vllm_scenarios, "build_tiny_model", build)
+    monkeypatch.setattr(vllm_online, "record_many", record_many)
+    (tmp_path / "main.dcobj").write_bytes(b"")
+    paths = vllm_streams.record(tmp_path, ["main"])
+    assert paths == {"main": tmp_path / "main.dcobj"}
+    assert calls == [("record", (["main"], tmp_path, False))]
+    calls.clear()
+    vllm_streams.record(tmp_path, ["main", "spec"])  # one missing: the model is needed
+    assert calls[0] == ("model", tmp_path / "tiny-llama")
+    calls.clear()
+    vllm_streams.record(tmp_path, ["main"], fresh=True, model=tmp_path / "m")
+    assert calls == [("model", tmp_path / "m"), ("record", (["main"], tmp_path, True))]
+
+
+def test_unknown_scenarios_are_refused_before_anything_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert vllm_streams.main(["--only", "main,nope", "--cache", str(tmp_path)]) == 2
+    assert "unknown scenario(s) nope" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture()
+def small_synthetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command's synthetic streams, small: decode and churn at 8 requests, 6 steps."""
+    monkeypatch.setattr(vllm_streams, "SYNTHETIC", (8,))
+    monkeypatch.setattr(vllm_streams, "CHURN", (8,))
+    monkeypatch.setattr(vllm_streams, "SYNTHETIC_STEPS", 6)
 
 
 @pytest.mark.vllm
 @needs_vllm
-def test_replay_document_from_a_recording(recording: Path) -> None:
-    from engine_side.bench.vllm_streams import replay_all
-
-    doc = {"meta": {}, **replay_all({"tiny": recording}, [8], churn=(8,))}
-    tiny = doc["workloads"]["tiny"]
-    assert tiny["steps"] == 40 and tiny["max_running"] == 8
-    assert 0 < tiny["request"]["bytes"] < tiny["request"]["pickle_bytes"]
-    assert 0 < tiny["reply"]["bytes"] < tiny["reply"]["pickle_bytes"]
-    assert tiny["steady"]["steps"] > 20
-    assert tiny["steady"]["median_bytes"] == 14  # most steady steps: the header-only Delta
-    assert sum(tiny["request_fields"].values()) == tiny["request"]["bytes"]  # exact accounting
-    assert doc["synthetic"]["8"]["steps"] == 20
-    assert doc["synthetic"]["churn-8"]["steps"] == 20
-    assert "| synthetic-churn-8 | 20 |" in render(doc)
-    assert doc["total"]["request"]["bytes"] == tiny["request"]["bytes"]
-    assert "| tiny | 40 |" in render(doc)
+@pytest.mark.usefixtures("small_synthetic")
+def test_replay_of_golden_streams_is_exact_and_adds_up(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, envelope = tmp_path / "doc.json", tmp_path / "figures.json"
+    argv = ["--replay", *(str(GOLDEN / f"{n}.dcobj") for n in RECORDED), "--passes", "1",
+            "--check", "--json", str(out), "--figures", str(envelope)]
+    assert vllm_streams.main(argv) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert list(doc["workloads"]) == list(RECORDED)
+    assert list(doc["synthetic"]) == ["8", "churn-8"]
+    assert doc["meta"]["passes"] == 1 and doc["meta"]["check"] is True
+    for name, w in doc["workloads"].items():
+        stats = w["stream"]["stats"]
+        assert w["steps"] == stats["steps"] and w["max_running"] == stats["batch_max"]
+        assert w["check"]["differences"] == 0 and w["check"]["first"] == []
+        assert w["check"]["records"] == stats["records"]
+        # exact accounting: every request byte in one wire field
+        assert sum(w["request_fields"].values()) == w["request"]["bytes"] > 0
+        assert 0 < w["request"]["bytes"] < w["request"]["vllm_bytes"]
+        assert w["join_leave"]["steps"] + w["same_batch"]["steps"] == w["steps"]
+        assert w["join_leave"]["steps"] == stats["churn_steps"] > 0, name
+        assert w["reply"]["steps"] == w["steps"]
+        assert all(w["request"][k] > 0 for k in ("us", "vllm_us", "bare_us"))
+    total = doc["total"]["request"]
+    assert total["bytes"] == sum(w["request"]["bytes"] for w in doc["workloads"].values())
     churn = doc["synthetic"]["churn-8"]
-    assert churn["churn"]["steps"] == 20 and churn["same_batch"]["steps"] == 0
-    assert tiny["churn"]["steps"] == 1 and tiny["same_batch"]["steps"] == 39
-    assert sum(tiny[k]["us"] for k in ("churn", "same_batch")) == \
-        pytest.approx(tiny["request"]["us"])
-    assert "| synthetic-churn-8 | 20 |" in kinds(doc) and "| 0 | – | – | – |" in kinds(doc)
+    assert churn["steps"] == churn["join_leave"]["steps"] == 6  # every step
+    assert doc["synthetic"]["8"]["join_leave"]["steps"] == 1  # all of them join at once
+    assert printed == render(doc) + "\n"
+    for name in (*RECORDED, "synthetic-8", "synthetic-churn-8"):
+        assert f"| {name} |" in printed
+    env = json.loads(envelope.read_text())
+    assert figures.envelope_problems(env) == [] and env["raw"] == doc
+    assert vllm_streams.main(["--render", str(out)]) == 0
+    assert capsys.readouterr().out == printed
 
 
 @pytest.mark.vllm
 @needs_vllm
-def test_churn_stream_round_trips_and_every_step_is_general() -> None:
-    """The continuous-batching stream: one request leaves and one joins each step."""
-    from vllm_equal import assert_vllm_equal
-
-    from engine_side.bench.vllm_replay import synthetic_churn
-    from engine_side.vllm.encoder import SchedulerOutputEncoder
+@pytest.mark.usefixtures("small_synthetic")
+def test_check_reports_a_decoder_that_gets_a_step_wrong(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoded step that differs from the original is reported, the exit status is 1
+    and no figures are written."""
     from worker_side.vllm.decoder import SchedulerOutputDecoder
 
-    enc, dec = SchedulerOutputEncoder(), SchedulerOutputDecoder()
+    real = SchedulerOutputDecoder.decode
+
+    def wrong(self: SchedulerOutputDecoder, frames: list[Any]) -> Any:
+        so = real(self, frames)
+        if self.seq == 3:
+            so.total_num_scheduled_tokens += 1
+        return so
+
+    monkeypatch.setattr(SchedulerOutputDecoder, "decode", wrong)
+    _, messages = vllm_streams.load(GOLDEN / "main.dcobj")
+    got = vllm_streams.check_stream(messages)
+    assert got["differences"] == 1 and got["records"] == len(messages)
+    assert got["first"][0].startswith("record ") and "total_num_scheduled_tokens" in got["first"][0]
+    envelope = tmp_path / "figures.json"
+    argv = ["--replay", str(GOLDEN / "spec.dcobj"), "--passes", "1", "--check",
+            "--figures", str(envelope)]
+    assert vllm_streams.main(argv) == 1
+    assert not envelope.exists()
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_churn_stream_round_trips_and_every_step_is_join_leave() -> None:
+    """The continuous-batching stream: one request leaves and one joins each step."""
+    from engine_side.bench.vllm_replay import joins_or_leaves, synthetic_churn
+
     stream = synthetic_churn(8, 6, prompt=64)
     steps = [obj for kind, obj in stream if kind == "execute_model"]
-    for so in steps:
-        assert_vllm_equal(so, dec.decode([bytes(f) for f in enc.encode(so)]))
-        assert len(so.num_scheduled_tokens) == 8
+    assert vllm_streams.check_stream(stream)["differences"] == 0
+    assert all(len(so.num_scheduled_tokens) == 8 for so in steps)
     assert [len(so.finished_req_ids) for so in steps] == [0] + [1] * 5
-    assert enc.quick_steps == dec.quick_steps == 0
+    assert all(joins_or_leaves(so) for so in steps)
     assert [kind for kind, _ in stream].count("reply") == 5
 
 
@@ -158,110 +250,78 @@ def test_every_scenario_builds_its_requests() -> None:
         prompts, params = scenario.requests()
         assert len(prompts) == len(params) > 0
         assert scenario.engine_kwargs()["block_size"] % 32 == 0
+    assert {"main", "spec", "online64"} <= set(vllm_streams.scenario_names())
 
 
 @pytest.mark.vllm
 @needs_vllm
-def test_diagnose_explains_a_recording(recording: Path) -> None:
-    from engine_side.bench.vllm_diagnose import diagnose
-
-    got = diagnose(recording)
-    assert got["new_requests"] == 8 and got["new_request_bytes_per_key"]["i"] > 0
-    steps, over = got["steady_by_new_blocks"][0]
-    assert steps > 20 and over == 0  # header-only steady steps are within 32 B
-    assert got["bitmask"] == {} and got["drafts"] == {}
-
-
-@pytest.mark.vllm
-@needs_vllm
-def test_step_kinds_sort_every_step_of_a_recording(recording: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    """Every execute_model step lands in one kind; the synthetic decode stream is one
-    general step (the first), then same-batch steps: the one right after it, header-only
-    ones, and appends wherever a request crosses a block."""
-    from engine_side.bench.vllm_step_kinds import KINDS, main, step_kinds
-
-    got = step_kinds(recording, passes=2)
-    assert set(got) <= set(KINDS)
-    assert sum(k["steps"] for k in got.values()) == 40
-    assert got["general"]["steps"] == 1 and got["steady"]["steps"] > 20
-    assert got["after-change"]["steps"] == 1
-    assert "appends" in got and "turnover" not in got
-    assert all(k[f] > 0 for k in got.values() for f in ("encode_us", "decode_us", "pickle_us"))
-    assert main([str(recording), "--passes", "1", "--json"]) == 0
-    line = json.loads(capsys.readouterr().out)
-    assert line["recording"] == str(recording) and set(line["kinds"]) == set(got)
-    with pytest.raises(SystemExit):
-        main([str(recording.with_suffix(".missing"))])
-
-
-@pytest.mark.vllm
-@needs_vllm
-def test_replay_passes_take_each_steps_median_of_both_paths(
-        recording: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With passes, each step's µs on either path is the median of its passes (the
-    passes here report known figures); bytes are one pass's, the other path goes
-    first in every other pass, and a pass count below one is refused."""
+def test_replay_passes_take_each_steps_median(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With passes, each step's µs on every path is the median of its passes (the passes
+    here report known figures); bytes are one pass's, each pass starts the rotation of
+    the three paths one further on, and a pass count below one is refused."""
     from engine_side.bench import vllm_replay
-    from engine_side.bench.vllm_replay import load_recording, replay
+    from engine_side.bench.vllm_replay import replay, synthetic_decode
 
-    messages = load_recording(recording)
+    messages = synthetic_decode(4, 8, prompt=64)
     real = vllm_replay._one_pass
-    orders: list[bool] = []
+    rotations: list[int] = []
 
-    def scripted(msgs: Any, breakdown: bool, ours_first: bool, bare: bool,
-                 eviction: Any = None) -> Any:
-        steps, fields = real(msgs, breakdown, ours_first, bare, eviction)
-        k = len(orders)
-        orders.append(ours_first)
-        for i, step in enumerate(steps):  # pass k: µs (10k + i, 100k + i) per path
+    def scripted(msgs: Any, rotate: int, fields: Any) -> Any:
+        steps = real(msgs, rotate, fields)
+        k = len(rotations)
+        rotations.append(rotate)
+        for i, step in enumerate(steps):  # pass k: µs (10k + i, 100k + i, 1000k + i)
             for acc in step.figures.values():
-                acc[2], acc[3] = 10.0 * k + i, 100.0 * k + i
-        return steps, fields
+                acc[2], acc[3], acc[4] = (10.0 * k + i) / 1e6, (100.0 * k + i) / 1e6, \
+                    (1000.0 * k + i) / 1e6
+        return steps
 
     monkeypatch.setattr(vllm_replay, "_one_pass", scripted)
-    one, three = replay(messages), replay(messages, passes=3)
-    assert orders == [False, False, True, False]
-    assert three["passes"] == 3 and three["steps"] == one["steps"] == 40
+    one = replay(messages)
+    three = replay(messages, passes=3)
+    assert rotations == [0, 0, 1, 2]
+    assert three["passes"] == 3 and three["steps"] == one["steps"] == 8
     assert three["request"]["bytes"] == one["request"]["bytes"]
     # step i of the three passes (k = 1, 2, 3) reads 10k + i: its median is 20 + i
-    assert three["request"]["us"] == pytest.approx(sum(20.0 + i for i in range(40)))
-    assert three["request"]["pickle_us"] == pytest.approx(sum(200.0 + i for i in range(40)))
-    assert three["request"]["median_us"] == pytest.approx(20.0 + 19.5)
+    assert three["request"]["us"] == pytest.approx(sum(20.0 + i for i in range(8)))
+    assert three["request"]["vllm_us"] == pytest.approx(sum(200.0 + i for i in range(8)))
+    assert three["request"]["bare_us"] == pytest.approx(sum(2000.0 + i for i in range(8)))
+    assert three["request"]["median_us"] == pytest.approx(20.0 + 3.5)
     with pytest.raises(ValueError, match="passes"):
         replay(messages, passes=0)
 
 
 @pytest.mark.vllm
 @needs_vllm
-def test_step_kinds_count_finish_steps_apart(tmp_path: Path) -> None:
-    """A stream whose requests finish a few at a time: those steps are their own kind,
-    and so is each same-batch step that follows one (or the first, general, step)."""
-    from test_vllm_finish import _finishes
+def test_replay_times_every_message_on_all_three_paths(monkeypatch: pytest.MonkeyPatch,
+                                                       ) -> None:
+    from engine_side.bench import vllm_replay
+    from engine_side.bench.vllm_replay import replay, synthetic_decode
 
-    from protocol.speedups import C
-    if C is None:
-        pytest.skip("the engine's finish path needs the C speedups")
+    messages = synthetic_decode(4, 6, prompt=64)
+    log: list[str] = []
+    real_pickled, real_ours = vllm_replay.pickled, vllm_replay._ours
 
-    from engine_side.bench.vllm_step_kinds import SAME_BATCH, step_kinds
-    from engine_side.vllm.encoder import SchedulerOutputEncoder
-    from engine_side.vllm.record import RecordWriter
+    def pickled(kind: str, obj: Any, bare: bool = False) -> Any:
+        log.append("bare" if bare else "vllm")
+        return real_pickled(kind, obj, bare)
 
-    path, enc = tmp_path / "finishes.dcrec", SchedulerOutputEncoder()
-    with RecordWriter(path, meta={"scenario": "finishes"}, vllm_version="0.32.0") as writer:
-        for so in _finishes():
-            writer.write("execute_model", [bytes(f) for f in enc.encode(so)])
-    got = step_kinds(path, passes=1)
-    assert got["finish"]["steps"] == 3 and "turnover" not in got
-    # the second step (after the first), and the one after each lone finish step
-    assert got["after-change"]["steps"] == 3 and not SAME_BATCH & set(got)
-    assert got["general"]["steps"] == 2
-    assert sum(k["steps"] for k in got.values()) == len(_finishes())
+    def ours(route: Any, obj: Any) -> Any:
+        log.append("ours")
+        return real_ours(route, obj)
+
+    monkeypatch.setattr(vllm_replay, "pickled", pickled)
+    monkeypatch.setattr(vllm_replay, "_ours", ours)
+    replay(messages)
+    assert len(log) == 3 * len(messages)
+    for i in range(len(messages)):
+        assert sorted(log[3 * i:3 * i + 3]) == ["bare", "ours", "vllm"]
+    assert len({tuple(log[3 * i:3 * i + 3]) for i in range(3)}) == 3  # the order rotates
 
 
 @pytest.mark.vllm
 @needs_vllm
-def test_the_pickle_baseline_runs_vllms_own_serializer(recording: Path) -> None:
+def test_the_pickle_baseline_runs_vllms_own_serializer() -> None:
     """``vllm_serialize`` / ``vllm_deserialize`` run the lines vLLM's MessageQueue runs:
     each is in vLLM's own source (a vLLM that changes them fails here).  Buffers under
     1 MiB stay in band and larger ones go out of band, both load back equal; without
@@ -273,7 +333,7 @@ def test_the_pickle_baseline_runs_vllms_own_serializer(recording: Path) -> None:
     from vllm_equal import differences
 
     from engine_side.bench import vllm_replay
-    from engine_side.bench.vllm_replay import load_recording, pickled
+    from engine_side.bench.vllm_replay import load_stream, pickled
 
     def flat(source: str) -> str:  # whitespace and trailing commas aside
         return " ".join(source.split()).replace(", )", ")").replace("( ", "(")
@@ -298,105 +358,6 @@ def test_the_pickle_baseline_runs_vllms_own_serializer(recording: Path) -> None:
     assert len(sent) == 2 and memoryview(sent[1]).nbytes == big.nbytes
     back = vllm_replay.vllm_deserialize(sent)
     assert np.array_equal(back[1][0], big) and np.array_equal(back[1][1], small)
-    so = next(obj for kind, obj in load_recording(recording) if kind == "execute_model")
+    so = next(obj for kind, obj in load_stream(GOLDEN / "main.dcobj") if kind == "execute_model")
     assert not differences(vllm_replay.vllm_deserialize(vllm_replay.vllm_serialize(so)), so)
     assert pickled("execute_model", so)[0] == pickled("execute_model", so, bare=True)[0]
-
-
-@pytest.mark.vllm
-@needs_vllm
-def test_replay_times_the_chosen_baseline(recording: Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM's serializer by default, bare pickle when asked: every message of the pass
-    is timed by the one chosen."""
-    from engine_side.bench import vllm_replay
-    from engine_side.bench.vllm_replay import load_recording, replay
-
-    messages = load_recording(recording)[:12]
-    chosen: list[bool] = []
-    real = vllm_replay.pickled
-
-    def pickled(kind: str, obj: Any, bare: bool = False) -> Any:
-        chosen.append(bare)
-        return real(kind, obj, bare)
-
-    monkeypatch.setattr(vllm_replay, "pickled", pickled)
-    replay(messages)
-    assert len(chosen) == len(messages) and not any(chosen)
-    chosen.clear()
-    replay(messages, bare=True)
-    assert len(chosen) == len(messages) and all(chosen)
-
-
-@pytest.mark.vllm
-@needs_vllm
-def test_eviction_runs_before_each_paths_turn(recording: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """With an Eviction, every timed turn -- ours and vLLM's, at every message -- follows
-    its own eviction; without one, none runs."""
-    from engine_side.bench import vllm_replay
-    from engine_side.bench.vllm_replay import Eviction, load_recording, replay
-
-    messages = load_recording(recording)[:12]
-    log: list[str] = []
-    real_pickled, real_ours, real_evictor = (vllm_replay.pickled, vllm_replay._ours,
-                                             Eviction.evictor)
-
-    def pickled(kind: str, obj: Any, bare: bool = False) -> Any:
-        log.append("pickle")
-        return real_pickled(kind, obj, bare)
-
-    def ours(kind: str, obj: Any, route: Any) -> Any:
-        log.append("ours")
-        return real_ours(kind, obj, route)
-
-    def evictor(self: Eviction) -> Any:
-        evict = real_evictor(self)
-
-        def logged(obj: Any) -> None:
-            log.append("evict")
-            evict(obj)
-        return logged
-
-    monkeypatch.setattr(vllm_replay, "pickled", pickled)
-    monkeypatch.setattr(vllm_replay, "_ours", ours)
-    monkeypatch.setattr(Eviction, "evictor", evictor)
-    replay(messages)
-    assert "evict" not in log and len(log) == 2 * len(messages)
-    log.clear()
-    replay(messages, eviction=Eviction(1, warm_step=True))
-    assert log[0::2] == ["evict"] * (2 * len(messages))
-    assert sorted(log[1::2]) == ["ours"] * len(messages) + ["pickle"] * len(messages)
-
-
-def test_eviction_evicts_then_reads_the_step() -> None:
-    """The evictor writes its buffer and, with warm_step, reads the object; a size
-    outside 1..4096 MB is refused."""
-    from engine_side.bench.vllm_replay import Eviction
-
-    class Step:
-        reads = 0
-
-        def __repr__(self) -> str:
-            Step.reads += 1
-            return "step"
-
-    Eviction(1).evictor()(Step())
-    assert Step.reads == 0
-    Eviction(1, warm_step=True).evictor()(Step())
-    assert Step.reads == 1
-    for mb in (0, -1, 4097):
-        with pytest.raises(ValueError, match="eviction"):
-            Eviction(mb)
-
-
-def test_warm_step_needs_an_eviction(capsys: pytest.CaptureFixture[str]) -> None:
-    """--warm-step alone is refused with a message, before anything is recorded."""
-    import argparse
-
-    from engine_side.bench import vllm_streams
-
-    parser = argparse.ArgumentParser()
-    vllm_streams.add_arguments(parser)
-    assert vllm_streams.run(parser.parse_args(["--replay", "x.dcrec", "--warm-step"])) == 2
-    assert "--evict-mb" in capsys.readouterr().err

@@ -39,7 +39,7 @@ def build_tiny_audio_model(path: Path) -> Path:
         WhisperFeatureExtractor,
     )
 
-    from engine_side.bench.vllm_streams import build_tiny_model
+    from engine_side.bench.vllm_scenarios import build_tiny_model
 
     if (path / "config.json").exists():
         return path
@@ -149,7 +149,7 @@ def _run(model: str, delta: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"outputs": [_outputs(llm.generate(*_requests(r))) for r in (0, 1)]}
     out["seen"] = ex.collective_rpc(_seen)[0]
     if delta:
-        stats = ex.encoder.items.engine.stats
+        stats = ex.encoder.items.stats
         out["store"] = {"written": stats.written, "hits": stats.hits, "inline": stats.inline,
                         "readers": len(ex.store.readers)}
         out["embeds_sent"] = _digest(_requests(0)[0][2]["prompt_embeds"])

@@ -10,22 +10,24 @@ replica raises LocalProtocolError and keeps its state (see SPEC.md §9).
 
 Rules (SPEC.md §8): a delta applies only when its base (``seq - 1``) equals the
 replica's seq; duplicates and stale deltas are discarded; a gap, a new epoch, an
-invalid delta or a digest mismatch makes the replica DESYNCED, and it waits for
-a snapshot, buffering deltas (bounded) meanwhile.  After a snapshot at seq S,
-buffered deltas with seq <= S are dropped and the rest applied while contiguous.
-The replica never builds a request across a gap: ``request()`` is only
-available right after an Applied event while SYNCED.
+invalid delta or a digest mismatch makes the replica DESYNCED, buffering deltas
+(bounded) meanwhile.  It recovers either way the transport arranges: a snapshot
+(the buffered deltas above it then apply while contiguous), or the missing deltas
+themselves, retransmitted (a DESYNCED replica applies an in-order delta, then the
+buffered ones that continue it).  ``applied`` holds what the last applied delta
+did; a receiver never builds a step across a gap: it is only set right after an
+Applied event while SYNCED.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable
 
 from protocol.errors import (
     IncompatibleVersion,
     InvalidDelta,
-    LocalProtocolError,
     ProtocolError,
     RemoteProtocolError,
 )
@@ -38,10 +40,8 @@ from protocol.messages import (
     Hello,
     Snapshot,
 )
-from protocol.rebuild import rebuild_request
-from protocol.request import ExecuteModelRequest
 from protocol.snapshot import load_snapshot
-from protocol.state import ReplicaState
+from protocol.state import Applied, ReplicaState
 from worker_side import events as ev
 
 
@@ -106,7 +106,7 @@ TRANSITIONS: dict[tuple[State, Input], tuple[Action, State]] = {
     (S.SYNCED, In.HEARTBEAT_AHEAD): (A.DESYNC, S.DESYNCED),
     (S.SYNCED, In.HELLO): (A.CHECK_HELLO, S.SYNCED),
     (S.SYNCED, In.GOODBYE): (A.CLOSE, S.CLOSED),
-    (S.DESYNCED, In.DELTA_IN_ORDER): (A.BUFFER, S.DESYNCED),
+    (S.DESYNCED, In.DELTA_IN_ORDER): (A.APPLY, S.SYNCED),
     (S.DESYNCED, In.DELTA_STALE): (A.BUFFER, S.DESYNCED),
     (S.DESYNCED, In.DELTA_GAP): (A.BUFFER, S.DESYNCED),
     (S.DESYNCED, In.NEW_EPOCH): (A.BUFFER, S.DESYNCED),
@@ -135,21 +135,33 @@ class WorkerReplica:
         silence_timeout: seconds without any engine message before EngineSilent.
         snapshot_retry: seconds before a pending NeedSnapshot is repeated.
         max_buffer: deltas kept while waiting for a snapshot (oldest dropped).
+        start: ``(epoch, state)``: begin SYNCED at seq 0 of that epoch with that (empty)
+            state -- a receiver that exists from the epoch's start and never joins late
+            (a vLLM rank); None: AWAITING_SNAPSHOT.
+        on_event: called with each SnapshotLoaded and Applied event the moment it
+            happens, while ``data`` (and ``applied``, ``last``) are that state -- one
+            ``receive`` may load a snapshot and apply several buffered deltas, and a
+            receiver that acts per step must act on each.
     """
 
     def __init__(self, silence_timeout: float = 1.0, snapshot_retry: float = 0.5,
-                 max_buffer: int = 4096) -> None:
+                 max_buffer: int = 4096, start: tuple[int, ReplicaState] | None = None,
+                 on_event: Callable[[ev.Event], None] | None = None) -> None:
+        self.on_event = on_event
         self.state = State.AWAITING_SNAPSHOT
         self.epoch = -1
         self.seq = -1
         self.data: ReplicaState | None = None
+        self.applied: Applied | None = None  # what the last applied delta did
+        self.last: Delta | None = None  # and that delta
+        if start is not None:
+            self.state, (self.epoch, self.data), self.seq = State.SYNCED, start, 0
         self.silence_timeout = silence_timeout
         self.snapshot_retry = snapshot_retry
         self._buffer: deque[Delta] = deque(maxlen=max_buffer)
         self._last_heard: float | None = None
         self._silent_reported = False
         self._need_since: float | None = None
-        self._ready = False
         self.stats = {"applied": 0, "discarded": 0, "gaps": 0, "rejected": 0, "snapshots": 0}
 
     # -- input ---------------------------------------------------------------------
@@ -184,7 +196,7 @@ class WorkerReplica:
         the engine (CheckIn, SnapshotRequest); the state is then unchanged.
         """
         self._last_heard, self._silent_reported = now, False
-        self._ready = False
+        self.applied = None
         if type(msg) is Delta and msg.epoch == self.epoch and msg.seq == self.seq + 1:
             kind = Input.DELTA_IN_ORDER  # the common case: classify's first test, inlined
         else:
@@ -230,9 +242,12 @@ class WorkerReplica:
         return []  # NOTE: liveness only
 
     def _apply(self, delta: Delta, now: float) -> list[ev.Event]:
+        """Apply an in-order delta; a DESYNCED replica then applies the buffered deltas
+        that continue it (retransmission) and stays DESYNCED while a hole remains."""
         assert self.data is not None
+        was = self.state
         try:
-            self.data.apply(delta.body, expected_digest=delta.digest)
+            applied = self.data.apply(delta.body, expected_digest=delta.digest)
         except ProtocolError as exc:
             self.stats["rejected"] += 1
             self.state = State.DESYNCED
@@ -240,8 +255,18 @@ class WorkerReplica:
         self.seq = delta.seq
         self.state = State.SYNCED
         self.stats["applied"] += 1
-        self._ready = True
-        return [ev.Applied(delta.seq)]
+        self.applied, self.last = applied, delta
+        done = self._happened(ev.Applied(delta.seq))
+        if was is State.DESYNCED:
+            self._need_since = None
+            if self._buffer:
+                return [done, *self._drain(now)]
+        return [done]
+
+    def _happened(self, event: ev.Event) -> ev.Event:
+        if self.on_event is not None:
+            self.on_event(event)
+        return event
 
     def _desync(self, msg: AnyMessage, now: float) -> list[ev.Event]:
         self.state = State.DESYNCED
@@ -266,7 +291,7 @@ class WorkerReplica:
         self.state = State.SYNCED
         self._need_since = None
         self.stats["snapshots"] += 1
-        return [ev.SnapshotLoaded(snap.seq), *self._drain(now)]
+        return [self._happened(ev.SnapshotLoaded(snap.seq)), *self._drain(now)]
 
     def _drain(self, now: float) -> list[ev.Event]:
         """Apply buffered deltas that continue the snapshot; stop at a gap."""
@@ -308,16 +333,6 @@ class WorkerReplica:
             self._need_since = now
             out.append(ev.NeedSnapshot("retry"))
         return out
-
-    def request(self) -> ExecuteModelRequest:
-        """The request of the step just applied (fresh containers).
-
-        Raises LocalProtocolError unless the last event was Applied while SYNCED:
-        a request is never built across a gap or from a bare snapshot.
-        """
-        if not self._ready or self.state is not State.SYNCED or self.data is None:
-            raise LocalProtocolError("no applied step to rebuild", state=self.state.value)
-        return rebuild_request(self.data)  # = self.data.rebuild(), one call less per step
 
 
 def check_hello(hello: Hello) -> int:

@@ -1,286 +1,37 @@
-"""The local step ring: the engine's step stream and the workers' step results over
-shared memory, for workers on the engine's host (SPEC §9.6).
+"""A worker's end of the local step ring (SPEC §7.6; layout and records:
+:mod:`protocol.ring`): it attaches to the engine's segment, reads the steps from where
+it attached and writes its rank's replies.
 
-Theory of operation
--------------------
-An ipc engine creates one memfd (no name in /dev/shm: the kernel frees it when the
-last process mapping it exits, even after kill -9) and writes ``pid fd size`` to
-``DIR/ring`` in its private 0700 directory.  A worker that connects to ``ipc://DIR``
-maps ``/proc/PID/fd/FD``.  The segment holds:
+The engine (:mod:`engine_side.ring`) announces its segment, a memfd, in ``DIR/ring``
+(``pid fd size``); a worker that connects to ``ipc://DIR`` maps ``/proc/PID/fd/FD``,
+and re-attaches when the engine closed the segment or another engine took the
+directory over (:meth:`RingReader.stale`).
 
-* a **step ring**: one writer (the engine), any number of readers (the workers).
-  Records are appended at a monotonic byte ``head``; each reader keeps its own
-  cursor.  The writer never waits for readers: a reader that falls more than the
-  ring's capacity behind is *overrun* and must resync (the replica sees a gap),
-  exactly as a PUB subscriber past its high-water mark.
-* a **reply ring** per rank (one writer: that rank's worker; one reader: the engine).
-* per rank, a ``sleeping`` word: a worker that stops spinning sets it before it
-  blocks on its SUB socket; a writer that sees it set sends a doorbell on PUB.
-
-Ordering.  The writer copies a record, then (after a memory fence) publishes the
-new head; a reader reads the head, fences, then copies.  After copying, the reader
-re-reads the head: if the writer has meanwhile lapped the reader's start, what was
-copied may be torn and the whole read is reported as an overrun (never delivered).
-
-Records (8-byte aligned): ``u32 length, u32 kind, payload``.  Kinds: ``MESSAGE``
-(payload: ``u32 n``, ``n`` × ``u64`` frame lengths, the frames), ``ON_PUB`` (payload:
-``u64 seq``: that message was too large for the ring and went on PUB), ``WRAP``
-(the rest of the ring is unused: continue at offset 0).
-
-Not thread-safe: each end is used by one thread.
+Not thread-safe: used by one thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
-import struct
-import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MAGIC = 0x676E_6952_6364  # "dcRing" (little-endian)
-VERSION = 1
-RING_FILE = "ring"
-MAX_RANKS = 64
-DEFAULT_RING_BYTES = 32 << 20
-DEFAULT_REPLY_BYTES = 256 << 10
-MIN_BYTES = 1024
-MESSAGE, ON_PUB, WRAP = 1, 2, 3
-_HEADER_WORDS = 16  # magic, version, ring bytes, ranks, reply bytes, closed, head, ...
-_W_MAGIC, _W_VERSION, _W_RING, _W_RANKS, _W_REPLY, _W_CLOSED, _W_HEAD = range(7)
-_RECORD = struct.Struct("<II")
-_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
-_fence_lock = threading.Lock()
-
-
-def fence() -> None:
-    """A full memory barrier (a lock's atomic read-modify-write), as vLLM's shm queue."""
-    _fence_lock.acquire()
-    _fence_lock.release()
-
-
-def _align(n: int) -> int:
-    return (n + 7) & ~7
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Offsets of one segment (all sizes multiples of 8; the header is page-aligned)."""
-
-    ring_bytes: int
-    reply_bytes: int
-    ranks: int = MAX_RANKS
-
-    @property
-    def header_bytes(self) -> int:
-        words = _HEADER_WORDS + 2 * self.ranks  # then every rank's sleeping word, reply head
-        return -(-words * 8 // mmap.PAGESIZE) * mmap.PAGESIZE
-
-    @property
-    def size(self) -> int:
-        return self.header_bytes + self.ring_bytes + self.ranks * self.reply_bytes
-
-    def reply_word(self, rank: int) -> int:
-        return _HEADER_WORDS + self.ranks + rank
-
-    def reply_offset(self, rank: int) -> int:
-        return self.header_bytes + self.ring_bytes + rank * self.reply_bytes
+from protocol.ring import (
+    MAX_RANKS,
+    MESSAGE,
+    ON_PUB,
+    RING_FILE,
+    VERSION,
+    W_CLOSED,
+    Layout,
+    Segment,
+    fence,
+)
 
 
 class RingError(Exception):
     """A ring file that cannot be attached (missing, foreign, or another version)."""
-
-
-class _Region:
-    """One byte ring inside the segment: ``data`` plus its head word ``words[at]``."""
-
-    def __init__(self, data: memoryview, words: memoryview, at: int) -> None:
-        self.data, self.words, self.at = data, words, at
-        self.capacity = len(data)
-
-    def head(self) -> int:
-        return self.words[self.at]  # type: ignore[no-any-return]
-
-    def write(self, kind: int, parts: Sequence[Any], limit: int | None = None) -> bool:
-        """Append one record made of ``parts``; False if it is larger than ``limit``
-        (default and at most: half the capacity)."""
-        size = sum(memoryview(p).nbytes for p in parts)
-        need = 8 + _align(size)
-        if need > min(limit or self.capacity, self.capacity // 2):
-            return False
-        head = self.head()
-        pos = head % self.capacity
-        if pos + need > self.capacity:  # never straddle the end: mark the rest unused
-            _RECORD.pack_into(self.data, pos, 0, WRAP)
-            head += self.capacity - pos
-            pos = 0
-        _RECORD.pack_into(self.data, pos, size, kind)
-        at = pos + 8
-        for part in parts:
-            n = memoryview(part).nbytes
-            self.data[at:at + n] = memoryview(part).cast("B")
-            at += n
-        fence()  # the record is complete before the head says so
-        self.words[self.at] = head + need
-        return True
-
-    def read(self, cursor: int) -> tuple[int, list[tuple[int, bytes]] | None]:
-        """Records from ``cursor`` to the head: (new cursor, records), or (head, None)
-        when the writer lapped the cursor (the records are lost: overrun)."""
-        head = self.head()
-        if head == cursor:
-            return cursor, []
-        fence()
-        start, out = cursor, []
-        if head - start > self.capacity:
-            return head, None
-        while cursor < head:
-            pos = cursor % self.capacity
-            size, kind = _RECORD.unpack_from(self.data, pos)
-            if pos + 8 + size > self.capacity:  # not a record we wrote: lapped mid-read
-                return self.head(), None
-            if kind == WRAP:
-                cursor += self.capacity - pos
-                continue
-            out.append((kind, bytes(self.data[pos + 8:pos + 8 + size])))
-            cursor += 8 + _align(size)
-        fence()
-        if self.head() - start > self.capacity:  # lapped while we copied: maybe torn
-            return self.head(), None
-        return cursor, out
-
-
-def pack_frames(frames: Sequence[Any]) -> list[Any]:
-    """A MESSAGE payload's parts: count, lengths, then the frames themselves."""
-    lengths = [memoryview(f).nbytes for f in frames]
-    return [struct.pack(f"<I{len(lengths)}Q", len(lengths), *lengths), *frames]
-
-
-def unpack_frames(payload: bytes) -> list[memoryview]:
-    """The frames of a MESSAGE payload (ValueError if it is not one)."""
-    view = memoryview(payload)
-    if len(view) < 4:
-        raise ValueError("no frame count")
-    (n,) = _U32.unpack_from(view, 0)
-    if n > (len(view) - 4) // 8:
-        raise ValueError("frame count exceeds the record")
-    lengths = struct.unpack_from(f"<{n}Q", view, 4)
-    at, frames = 4 + 8 * n, []
-    for length in lengths:
-        if at + length > len(view):
-            raise ValueError("frame exceeds the record")
-        frames.append(view[at:at + length])
-        at += length
-    return frames
-
-
-class _Segment:
-    """A mapped segment: the header words and the regions."""
-
-    def __init__(self, mm: mmap.mmap, layout: Layout) -> None:
-        self.mm, self.layout = mm, layout
-        view = memoryview(mm)
-        self.words = view[:layout.header_bytes].cast("Q")  # aligned 8-byte loads and stores
-        ring_at = layout.header_bytes
-        self.ring = _Region(view[ring_at:ring_at + layout.ring_bytes], self.words, _W_HEAD)
-        self.replies = [
-            _Region(view[layout.reply_offset(r):layout.reply_offset(r) + layout.reply_bytes],
-                    self.words, layout.reply_word(r)) for r in range(layout.ranks)]
-        self.sleeping = view[_HEADER_WORDS * 8:(_HEADER_WORDS + layout.ranks) * 8]
-        self.reply_heads = view[layout.reply_word(0) * 8:layout.reply_word(layout.ranks) * 8]
-        self.awake = bytes(len(self.sleeping))
-
-    def sleeping_any(self) -> bool:
-        return bytes(self.sleeping) != self.awake  # a copy and a memcmp: ~0.1 µs
-
-    def close(self) -> None:
-        self.ring = None  # type: ignore[assignment]
-        self.replies = []
-        for view in (self.words, self.sleeping, self.reply_heads):
-            view.release()
-        with contextlib.suppress(BufferError):  # a caller still holds a view: GC unmaps
-            self.mm.close()
-
-
-def _sleeping_word(rank: int) -> int:
-    return _HEADER_WORDS + rank
-
-
-class RingWriter:
-    """The engine's end: creates the segment and ``DIR/ring``; writes steps, reads replies."""
-
-    def __init__(self, directory: Path, ring_bytes: int = DEFAULT_RING_BYTES,
-                 reply_bytes: int = DEFAULT_REPLY_BYTES) -> None:
-        if ring_bytes < MIN_BYTES or ring_bytes % 8 or reply_bytes < MIN_BYTES or reply_bytes % 8:
-            raise ValueError(f"ring and reply sizes must be multiples of 8, at least {MIN_BYTES}")
-        layout = Layout(ring_bytes, reply_bytes)
-        self.fd = os.memfd_create("deltacast-ring", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, layout.size)
-        self.seg = _Segment(mmap.mmap(self.fd, layout.size), layout)
-        w = self.seg.words
-        w[_W_VERSION], w[_W_RING], w[_W_RANKS], w[_W_REPLY] = (VERSION, ring_bytes,
-                                                               layout.ranks, reply_bytes)
-        fence()
-        w[_W_MAGIC] = MAGIC
-        self.path = directory / RING_FILE
-        tmp = directory / f".{RING_FILE}.{os.getpid()}"
-        tmp.write_text(f"{os.getpid()} {self.fd} {layout.size}\n")
-        tmp.chmod(0o600)
-        tmp.replace(self.path)  # atomically: a worker never reads a half-written file
-        self.cursors = [self.seg.replies[r].head() for r in range(layout.ranks)]
-        self._seen = bytes(self.seg.reply_heads)  # the reply heads we have read up to
-
-    def publish(self, frames: Sequence[Any], seq: int, limit: int | None = None) -> bool:
-        """Append one message; if it is too large (for the ring, or than ``limit``), an
-        ON_PUB marker for ``seq`` instead (returns False: the caller MUST then send the
-        message on its socket)."""
-        if self.seg.ring.write(MESSAGE, pack_frames(frames), limit):
-            return True
-        self.seg.ring.write(ON_PUB, [_U64.pack(seq)])
-        return False
-
-    def sleepers(self) -> bool:
-        """Whether a reader has announced it is blocking (send a doorbell; after a fence)."""
-        fence()
-        return self.seg.sleeping_any()
-
-    def sleeping_ranks(self) -> list[int]:
-        """Ranks whose worker announced it blocks (after a fence)."""
-        fence()
-        return [r for r, v in enumerate(self.seg.sleeping.cast("Q")) if v]
-
-    def replies_pending(self) -> bool:
-        return bytes(self.seg.reply_heads) != self._seen  # a copy and a memcmp: ~0.1 µs
-
-    def replies(self) -> list[tuple[int, int, bytes]]:
-        """(rank, kind, payload) of every record in the reply rings since the last call,
-        in order per rank."""
-        if not self.replies_pending():
-            return []
-        out: list[tuple[int, int, bytes]] = []
-        cursors, regions = self.cursors, self.seg.replies
-        for rank, head in enumerate(self.seg.reply_heads.cast("Q")):
-            if head != cursors[rank]:
-                cursors[rank], records = regions[rank].read(cursors[rank])
-                out += [(rank, kind, payload) for kind, payload in records or ()]
-        self._seen = struct.pack(f"<{len(cursors)}Q", *cursors)
-        return out
-
-    def close(self) -> None:
-        """Mark the segment closed (attached workers re-attach) and remove ``DIR/ring``."""
-        if self.fd < 0:
-            return
-        self.seg.words[_W_CLOSED] = 1
-        with contextlib.suppress(OSError):
-            if self.path.read_text().split()[:2] == [str(os.getpid()), str(self.fd)]:
-                self.path.unlink()
-        self.seg.close()
-        os.close(self.fd)
-        self.fd = -1
 
 
 class RingReader:
@@ -298,12 +49,11 @@ class RingReader:
                 mm = mmap.mmap(f.fileno(), size)
         except (OSError, ValueError) as exc:
             raise RingError(f"cannot attach {self.path}: {exc}") from exc
-        words = struct.unpack_from(f"<{_HEADER_WORDS}Q", mm)
-        if words[_W_MAGIC] != MAGIC or words[_W_VERSION] != VERSION:
+        layout = Layout.of(mm)
+        if layout is None:
             mm.close()
             raise RingError(f"{self.path} is not a deltacast ring of version {VERSION}")
-        layout = Layout(words[_W_RING], words[_W_REPLY], words[_W_RANKS])
-        self.seg = _Segment(mm, layout)
+        self.seg = Segment(mm, layout)
         self.cursor = self.seg.ring.head()  # like a late subscriber: from now on
         self.overruns = 0
 
@@ -321,7 +71,7 @@ class RingReader:
     def sleep(self, sleeping: bool) -> bool:
         """Announce (or withdraw) that we block on SUB; True if records arrived meanwhile
         (then do not block)."""
-        self.seg.words[_sleeping_word(self.rank)] = int(sleeping)
+        self.seg.words[Layout.sleeping_word(self.rank)] = int(sleeping)
         fence()
         return self.pending()
 
@@ -336,7 +86,7 @@ class RingReader:
 
     def stale(self) -> bool:
         """The engine closed this segment or another engine now serves the directory."""
-        if self.seg.words[_W_CLOSED]:
+        if self.seg.words[W_CLOSED]:
             return True
         try:
             return (os.stat(self.path).st_ino, self.path.read_text()) != self.identity
@@ -344,5 +94,5 @@ class RingReader:
             return True
 
     def close(self) -> None:
-        self.seg.words[_sleeping_word(self.rank)] = 0
+        self.seg.words[Layout.sleeping_word(self.rank)] = 0
         self.seg.close()

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from protocol.messages import TOKEN_MODE_ENGINE
+from protocol.packing import unpack_uints
 from protocol.params import SamplingSpec
 from protocol.request import ExecuteModelRequest, IntArray
 from protocol.state import ReplicaState
@@ -144,15 +145,18 @@ class ModelRunner:
         Returns the number of positions recomputed.
         """
         engine_tokens = state.token_mode == TOKEN_MODE_ENGINE
-        done = 0
+        assert state.tables is not None  # a worker's state keeps its tables
+        cols, done = state.cols, 0
         for h in state.live_handles().tolist():
-            spec = state.handle_of(h)
-            buf = state.tokens[h] if engine_tokens and h < len(state.tokens) else None
-            outputs = buf.view() if buf is not None else np.zeros(0, dtype=np.int64)
-            seq = _sequence(spec.prompt_token_ids, outputs, spec.req_id)
-            end = min(int(state.cols.computed[h] + state.cols.last_nsched[h]), seq.size)
+            spec = state.spec_of(h)
+            prompt = None if spec.prompt_none else unpack_uints(spec.prompt)
+            outputs = state.token_history(h) if engine_tokens else np.zeros(0, dtype=np.int64)
+            seq = _sequence(prompt, outputs, spec.req_id)
+            at = int(cols.pos[h])
+            last = int(state.nsched[at]) if at >= 0 else 0
+            end = min(int(cols.computed[h]) + last, seq.size)
             if end > 0:
-                self._forward(spec.req_id, seq, 0, end, state.blocks[0][h])
+                self._forward(spec.req_id, seq, 0, end, state.tables[0].row(h))
                 done += end
         return done
 

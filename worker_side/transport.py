@@ -12,7 +12,7 @@ are decoded and handed to the caller, which feeds the pure WorkerReplica.
   main thread computes.  No socket is ever used from two threads.
 
 * An ``ipc://DIR`` endpoint is used only when DIR is private (ours, 0700, not a
-  symlink: :mod:`worker_side.ipc_dir`), checked before connecting: a worker never
+  symlink: :mod:`protocol.ipc_dir`), checked before connecting: a worker never
   sends its check-ins into another user's directory (EndpointError otherwise).
 * With ``rank`` and an ipc endpoint whose engine serves a local step ring
   (:mod:`worker_side.ring`), Deltas arrive through the ring and step results
@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,61 +45,34 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from protocol import codec
+from protocol.endpoints import DEFAULT_MAX_MESSAGE_BYTES, channel_endpoints, ipc_directory
 from protocol.errors import MalformedMessage
+from protocol.ipc_dir import check_private_dir
 from protocol.messages import AnyMessage, CheckIn, Delta
 from protocol.replies import AnyReply, StepResult, encode_reply
-from worker_side.ipc_dir import check_private_dir
-from worker_side.ring import MESSAGE, ON_PUB, RING_FILE, RingError, RingReader, unpack_frames
+from protocol.ring import MESSAGE, ON_PUB, RING_FILE, unpack_frames
+from protocol.spin import spin
+from worker_side.ring import RingError, RingReader
 
 log = logging.getLogger("deltacast.worker.transport")
 
-DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 _BATCH = 256  # messages drained per socket per recv() call
 _MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-SOCKET_POLL_S = 200e-6  # sockets' poll period while spinning on a ring
 AWAIT_PUB_S = 1.0  # how long ring records wait for a Delta announced ON_PUB (then: a gap)
 _RING_CHECK_S = 0.1  # at most this often: is there a (new) ring to attach?
 
 
-def spin_poll(poller: zmq.Poller, spin_s: float,
-              elsewhere: Callable[[], bool] | None = None) -> list[tuple[Any, int]]:
-    """Poll without blocking for up to ``spin_s`` seconds, ``sched_yield`` between polls
-    (a spinning process gives way to runnable ones, e.g. zmq's I/O threads, on a busy
-    CPU).  Returns the ready sockets, or [] when the spin ran out or ``elsewhere()``
-    (e.g. a shared-memory ring has records) became true.  With ``elsewhere`` (a
-    microsecond check), the sockets (several microseconds a poll) are polled only
-    every ``SOCKET_POLL_S``: they carry the rarer messages."""
-    if spin_s <= 0:
-        return []
-    now = time.perf_counter()
-    deadline, next_poll = now + spin_s, now
-    while True:
-        if elsewhere is None or now >= next_poll:
-            ready = poller.poll(0)
-            if ready:
-                return ready
-            next_poll = now + SOCKET_POLL_S
-        if (elsewhere is not None and elsewhere()) or now >= deadline:
-            return []
-        os.sched_yield()
-        now = time.perf_counter()
+#: ``spin_poll(poller, spin_s, elsewhere=None)``: :func:`protocol.spin.spin` on our clock
+spin_poll = partial(spin, clock=time.perf_counter, pause=os.sched_yield)
 
 
-def channel_endpoints(endpoint: str, private: bool = False) -> tuple[str, str]:
-    """(PUB, ROUTER) endpoints of an engine: ``ipc://DIR`` → DIR/pub, DIR/ctl;
-    ``tcp://HOST:PORT`` → PORT and PORT + 1.  ``private``: a worker about to connect
-    first checks that DIR is private (EndpointError: :mod:`worker_side.ipc_dir`)."""
-    if endpoint.startswith("ipc://"):
-        base = endpoint.rstrip("/")
-        if private:
-            check_private_dir(Path(base[len("ipc://"):]))
-        return f"{base}/pub", f"{base}/ctl"
-    if endpoint.startswith("tcp://"):
-        host, _, port = endpoint.rpartition(":")
-        if not port.isdigit():
-            raise ValueError(f"{endpoint}: a tcp endpoint needs an explicit port")
-        return endpoint, f"{host}:{int(port) + 1}"
-    raise ValueError(f"{endpoint}: use ipc://DIR or tcp://HOST:PORT")
+def checked_endpoints(endpoint: str) -> tuple[str, str]:
+    """:func:`protocol.endpoints.channel_endpoints`, after checking that an ipc DIR is
+    private (EndpointError: :mod:`protocol.ipc_dir`): a worker checks before it connects."""
+    directory = ipc_directory(endpoint)
+    if directory is not None:
+        check_private_dir(Path(directory))
+    return channel_endpoints(endpoint)
 
 
 @dataclass(frozen=True)
@@ -151,7 +125,7 @@ class WorkerTransport:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, rcvhwm: int = 1000,
                  rcvbuf: int = -1, identity: bytes | None = None,
                  rank: int | None = None) -> None:
-        pub_ep, self.ctl_endpoint = channel_endpoints(endpoint, private=True)  # (first)
+        pub_ep, self.ctl_endpoint = checked_endpoints(endpoint)  # (first)
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.endpoint, self.keys = endpoint, keys
         self.max_message_bytes = max_message_bytes
@@ -364,7 +338,7 @@ class CheckInThread(threading.Thread):
     def __init__(self, endpoint: str, status: Callable[[], CheckIn], interval: float = 0.05,
                  keys: ClientKeys | None = None) -> None:
         super().__init__(name="deltacast-checkin", daemon=True)
-        self.ctl_endpoint = channel_endpoints(endpoint, private=True)[1]
+        self.ctl_endpoint = checked_endpoints(endpoint)[1]
         self.status, self.interval, self.keys = status, interval, keys
         self._stop_event = threading.Event()
 

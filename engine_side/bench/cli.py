@@ -16,6 +16,8 @@ import json
 import sys
 from typing import Any
 
+from protocol.cli_support import int_in
+
 KINDS = ("core", "latency", "mm")
 
 
@@ -37,13 +39,6 @@ def _batches(text: str) -> tuple[int, ...]:
     return values
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be positive")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("kind", nargs="?", choices=KINDS, default="core",
                         help="which benchmark (default: core)")
@@ -51,11 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one JSON object per line on stdout (see engine_side/bench/rows.py)")
     parser.add_argument("--batches", type=_batches, default=None, metavar="N,N,...",
                         help="batch sizes (default: 1,32,256,1024,4096)")
-    parser.add_argument("--steps", type=_positive, default=None, metavar="N",
+    parser.add_argument("--steps", type=int_in(1), default=None, metavar="N",
                         help="timed steps per case (default: adaptive, 200 down to 30)")
     parser.add_argument("--quick", action="store_true",
                         help="small batches and few steps (smoke tests)")
-    parser.add_argument("--seed", type=int, default=0, help="workload RNG seed (default: 0)")
+    parser.add_argument("--seed", type=int_in(0), default=0, help="workload RNG seed")
     parser.add_argument("--figures", default=None, metavar="FILE",
                         help="also write the figures envelope for BENCHMARKS.md here "
                              "(docs/benchmarks/KIND.json; implies --json)")

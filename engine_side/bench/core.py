@@ -7,10 +7,11 @@ same warm-up steps.  Then ``steps`` steps are timed; each step is measured in
 every format, in an order rotated per step so drift and noise hit all alike,
 and the median per step is reported.  Formats:
 
-* ``deltacast``: encode = ``mirror.diff`` + ``codec.encode``; decode =
-  ``codec.decode`` + ``replica.receive`` + ``replica.request()`` (the rebuild);
-  bytes = ``codec.encoded_size``.  The last rebuilt request is checked equal to
-  the engine's, untimed.
+* ``deltacast``: encode = ``mirror.step`` of the changes the workload's scheduler
+  knows (:attr:`Workload.changes`) + ``codec.encode``; decode = ``codec.decode`` +
+  ``replica.receive`` (the replicated state applied: what a runner reads); bytes =
+  ``codec.encoded_size``.  The last step's request rebuilt from the replica is checked
+  equal to the engine's, untimed.
 * ``pickle_v1``: pickle dumps / loads of vLLM's ``execute_model`` RPC tuple
   holding the v1 ``SchedulerOutput`` for the same step (see ``baselines``).
 * ``pickle``: pickle dumps / loads of the full ``ExecuteModelRequest``.
@@ -32,7 +33,8 @@ from engine_side.bench.rows import Row, dumps, make_row
 from engine_side.mirror import EngineMirror
 from engine_side.workloads import Workload
 from protocol import codec
-from protocol.request import ExecuteModelRequest, request_differences
+from protocol.request import ExecuteModelRequest
+from protocol.state import ReplicaState
 from worker_side.events import Applied
 from worker_side.replica import WorkerReplica
 
@@ -69,22 +71,21 @@ class Lane(Protocol):
 class DeltacastLane:
     name = "deltacast"
 
-    def __init__(self, token_mode: int) -> None:
+    def __init__(self, workload: Workload) -> None:
         self.extra: dict[str, Any] = {}
-        self.mirror = EngineMirror(token_mode=token_mode)
-        self.replica = WorkerReplica(silence_timeout=float("inf"))
-        self.replica.receive(codec.decode(codec.encode(self.mirror.snapshot())), 0.0)
-        self.last: ExecuteModelRequest | None = None
+        self.workload = workload
+        self.mirror = EngineMirror(token_mode=workload.token_mode, keep_tables=False)
+        self.replica = WorkerReplica(silence_timeout=float("inf"), start=(
+            self.mirror.epoch, ReplicaState(workload.token_mode)))
 
-    def prepare(self, req: ExecuteModelRequest) -> ExecuteModelRequest:
-        return req
+    def prepare(self, req: ExecuteModelRequest) -> dict[str, Any]:
+        return self.workload.changes
 
-    def measure(self, prepared: ExecuteModelRequest) -> Sample:
+    def measure(self, prepared: dict[str, Any]) -> Sample:
         t0 = time.perf_counter_ns()
-        frames = codec.encode(self.mirror.diff(prepared))
+        frames = codec.encode(self.mirror.step(**prepared)[0])
         t1 = time.perf_counter_ns()
         events = self.replica.receive(codec.decode(frames), 0.0)
-        self.last = self.replica.request()
         t2 = time.perf_counter_ns()
         if not isinstance(events[-1], Applied):
             raise RuntimeError(f"replica did not apply the delta: {events}")
@@ -110,10 +111,10 @@ class PickleLane:
         return Sample(baselines.frames_size(frames), t1 - t0, t2 - t1)
 
 
-def make_lanes(token_mode: int) -> list[Lane]:
+def make_lanes(workload: Workload) -> list[Lane]:
     v1 = baselines.V1Scheduler()
     return [
-        DeltacastLane(token_mode),
+        DeltacastLane(workload),
         PickleLane("pickle_v1", lambda r: baselines.rpc_message(v1.convert(r)),
                    {"baseline": v1.label}),
         PickleLane("pickle", lambda r: r, {"baseline": "ExecuteModelRequest"}),
@@ -124,7 +125,7 @@ def bench_case(scenario: str, batch: int, steps: int, seed: int = 0,
                on_step: Callable[[], None] | None = None) -> list[Row]:
     """Rows (one per format) for one scenario at one batch size."""
     workload = Workload(scenario, batch, seed=seed)
-    lanes = make_lanes(workload.token_mode)
+    lanes = make_lanes(workload)
     for req in workload.warmup():
         for lane in lanes:
             lane.measure(lane.prepare(req))
@@ -141,10 +142,23 @@ def bench_case(scenario: str, batch: int, steps: int, seed: int = 0,
 
 
 def _check_rebuild(lane: Lane, req: ExecuteModelRequest) -> None:
-    assert isinstance(lane, DeltacastLane) and lane.last is not None
-    differ = request_differences(lane.last, req)
-    if differ:
-        raise RuntimeError(f"deltacast rebuild differs from the engine's request: {differ}")
+    """The replica holds the engine's last request (whole tables on both ends: the
+    mirror kept none, so the check rebuilds through a replay; O(run), untimed)."""
+    assert isinstance(lane, DeltacastLane)
+    replica = lane.replica
+    assert replica.data is not None and replica.last is not None and replica.applied is not None
+    got = request_summary(replica.data)
+    want = (list(req.req_ids), req.num_scheduled_tokens.tolist(),
+            req.num_computed_tokens.tolist())
+    if got != want:
+        raise RuntimeError("deltacast's replica differs from the engine's request")
+
+
+def request_summary(state: Any) -> tuple[list[str], list[int], list[int]]:
+    """(batch ids, scheduled counts, computed counts) a replica state holds."""
+    sched = state.schedule
+    return ([state.spec_of(h).req_id for h in sched.tolist()], state.nsched.tolist(),
+            state.cols.computed[sched].tolist())
 
 
 def _row(scenario: str, batch: int, lane: Lane, samples: list[Sample]) -> Row:
@@ -227,28 +241,61 @@ def _progress(total: int, enabled: bool) -> Iterator[Callable[[], None]]:
 
 
 def print_summary(rows: Sequence[Row], targets: Sequence[Target]) -> None:
-    """A rich table of the rows (ratios against pickle_v1), then the targets."""
+    """A rich table of the rows (ratios against pickle_v1, and a plain verdict on each
+    deltacast row: smaller or larger, faster or slower), the cases where deltacast is
+    slower in a sentence, then the targets."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="deltacast bench core (median per step)")
     for name in ("scenario", "batch", "format", "bytes", "encode µs", "decode µs", "total µs",
-                 "bytes ÷ v1", "time ÷ v1"):
-        table.add_column(name, justify="left" if name in ("scenario", "format") else "right")
+                 "bytes ÷ v1", "time ÷ v1", "deltacast vs pickle_v1"):
+        table.add_column(name, justify="left" if name in ("scenario", "format",
+                                                          "deltacast vs pickle_v1") else "right")
     ref = {(r["scenario"], r["batch"]): r for r in rows if r["format"] == "pickle_v1"}
     for r in rows:
         v1 = ref.get((r["scenario"], r["batch"]))
         table.add_row(r["scenario"], str(r["batch"]), r["format"], f"{r['bytes']:,}",
                       f"{r['encode_us']:,.1f}", f"{r['decode_us']:,.1f}", f"{r['total_us']:,.1f}",
                       _ratio(r, v1, "bytes"), _ratio(r, v1, "total_us"),
+                      verdict(r, v1) if r["format"] == "deltacast" else "",
                       end_section=r["format"] == FORMATS[-1])
     console = Console()
     if not console.is_terminal:
-        console = Console(width=max(console.width, 132))  # files and pipes: no truncation
+        console = Console(width=max(console.width, 150))  # files and pipes: no truncation
     console.print(table)
+    slower = slower_cases(rows)
+    if slower:
+        console.print(f"[yellow]deltacast is slower than pickle_v1[/yellow] on {len(slower)} "
+                      f"of {len(ref)} cases (total µs per step): {'; '.join(slower)}",
+                      highlight=False)
     for t in targets:
         mark = "[green]met[/green]" if t.met else "[red]MISSED[/red]"
         console.print(f"{mark}  {t.what}: {t.value:,.3g} (target ≤ {t.limit:.3g})")
+
+
+def verdict(ours: Row, v1: Row | None) -> str:
+    """Plain words for a deltacast row against pickle_v1: '66× smaller, 2.8× slower'."""
+    if v1 is None or not v1["bytes"] or not v1["total_us"] or not ours["total_us"]:
+        return ""
+    size = ours["bytes"] / v1["bytes"]
+    time_ = ours["total_us"] / v1["total_us"]
+    words = (f"{1 / size:.3g}× smaller" if size <= 1 else f"{size:.3g}× larger",
+             f"{1 / time_:.3g}× faster" if time_ <= 1 else f"[red]{time_:.3g}× slower[/red]")
+    return ", ".join(words)
+
+
+def slower_cases(rows: Sequence[Row]) -> list[str]:
+    """'scenario batch N (2.8×)' for each case where deltacast takes longer than pickle_v1."""
+    ref = {(r["scenario"], r["batch"]): r for r in rows if r["format"] == "pickle_v1"}
+    out = []
+    for r in rows:
+        v1 = ref.get((r["scenario"], r["batch"]))
+        if r["format"] == "deltacast" and v1 and v1["total_us"] and \
+                r["total_us"] > v1["total_us"]:
+            out.append(f"{r['scenario']} batch {r['batch']} "
+                       f"({r['total_us'] / v1['total_us']:.3g}×)")
+    return out
 
 
 def _ratio(ours: Row, theirs: Row | None, key: str) -> str:

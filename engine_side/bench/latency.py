@@ -31,7 +31,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,8 +44,10 @@ from engine_side.liveness import LivenessView
 from engine_side.mirror import EngineMirror
 from engine_side.security import free_tcp_endpoint
 from engine_side.session import DEFAULT_ACK_SPIN, EngineSession, WorkersLost
+from engine_side.stale_dirs import LockedTempDir
 from engine_side.workloads import Workload
-from worker_side.ring import DEFAULT_RING_BYTES
+from protocol.cli_support import float_in, int_in
+from protocol.ring import DEFAULT_RING_BYTES
 from worker_side.waiting import DEFAULT_SPIN_MS
 
 SCENARIO = "steady_decode"
@@ -56,21 +57,43 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--transports", default=",".join(TRANSPORTS),
+    parser.add_argument("--transports", type=_transport_list, default=",".join(TRANSPORTS),
                         help="latency: comma-separated subset of " + ",".join(TRANSPORTS))
-    parser.add_argument("--worker-counts", default="1,2,4",
+    parser.add_argument("--worker-counts", type=_count_list, default="1,2,4",
                         help="latency: comma-separated worker counts (default 1,2,4)")
-    parser.add_argument("--spin-ms", type=float, default=DEFAULT_SPIN_MS,
+    parser.add_argument("--spin-ms", type=float_in(0), default=DEFAULT_SPIN_MS,
                         help="latency: workers' bounded spin after each step "
                              f"(default {DEFAULT_SPIN_MS:g}; 0 = block)")
-    parser.add_argument("--ack-spin-ms", type=float, default=DEFAULT_ACK_SPIN * 1e3,
+    parser.add_argument("--ack-spin-ms", type=float_in(0), default=DEFAULT_ACK_SPIN * 1e3,
                         help="latency: the engine's bounded spin while it waits for acks "
                              f"(default {DEFAULT_ACK_SPIN * 1e3:g}; 0 = block)")
-    parser.add_argument("--soak", type=int, default=0, metavar="STEPS",
+    parser.add_argument("--soak", type=int_in(0), default=0, metavar="STEPS",
                         help="latency: instead, a soak run of STEPS steps with 4 workers, "
-                             "random kills and stalls (prints one JSON summary)")
-    parser.add_argument("--soak-kill-every", type=int, default=5000)
-    parser.add_argument("--soak-stall-every", type=int, default=7000)
+                             "random kills and stalls (prints one JSON summary; 0 = off)")
+    parser.add_argument("--soak-kill-every", type=int_in(1), default=5000, metavar="K",
+                        help="latency --soak: kill -9 a random worker every K steps")
+    parser.add_argument("--soak-stall-every", type=int_in(1), default=7000, metavar="K",
+                        help="latency --soak: SIGSTOP a random worker for 3 s every K steps")
+
+
+def _transport_list(text: str) -> str:
+    """An argparse type: a comma-separated subset of TRANSPORTS (returned as given)."""
+    names = [t for t in text.split(",") if t]
+    unknown = [t for t in names if t not in TRANSPORTS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {','.join(TRANSPORTS)}")
+    return text
+
+
+def _count_list(text: str) -> str:
+    """An argparse type: comma-separated worker counts in 1..64 (returned as given)."""
+    try:
+        counts = _ints(text)
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1 or max(counts) > 64:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated worker counts in 1..64")
+    return text
 
 
 def cpu_seconds(pid: int) -> float:
@@ -85,13 +108,14 @@ def _engine(transport: str, workers: int, token_mode: int, spin: tuple[float, fl
     from engine_side.security import CurveKeys, generate_keypair, load_keypair
     from engine_side.transport import EngineTransport
 
-    with tempfile.TemporaryDirectory(prefix="dc-bench-") as tmp:
+    with LockedTempDir("bench") as tmp:  # (removed by a later sweep after a kill -9)
         keys, extra, endpoint = None, [], None
         if transport == "tcp-curve":
             server_pub, server_secret = generate_keypair(Path(tmp), "engine")
             _, worker_secret = generate_keypair(Path(tmp), "worker")
-            keys = CurveKeys(*load_keypair(server_secret),
-                             frozenset({load_keypair(worker_secret)[0]}))
+            worker_key = load_keypair(worker_secret)[0]  # shared: pinned to the ranks
+            keys = CurveKeys(*load_keypair(server_secret), frozenset({worker_key}),
+                             {worker_key: frozenset(range(workers))})
             extra = ["--server-key", str(server_pub), "--secret-key", str(worker_secret)]
             endpoint = free_tcp_endpoint()
         ring = DEFAULT_RING_BYTES if transport == "ipc" else 0

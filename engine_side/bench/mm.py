@@ -9,7 +9,7 @@ Formats:
 * ``memcpy``       one plain copy of the tensors in this process (``clone``), the yardstick;
 * ``pickle_torch`` / ``pickle_numpy``  vLLM MessageQueue-style protocol-5 pickle of the
   ``{"pixel_values": [...], "image_grid_thw": [...]}`` dict, sent over zmq ipc, unpickled;
-* ``frames``       a :class:`Delta` whose new request carries the images in ``mm_features``,
+* ``frames``       a :class:`Delta` whose new request carries the images in ``mm_data``,
   ``codec.encode`` zero-copy frames over zmq ipc, ``codec.decode`` (views) in workers;
 * ``store_first``  items written into the :class:`ShmStore` (one copy), handles sent;
   workers verify and map views;
@@ -44,8 +44,8 @@ from engine_side.bench.baselines import frames_size, pickle_frames, unpickle_fra
 from engine_side.bench.rows import Row, dumps, make_row
 from engine_side.shm_store import ShmStore
 from protocol import codec
-from protocol.messages import Delta, DeltaBody, NewRequest
-from protocol.params import MMFeatureRef
+from protocol.messages import Delta, DeltaBody, MMItem, NewRequest, Spec, encode_spec
+from protocol.packing import pack_uints
 from protocol.store_handles import AttachInfo, decode_refs, encode_refs
 
 FORMATS = ("memcpy", "pickle_torch", "pickle_numpy", "frames", "store_first", "store_hit",
@@ -76,10 +76,12 @@ def mm_kwargs(images: list[Image], numpy: bool = False) -> dict[str, list[Any]]:
 
 
 def features_delta(images: list[Image], keys: list[str]) -> Delta:
-    feats = tuple(MMFeatureRef("image", k, offset=i * 64, length=64, mm_hash=k, data=img)
-                  for i, (k, img) in enumerate(zip(keys, images, strict=True)))
-    body = DeltaBody(added=(NewRequest(handle=0, req_id="mm-0", mm_features=feats),))
-    return Delta(epoch=1, seq=1, digest=0, body=body)
+    """One new request whose items' data travel beside its spec (``mm_data``)."""
+    items = tuple(MMItem("image", k, offset=i * 64, length=64, mm_hash=k)
+                  for i, k in enumerate(keys))
+    spec = Spec(req_id="mm-0", prompt=pack_uints([0] * 64 * len(keys)), mm=items)
+    new = NewRequest(handle=0, spec=encode_spec(spec), mm_data=tuple(images))
+    return Delta(epoch=1, seq=1, digest=0, body=DeltaBody(added=(new,)))
 
 
 def count_tensors(obj: Any) -> int:
@@ -111,7 +113,7 @@ class _Worker:
         elif kind == "frames":
             msg = codec.decode(frames)
             assert isinstance(msg, Delta)
-            self.held = (msg, [f.data for f in msg.body.added[0].mm_features])
+            self.held = (msg, list(msg.body.added[0].mm_data))
             return count_tensors(self.held[1])
         elif kind in ("store_first", "store_hit"):
             self.held = self.reader.resolve_all(decode_refs(bufs[0]))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_side.bench import figures
+from engine_side.bench.page_hostile import from_fuzz, from_hostile
 
 SLOWER = "slower on"  # the last column of a comparison: where deltacast is slower
 NONE = "–"
@@ -286,82 +287,76 @@ def _repo_path(path: Path) -> str:
 
 # ---------------------------------------------------------------- vLLM streams
 def from_streams(doc: dict[str, Any]) -> Fields:
-    """``python -m engine_side.bench.vllm_streams --scenario all`` document → per stream."""
+    """``python -m engine_side.bench.vllm_streams`` document → one line per stream."""
+    from engine_side.bench.vllm_table import streams
     from engine_side.bench.vllm_table import targets as stream_targets
 
-    streams = [*doc["workloads"].items(),
-               *((f"synthetic-{k}", v) for k, v in doc.get("synthetic", {}).items())]
+    def median(p: dict[str, Any], of: str = "vllm") -> float | None:
+        return _div(p["median_us"], p[f"median_{of}_us"]) if p["steps"] else None
+
     table = []
-    for name, w in streams:
+    for name, w in streams(doc):
         req, steps = w["request"], max(1, w["steps"])
-        fewer = _div(req["pickle_bytes"], req["bytes"])
-        median = _div(req["median_us"], req["pickle_median_us"])
-        summed = _div(req["us"], req["pickle_us"])
-        churn = w.get("churn") or {}
-        join = _div(churn.get("us"), churn.get("pickle_us")) if churn.get("steps") else None
-        same = w.get("same_batch") or {}
-        batch = _div(same.get("us"), same.get("pickle_us")) if same.get("steps") else None
-        reply = _div(w["reply"]["pickle_bytes"], w["reply"]["bytes"])
+        fewer = _div(req["vllm_bytes"], req["bytes"])
+        med, bare = median(req), median(req, "bare")
+        summed = _div(req["us"], req["vllm_us"])
+        join, same = w["join_leave"], w["same_batch"]
+        join_r, same_r = median(join), median(same)
+        reply = _div(w["reply"]["vllm_bytes"], w["reply"]["bytes"])
         table.append([name, w["steps"], round(req["bytes"] / steps, 1),
-                      round(req["pickle_bytes"] / steps, 1), _r(fewer, 1),
-                      _r(req["median_us"], 1), _r(req["pickle_median_us"], 1), _r(median),
-                      _r(summed), churn.get("steps"), _r(join), _r(batch), _r(reply, 1),
-                      _slower(("median", median), ("summed", summed), ("join/leave", join),
-                              ("same-batch", batch))])
+                      round(req["vllm_bytes"] / steps, 1), _r(fewer, 1), _r(req["median_us"], 1),
+                      _r(req["median_vllm_us"], 1), _r(med), _r(bare), _r(summed),
+                      join["steps"], _r(join_r), _r(same_r), _r(reply, 1),
+                      _slower(("median", med), ("summed", summed), ("join/leave", join_r),
+                              ("same-batch", same_r))])
     t = doc["total"]["request"]
-    steps = sum(w["steps"] for w in doc["workloads"].values())
-    fewer, summed = _div(t["pickle_bytes"], t["bytes"]), _div(t["us"], t["pickle_us"])
-    churn_us = sum((w.get("churn") or {}).get("us", 0) for w in doc["workloads"].values())
-    churn_pickle = sum((w.get("churn") or {}).get("pickle_us", 0)
-                       for w in doc["workloads"].values())
-    churn_steps = sum((w.get("churn") or {}).get("steps", 0) for w in doc["workloads"].values())
-    join = _div(churn_us, churn_pickle) if churn_steps else None
-    same_us = sum((w.get("same_batch") or {}).get("us", 0) for w in doc["workloads"].values())
-    same_pickle = sum((w.get("same_batch") or {}).get("pickle_us", 0)
-                      for w in doc["workloads"].values())
-    batch = _div(same_us, same_pickle)
+    steps = max(1, sum(w["steps"] for w in doc["workloads"].values()))
+    fewer, summed = _div(t["vllm_bytes"], t["bytes"]), _div(t["us"], t["vllm_us"])
+    join_steps = sum(w["join_leave"]["steps"] for w in doc["workloads"].values())
     reply_t = doc["total"]["reply"]
-    reply = _div(reply_t["pickle_bytes"], reply_t["bytes"])
     table.append(["all recorded", steps, round(t["bytes"] / steps, 1),
-                  round(t["pickle_bytes"] / steps, 1), _r(fewer, 1), None, None, None,
-                  _r(summed), churn_steps, _r(join), _r(batch), _r(reply, 1),
-                  _slower(("summed", summed), ("join/leave", join), ("same-batch", batch))])
+                  round(t["vllm_bytes"] / steps, 1), _r(fewer, 1), None, None, None, None,
+                  _r(summed), join_steps, None, None,
+                  _r(_div(reply_t["vllm_bytes"], reply_t["bytes"]), 1),
+                  _slower(("summed", summed))])
     meta = doc.get("meta", {})
-    live = [w.get("live") for w in doc["workloads"].values() if w.get("live")]
-    differences = sum(len(x.get("failures", [])) for x in live)
-    notes = [f"vLLM = {meta.get('baseline', 'its MessageQueue serializer')} of the same "
-             f"message; each step's µs is the median of {meta.get('passes', 1)} replays, the "
-             "two paths alternating which goes first.",
+    checks = [w["check"] for _, w in streams(doc) if "check" in w]
+    notes = ["vLLM = its MessageQueue serializer of the same message (what a vLLM executor "
+             "pays per message), bare = bare pickle.dumps + loads of it; each step's µs is "
+             f"the median of {meta.get('passes', 1)} replays, the three paths taking turns "
+             "at going first.",
              "µs = encode + decode of the request path (execute_model + sample_tokens) per "
              "step; median = ratio of the median steps, summed = ratio of the sums over all "
-             "steps, join/leave = steps where a request joins, leaves or resumes, same-batch "
-             "= the others.",
+             "steps, join/leave = steps where a request joins, leaves, is preempted or "
+             "resumes (their median), same-batch = the others.",
              "synthetic-N: N requests in steady decode, all of them joining in the first of "
-             "its 20 steps (which is most of its summed ratio); synthetic-churn-N: one request "
-             "finishes and one joins every step (a stateful channel's worst case)."]
-    if live:
-        notes.append(f"{len(live)} workloads recorded from real vLLM CPU runs, every message "
-                     f"decoded and compared with the original: {differences} round-trip "
-                     "differences.")
-    medians = {name: _r(_div(w["request"]["median_us"], w["request"]["pickle_median_us"]))
-               for name, w in streams}
-    targets = []
-    for t in stream_targets(doc):  # median ratios to the table's precision
-        name, _, what = t["target"].partition(": ")
-        value = medians[name] if what.startswith("median µs") and name in medians else t["value"]
-        targets.append(_target(t["target"], value, t["limit"], t["met"]))
+             "its steps; synthetic-churn-N: one request finishes and one joins every step (a "
+             "stateful channel's worst case).",
+             "Targets are judged against vLLM's serializer; the ratio against bare pickle "
+             "follows each in brackets."]
+    if checks:
+        notes.append(f"{len(checks)} streams checked: {sum(c['records'] for c in checks):,} "
+                     "messages decoded and compared with the originals, "
+                     f"{sum(c['differences'] for c in checks)} differences.")
+    if "kernels" in meta:
+        notes.append("The protocol's C kernels were in use." if meta["kernels"] else
+                     "The protocol ran its pure-Python kernels.")
+    targets = [_target(t["target"] + ("" if t["bare"] is None else
+                                      f" (bare pickle: {_cell(t['bare'])})"),
+                       t["value"], t["limit"], t["met"]) for t in stream_targets(doc)]
+    recorded = len(doc["workloads"])
     return {"name": "vllm_streams", "title": "vLLM streams",
-            "what": "vLLM's own per-step messages, recorded from real vLLM CPU runs of eight "
-                    "workloads (engine_side/bench/vllm_scenarios.py) and from synthetic "
-                    "streams, replayed through deltacast's SchedulerOutput encoder and decoder "
-                    "and through vLLM's MessageQueue serializer: request bytes and CPU µs per "
+            "what": f"vLLM's own per-step messages, recorded from real vLLM CPU runs of "
+                    f"{recorded} workloads (coverage, batch and online scenarios: "
+                    "engine_side/bench/vllm_scenarios.py, vllm_online.py) and synthetic "
+                    "streams, replayed through deltacast's encoder and decoder, vLLM's "
+                    "MessageQueue serializer and bare pickle: request bytes and CPU µs per "
                     "step.",
             "columns": ["stream", "steps", "B/step", "vLLM B/step", "× fewer B",
-                        "median µs", "vLLM median µs", "median ÷ vLLM", "summed ÷ vLLM",
-                        "join/leave steps", "join/leave ÷ vLLM", "same-batch ÷ vLLM",
-                        "× fewer reply B", SLOWER],
-            "rows": table, "targets": targets, "notes": notes,
-            "raw": doc}
+                        "median µs", "vLLM median µs", "median ÷ vLLM", "median ÷ bare",
+                        "summed ÷ vLLM", "join/leave steps", "join/leave median ÷ vLLM",
+                        "same-batch median ÷ vLLM", "× fewer reply B", SLOWER],
+            "rows": table, "targets": targets, "notes": notes, "raw": doc}
 
 
 # ---------------------------------------------------------------- TP=2 throughput
@@ -431,7 +426,8 @@ def from_bitmask(results: Sequence[dict[str, Any]]) -> Fields:
 
 CONVERTERS: dict[str, Callable[[Any], Fields]] = {
     "core": from_core, "latency": from_latency, "mm": from_mm, "report": from_report,
-    "vllm_streams": from_streams, "vllm_throughput": from_throughput, "bitmask": from_bitmask}
+    "vllm_streams": from_streams, "vllm_throughput": from_throughput, "bitmask": from_bitmask,
+    "fuzz": from_fuzz, "hostile": from_hostile}
 
 
 def reconvert(path: Path) -> bool:

@@ -1,120 +1,284 @@
-"""Real vLLM (CPU) streams: record them, check the round-trip live, compare with pickle.
+"""Real vLLM (CPU) streams against vLLM's own serializer: record, replay, judge.
 
-Record one scenario (``engine_side/bench/vllm_scenarios.py``) in this process::
+Everything at once (the BENCHMARKS command)::
 
-    python -m engine_side.bench.vllm_streams --model DIR --scenario decode \\
-        --record decode.dcrec --out decode.json --check
+    python -m engine_side.bench.vllm_streams [--cache out/objstreams] [--fresh] \\
+        [--passes 3] [--check] [--json FILE] [--figures docs/benchmarks/vllm_streams.json]
 
-``LLM.generate`` runs with a :class:`Recorder` on the executor: every
-SchedulerOutput / GrammarOutput / ModelRunnerOutput is encoded, decoded by a fresh
-worker-side decoder and (with ``--check``) compared with the original by the
-strict test helper; each object is also pickled the way vLLM's MultiprocExecutor
-does, so the live figures are side by side.
+records every scenario -- the coverage and batch scenarios of
+``engine_side/bench/vllm_scenarios.py`` and the online ones of
+``engine_side/bench/vllm_online.py`` -- as object streams (``*.dcobj``, vLLM's own
+per-step objects) into the cache directory, each in a fresh vLLM process with the
+tiny model (built there if missing), one progress line per scenario on stderr;
+streams already in the cache are reused unless ``--fresh``.  Then every recorded
+workload, and the synthetic streams (steady decode at 256 and 4096 requests,
+continuous batching at 16 and 256), is replayed through deltacast's encoder and
+decoder, vLLM's MessageQueue serializer and bare pickle
+(:func:`engine_side.bench.vllm_replay.replay`, ``--passes`` replays per stream) and
+the tables and the targets (``engine_side/bench/vllm_table.py``) are printed.
 
-Everything at once (the BENCHMARKS command; builds the tiny model if missing, one
-subprocess per scenario, a progress line each, then the offline replay)::
+One scenario live, in this process (the adapter's integration tests run this):
+``--scenario NAME [--model DIR] [--out STATS.json] [--record FILE.dcrec] [--check]``
+runs ``LLM.generate`` with every message encoded, decoded by a fresh worker-side
+decoder and (``--check``) compared with the original as it passes, and prints the
+run's stats (JSON; exit status 1 on a difference).
 
-    python -m engine_side.bench.vllm_streams --scenario all --record-dir DIR \\
-        --check --json DIR/streams.json > DIR/streams.md
+``--replay FILE...`` measures existing object streams instead of recording;
+``--render JSON`` prints the tables of a saved document.  ``--check`` also runs each
+stream through a fresh encoder / decoder pair, untimed, and compares every decoded
+object with the original (``tests/vllm_equal.py``); any difference makes the exit
+status 1 (and no figures are written).
 
-``--replay FILE...`` measures existing recordings; ``--render JSON`` prints the
-markdown tables of a saved result (``engine_side/bench/vllm_table.py``).
+The document (``--json``)::
+
+    meta       date, commit, command, load, passes, check, kernels (the C kernels in
+               use), vllm (its version), baselines
+    workloads  {name: replay summary + request_fields, stream (its recording's
+               summary and stats), check (with --check)}
+    synthetic  {"256", "4096", "churn-16", "churn-256": replay summary + request_fields,
+               check (with --check)}
+    total      {request, reply: bytes, vllm_bytes, us, vllm_us, bare_us summed over
+               the recorded workloads}
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
 import subprocess
 import sys
-import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine_side.bench.figures import stamp
+from engine_side.bench.figures import command, machine, stamp
 from engine_side.bench.page_tables import write_figures
-from engine_side.bench.vllm_replay import (
-    Eviction,
-    load_recording,
-    pickled,
-    replay,
-    synthetic_churn,
-    synthetic_decode,
-)
-from engine_side.bench.vllm_scenarios import (
-    ROOT,
-    SCENARIOS,
-    WORKLOADS,
-    async_scheduling,
-    build_tiny_model,
-    run_child,
-)
-from protocol import speedups
+from engine_side.bench.vllm_replay import pickled, replay, synthetic_churn, synthetic_decode
+from engine_side.bench.vllm_scenarios import ROOT, build_tiny_model
 
-__all__ = ["build_tiny_model", "record_scenario", "record_all", "replay_all"]
-DEFAULT_MODEL = Path("/tmp/deltacast-tiny-llama")
+__all__ = ["build_tiny_model", "record", "record_scenario", "replay_all", "check_stream"]
+
+DEFAULT_CACHE = Path("out/objstreams")
+SYNTHETIC = (256, 4096)  # steady decode at N requests
+CHURN = (16, 256)  # continuous batching at N requests
+SYNTHETIC_STEPS = 20
+TOTALS = ("bytes", "vllm_bytes", "us", "vllm_us", "bare_us")
+VLLM_SERIALIZER = "vLLM's MessageQueue serializer"
+BARE = "bare pickle.dumps + loads"
+Messages = list[tuple[str, Any]]
 
 
+# ---------------------------------------------------------------- recording
+def scenario_names() -> list[str]:
+    """Every recorded workload: coverage, batch and online scenarios (no golden ones)."""
+    from engine_side.bench.vllm_online import ALL
+
+    return list(ALL)
+
+
+def known_scenarios() -> set[str]:
+    """Every scenario the recorder knows (the golden corpus's short online runs too)."""
+    from engine_side.bench.vllm_online import ONLINE
+    from engine_side.bench.vllm_scenarios import SCENARIOS
+
+    return {*SCENARIOS, *ONLINE}
+
+
+def record(cache: Path, names: Sequence[str], fresh: bool = False,
+           model: Path | None = None) -> dict[str, Path]:
+    """Each scenario's object stream in ``cache`` (recorded there unless present, or
+    always with ``fresh``; one progress line per scenario on stderr)."""
+    from engine_side.bench import vllm_scenarios
+    from engine_side.bench.vllm_online import record_many
+
+    paths = {n: cache / f"{n}.dcobj" for n in names}
+    model = model or cache / "tiny-llama"
+    if fresh or not all(p.exists() for p in paths.values()):
+        model = vllm_scenarios.build_tiny_model(model)
+    record_many(model, names, cache, force=fresh)
+    return paths
+
+
+def load(path: Path) -> tuple[dict[str, Any], Messages]:
+    """(meta, records) of an object stream."""
+    from engine_side.bench.objstream import read_stream
+
+    return read_stream(path)
+
+
+# ---------------------------------------------------------------- exactness
+def _differences() -> Callable[[Any, Any], list[str]]:
+    """``tests/vllm_equal.py``'s strict ``differences`` (the tests' helper)."""
+    tests = str(ROOT / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from vllm_equal import differences
+
+    return differences  # type: ignore[no-any-return]
+
+
+def check_stream(messages: Messages, limit: int = 20) -> dict[str, Any]:
+    """Every message through a fresh encoder → decoder pair (replies the other way),
+    each decoded object compared with a copy of the original taken before it was
+    encoded: ``{"records", "differences", "first": [up to limit]}``."""
+    from engine_side.vllm.encoder import SchedulerOutputEncoder
+    from worker_side.vllm.decoder import SchedulerOutputDecoder
+
+    differences = _differences()
+    enc, dec = SchedulerOutputEncoder(), SchedulerOutputDecoder()
+    found: list[str] = []
+    for i, (kind, obj) in enumerate(messages):
+        expected = copy.deepcopy(obj)
+        if kind == "execute_model":
+            got = dec.decode([bytes(f) for f in enc.encode(obj)])
+        elif kind == "sample_tokens":
+            got = dec.decode_grammar([bytes(f) for f in enc.encode_grammar(obj)])
+        else:
+            got = enc.decode_reply([bytes(f) for f in dec.encode_reply(obj)])
+        found += [f"record {i} ({kind}): {d}" for d in differences(expected, got)]
+    return {"records": len(messages), "differences": len(found), "first": found[:limit]}
+
+
+# ---------------------------------------------------------------- replaying
+def replay_stream(messages: Messages, passes: int, check: bool) -> dict[str, Any]:
+    """One stream's replay summary, its request bytes per wire field and (``check``)
+    its exactness."""
+    fields: Counter[str] = Counter()
+    out = replay(messages, passes, fields)
+    out["request_fields"] = dict(fields.most_common())
+    if check:
+        out["check"] = check_stream(messages)
+    return out
+
+
+def _stream_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    return {k: meta[k] for k in ("summary", "vllm", "async_scheduling", "stats") if k in meta}
+
+
+def _progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def replay_all(paths: dict[str, Path], passes: int = 1, check: bool = False,
+               synthetic: Iterable[int] | None = None, churn: Iterable[int] | None = None,
+               steps: int | None = None) -> dict[str, Any]:
+    """The document without its meta: every stream at ``paths`` (by name), the
+    synthetic streams (steady decode at each ``synthetic`` size, continuous batching at
+    each ``churn`` size, ``steps`` steps each; None: :data:`SYNTHETIC`, :data:`CHURN`,
+    :data:`SYNTHETIC_STEPS`), the totals over the recorded ones."""
+    synthetic = SYNTHETIC if synthetic is None else synthetic
+    churn = CHURN if churn is None else churn
+    n_steps = SYNTHETIC_STEPS if steps is None else steps
+    doc: dict[str, Any] = {"workloads": {}, "synthetic": {}}
+    for i, (name, path) in enumerate(paths.items(), 1):
+        meta, messages = load(path)
+        row = replay_stream(messages, passes, check)
+        row["stream"] = _stream_meta(meta)
+        doc["workloads"][name] = row
+        req = row["request"]
+        _progress(f"[{i}/{len(paths)}] replayed {name}: {row['steps']} steps, "
+                  f"{req['vllm_bytes'] / max(1, req['bytes']):.1f}x fewer request bytes"
+                  + (f", {row['check']['differences']} differences" if check else ""))
+    made: list[tuple[str, Callable[[], Messages]]] = [
+        *((str(n), lambda n=n: synthetic_decode(n, n_steps)) for n in synthetic),
+        *((f"churn-{n}", lambda n=n: synthetic_churn(n, n_steps)) for n in churn)]
+    for name, make in made:
+        doc["synthetic"][name] = replay_stream(make(), passes, check)
+        _progress(f"replayed synthetic-{name}")
+    doc["total"] = totals(doc["workloads"])
+    return doc
+
+
+def totals(workloads: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each path's bytes and µs summed over ``workloads``."""
+    return {path: {k: sum(w[path][k] for w in workloads.values()) for k in TOTALS}
+            for path in ("request", "reply")}
+
+
+def differences_in(doc: dict[str, Any]) -> int:
+    """Round-trip differences the document's checks found (0 without checks)."""
+    streams = [*doc["workloads"].values(), *doc.get("synthetic", {}).values()]
+    return sum(s.get("check", {}).get("differences", 0) for s in streams)
+
+
+def _native() -> bool:
+    """Whether the protocol's C kernels (``protocol.kernels.NATIVE``) are in use."""
+    from protocol.kernels import NATIVE
+
+    return NATIVE
+
+
+def meta(passes: int, check: bool) -> dict[str, Any]:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else ""),
+            "command": command(), "load": os.getloadavg()[0], "passes": passes,
+            "check": check,
+            "kernels": _native(), "vllm": machine()["vllm"],
+            "baselines": {"vllm": VLLM_SERIALIZER, "bare": BARE}}
+
+
+# ---------------------------------------------------------------- one scenario, live
 class _Checker:
-    """Compares each original with its decoded copy; measures pickle side by side."""
+    """Compares each original with its decoded copy as it passes; sizes vLLM's own
+    message beside it; counts the stream shapes the run showed."""
 
     def __init__(self, check: bool) -> None:
-        self.diff = None
-        if check:
-            sys.path.insert(0, str(ROOT / "tests"))
-            from vllm_equal import differences
-
-            self.diff = differences
+        self.diff = _differences() if check else None
         self.failures: list[str] = []
-        self.pickle_rows: list[tuple[str, int, float, float]] = []
-        self.seen: dict[str, int] = {}
+        self.vllm_rows: list[tuple[str, int]] = []
+        self.seen: Counter[str] = Counter()
 
     def __call__(self, kind: str, original: Any, decoded: Any) -> None:
         if self.diff is not None:
             self.failures += [f"{kind}: {d}" for d in self.diff(original, decoded)[:5]]
-        self.pickle_rows.append((kind, *pickled(kind, original)))
+        self.vllm_rows.append((kind, pickled(kind, original)[0]))
         if kind == "execute_model":
-            self._coverage(original)
+            so = original
+            c = so.scheduled_cached_reqs
+            self.seen.update({
+                "preempted": bool(so.preempted_req_ids), "resumed": bool(c.resumed_req_ids),
+                "spec_tokens": bool(so.scheduled_spec_decode_tokens),
+                "chunked": any(n > 32 for n in so.num_scheduled_tokens.values())
+                and bool(c.req_ids) and any(o == 0 for o in c.num_output_tokens),
+                "prefix_hit": any(nr.num_computed_tokens > 0 for nr in so.scheduled_new_reqs),
+                "all_token_ids": bool(c.all_token_ids)})
         elif kind == "sample_tokens" and original is not None:
-            self._count("grammar", True)
-
-    def _count(self, key: str, hit: bool) -> None:
-        self.seen[key] = self.seen.get(key, 0) + int(hit)
-
-    def _coverage(self, so: Any) -> None:
-        c = so.scheduled_cached_reqs
-        flags = {"preempted": bool(so.preempted_req_ids), "resumed": bool(c.resumed_req_ids),
-                 "spec_tokens": bool(so.scheduled_spec_decode_tokens),
-                 "chunked": any(n > 32 for n in so.num_scheduled_tokens.values())
-                 and bool(c.req_ids) and any(o == 0 for o in c.num_output_tokens),
-                 "prefix_hit": any(nr.num_computed_tokens > 0 for nr in so.scheduled_new_reqs),
-                 "all_token_ids": bool(c.all_token_ids)}
-        for k, v in flags.items():
-            self._count(k, v)
+            self.seen["grammar"] += 1
 
 
-def _live(rows: list[tuple[str, int, float, float]], prows: list[Any]) -> dict[str, Any]:
-    """Mean bytes per step measured inside the vLLM process (ours vs pickle)."""
+def _live(rows: Sequence[tuple[Any, ...]], vllm_rows: list[tuple[str, int]]) -> dict[str, Any]:
+    """Mean bytes per step measured inside the vLLM process (ours vs vLLM's message)."""
     steps = max(1, sum(1 for r in rows if r[0] == "execute_model"))
     out: dict[str, Any] = {"steps": steps}
     for path, kinds in (("request", ("execute_model", "sample_tokens")),
                         ("reply", ("reply", "sample_reply"))):
         out[path] = {"bytes_per_step": sum(r[1] for r in rows if r[0] in kinds) / steps,
-                     "pickle_bytes_per_step": sum(r[1] for r in prows if r[0] in kinds) / steps}
+                     "vllm_bytes_per_step": sum(r[1] for r in vllm_rows if r[0] in kinds)
+                     / steps}
     return out
 
 
 def record_scenario(model: Path, name: str, out: Path | None, check: bool,
                     recording: Path | None = None) -> dict[str, Any]:
-    """Run one scenario in this process; returns stats (also written to ``out``)."""
+    """Run scenario ``name`` (``vllm_scenarios.SCENARIOS``) in this process, every
+    message through the adapter as it passes (and into ``recording``, a ``deltacast
+    record`` file); returns the stats (also written to ``out``)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import vllm
     from vllm import LLM
 
+    from engine_side.bench.vllm_scenarios import SCENARIOS, async_scheduling
     from engine_side.vllm.encoder import SchedulerOutputEncoder
     from engine_side.vllm.record import Recorder, RecordWriter, engine_executor
     from worker_side.vllm.decoder import SchedulerOutputDecoder
@@ -128,143 +292,65 @@ def record_scenario(model: Path, name: str, out: Path | None, check: bool,
     recorder = Recorder(writer, SchedulerOutputEncoder(), SchedulerOutputDecoder(), checker)
     recorder.install(engine_executor(llm))
     prompts, params = scenario.requests()
-    t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
     if writer is not None:
         writer.close()
-    stats = {"scenario": name, "failures": checker.failures[:50], "seen": checker.seen,
-             "vllm": vllm.__version__, "generate_s": elapsed,
-             "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
+    config = llm.llm_engine.vllm_config.scheduler_config
+    stats = {"scenario": name, "failures": checker.failures[:50], "seen": dict(checker.seen),
+             "vllm": vllm.__version__, "async_scheduling": bool(config.async_scheduling),
              "prompt_tokens": sum(len(o.prompt_token_ids or ()) for o in outputs),
              "output_tokens": sum(len(c.token_ids) for o in outputs for c in o.outputs),
              "outputs": [[list(c.token_ids) for c in o.outputs] for o in outputs],
-             "live": _live(recorder.stats, checker.pickle_rows)}
+             "live": _live(recorder.stats, checker.vllm_rows)}
     if out is not None:
         out.write_text(json.dumps(stats))
     return stats
 
 
-# ---------------------------------------------------------------- everything at once
-def _record_one(model: Path, name: str, directory: Path, check: bool) -> dict[str, Any]:
-    """One scenario in a fresh process (an LLM cannot be rebuilt cheaply in-process)."""
-    out, rec = directory / f"{name}.json", directory / f"{name}.dcrec"
-    argv = ["--model", str(model), "--scenario", name, "--out", str(out),
-            "--record", str(rec)] + (["--check"] if check else [])
-    return run_child("engine_side.bench.vllm_streams", argv, out, f"recording {name}")
-
-
-def record_all(model: Path, names: list[str], directory: Path, check: bool,
-               reuse: bool = False) -> dict[str, dict[str, Any]]:
-    """Record each scenario to ``directory/NAME.dcrec``; a progress line each on stderr."""
-    directory.mkdir(parents=True, exist_ok=True)
-    stats = {}
-    for i, name in enumerate(names, 1):
-        t0 = time.perf_counter()
-        done = directory / f"{name}.json"
-        if reuse and done.exists() and (directory / f"{name}.dcrec").exists():
-            stats[name] = json.loads(done.read_text())
-        else:
-            stats[name] = _record_one(model, name, directory, check)
-        s = stats[name]
-        print(f"[{i}/{len(names)}] recorded {name}: {s['live']['steps']} steps, "
-              f"{s['prompt_tokens']} prompt + {s['output_tokens']} output tokens, "
-              f"{len(s['failures'])} round-trip differences, "
-              f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    return stats
-
-
-def _meta(argv: list[str]) -> dict[str, Any]:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
-    return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": commit + ("+dirty" if dirty else ""), "argv": argv,
-            "load": os.getloadavg()[0], "speedups": speedups.status()}
-
-
-VLLM_SERIALIZER = "vLLM's MessageQueue serializer"
-BARE = "bare pickle.dumps + loads"
-
-
-def replay_all(paths: dict[str, Path], synthetic: list[int],
-               live: dict[str, dict[str, Any]] | None = None,
-               churn: tuple[int, ...] = (), passes: int = 1, bare: bool = False,
-               eviction: Eviction | None = None) -> dict[str, Any]:
-    """The BENCHMARKS document: per workload and synthetic stream (steady decode at
-    each ``synthetic`` size, continuous batching at each ``churn`` size), then the
-    totals (recorded workloads only); each step's µs the median of ``passes`` replays
-    (see :func:`engine_side.bench.vllm_replay.replay`; ``bare``: pickle's figures by bare
-    ``pickle.dumps`` + ``loads``, not vLLM's serializer; ``eviction``: caches evicted
-    before each path's turn)."""
-    doc: dict[str, Any] = {"workloads": {}, "synthetic": {}}
-    for i, (name, path) in enumerate(paths.items(), 1):
-        row = replay(load_recording(path), breakdown=True, passes=passes, bare=bare,
-                     eviction=eviction)
-        if name in SCENARIOS:
-            row["summary"] = SCENARIOS[name].summary
-        if live and name in live:
-            row["live"] = {k: live[name][k] for k in ("live", "seen", "failures", "prompt_tokens",
-                                                      "output_tokens", "async_scheduling")}
-        doc["workloads"][name] = row
-        print(f"[{i}/{len(paths)}] replayed {name}: {row['steps']} steps, "
-              f"{row['request']['pickle_bytes'] / max(1, row['request']['bytes']):.1f}x fewer "
-              f"bytes", file=sys.stderr, flush=True)
-    for n in synthetic:
-        doc["synthetic"][str(n)] = replay(synthetic_decode(n, 20), passes=passes, bare=bare,
-                                          eviction=eviction)
-    for n in churn:
-        doc["synthetic"][f"churn-{n}"] = replay(synthetic_churn(n, 20), passes=passes,
-                                                 bare=bare, eviction=eviction)
-    doc["total"] = {path: {k: sum(w[path][k] for w in doc["workloads"].values())
-                           for k in ("bytes", "pickle_bytes", "us", "pickle_us")}
-                    for path in ("request", "reply")}
-    return doc
-
-
+# ---------------------------------------------------------------- command
 def run(args: argparse.Namespace) -> int:
     from engine_side.bench.vllm_table import render
 
     if args.render:
         print(render(json.loads(Path(args.render).read_text())))
         return 0
-    if args.warm_step and not args.evict_mb:
-        print("error: --warm-step reads the step after an eviction: give --evict-mb N",
-              file=sys.stderr)
-        return 2
-    synthetic = [int(n) for n in args.synthetic]
+    if args.scenario:
+        model = build_tiny_model(Path(args.model) if args.model else Path(args.cache)
+                                 / "tiny-llama")
+        stats = record_scenario(model, args.scenario, Path(args.out) if args.out else None,
+                                args.check, Path(args.record) if args.record else None)
+        print(json.dumps({k: v for k, v in stats.items() if k != "outputs"}, indent=1))
+        return 1 if stats["failures"] else 0
     started = stamp() if args.figures else None  # for the figures envelope
-    if args.replay or args.scenario == "all":
-        live = None
-        if args.replay:
-            paths = {Path(p).stem: Path(p) for p in args.replay}
-        else:
-            model = build_tiny_model(Path(args.model or DEFAULT_MODEL))
-            names = list(WORKLOADS) if not args.only else args.only.split(",")
-            directory = Path(args.record_dir)
-            live = record_all(model, names, directory, args.check, args.reuse)
-            paths = {n: directory / f"{n}.dcrec" for n in names}
-        churn = tuple(int(n) for n in args.churn)
-        baseline = BARE if args.bare_pickle else VLLM_SERIALIZER
-        eviction = Eviction(args.evict_mb, args.warm_step) if args.evict_mb else None
-        doc = {"meta": {**_meta(sys.argv), "passes": args.passes, "baseline": baseline,
-                        "evict_mb": args.evict_mb, "warm_step": args.warm_step},
-               **replay_all(paths, synthetic, live, churn, args.passes, args.bare_pickle,
-                            eviction)}
-        if args.json:
-            Path(args.json).write_text(json.dumps(doc, indent=1))
-        print(render(doc))
-        failures = sum(len(w.get("live", {}).get("failures", []))
-                       for w in doc["workloads"].values())
-        if args.figures and not failures:  # the envelope BENCHMARKS.md is generated from
-            write_figures(args.figures, "vllm_streams", doc, started)
-        return 1 if failures else 0
-    model = build_tiny_model(Path(args.model or DEFAULT_MODEL))
-    stats = record_scenario(model, args.scenario, Path(args.out) if args.out else None,
-                            args.check, Path(args.record) if args.record else None)
-    print(json.dumps({k: v for k, v in stats.items() if k != "outputs"}, indent=1))
-    return 1 if stats["failures"] else 0
+    if args.replay:
+        paths = {Path(p).stem: Path(p) for p in args.replay}
+    else:
+        names = args.only.split(",") if args.only else scenario_names()
+        unknown = sorted(set(names) - known_scenarios())
+        if unknown:
+            print(f"error: unknown scenario(s) {', '.join(unknown)}; known: "
+                  f"{', '.join(sorted(known_scenarios()))}", file=sys.stderr)
+            return 2
+        paths = record(Path(args.cache), names, args.fresh,
+                       Path(args.model) if args.model else None)
+    doc = {"meta": meta(args.passes, args.check),
+           **replay_all(paths, args.passes, args.check)}
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    print(render(doc))
+    failures = differences_in(doc)
+    if failures:
+        _progress(f"{failures} round-trip differences: see the checks in the document")
+        return 1
+    if args.figures:  # the envelope BENCHMARKS.md is generated from
+        write_figures(args.figures, "vllm_streams", doc, started)
+    return 0
+
+
+def _scenarios() -> tuple[str, ...]:
+    from engine_side.bench.vllm_scenarios import SCENARIOS
+
+    return tuple(SCENARIOS)
 
 
 def _positive(text: str) -> int:
@@ -276,46 +362,40 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache", default=str(DEFAULT_CACHE),
+                        help=f"where recorded streams are kept (default {DEFAULT_CACHE})")
+    parser.add_argument("--fresh", action="store_true",
+                        help="record every scenario again, even when its stream is cached")
     parser.add_argument("--model", default="",
-                        help=f"tiny model dir (built if missing; default {DEFAULT_MODEL})")
-    parser.add_argument("--scenario", choices=(*SCENARIOS, "all"), default="main")
-    parser.add_argument("--only", default="", help="with --scenario all: NAME,NAME,...")
-    parser.add_argument("--record-dir", default="vllm-streams",
-                        help="with --scenario all: where recordings go")
-    parser.add_argument("--reuse", action="store_true",
-                        help="with --scenario all: keep recordings already in --record-dir")
-    parser.add_argument("--out", default="", help="write one scenario's stats JSON here")
-    parser.add_argument("--record", default="", help="also write a deltacast recording")
-    parser.add_argument("--check", action="store_true", help="strict live equality checks")
-    parser.add_argument("--replay", nargs="*", default=[], help="recordings to measure offline")
-    parser.add_argument("--synthetic", nargs="*", default=["256", "4096"],
-                        help="synthetic steady-decode batch sizes measured with the replay")
-    parser.add_argument("--churn", nargs="*", default=["16", "256"],
-                        help="synthetic continuous-batching sizes (a request leaves and one "
-                             "joins every step: every step takes the general path)")
+                        help="tiny model dir (built if missing; default CACHE/tiny-llama)")
+    parser.add_argument("--only", default="", metavar="NAME,NAME",
+                        help="record and replay only these scenarios")
+    parser.add_argument("--scenario", default="", choices=("", *_scenarios()),
+                        metavar="NAME", help="run this one scenario live, in this process")
+    parser.add_argument("--out", default="", help="with --scenario: write its stats JSON here")
+    parser.add_argument("--record", default="",
+                        help="with --scenario: also write a deltacast recording here")
+    parser.add_argument("--replay", nargs="+", default=[], metavar="FILE",
+                        help="replay these object streams (*.dcobj) instead of recording")
     parser.add_argument("--passes", type=_positive, default=3,
                         help="replays per stream; each step's µs is its median over them "
                              "(default 3)")
-    parser.add_argument("--bare-pickle", action="store_true",
-                        help="time bare pickle.dumps + loads of vLLM's message instead of "
-                             "the serializer vLLM's MessageQueue runs (the baseline until "
-                             "the twenty-fourth session)")
-    parser.add_argument("--evict-mb", type=_positive, default=0, metavar="N",
-                        help="before each path's turn at each message, write N MB to evict "
-                             "the caches (the steps as a server runs them, other work "
-                             "between; default: back to back)")
-    parser.add_argument("--warm-step", action="store_true",
-                        help="with --evict-mb: then read the message's objects, as the "
-                             "scheduler leaves a step it has just built")
+    parser.add_argument("--check", action="store_true",
+                        help="also compare every decoded object with the original (any "
+                             "difference: exit status 1)")
     parser.add_argument("--json", default="", help="write the replay document (JSON) here")
     parser.add_argument("--render", default="", help="print the tables of a saved JSON document")
     parser.add_argument("--figures", default="", metavar="FILE",
-                        help="with --scenario all or --replay: also write the figures envelope "
-                             "for BENCHMARKS.md here (docs/benchmarks/vllm_streams.json)")
+                        help="also write the figures envelope for BENCHMARKS.md here "
+                             "(docs/benchmarks/vllm_streams.json)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(description=__doc__,
-                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(_parser)
-    sys.exit(run(_parser.parse_args()))
+    sys.exit(main())

@@ -1,162 +1,194 @@
 """Markdown tables and target verdicts of a ``vllm_streams`` replay document (JSON).
 
-``render(doc)`` regenerates the BENCHMARKS "vLLM streams" tables from the JSON
-that ``python -m engine_side.bench.vllm_streams --scenario all --json FILE``
-writes; ``targets(doc)`` judges issue 4's targets on the same figures.  "pickle" is
-the document's ``meta.baseline``: vLLM's own serializer of the message
-(``vllm_replay.vllm_serialize``) unless the run chose bare ``pickle.dumps`` + ``loads``
-(documents from before the twenty-fourth session have no such key: bare).
+``render(doc)`` prints the tables of the document
+``python -m engine_side.bench.vllm_streams --json FILE`` writes; ``targets(doc)``
+judges issue 35's targets on the same figures.  Every ratio is deltacast ÷ the other
+path: targets are judged against vLLM's own serializer of the message (its
+MessageQueue's, ``vllm_replay.vllm_serialize``: "vLLM") and reported also against
+bare ``pickle.dumps`` + ``loads`` ("bare"); byte ratios are "× fewer".
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-BYTES_TARGET, CHUNKED_TARGET, TOTAL_TARGET, REPLY_TARGET = 8.0, 6.0, 15.0, 10.0
-STEADY_LIMIT = 32  # bytes per steady decode step, plus 4 per new block
-#: our continuous-batching streams (a join and a finish every step): the worst case for a
-#: stateful channel, reported beside issue 4's targets, which name the recorded workloads
-#: and steady decode at 256 and 4096 requests
-CHURN = "synthetic-churn-"
+MEDIAN_LIMIT = 1.0  # median request µs per step, every stream
+JOIN_LIMIT = 1.5  # median request µs of join/leave steps, every recorded workload
+SUMMED_LIMIT = 0.7  # request µs summed over the recorded workloads
+BYTES_TARGET = 15.0  # × fewer request bytes summed over the recorded workloads
+CHURN = "churn-"  # synthetic continuous batching: a join and a finish every step
+FIELDS_SHOWN = 4
 
 
-def _fewer(ours: float, theirs: float) -> float:
-    return theirs / ours if ours else float("inf")
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or not b else a / b
 
 
-def _n(v: float) -> str:
+def _n(v: float | None) -> str:
+    if v is None:
+        return "–"
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:,.1f}"
 
 
-def _x(v: float) -> str:
+def _x(v: float | None) -> str:
+    if v is None:
+        return "–"
     return f"{v:.1f}×" if v < 100 else f"{v:,.0f}×"
 
 
-def _rows(doc: dict[str, Any], path: str) -> list[str]:
-    out = []
-    streams = [(k, v) for k, v in doc["workloads"].items()] + \
-        [(f"synthetic-{k}", v) for k, v in doc.get("synthetic", {}).items()]
-    for name, w in streams:
-        p, steps = w[path], max(1, w["steps"])
-        out.append(f"| {name} | {w['steps']} | {_n(p['bytes'] / steps)} | "
-                   f"{_n(p['pickle_bytes'] / steps)} | {_x(_fewer(p['bytes'], p['pickle_bytes']))}"
-                   f" | {_n(p['median_us'])} | {_n(p['pickle_median_us'])} | "
-                   f"{p['median_us'] / p['pickle_median_us']:.2f} |")
-    t = doc["total"][path]
-    steps = sum(w["steps"] for w in doc["workloads"].values())
-    out.append(f"| **all recorded** | {steps} | {_n(t['bytes'] / steps)} | "
-               f"{_n(t['pickle_bytes'] / steps)} | **{_x(_fewer(t['bytes'], t['pickle_bytes']))}**"
-               f" | {_n(t['us'] / steps)} (mean) | {_n(t['pickle_us'] / steps)} (mean) | "
-               f"{t['us'] / t['pickle_us']:.2f} |")
-    return out
+def _r(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}"
 
 
+def streams(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, summary) of every stream: the recorded workloads, then ``synthetic-NAME``."""
+    return [*doc["workloads"].items(),
+            *((f"synthetic-{k}", v) for k, v in doc.get("synthetic", {}).items())]
+
+
+def _median(p: dict[str, Any], of: str = "vllm") -> float | None:
+    return _div(p["median_us"], p[f"median_{of}_us"]) if p["steps"] else None
+
+
+# ---------------------------------------------------------------- tables
 def table(doc: dict[str, Any], path: str) -> str:
-    head = ["| stream | steps | B/step | pickle B/step | × fewer bytes | median µs/step | "
-            "pickle median µs/step | µs ÷ pickle |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    return "\n".join(head + _rows(doc, path))
+    """One row per stream of ``path`` ("request" or "reply"), then the recorded totals."""
+    head = ["| stream | steps | running (median / max) | B/step | vLLM B/step | × fewer B | "
+            "median µs | vLLM median µs | bare median µs | median ÷ vLLM | median ÷ bare | "
+            "summed ÷ vLLM | summed ÷ bare |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+            "---: | ---: |"]
+    rows = []
+    for name, w in streams(doc):
+        p, steps = w[path], max(1, w["steps"])
+        rows.append(f"| {name} | {w['steps']} | {w['median_running']:g} / {w['max_running']} | "
+                    f"{_n(p['bytes'] / steps)} | {_n(p['vllm_bytes'] / steps)} | "
+                    f"{_x(_div(p['vllm_bytes'], p['bytes']))} | {_n(p['median_us'])} | "
+                    f"{_n(p['median_vllm_us'])} | {_n(p['median_bare_us'])} | "
+                    f"{_r(_median(p))} | {_r(_median(p, 'bare'))} | "
+                    f"{_r(_div(p['us'], p['vllm_us']))} | {_r(_div(p['us'], p['bare_us']))} |")
+    t = doc["total"][path]
+    steps = max(1, sum(w["steps"] for w in doc["workloads"].values()))
+    rows.append(f"| **all recorded** | {steps} | | {_n(t['bytes'] / steps)} | "
+                f"{_n(t['vllm_bytes'] / steps)} | **{_x(_div(t['vllm_bytes'], t['bytes']))}** | "
+                f"{_n(t['us'] / steps)} (mean) | {_n(t['vllm_us'] / steps)} (mean) | "
+                f"{_n(t['bare_us'] / steps)} (mean) | | | "
+                f"**{_r(_div(t['us'], t['vllm_us']))}** | {_r(_div(t['us'], t['bare_us']))} |")
+    return "\n".join(head + rows)
 
 
 def kinds(doc: dict[str, Any]) -> str:
-    """Request-path µs by step kind: steps where a request joins, leaves or resumes (the
-    general path) against the others (same batch), means over the steps of each kind."""
-    head = ["| stream | join/leave steps | mean µs | pickle mean µs | µs ÷ pickle | "
-            "same-batch steps | mean µs | pickle mean µs | µs ÷ pickle |",
+    """Request-path medians by step kind: steps where a request joins, leaves, is
+    preempted or resumes (join/leave) against the others (same batch)."""
+    head = ["| stream | join/leave steps | median µs | ÷ vLLM | ÷ bare | same-batch steps | "
+            "median µs | ÷ vLLM | ÷ bare |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     rows = []
-    streams = [*doc["workloads"].items(),
-               *((f"synthetic-{k}", v) for k, v in doc.get("synthetic", {}).items())]
-    for name, w in streams:
-        if "churn" not in w:
-            continue  # a document written before step kinds were recorded
+    for name, w in streams(doc):
         cells = []
-        for kind in ("churn", "same_batch"):
+        for kind in ("join_leave", "same_batch"):
             k = w[kind]
             if not k["steps"]:
                 cells.append("0 | – | – | –")
                 continue
-            cells.append(f"{k['steps']} | {_n(k['us'] / k['steps'])} | "
-                         f"{_n(k['pickle_us'] / k['steps'])} | {k['us'] / k['pickle_us']:.2f}")
+            cells.append(f"{k['steps']} | {_n(k['median_us'])} | {_r(_median(k))} | "
+                         f"{_r(_median(k, 'bare'))}")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(head + rows)
 
 
-def _verdict(name: str, value: float, limit: str, met: bool | None) -> dict[str, Any]:
-    """One row of the targets; ``met`` None: a figure reported beside them, no target."""
-    return {"target": name, "value": value, "limit": limit,
-            "met": None if met is None else bool(met)}
+def fields(doc: dict[str, Any], shown: int = FIELDS_SHOWN) -> str:
+    """Per stream, its largest request-path wire fields (exact bytes, summed over it)."""
+    rows = []
+    for name, w in streams(doc):
+        f = w.get("request_fields") or {}
+        total = sum(f.values())
+        if not total:
+            continue
+        top = sorted(f.items(), key=lambda kv: -kv[1])[:shown]
+        rows.append(f"| {name} | {_n(total / max(1, w['steps']))} | "
+                    + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in top) + " |")
+    return "\n".join(["| stream | B/step | largest request-path fields (share of our bytes) |",
+                      "| --- | ---: | --- |", *rows])
+
+
+# ---------------------------------------------------------------- targets
+def _verdict(name: str, value: float | None, bare: float | None, limit: str,
+             met: bool | None) -> dict[str, Any]:
+    """One target: ``value`` against vLLM's serializer, ``bare`` the same against bare
+    pickle (reported); ``met`` None: a figure reported beside the targets."""
+    return {"target": name, "value": None if value is None else round(value, 3),
+            "bare": None if bare is None else round(bare, 3), "limit": limit,
+            "met": None if met is None or value is None else bool(met)}
 
 
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 4's stream targets, judged on ``doc``."""
+    """Issue 35's targets, judged on ``doc`` against vLLM's serializer (ratios against
+    bare pickle beside them), then the same-batch figures (reported)."""
     out = []
+    every = streams(doc)
+    for name, w in every:
+        if name.startswith(f"synthetic-{CHURN}"):
+            continue
+        r = _median(w["request"])
+        out.append(_verdict(f"{name}: median µs ÷ vLLM", r, _median(w["request"], "bare"),
+                            f"≤ {MEDIAN_LIMIT:g}", r is not None and r <= MEDIAN_LIMIT))
     for name, w in doc["workloads"].items():
-        need = CHUNKED_TARGET if name == "chunked" else BYTES_TARGET
-        x = _fewer(w["request"]["bytes"], w["request"]["pickle_bytes"])
-        out.append(_verdict(f"{name}: × fewer request bytes", round(x, 1), f"≥ {need:g}×",
-                            x >= need))
+        k = w["join_leave"]
+        if k["steps"]:
+            r = _median(k)
+            out.append(_verdict(f"{name}: join/leave steps' median µs ÷ vLLM ({k['steps']} "
+                                f"steps)", r, _median(k, "bare"), f"≤ {JOIN_LIMIT:g}",
+                                r is not None and r <= JOIN_LIMIT))
     t = doc["total"]["request"]
-    x = _fewer(t["bytes"], t["pickle_bytes"])
-    out.append(_verdict("all recorded: × fewer request bytes", round(x, 1),
-                        f"≥ {TOTAL_TARGET:g}×", x >= TOTAL_TARGET))
-    streams = {**doc["workloads"], **{f"synthetic-{k}": v for k, v in doc["synthetic"].items()}}
-    for name, w in streams.items():
-        worst = w["steady"]["max_over_blocks"]
-        if worst is not None:
-            st = w["steady"]
-            out.append(_verdict(f"{name}: steady decode B − 4/new block (worst of "
-                                f"{st['steps']}; {st.get('within_32', '?')} within)", worst,
-                                f"≤ {STEADY_LIMIT}", worst <= STEADY_LIMIT))
-    for name, w in streams.items():
-        r = w["request"]["median_us"] / w["request"]["pickle_median_us"]
-        if name.startswith(CHURN):  # ours, beyond the issue's workloads: reported
-            out.append(_verdict(f"{name}: median µs ÷ pickle (worst case, no target)",
-                                round(r, 2), "–", None))
-            continue
-        limit = 0.5 if name in ("synthetic-256", "synthetic-4096") else 1.0
-        out.append(_verdict(f"{name}: median µs ÷ pickle", round(r, 2), f"≤ {limit:g}",
-                            r <= limit))
-    for name, w in streams.items():
-        full = w["reply_at_max_running"]
-        if w["max_running"] == 256 and full["steps"]:
-            x = _fewer(full["median_bytes"], full["pickle_median_bytes"])
-            out.append(_verdict(f"{name}: × fewer reply bytes at 256 requests (median of "
-                                f"{full['steps']} steps)", round(x, 1), f"≥ {REPLY_TARGET:g}×",
-                                x >= REPLY_TARGET))
+    r = _div(t["us"], t["vllm_us"])
+    out.append(_verdict("all recorded: summed µs ÷ vLLM", r, _div(t["us"], t["bare_us"]),
+                        f"≤ {SUMMED_LIMIT:g}", r is not None and r <= SUMMED_LIMIT))
+    for name, w in every:
+        if name.startswith(f"synthetic-{CHURN}"):
+            r = _median(w["request"])
+            out.append(_verdict(f"{name}: median µs ÷ vLLM", r, _median(w["request"], "bare"),
+                                f"≤ {MEDIAN_LIMIT:g}", r is not None and r <= MEDIAN_LIMIT))
+    x = _div(t["vllm_bytes"], t["bytes"])
+    out.append(_verdict("all recorded: × fewer request bytes", x, None,
+                        f"≥ {BYTES_TARGET:g}×", x is not None and x >= BYTES_TARGET))
+    for name, w in every:
+        k = w["same_batch"]
+        if k["steps"]:
+            out.append(_verdict(f"{name}: same-batch steps' median µs ÷ vLLM ({k['steps']} "
+                                "steps)", _median(k), _median(k, "bare"), "–", None))
     return out
-
-
-def _fields(doc: dict[str, Any]) -> list[str]:
-    """Per workload, the three largest request-path fields (exact, summed over the run)."""
-    out = []
-    for name, w in doc["workloads"].items():
-        fields = w.get("request_fields") or {}
-        if not fields:
-            continue
-        total = sum(fields.values())
-        top = sorted(fields.items(), key=lambda kv: -kv[1])[:4]
-        out.append(f"| {name} | " + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in top)
-                   + " |")
-    return ["| workload | largest request-path fields (share of our bytes) |",
-            "| --- | --- |", *out]
 
 
 def _status(met: bool | None) -> str:
     return "reported" if met is None else "met" if met else "**not met**"
 
 
+def _value(v: float | None) -> str:
+    return "–" if v is None else f"{v:g}"
+
+
 def render(doc: dict[str, Any]) -> str:
     meta = doc.get("meta", {})
-    verdicts = ["| target | value | limit | |", "| --- | ---: | ---: | --- |"] + [
-        f"| {t['target']} | {t['value']} | {t['limit']} | {_status(t['met'])} |"
-        for t in targets(doc)]
+    verdicts = ["| target | value (÷ vLLM) | ÷ bare pickle | limit | |",
+                "| --- | ---: | ---: | ---: | --- |"] + [
+        f"| {t['target']} | {_value(t['value'])} | {_value(t['bare'])} | {t['limit']} | "
+        f"{_status(t['met'])} |" for t in targets(doc)]
+    kernels = {True: "C kernels", False: "pure Python kernels"}.get(meta.get("kernels"), "?")
+    checked = [w["check"] for _, w in streams(doc) if "check" in w]
     parts = [f"Run {meta.get('date', '?')} at commit `{meta.get('commit', '?')}` "
-             f"(load average {meta.get('load', 0):.1f}; {meta.get('speedups', 'speedups ?')}"
-             f"; pickle = {meta.get('baseline', 'bare pickle.dumps + loads')}).",
+             f"(load average {meta.get('load', 0):.1f}; {kernels}; vLLM "
+             f"{meta.get('vllm') or '?'}; each step's µs the median of "
+             f"{meta.get('passes', 1)} replays).  vLLM = its MessageQueue serializer of the "
+             "same message; bare = bare pickle.dumps + loads.  µs = encode + decode per step.",
              "Request path (execute_model + sample_tokens):", table(doc, "request"),
-             "Request path by step kind (means):", kinds(doc),
+             "Request path by step kind (medians):", kinds(doc),
              "Reply path (the two ModelRunnerOutput replies):", table(doc, "reply"),
              "Targets:", "\n".join(verdicts),
-             "Where our request bytes go:", "\n".join(_fields(doc))]
+             "Where our request bytes go:", fields(doc)]
+    if checked:
+        found = sum(c["differences"] for c in checked)
+        records = sum(c["records"] for c in checked)
+        parts.append(f"Exactness: {records:,} messages decoded and compared with the "
+                     f"originals in {len(checked)} streams: {found} differences.")
     return "\n\n".join(parts) + "\n"

@@ -2,10 +2,14 @@
 
 deltacast: frame 0 is ``[tag, epoch, seq, digest, {body map}]``.  msgpack map
 entries are encoded independently and concatenated, so each body entry's size
-(key + value) is exact; whatever frame 0 holds beyond the entries is the
-header.  Inside new requests the ids, prompt tokens and prefix references are
-split out the same way.  Tensor frames count as their own category.  The
-categories therefore always sum to the measured message size.
+(key + value), read off the encoded bytes themselves, is exact; whatever frame 0
+holds beyond the entries is the header.
+Nested maps are split the same way: each added request's spec (its own msgpack
+bytes, :class:`protocol.messages.Spec`) gives up its id and prompt tokens, the
+:class:`RareBody` its entries, and -- for :func:`message_fields` -- the vLLM
+adapter's :class:`protocol.ext.StepExt` in the extension slot its fields; the
+framing of a nested map (its key and map header) is header.  Tensor frames count
+as their own category.  The categories therefore always sum to the measured size.
 
 pickle baselines: pickle memoises repeated objects, so field sizes are not
 additive; each top-level part is pickled on its own and the remainder
@@ -23,61 +27,143 @@ from typing import Any
 import msgspec
 
 from protocol.codec import encoded_size
-from protocol.messages import Delta, DeltaBody, NewRequest
+from protocol.ext import StepExt, decode_ext
+from protocol.messages import Delta, DeltaBody, RareBody, decode_spec
 from protocol.tensors import make_enc_hook
 
-CATEGORIES = ("header", "new requests", "prompt tokens", "prefix references", "ids", "tokens",
-              "blocks", "schedule changes", "extension slot", "tensor frames")
+CATEGORIES = ("header", "new requests", "prompt tokens", "ids", "counts", "tokens", "blocks",
+              "schedule changes", "extension slot", "tensor frames")
 
-# DeltaBody short key -> category (keys not listed are "schedule changes").
+# DeltaBody short key -> category ("a" and "r" are split further).
 _BODY_CATEGORY = {
-    "a": "new requests", "fx": "ids", "ot": "tokens", "tr": "tokens", "sp": "tokens",
-    "ba": "blocks", "br": "blocks", "bz": "blocks", "x": "extension slot",
+    "f": "schedule changes", "a": "new requests", "sd": "schedule changes",
+    "sa": "schedule changes", "nt": "counts", "nc": "counts", "ba": "blocks", "ot": "tokens",
+    "sp": "tokens", "so": "schedule changes", "ps": "schedule changes", "x": "extension slot",
 }
-# NewRequest short key -> category split out of "new requests".
-_ADD_CATEGORY = {"i": "ids", "p": "prompt tokens", "ph": "prefix references",
-                 "pl": "prefix references"}
+# RareBody short key -> category.
+_RARE_CATEGORY = {
+    "fx": "ids", "sf": "schedule changes", "br": "blocks", "tr": "tokens",
+    "ei": "schedule changes", "pe": "schedule changes", "rs": "schedule changes",
+    "fm": "ids", "bz": "blocks", "ns": "schedule changes",
+}
+# Spec short key -> category split out of "new requests".
+_SPEC_CATEGORY = {"i": "ids", "p": "prompt tokens"}
+_ITEMS = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_ENTRIES = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+_SPECS = msgspec.msgpack.Decoder(list[dict[str, msgspec.Raw]])  # a NewRequest's entries
+_KEY = msgspec.msgpack.Encoder()
 
 
-def _sizer() -> msgspec.msgpack.Encoder:
-    return msgspec.msgpack.Encoder(enc_hook=make_enc_hook([]))
+def _split(data: Any) -> dict[str, int]:
+    """Bytes of each entry (key + value) of the msgpack map ``data``, by key, read off
+    the bytes themselves (exact: what the encoder wrote, defaults and all)."""
+    return {k: len(_KEY.encode(k)) + len(v) for k, v in _ENTRIES.decode(data).items()}
 
 
-def _entries(struct: msgspec.Struct, enc: msgspec.msgpack.Encoder) -> dict[str, int]:
-    """Encoded size of each present (non-default) map entry of a sparse Struct, by short key."""
-    sizes: dict[str, int] = {}
-    for field in msgspec.structs.fields(struct):
-        value = getattr(struct, field.name)
-        default = field.default if field.default is not msgspec.NODEFAULT else (
-            field.default_factory() if field.default_factory is not msgspec.NODEFAULT else None)
-        if field.required or value != default:
-            sizes[field.encode_name] = len(enc.encode(field.encode_name)) + len(enc.encode(value))
-    return sizes
+def _body(frame0: Any) -> msgspec.Raw:
+    """The raw body map of a Delta's frame 0 (``[tag, epoch, seq, digest, body]``)."""
+    items = _ITEMS.decode(frame0)
+    if len(items) != 5:
+        raise ValueError(f"frame 0 is not a Delta with a body ({len(items)} items)")
+    return items[-1]
 
 
-def _split_adds(adds: Sequence[NewRequest], enc: msgspec.msgpack.Encoder,
-                out: dict[str, int]) -> None:
-    """Move ids / prompt tokens / prefix references out of the "new requests" entry."""
-    for add in adds:
-        for key, size in _entries(add, enc).items():
-            category = _ADD_CATEGORY.get(key)
-            if category is not None:
-                out[category] += size
-                out["new requests"] -= size
+def _raw_entries(raw: msgspec.Raw) -> dict[str, msgspec.Raw]:
+    return _ENTRIES.decode(raw)
+
+
+def _spec_parts(added: msgspec.Raw) -> dict[str, int]:
+    """Bytes of the ids and prompt tokens (by Spec short key) inside the specs of the
+    raw added requests: each spec is decoded as a :class:`Spec` (it must be one) and its
+    entries sized as sent."""
+    out = dict.fromkeys(_SPEC_CATEGORY, 0)
+    for new in _SPECS.decode(added):
+        spec = new["s"]
+        decode_spec(spec)  # a real Spec, or msgspec's error
+        for key, size in _split(spec).items():
+            if key in out:
+                out[key] += size
+    return out
 
 
 def delta_breakdown(delta: Delta, frames: Sequence[Any]) -> dict[str, int]:
     """Bytes of ``delta`` (encoded as ``frames``) per category; sums to the message size."""
-    enc = _sizer()
     out = dict.fromkeys(CATEGORIES, 0)
-    body_entries = _entries(delta.body, enc)
-    for key, size in body_entries.items():
+    frame0 = _buffer(frames[0])
+    body = _raw_entries(_body(frame0))
+    entries = 0
+    for key, raw in body.items():
+        size = len(_KEY.encode(key)) + len(raw)
+        entries += size
+        if key == "r":
+            rare = _split(raw)
+            for rkey, rsize in rare.items():
+                out[_RARE_CATEGORY.get(rkey, "schedule changes")] += rsize
+            out["header"] += size - sum(rare.values())  # the nested map's key and header
+            continue
         out[_BODY_CATEGORY.get(key, "schedule changes")] += size
-    _split_adds(delta.body.added, enc, out)
-    frame0 = len(frames[0])
-    out["header"] = frame0 - sum(body_entries.values())
-    out["tensor frames"] = encoded_size(frames) - frame0
+        if key == "a":
+            for skey, ssize in _spec_parts(raw).items():
+                out[_SPEC_CATEGORY[skey]] += ssize
+                out["new requests"] -= ssize
+    out["header"] += len(frame0) - entries
+    out["tensor frames"] = encoded_size(frames) - len(frame0)
     return out
+
+
+def message_fields(kind: str, frames: Sequence[Any]) -> dict[str, int]:
+    """Exact bytes of one vLLM request-path message per wire field; sums to the frames'
+    total size.
+
+    ``execute_model`` (a Delta): each present body entry by its DeltaBody field name;
+    the rare entries as ``rare.NAME``, the added requests' ids and prompt tokens as
+    ``added.req_id`` and ``added.prompt`` (the rest of them stays ``added``), the
+    extension slot per :class:`StepExt` field as ``ext.NAME``; ``header`` the message
+    header and the framing of the nested maps, ``tensor frames`` any frames after the
+    first.  ``sample_tokens``: one ``grammar`` entry, the frames' bytes.
+    """
+    total = encoded_size(frames)
+    if kind == "sample_tokens":
+        return {"grammar": total}
+    if kind != "execute_model":
+        raise ValueError(f"not a request-path message kind: {kind!r}")
+    frame0 = _buffer(frames[0])
+    body = _raw_entries(_body(frame0))
+    out: dict[str, int] = {"header": len(frame0)}
+    for key, raw in body.items():
+        size = len(_KEY.encode(key)) + len(raw)
+        out["header"] -= size
+        if key == "r":
+            parts = _named(RareBody, "rare.", _split(raw))
+        elif key == "x":
+            extension = msgspec.msgpack.decode(raw, type=bytes)
+            decode_ext(extension)  # a real StepExt, or MalformedMessage
+            parts = _named(StepExt, "ext.", _split(extension) if extension else {})
+        elif key == "a":
+            spec = _spec_parts(raw)
+            parts = {f"added.{_SPEC_NAMES[k]}": v for k, v in spec.items() if v}
+            parts["added"] = size - sum(parts.values())
+        else:
+            parts = _named(DeltaBody, "", {key: size})
+        out.update(parts)
+        out["header"] += size - sum(parts.values())  # nested framing: key, map header
+    if total > len(frame0):
+        out["tensor frames"] = total - len(frame0)
+    return out
+
+
+_SPEC_NAMES = {"i": "req_id", "p": "prompt"}  # message_fields: "added.req_id", ...
+
+
+def _named(kind: type[msgspec.Struct], prefix: str, sizes: dict[str, int]) -> dict[str, int]:
+    """``sizes`` by short key -> by ``prefix`` + the Struct's attribute name."""
+    names = {f.encode_name: f.name for f in msgspec.structs.fields(kind)}
+    return {prefix + names.get(k, k): v for k, v in sizes.items()}
+
+
+def _buffer(frame: Any) -> bytes | memoryview:
+    data = frame.buffer if hasattr(frame, "buffer") else frame
+    return data if isinstance(data, bytes) else memoryview(data).cast("B")
 
 
 def body_field_sizes(body: DeltaBody) -> dict[str, int]:
@@ -86,8 +172,10 @@ def body_field_sizes(body: DeltaBody) -> dict[str, int]:
 
 
 def field_sizes(struct: msgspec.Struct) -> dict[str, int]:
-    """Encoded size of each present entry of any sparse (map-encoded) Struct, by short key."""
-    return _entries(struct, _sizer())
+    """Encoded size of each entry of any sparse (map-encoded) Struct as it encodes, by
+    short key."""
+    aux: list[Any] = []
+    return _split(msgspec.msgpack.Encoder(enc_hook=make_enc_hook(aux)).encode(struct))
 
 
 # -- pickle baseline ---------------------------------------------------------------------

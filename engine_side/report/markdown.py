@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine_side.report.summary import faster_or_slower, smaller_or_larger
+
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
@@ -26,6 +28,32 @@ def _formats(w: dict[str, Any]) -> list[str]:
     return _table(rows)
 
 
+def _comparison(w: dict[str, Any]) -> list[str]:
+    """One sentence per workload: deltacast against each baseline, in words (slower says so)."""
+    f, ours = w["formats"], w["formats"]["deltacast"]
+    parts = [f"{smaller_or_larger(ours['total_bytes'], f[fmt]['total_bytes'])} and "
+             f"{faster_or_slower(ours['total_us']['p50'], f[fmt]['total_us']['p50'])} than {fmt}"
+             for fmt in f if fmt != "deltacast"]
+    return [f"deltacast here (total bytes; encode + decode µs p50): {'; '.join(parts)}."]
+
+
+def _slower_note(report: dict[str, Any]) -> list[str]:
+    """Under the headline: the workloads where deltacast takes longer than pickle_v1."""
+    rows = [h for h in report["headline"]
+            if h.get("deltacast time vs pickle_v1", "").endswith("slower")]
+    if not rows:
+        return ["deltacast is faster than pickle_v1 (µs p50 per step) on every workload.", ""]
+    slower = [f"{h['workload']} ({h['deltacast time vs pickle_v1']})" for h in rows]
+    line = (f"**Slower on time:** deltacast takes longer per step than pickle_v1 (encode + "
+            f"decode µs p50) on {len(rows)} of {len(report['headline'])} workloads: "
+            f"{', '.join(slower)}.")
+    ratios = [h["pickle_v1 / deltacast"] for h in rows]
+    if min(ratios) > 1:
+        line += (f" On those it sends {min(ratios):g}–{max(ratios):g}× fewer bytes than "
+                 "pickle_v1: which matters more depends on the link.")
+    return [line, ""]
+
+
 def _fields(w: dict[str, Any]) -> list[str]:
     ours = {k: round(v, 1) for k, v in w["deltacast_fields"].items() if v}
     theirs = {k: round(v, 1) for k, v in w["pickle_v1_fields_estimate"].items() if v}
@@ -39,14 +67,15 @@ def render(report: dict[str, Any]) -> str:
              "Mean bytes per step of each format, side by side on the same steps "
              "(pickle_v1 = vLLM v1 SchedulerOutput RPC tuple, pickle = full request, "
              "msgspec_full = full request without deltas):", ""]
-    lines += _table(report["headline"])
-    lines += ["", "![bytes per step](bytes_per_step.png)", "",
+    lines += _table(report["headline"]) + [""] + _slower_note(report)
+    lines += ["![bytes per step](bytes_per_step.png)", "",
               "![cumulative bytes](cumulative_bytes.png)", "",
-              "![per-field breakdown](breakdown.png)", ""]
+              "![per-field breakdown](breakdown.png)", "",
+              "![µs per step on each workload](us_per_workload.png)", ""]
     if "us_vs_batch" in report["figures"]:
         lines += ["![µs per step vs batch](us_vs_batch.png)", ""]
     for w in report["workloads"]:
         lines += [f"## {w['workload']} (batch {w['batch']})", ""]
         lines += [f"pickle_v1 baseline: {w['labels'].get('pickle_v1', '')}", ""]
-        lines += _formats(w) + [""] + _fields(w) + [""]
+        lines += _formats(w) + [""] + _comparison(w) + [""] + _fields(w) + [""]
     return "\n".join(lines) + "\n"

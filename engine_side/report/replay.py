@@ -1,7 +1,8 @@
 """Replay a stream of full requests through every format, step by step, side by side.
 
-Formats (the bench's names): ``deltacast`` (mirror diff + codec; decode = decode
-+ apply + rebuild), ``msgspec_full`` (the full request in msgspec, no deltas;
+Formats (the bench's names): ``deltacast`` (:class:`RequestDiffer` diff + codec;
+decode = decode + a replica's apply + :func:`rebuild_request`, checked equal to the
+engine's request untimed), ``msgspec_full`` (the full request in msgspec, no deltas;
 arrays as zero-copy frames), ``pickle_v1`` (vLLM v1 SchedulerOutput RPC tuple,
 real classes when vLLM is importable, else the stand-in -- labelled), ``pickle``
 (the full request pickled: the old v0 path).  Every step is measured in every
@@ -21,8 +22,12 @@ import numpy as np
 from engine_side.bench import baselines
 from engine_side.mirror import EngineMirror
 from engine_side.report.accounting import delta_breakdown, pickle_v1_breakdown
+from engine_side.request_diff import RequestDiffer
 from protocol import codec
-from protocol.request import ExecuteModelRequest, request_differences
+from protocol.messages import NewRequest
+from protocol.rebuild import rebuild_request
+from protocol.request import ExecuteModelRequest, RequestSpec, request_differences
+from protocol.state import ReplicaState
 from protocol.tensors import make_enc_hook, make_ext_hook
 from worker_side.events import Applied
 from worker_side.replica import WorkerReplica
@@ -57,16 +62,27 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 class _Deltacast:
     def __init__(self, token_mode: int, kv_groups: int) -> None:
         self.mirror = EngineMirror(token_mode=token_mode, kv_groups=kv_groups)
-        self.replica = WorkerReplica(silence_timeout=float("inf"))
-        self.replica.receive(codec.decode(codec.encode(self.mirror.snapshot())), 0.0)
+        self.differ = RequestDiffer(self.mirror)
+        self.replica = WorkerReplica(silence_timeout=float("inf"), start=(
+            self.mirror.epoch, ReplicaState(token_mode, kv_groups)))
+        self.specs: dict[int, tuple[NewRequest, RequestSpec]] = {}  # rebuild_request's cache
+
+    def _receive(self, frames: list[Any]) -> ExecuteModelRequest | None:
+        """Decode, apply and rebuild the step's request (None: the replica did not apply)."""
+        replica = self.replica
+        events = replica.receive(codec.decode(frames), 0.0)
+        data, last, applied = replica.data, replica.last, replica.applied
+        if not events or not isinstance(events[-1], Applied) or applied is None \
+                or data is None or last is None:
+            return None
+        return rebuild_request(data, last.body, applied, self.specs)
 
     def step(self, req: ExecuteModelRequest) -> StepRecord:
-        (delta, frames), enc_us = _timed(lambda: (d := self.mirror.diff(req), codec.encode(d)))
-        events, dec_us = _timed(lambda: (self.replica.receive(codec.decode(frames), 0.0),
-                                         self.replica.request()))
-        if not isinstance(events[0][-1], Applied):
-            raise RuntimeError(f"replica did not apply step {delta.seq}: {events[0]}")
-        differ = request_differences(events[1], req)
+        (delta, frames), enc_us = _timed(lambda: (d := self.differ.diff(req), codec.encode(d)))
+        got, dec_us = _timed(lambda: self._receive(frames))
+        if got is None:
+            raise RuntimeError(f"replica did not apply step {delta.seq}")
+        differ = request_differences(got, req)
         if differ:
             raise RuntimeError(f"rebuilt request differs at step {delta.seq}: {differ}")
         return StepRecord(codec.encoded_size(frames), enc_us, dec_us,

@@ -58,5 +58,21 @@ def headline(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
                      **{fmt: round(f[fmt]["bytes"]["mean"]) for fmt in FORMATS},
                      "pickle_v1 / deltacast": round(f["pickle_v1"]["bytes_ratio_vs_deltacast"], 1),
                      "deltacast µs p50": round(f["deltacast"]["total_us"]["p50"], 1),
-                     "pickle_v1 µs p50": round(f["pickle_v1"]["total_us"]["p50"], 1)})
+                     "pickle_v1 µs p50": round(f["pickle_v1"]["total_us"]["p50"], 1),
+                     "deltacast time vs pickle_v1": faster_or_slower(
+                         f["deltacast"]["total_us"]["p50"], f["pickle_v1"]["total_us"]["p50"])})
     return rows
+
+
+def faster_or_slower(ours: float, theirs: float) -> str:
+    """'4.6× slower' or '2.1× faster': our time against theirs, in words."""
+    if ours <= 0 or theirs <= 0:
+        return "n/a"
+    return f"{ours / theirs:.2g}× slower" if ours > theirs else f"{theirs / ours:.2g}× faster"
+
+
+def smaller_or_larger(ours: float, theirs: float) -> str:
+    """'12× smaller' or '1.5× larger': our bytes against theirs, in words."""
+    if ours <= 0 or theirs <= 0:
+        return "n/a"
+    return f"{ours / theirs:.2g}× larger" if ours > theirs else f"{theirs / ours:.2g}× smaller"

@@ -17,8 +17,9 @@ import numpy as np
 from engine_side.workloads import SCENARIOS, Scenario, Workload
 from protocol import codec
 from protocol.errors import IncompatibleVersion, ProtocolError
-from protocol.messages import TOKEN_MODE_WORKER, Delta
+from protocol.messages import TOKEN_MODE_WORKER, Delta, NewRequest
 from protocol.params import MMFeatureRef
+from protocol.rebuild import rebuild_request
 from protocol.recording import NotARecording, RecordReader
 from protocol.request import ExecuteModelRequest, Ragged, RequestSpec
 from protocol.state import ReplicaState
@@ -187,6 +188,7 @@ def _recording(path: Path, steps: int) -> Source:
 
 def _rebuilt(state: ReplicaState, records: list[list[memoryview]],
              path: Path) -> Iterator[ExecuteModelRequest]:
+    specs: dict[int, tuple[NewRequest, RequestSpec]] = {}  # rebuild_request's cache
     for i, frames in enumerate(records):
         try:
             msg = codec.decode(frames, copy=True)
@@ -195,7 +197,8 @@ def _rebuilt(state: ReplicaState, records: list[list[memoryview]],
         if not isinstance(msg, Delta):
             raise ValueError(f"{path}: record {i} is not a Delta")
         try:
-            state.apply(msg.body, expected_digest=msg.digest)
+            applied = state.apply(msg.body, expected_digest=msg.digest)
+            req = rebuild_request(state, msg.body, applied, specs)
         except ProtocolError as exc:
             raise ValueError(f"{path}: record {i} does not apply: {exc}") from exc
-        yield state.rebuild()
+        yield req

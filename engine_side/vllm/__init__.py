@@ -7,13 +7,12 @@ decodes the workers' ModelRunnerOutput replies); its worker-side peer is
 
 from typing import Any
 
-from engine_side.vllm.convert import TokenLedger
 from engine_side.vllm.encoder import SchedulerOutputEncoder
 from engine_side.vllm.schema import SUPPORTED_VLLM, SchemaMismatch, check_schema
 from protocol.seal import BadSeal
 
 __all__ = ["SUPPORTED_VLLM", "BadSeal", "SchedulerOutputEncoder", "SchemaMismatch",
-           "TokenLedger", "check_schema", "DeltaExecutor"]
+           "check_schema", "DeltaExecutor"]
 
 
 def __getattr__(name: str) -> Any:

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
+from protocol.calls import ANSWER_KINDS
 from protocol.errors import MalformedMessage, ProtocolError, malformed
-from worker_side.ring import MESSAGE, unpack_frames
-from worker_side.vllm import proc as wire
-
-#: the kinds of a rank's answer to a call
-ANSWER_KINDS = (wire.OUTPUT, wire.DONE, wire.CONTROL, wire.ERROR)
+from protocol.ring import MESSAGE, unpack_frames
 
 
 class RankFault(Exception):
@@ -54,6 +51,10 @@ class Answers:
                 self.stats["socket_replies"] += 1
                 return
         box.append(frames)
+
+    def owing(self) -> list[int]:
+        """The ranks whose next answer is not in (nor announced by a marker)."""
+        return [rank for rank, box in enumerate(self.boxes) if not box]
 
     def waiting(self) -> bool:
         """Whether some rank's next answer is not in yet."""

@@ -1,7 +1,7 @@
 """Comparing the ranks' lagged token hashes (pure: no vLLM, no zmq).
 
 The ranks that sample (the last pipeline stage) check in with the rolling hash of
-their sampled tokens at equal output counts (``worker_side.vllm.tokenhash``).
+their sampled tokens at equal output counts (payload: :mod:`protocol.calls`).
 The board keeps each count's hashes until every such rank has reported it, and
 compares each rank with the reference rank (the executor's output rank: its
 tokens are the ones the engine uses).  A rank that differs is named once; its
@@ -14,8 +14,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from protocol.calls import parse_check_in
 from protocol.errors import MalformedMessage
-from worker_side.vllm.tokenhash import parse_check_in
 
 
 @dataclass(frozen=True)

@@ -1,92 +1,86 @@
-"""Engine side: vLLM ``SchedulerOutput`` → frames (the replies back: :mod:`.replies`).
+"""Engine side: vLLM ``SchedulerOutput`` → one Delta (frames); replies back: :mod:`.replies`.
 
 Theory of operation
 -------------------
-Each step the encoder turns the SchedulerOutput into our full
-:class:`ExecuteModelRequest` (maintaining every live request's spec and whole
-block table from ``NewRequestData.block_ids`` plus ``new_block_ids`` --
-replaced for ``resumed_req_ids``), lets its :class:`EngineMirror` diff it, and
-returns ``codec.encode(delta)``.  Everything the request has no column for
-travels in ``extension["v"]`` (:class:`StepExt`) *as departures from what the
-decoder predicts* from its own memory of previous steps (new vs cached, list
-orders, ``num_output_tokens``, ``None`` vs empty ...), so a steady step adds
-nothing.  Connector metadata travels sealed (HMAC-authenticated pickle).
+A SchedulerOutput is already a delta: new requests with their whole tables, cached
+requests with their new blocks and counts, finished ids, each request's scheduled
+count in batch order.  :meth:`SchedulerOutputEncoder.encode` reads those fields once
+into the mirror's step (:meth:`engine_side.mirror.EngineMirror.step`), which writes
+the body -- the schedule's edits and the counts that depart from the protocol's
+predictions -- and applies it to the engine's copy of the state.  What the core body
+has no field for (list orders, output counts, rare flags, connector objects, sealed)
+travels in a :class:`protocol.ext.StepExt`, and only where it departs from what the
+receiver predicts, so a same-batch step adds nothing.  One path: a step where nothing
+joins or leaves is the same code with empty parts.
 
-Three fast paths build that very body without the whole request (their frames are
-the general path's, byte for byte): the same-batch step (:mod:`.quick`), the finish
-step, where requests of the last batch finish and the rest stay (:mod:`.finish`), and
-the turnover step, where requests leave the batch and new ones join at its end
-(:mod:`.turnover`).  Every other step takes the general path.
-
-Draft tokens travel as ``token + 1`` so vLLM's ``-1`` placeholders pack as
-unsigned integers.
-
-Contract: ``encode`` reads the SchedulerOutput synchronously and keeps no
-reference to it (the engine mutates it after dispatch).  Steps must reach the
-decoder in order; the transport adds sequencing and resync.
+Contract: ``encode`` reads the SchedulerOutput synchronously and keeps no reference to
+it (the engine mutates it after dispatch).  Steps reach the ranks in order; the
+transport adds sequencing, retransmission and liveness.
 """
 
 from __future__ import annotations
 
-from itertools import compress, filterfalse, repeat
-from operator import is_not, not_
+from collections.abc import Sequence
+from itertools import compress, repeat
+from operator import is_not
 from typing import Any
 
-import msgspec
 import numpy as np
 
-from engine_side.diffing import BlockHint
-from engine_side.mirror import EngineMirror
+from engine_side.mirror import BlockRows, EngineMirror
 from engine_side.shm_store import ShmStore
-from engine_side.vllm.convert import (
-    REPLY_LABEL,
-    STEP_LABEL,
-    ChannelSeals,
-    StepMemory,
-    TokenLedger,
-    cached_order,
-    check_scheduled,
-    make_ref,
-)
-from engine_side.vllm.finish import finish_delta
 from engine_side.vllm.grammar import GrammarEncoder
 from engine_side.vllm.mm import StoreChannel
-from engine_side.vllm.params import SpecReader, new_request_spec
-from engine_side.vllm.quick import Packed, QuickEncoder, Scan
-from engine_side.vllm.rare import step_ext
+from engine_side.vllm.params import SpecReader, request_entry
 from engine_side.vllm.replies import IndexCache, decode_reply
-from engine_side.vllm.schema import (
-    StepExt,
-    TokenRef,
-    check_schema,
-)
-from engine_side.vllm.tables import append_rows, keyed_rows, ragged, table_hint
-from engine_side.vllm.turnover import turnover_delta
+from engine_side.vllm.schema import check_schema
 from protocol import codec
 from protocol.codec import Frame
 from protocol.errors import LocalProtocolError
-from protocol.lane import SteadyLane
-from protocol.lane_lists import NO_ROWS
-from protocol.messages import Delta, DeltaBody, Rows
-from protocol.packing import pack_sints, pack_uints
-from protocol.plan import STEADY_BODY
-from protocol.request import ExecuteModelRequest, IntArray, Ragged, RequestSpec
-from protocol.speedups import C as _C
+from protocol.ext import OutputCounts, StepExt, encode_ext, make_ref
+from protocol.messages import Rows
+from protocol.packing import pack_sints, pack_uints, unpack_uint_list
+from protocol.seal import ChannelSeals
 
-_EMPTY = np.zeros(0, dtype=np.int64)
-HISTORY = 8  # steps whose batch order replies may still reference
-#: noted steps of block appends filed into our tables at once, even before a general step
-#: reads them: a long run of same-batch steps keeps at most this many (bounded memory)
-UNFILED = 256
+HISTORY = 8  # steps whose batch replies and grammar outputs may still name
+#: connector metadata fields: arbitrary objects, sealed into the extension
+CONNECTOR_FIELDS = ("kv_connector_metadata", "ec_connector_metadata",
+                    "aux_output_connector_metadata", "ec_manager_metadata")
 
 
-def _packed(values: list[int]) -> bytes:
-    return pack_uints(values) if values else b""
-
-
-def _not_none(values: list[Any]) -> list[int]:
-    """Positions of the entries that are not None (C-level maps: no per-row bytecode)."""
+def _positions_of(values: list[Any]) -> list[int]:
+    """Positions of the entries that are not None (C-level maps)."""
     return list(compress(range(len(values)), map(is_not, values, repeat(None))))
+
+
+def _ints(values: list[int], n: int, what: str) -> Any:
+    """A list of ints of a SchedulerOutput as an int64 array (LocalProtocolError unless it
+    holds ``n`` of them)."""
+    if len(values) != n:
+        raise LocalProtocolError(f"{what} is not one entry per cached request",
+                                 entries=len(values), requests=n)
+    return np.fromiter(values, np.int64, n)
+
+
+def _row(rows: BlockRows, p: int, ids: list[int]) -> None:
+    rows[0].append(p)
+    rows[1].append(len(ids))
+    rows[2].extend(ids)
+
+
+def _rows(keyed: dict[str, list[int]], pos: dict[str, int], shift: int = 0) -> Rows | None:
+    """A per-request dict as Rows keyed by batch position, in the dict's order."""
+    if not keyed:
+        return None
+    try:
+        keys = [pos[k] for k in keyed]
+    except KeyError as exc:
+        raise LocalProtocolError("a per-request field names an unscheduled request",
+                                 req_id=str(exc)) from None
+    values = [v + shift for row in keyed.values() for v in row]
+    counts = list(map(len, keyed.values()))
+    return Rows(keys=pack_uints(keys), counts=b"" if counts.count(1) == len(counts)
+                else pack_uints(counts), values=pack_uints(values))
 
 
 class SchedulerOutputEncoder:
@@ -95,50 +89,44 @@ class SchedulerOutputEncoder:
     Args:
         kv_groups: KV-cache groups; None infers it from the first new request.
         secret: per-run HMAC key for connector metadata (None: refuse such metadata).
-        ledger: tokens the workers hold (fed by :meth:`decode_reply`); enables
-            references instead of resending history in prefill/all_token_ids.
         epoch: the mirror's epoch.
-        store: the host's shared-memory store when every worker of this channel is
-            attached to it: multimodal items and prompt embeds are then written
-            once and sent by reference (``engine_side.vllm.mm``); None: inline frames.
+        store: the host's shared-memory store when every rank of this channel is attached
+            to it: multimodal items and prompt embeds are then written once and sent by
+            reference (:mod:`engine_side.vllm.mm`); None: inline tensor frames.
     """
 
     def __init__(self, kv_groups: int | None = None, secret: bytes | None = None,
-                 ledger: TokenLedger | None = None, epoch: int = 1,
-                 verify: bool = False, store: ShmStore | None = None,
-                 fast: bool = True) -> None:
+                 epoch: int = 1, store: ShmStore | None = None) -> None:
         check_schema()
-        self.kv_groups = kv_groups
-        self.secret = secret
-        self.seals = ChannelSeals(secret, sends=STEP_LABEL, receives=REPLY_LABEL)
-        self.epoch = epoch
-        self.verify = verify
-        self.fast = fast  # False: every step takes the general path (tests compare the two)
-        self.quick = QuickEncoder()
-        self.quick_steps = 0  # steps encoded by the same-batch fast path
-        self.turnover_steps = 0  # general steps encoded by the turnover fast path
-        self.finish_steps = 0  # of the same-batch steps, those where requests finished
+        self.kv_groups, self.epoch = kv_groups, epoch
         self.mirror: EngineMirror | None = None
-        self.lane: SteadyLane | None = None  # the mirror's steady steps (protocol.lane)
-        self.items = None if store is None else StoreChannel(store)
-        self.mem = StepMemory(ledger)
-        self.spec_reader = SpecReader()  # (cached conversions of SamplingParams)
-        self.specs: dict[str, RequestSpec] = {}
-        self.tables: dict[str, list[list[int]]] = {}  # our own lists (extended in place)
-        #: same-batch steps' appends not yet in ``tables``: (batch, per-group appends)
-        self._unfiled: list[tuple[list[str], list[tuple[list[int], list[int], list[int]]]]] = []
+        self.outputs = OutputCounts()
+        self.reader = SpecReader()
+        self.seals = ChannelSeals(secret, b"step", b"reply")
         self.batches: dict[int, list[str]] = {}
-        self._index = IndexCache()  # replies' req_id_to_index of the last batch
-        self._last_batch: list[str] = []
         self._pos: dict[str, int] = {}
-        self._last_blocks: tuple[Ragged, ...] | None = None
-        #: how this step's tables differ from the mirror's, when they were carried
-        self._hint: BlockHint | None = None
+        self._pos_batch: list[str] = []
         self._grammar = GrammarEncoder()
+        self._index = IndexCache()
+        self.items = None if store is None else StoreChannel(store)
 
     @property
     def seq(self) -> int:
         return 0 if self.mirror is None else self.mirror.seq
+
+    def _start(self, so: Any) -> EngineMirror:
+        if self.kv_groups is None:
+            first = so.scheduled_new_reqs[0].block_ids if so.scheduled_new_reqs else (0,)
+            self.kv_groups = len(first)
+        self.mirror = EngineMirror(self.epoch, kv_groups=self.kv_groups, keep_tables=False)
+        return self.mirror
+
+    def _positions(self, batch: list[str]) -> dict[str, int]:
+        """Batch positions by id (made once per batch)."""
+        if batch != self._pos_batch:
+            self._pos_batch, self._pos = batch, dict(zip(batch, range(len(batch)),
+                                                         strict=True))
+        return self._pos
 
     # ------------------------------------------------------------ execute_model
     def encode(self, so: Any) -> list[Frame]:
@@ -147,360 +135,218 @@ class SchedulerOutputEncoder:
         Raises LocalProtocolError for a stream vLLM cannot produce (a cached request
         never scheduled, ...); the encoder is then unusable: start a new epoch.
         """
-        mirror, lane = self.mirror, self.lane
-        if mirror is None or lane is None or lane.state is not mirror.state:
-            mirror, lane = self._start(so)
-        quick = self.quick
-        # a step after one with drafts (speculative decoding) rarely is plain: skip the test
-        plain = quick.plain_step(so) if self.fast and quick.rows.drafts is None else None
-        if plain is not None:
-            flags, packed = plain
-            if packed is not None:
-                return self._plain_appended(mirror, lane, flags, packed)
-            if flags is not STEADY_BODY:  # nothing but structured-output flags
-                return self._same_batch(mirror, lane, flags)
-            delta = mirror.lane_delta(STEADY_BODY, lane.steady())  # the steady decode step
-            self._quick_taken(delta.seq)
-            return codec.encode(delta)
-        if not self.fast:
-            return self._general(mirror, lane, so)
-        scan = quick.scan(so)  # a same-batch step that is not plain, read by C
-        if scan is not None:
-            frames = self._counted(mirror, lane, scan)
-            if frames is not None:
-                return frames
-        body = quick.scanned_body(scan) if scan is not None else quick.body(so, scanned=True)
-        if body is not None:
-            return self._same_batch(mirror, lane, body)
-        if so.finished_req_ids and not so.scheduled_new_reqs:
-            frames = finish_delta(self, so)  # the last batch less finished requests
-            if frames is not None:
-                return frames
-        frames = turnover_delta(self, so)
-        return frames if frames is not None else self._general(mirror, lane, so)
-
-    def _counted(self, mirror: EngineMirror, lane: SteadyLane, scan: Scan,
-                 ) -> list[Frame] | None:
-        """The frame of a same-batch step the C scan read (``scan``), the lane's step taken
-        by one C call (:meth:`SteadyLane.count_step`: no rows is a steady step) and the
-        frame written by another (``lane_frame``), no body or Delta made; None, nothing
-        changed, without the speedups or for a step the lane's C step does not take."""
-        _, _, appends, packed, drafts, counts, structured, pending, nspec, _ = scan
-        computed, scheduled, outputs, _ = counts
-        if _C is None:
-            return None
-        done = lane.count_step(computed and computed[:2], scheduled and scheduled[:2],
-                               appends, check=False)
-        if done is None:
-            return None
-        seq = mirror.lane_seq(appends is not None)
-        frame = _C.lane_frame(mirror.epoch, seq, done[0], computed, scheduled, packed, drafts,
-                              outputs, structured, pending, nspec)
-        quick = self.quick
-        if frame is None:  # values the C writer does not take: the objects, then msgspec
-            body = quick.scanned_body(scan)
-            frame = bytes(codec.encode(Delta(mirror.epoch, seq, done[0], body))[0])
+        mirror = self.mirror or self._start(so)
+        cached, new_reqs, nst = so.scheduled_cached_reqs, so.scheduled_new_reqs, \
+            so.num_scheduled_tokens
+        batch, counts = list(nst), list(nst.values())
+        cids, ccomp = cached.req_ids, cached.num_computed_tokens
+        groups = mirror.state.kv_groups
+        ext: dict[str, Any] = {"kv_groups": groups} if mirror.seq == 0 else {}
+        pos: dict[str, int] | None = None
+        cpos: list[int] | None = None
+        computed: list[int] | None = ccomp
+        resumed = cached.resumed_req_ids
+        if cids == batch and batch == mirror.batch and not so.finished_req_ids \
+                and not resumed and not new_reqs:
+            # the last batch again, every row cached in order (the steady step): compare
+            # the counts with the prediction here, where the arrays are at hand
+            handles, state = mirror.state.schedule, mirror.state
+            comp = state.cols.computed[handles] + state.nsched
+            if ccomp == comp.tolist():
+                computed = None  # as predicted (the common step: no exception row)
+            else:
+                comp = _ints(ccomp, len(batch), "num_computed_tokens")
         else:
-            quick.scanned(scan)
-        lane.counts_taken(done, appends, frame)
-        self._quick_taken(seq)
-        return [frame]
-
-    def _plain_appended(self, mirror: EngineMirror, lane: SteadyLane, flags: DeltaBody,
-                        packed: Packed) -> list[Frame]:
-        """The frame of a plain step with one KV group's appends (:attr:`quick` holds
-        them, ``packed`` their Rows fields; ``flags`` the step's flag body), written
-        without making its body when the lane takes it directly."""
-        quick = self.quick
-        structured, pending = flags.has_structured_output, flags.pending_structured_output
-        digest = lane.appended(quick.appends[0], None, flags, own=True)
-        if digest is None:  # rows the short path does not take: the lane's step decides
-            return self._same_batch(mirror, lane, DeltaBody(
-                block_append=(Rows(*packed),), has_structured_output=structured,
-                pending_structured_output=pending))
-        seq = mirror.lane_seq(True)
-        self._quick_taken(seq)
-        return [codec.plain_delta_frame(mirror.epoch, seq, digest, packed, structured, pending)]
-
-    def _start(self, so: Any) -> tuple[EngineMirror, SteadyLane]:
-        """The mirror (made by the first step, which tells the KV groups) and its lane."""
-        if self.mirror is None:
-            if self.kv_groups is None:
-                first = so.scheduled_new_reqs[0].block_ids if so.scheduled_new_reqs else (0,)
-                self.kv_groups = len(first)
-            self.mirror = EngineMirror(self.epoch, kv_groups=self.kv_groups, verify=self.verify)
-        if self.lane is None or self.lane.state is not self.mirror.state:
-            self.lane = SteadyLane(self.mirror.state)
-        return self.mirror, self.lane
-
-    def _same_batch(self, mirror: EngineMirror, lane: SteadyLane, body: DeltaBody,
-                    ) -> list[Frame]:
-        """The frames of a same-batch step (:class:`QuickEncoder` made ``body``): a plain
-        step with one KV group's appends goes straight to :meth:`SteadyLane.appended`,
-        any other to the lane's step; a body the lane refuses to the mirror's state."""
-        quick = self.quick
-        digest = lane.appended(quick.appends[0], None, body, own=True) \
-            if quick.rows is NO_ROWS and len(quick.appends) == 1 else None
-        if digest is None:
-            digest = lane.step(body, quick.appends, rows=quick.rows, own_appends=True,
-                               own_rows=True)
-        if digest is None:
-            lane.settle()
-            delta = mirror.apply_body(body)
-        else:
-            delta = mirror.lane_delta(body, digest)
-        self._quick_taken(delta.seq)
-        return codec.encode(delta)
-
-    def _general(self, mirror: EngineMirror, lane: SteadyLane, so: Any) -> list[Frame]:
-        """The frames of a general step: the whole request diffed against the mirror."""
-        lane.settle()
-        self._file_blocks()
-        ext: dict[str, Any] = {"kv_groups": self.kv_groups} if mirror.seq == 0 else {}
-        request = self._request(so, ext)
-        delta = mirror.diff(request, self._hint) if self.items is None else \
-            self.items.diff(mirror, request, self._hint)
-        self.after_general(delta.seq, request.req_ids, request.num_computed_tokens.tolist(),
-                           list(so.num_scheduled_tokens.values()))
-        return codec.encode(delta)
-
-    def after_general(self, seq: int, batch: list[str], computed: list[int],
-                      nsched: list[int], tables_built: bool = True) -> None:
-        """After a general step (``seq``, its batch and actual counts): the lane opens
-        on the new schedule, the quick encoder predicts from it, replies may name it.
-        ``tables_built``: False when the step never built its whole block tables (the
-        next general step then makes them from our lists)."""
-        assert self.lane is not None  # noqa: S101 - made by encode
-        if not tables_built:
-            self._last_blocks, self._hint = None, None
-        self.lane.open(computed)  # here, not in the next same-batch step
-        self.quick.reset(batch, self.lane.handles, computed, nsched,
-                         list(map(self.mem.plen.__getitem__, batch)), self.kv_groups or 1)
-        self.batches[seq] = batch
-        self.batches.pop(seq - HISTORY, None)
-
-    def _quick_taken(self, seq: int) -> None:
-        """Step ``seq`` was encoded by a same-batch path: its appended blocks are noted for
-        our tables (filed by :meth:`_file_blocks` when the general path next reads them,
-        or once :data:`UNFILED` steps are noted; the batch's Ragged is then stale) and
-        replies may name its batch."""
-        quick = self.quick
-        if quick.appends:  # our own lists, not the SchedulerOutput's
-            self._unfiled.append((quick.batch, quick.appends))
-            self._last_blocks = None
-            if len(self._unfiled) >= UNFILED:
-                self._file_blocks()
-        self.quick_steps += 1
-        self.batches[seq] = quick.batch
-        self.batches.pop(seq - HISTORY, None)
-
-    def _file_blocks(self) -> None:
-        """The noted appends into our tables, in step order."""
-        tables = self.tables
-        for batch, appends in self._unfiled:
-            for g, (pos, counts, flat) in enumerate(appends):
-                at = 0
-                for p, c in zip(pos, counts, strict=True):
-                    tables[batch[p]][g].extend(flat[at:at + c])
-                    at += c
-        self._unfiled.clear()
-
-    def _request(self, so: Any, ext: dict[str, Any]) -> ExecuteModelRequest:
-        check_scheduled(so)  # (before the encoder's memory of requests changes)
-        mem, cached = self.mem, so.scheduled_cached_reqs
-        self.forget(so.finished_req_ids)
-        batch = list(so.num_scheduled_tokens)
-        n = len(batch)
-        pos = self._pos = dict(zip(batch, range(n), strict=True))
-        computed = np.zeros(n, dtype=np.int64)
-        self._new_requests(so.scheduled_new_reqs, batch, pos, computed, ext)
-        self._cached_requests(cached, batch, pos, computed, ext)
-        self._token_lists(so, batch, pos, ext)
-        step_ext(so, batch, pos, ext, self.seals)
-        mem.known.update(batch)
-        mem.prev_batch = set(batch)
-        blocks = self._block_tables(batch, so)
-        wire = StepExt(**ext)
-        return ExecuteModelRequest(
-            req_ids=batch, specs=list(map(self.specs.__getitem__, batch)),
-            num_scheduled_tokens=np.fromiter(so.num_scheduled_tokens.values(), np.int64, n),
-            num_computed_tokens=computed, block_tables=blocks,
-            spec_token_ids=keyed_rows(so.scheduled_spec_decode_tokens, batch, shift=1),
-            encoder_inputs=keyed_rows(so.scheduled_encoder_inputs, batch),
-            finished_req_ids=frozenset(so.finished_req_ids),
-            preempted_req_ids=frozenset(so.preempted_req_ids or ()),
-            resumed_req_ids=frozenset(cached.resumed_req_ids),
-            free_encoder_mm_hashes=tuple(so.free_encoder_mm_hashes),
-            blocks_to_zero=None if so.new_block_ids_to_zero is None
-            else np.asarray(so.new_block_ids_to_zero, dtype=np.int64),
-            has_structured_output_requests=so.has_structured_output_requests,
-            pending_structured_output_tokens=so.pending_structured_output_tokens,
-            num_spec_tokens_to_schedule=so.num_spec_tokens_to_schedule,
-            extension={"v": msgspec.msgpack.encode(wire)} if wire != StepExt() else {})
-
-    def forget(self, finished: set[str]) -> None:
-        """Drop finished requests from the encoder's memory, specs and tables."""
-        self.mem.finish(finished)
-        for rid in finished:
-            self.specs.pop(rid, None)
-            self.tables.pop(rid, None)
-
-    def _block_tables(self, batch: list[str], so: Any) -> tuple[Ragged, ...]:
-        """Whole tables in batch order: last step's with its rows that left dropped, this
-        step's appends patched in and rows joining at the end made from our lists; all
-        made from our lists when last step's are unknown or a request resumed."""
-        cached = so.scheduled_cached_reqs
-        last = self._last_blocks
-        carried = None if last is None or cached.resumed_req_ids else \
-            self._carried(last, batch, {nr.req_id for nr in so.scheduled_new_reqs})
-        self._hint = None
-        if carried is None:
-            tables = tuple(ragged([self.tables[rid][g] for rid in batch])
-                           for g in range(self.kv_groups or 1))
-        else:
-            tables, kept = carried
-            pos = self._pos
-            ids, nbs = cached.req_ids, cached.new_block_ids
-            grown = sorted((pos[ids[k]], k) for k in _not_none(nbs) if pos[ids[k]] < kept)
-            rows = [p for p, _ in grown]
-            new = [[cached.new_block_ids[k][g] for _, k in grown] for g in range(len(tables))]
-            if grown:
-                tables = tuple(append_rows(t, rows, new[g]) for g, t in enumerate(tables))
-            self._hint = table_hint(kept, rows, new)
-        self._last_blocks, self._last_batch = tables, batch
-        return tables
-
-    def _carried(self, last: tuple[Ragged, ...], batch: list[str], new: set[str],
-                 ) -> tuple[tuple[Ragged, ...], int] | None:
-        """(last step's tables without the rows that left, with the rows past them made
-        from our lists; how many rows were carried) when ``batch`` is last step's batch
-        less some requests, in the same order, plus requests it did not hold at the end
-        (``new``: requests whose tables start afresh this step, never carried); else
-        None.  The carried rows still lack this step's appends."""
-        prev = self._last_batch
-        if batch == prev and not new:
-            return last, len(batch)
-        pos = self._pos
-        keep = list(map(pos.__contains__, prev))
-        if not new.isdisjoint(prev):
-            keep = [k and rid not in new for k, rid in zip(keep, prev, strict=True)]
-        kept = keep.count(True)
-        if list(compress(prev, keep)) != batch[:kept]:
-            return None  # reordered: the general rebuild
-        mask = np.array(keep, dtype=bool)
-        tables = []
-        for g, table in enumerate(last):
-            rows = ragged([self.tables[rid][g] for rid in batch[kept:]])
-            values = table.values[np.repeat(mask, table.lengths)]
-            tables.append(Ragged(np.concatenate([table.lengths[mask], rows.lengths]),
-                                 np.concatenate([values, rows.values])))
-        return tuple(tables), kept
-
-    # ------------------------------------------------------------ requests
-    def _new_requests(self, new_reqs: list[Any], batch: list[str], pos: dict[str, int],
-                      computed: IntArray, ext: dict[str, Any]) -> None:
-        known = self.mem.known
-        new_pos = [pos[nr.req_id] for nr in new_reqs]
-        unknown = compress(range(len(batch)), map(not_, map(known.__contains__, batch)))
-        flips = sorted(set(new_pos).symmetric_difference(unknown))
-        if flips:
-            ext["new_flip"] = pack_uints(flips)
-        if new_pos != sorted(new_pos):
-            ext["new_order"] = pack_uints(sorted(range(len(new_pos)), key=new_pos.__getitem__))
+            if cids != batch or resumed or new_reqs:  # (resumed: a rank predicts them last)
+                pos = self._positions(batch)
+                cpos, computed = self._placed(so, batch, pos, ext)
+            try:
+                handles = np.fromiter(map(mirror.ids.__getitem__, cids), np.int64, len(cids))
+            except KeyError as exc:
+                raise LocalProtocolError("a cached request was never scheduled",
+                                         req_id=str(exc)) from None
+            comp = _ints(ccomp, len(cids), "num_computed_tokens")
+        entries, plens = [], []
         fixes, prefill = [], []
         for k, nr in enumerate(new_reqs):
-            spec, fix = new_request_spec(nr, k, self.spec_reader)
-            old = self.specs.get(nr.req_id)
-            self.specs[nr.req_id] = old if old is not None and _same_spec(old, spec) else spec
-            self.mem.remember(spec)
-            self.tables[nr.req_id] = [list(b) for b in nr.block_ids]
-            computed[pos[nr.req_id]] = nr.num_computed_tokens
-            fixes += [fix] if fix is not None else []
+            entry, fix, plen = request_entry(nr, k, self.reader)
+            entries.append(entry)
+            plens.append(plen)
+            if fix is not None:
+                fixes.append(fix)
             prefill.append(None if nr.prefill_token_ids is None else
-                           make_ref(nr.prefill_token_ids, spec.prompt_token_ids,
-                                    self.mem.held(nr.req_id)))
-            self.mem.mrv2 |= nr.prefill_token_ids is not None
+                           make_ref(nr.prefill_token_ids, nr.prompt_token_ids))
         if fixes:
             ext["fixes"] = tuple(fixes)
-        if any(p is not None for p in prefill):
+        if prefill and any(r is not None for r in prefill):
             ext["prefill"] = tuple(prefill)
-
-    def _cached_requests(self, cached: Any, batch: list[str], pos: dict[str, int],
-                         computed: IntArray, ext: dict[str, Any]) -> None:
-        resumed, ids = cached.resumed_req_ids, cached.req_ids
-        for name in ("new_block_ids", "num_computed_tokens", "num_output_tokens"):
-            if len(getattr(cached, name)) != len(ids):
-                raise LocalProtocolError("a CachedRequestData list is not one entry per request",
-                                         field=name, entries=len(getattr(cached, name)),
-                                         requests=len(ids))
-        cpos = list(map(pos.__getitem__, ids))
-        if cpos != cached_order(sorted(cpos), batch, resumed):
-            ext["cached_order"] = pack_uints(cpos)
-        unknown = set(ids) - self.specs.keys()
-        if unknown:
-            raise LocalProtocolError("cached request was never scheduled", req_id=min(unknown))
-        none_flip = self._cached_blocks(ids, cached.new_block_ids, resumed)
-        if none_flip:
-            ext["none_flip"] = pack_uints(none_flip)
-        comp = np.asarray(cached.num_computed_tokens, dtype=np.int64)
-        computed[cpos] = comp
-        departures = self.mem.output_departures(ids, comp, cached.num_output_tokens)
-        if departures is not None:
-            ext["out_pos"], ext["out_delta"] = departures
-
-    def _cached_blocks(self, ids: list[str], blocks: list[Any], resumed: set[str]) -> list[int]:
-        """Apply new_block_ids (replacing for resumed ids); positions sending () not None."""
-        none_flip = []
-        for k in _not_none(blocks):
-            rid, new = ids[k], blocks[k]
-            if not any(new):
-                none_flip.append(k)
-            self.tables[rid] = [list(b) for b in new] if rid in resumed else \
-                [t + b for t, b in zip(self.tables[rid], new, strict=True)]
-        for rid in resumed:
-            if blocks[ids.index(rid)] is None:
-                self.tables[rid] = [[] for _ in self.tables[rid]]
-        return none_flip
-
-    def _token_lists(self, so: Any, batch: list[str], pos: dict[str, int],
-                     ext: dict[str, Any]) -> None:
-        cached = so.scheduled_cached_reqs
-        if cached.new_token_ids:
-            lists = cached.new_token_ids
-            flat = [t for row in lists for t in row]
-            ext["new_tokens"] = (pack_uints([len(r) for r in lists]), pack_sints(flat))
-        predicted = [] if self.mem.mrv2 else \
-            list(filterfalse(self.mem.prev_batch.__contains__, cached.req_ids))
-        keys = list(cached.all_token_ids)
-        if keys != predicted:
-            index = dict(zip(cached.req_ids, range(len(cached.req_ids)), strict=True))
-            ext["all_keys"] = _packed([index[k] for k in keys])
-        if keys:
-            ext["all_tokens"] = tuple(self._ref(rid, toks)
-                                      for rid, toks in cached.all_token_ids.items())
-
-    def _ref(self, rid: str, tokens: list[int]) -> TokenRef:
-        return make_ref(tokens, self.mem.prompt.get(rid), self.mem.held(rid))
+        self._token_lists(cached, ext)
+        appends, replaces = self._blocks(so, groups, cpos, pos, batch)
+        dep = self.outputs.departures(handles, comp, cached.num_output_tokens) if cids else None
+        if dep is not None:
+            ext["out_pos"], ext["out_delta"] = dep
+        drafts, inputs = so.scheduled_spec_decode_tokens, so.scheduled_encoder_inputs
+        if drafts or inputs:
+            pos = pos or self._positions(batch)
+        self._rare(so, counts, ext)
+        if self.items is not None:  # two-phase: the step's puts undone if it fails
+            entries = self.items.place(entries, so)
+        try:
+            delta, applied = mirror.step(
+                batch, counts, finished=so.finished_req_ids, added=entries, computed=computed,
+                appends=appends, replaces=replaces,
+                spec_tokens=_rows(drafts, pos, 1) if drafts else None,  # type: ignore[arg-type]
+                encoder_inputs=_rows(inputs, pos) if inputs else None,  # type: ignore[arg-type]
+                preempted=so.preempted_req_ids or (), resumed=resumed,
+                free_encoder_mm_hashes=tuple(so.free_encoder_mm_hashes),
+                blocks_to_zero=so.new_block_ids_to_zero,
+                structured=so.has_structured_output_requests,
+                pending=so.pending_structured_output_tokens,
+                num_spec=so.num_spec_tokens_to_schedule,
+                extension=encode_ext(StepExt(**ext)) if ext else b"")
+        except BaseException:
+            if self.items is not None:
+                self.items.abort()
+            raise
+        if self.items is not None:
+            self.items.commit()
+        for h, plen in zip(applied.added, plens, strict=True):
+            self.outputs.add(h, plen)
+        self.batches[delta.seq] = batch
+        self.batches.pop(delta.seq - HISTORY, None)
+        return codec.encode(delta)
 
     # ------------------------------------------------------------ sample_tokens
     def encode_grammar(self, grammar: Any) -> list[Frame]:
-        """GrammarOutput of the step just encoded: ids as batch positions, bitmask zero-copy
-        (None: one empty frame)."""
-        if grammar is None:  # most steps: nothing else to read
+        """GrammarOutput of the step just encoded (None: one empty frame)."""
+        if grammar is None:
             return [b""]
-        return self._grammar.encode(grammar, self.seq, self.batches.get(self.seq, []),
-                                    self.quick)
+        batch = self.batches.get(self.seq, [])
+        return self._grammar.encode(grammar, self.seq, batch, self._positions(batch))
 
     # ------------------------------------------------------------ replies
     def decode_reply(self, frames: list[Any]) -> Any:
-        """The worker's ModelRunnerOutput (fresh objects); feeds the token ledger."""
-        out = decode_reply(frames, self.batches, self.seals, self._index)
-        if out is not None:
-            self.mem.record_output(out)
-        return out
+        """The rank's ModelRunnerOutput (fresh objects), or None."""
+        return decode_reply(frames, self.batches, self.seals, self._index)
+
+    def _placed(self, so: Any, batch: list[str], pos: dict[str, int], ext: dict[str, Any],
+                ) -> tuple[list[int], list[int]]:
+        """(each cached request's batch position, each row's computed count) of a step
+        whose cached requests are not the batch in order; the cached order departs when
+        it is not running-then-resumed in batch order."""
+        cached, new_reqs = so.scheduled_cached_reqs, so.scheduled_new_reqs
+        cids = cached.req_ids
+        if len(cids) + len(new_reqs) != len(batch) or not all(
+                nr.req_id in pos for nr in new_reqs):
+            raise LocalProtocolError("num_scheduled_tokens must name each new and cached "
+                                     "request once")
+        try:
+            cpos = [pos[r] for r in cids]
+        except KeyError as exc:
+            raise LocalProtocolError("a cached request is not scheduled",
+                                     req_id=str(exc)) from None
+        if len(cached.num_computed_tokens) != len(cids):
+            raise LocalProtocolError("num_computed_tokens is not one per cached request",
+                                     counts=len(cached.num_computed_tokens), requests=len(cids))
+        computed = [0] * len(batch)
+        for p, c in zip(cpos, cached.num_computed_tokens, strict=True):
+            computed[p] = c
+        for nr in new_reqs:
+            computed[pos[nr.req_id]] = nr.num_computed_tokens
+        resumed = cached.resumed_req_ids
+        predicted = sorted(cpos)
+        if resumed:
+            predicted = [p for p in predicted if batch[p] not in resumed] + \
+                [p for p in predicted if batch[p] in resumed]
+        if cpos != predicted:
+            ext["cached_order"] = pack_uints(cpos)
+        return cpos, computed
+
+    def _blocks(self, so: Any, groups: int, cpos: list[int] | None,
+                pos: dict[str, int] | None, batch: list[str],
+                ) -> tuple[Sequence[BlockRows | None], Sequence[BlockRows | None]]:
+        """Per KV group, the rows appended (new requests' whole tables, cached requests'
+        new blocks) and replaced (resumed requests' tables); a cached request whose new
+        blocks are all empty lists (not None) gets a row of no ids."""
+        cached, new_reqs = so.scheduled_cached_reqs, so.scheduled_new_reqs
+        nb = cached.new_block_ids
+        if len(nb) != len(cached.req_ids):
+            raise LocalProtocolError("new_block_ids is not one entry per cached request")
+        some = nb.count(None) != len(nb)
+        if not some and not new_reqs:
+            return (), ()
+        app: list[BlockRows] = [([], [], []) for _ in range(groups)]
+        rep: list[BlockRows] = [([], [], []) for _ in range(groups)]
+        for nr in new_reqs:
+            p = pos[nr.req_id]  # type: ignore[index]
+            if len(nr.block_ids) != groups:
+                raise LocalProtocolError("a new request's blocks are not one list per KV "
+                                         "group", req_id=nr.req_id, groups=groups)
+            for g, ids in enumerate(nr.block_ids):
+                if ids:
+                    _row(app[g], p, ids)
+        if some:
+            resumed, cids = cached.resumed_req_ids, cached.req_ids
+            for k in _positions_of(nb):
+                new, p = nb[k], k if cpos is None else cpos[k]
+                if len(new) != groups:
+                    raise LocalProtocolError("new blocks are not one list per KV group")
+                rows = rep if resumed and cids[k] in resumed else app
+                marked = False
+                for g, ids in enumerate(new):
+                    if ids:
+                        _row(rows[g], p, ids)
+                        marked = True
+                if not marked:
+                    _row(rows[0], p, [])
+        return ([r if r[0] else None for r in app], [r if r[0] else None for r in rep])
+
+    def _rare(self, so: Any, counts: list[int], ext: dict[str, Any]) -> None:
+        """The extension entries of a step's rare fields that depart from what the
+        receiver predicts, and its connector metadata sealed."""
+        if so.total_num_scheduled_tokens != sum(counts):
+            ext["total"] = so.total_num_scheduled_tokens
+        if so.preempted_req_ids is None:
+            ext["preempted_none"] = True
+        stats = so.scheduled_encoder_input_stats
+        if stats is not None:
+            ext["enc_stats"] = (stats.num_inputs, stats.output_tokens)
+        if so.num_invalid_spec_tokens is not None:
+            ext["invalid_spec"] = dict(so.num_invalid_spec_tokens)
+        if so.has_sync_kv_loads:
+            ext["sync_kv"] = True
+        copies = so.kv_cache_block_copies
+        if copies is not None:
+            ext["block_copies"] = pack_uints([v for c in copies for v in c]) if copies else b""
+        if so.num_common_prefix_blocks != []:
+            ext["prefix_blocks"] = pack_uints(so.num_common_prefix_blocks)
+        if so.kv_connector_block_state is not None:
+            raise LocalProtocolError("kv_connector_block_state is scheduler-local")
+        if so.kv_connector_metadata is not None or so.ec_connector_metadata is not None \
+                or so.aux_output_connector_metadata is not None \
+                or so.ec_manager_metadata is not None:  # (CONNECTOR_FIELDS)
+            ext["sealed"] = self.seals.seal({f: getattr(so, f) for f in CONNECTOR_FIELDS
+                                             if getattr(so, f) is not None})
+
+    def _token_lists(self, cached: Any, ext: dict[str, Any]) -> None:
+        """Cached requests' token lists (pipeline parallelism's new tokens, the history
+        of requests not scheduled last step), the latter as prompt references."""
+        if cached.new_token_ids:
+            lists = cached.new_token_ids
+            ext["new_tokens"] = (pack_uints(list(map(len, lists))),
+                                 pack_sints([t for row in lists for t in row]))
+        every = cached.all_token_ids
+        if every:
+            at = {r: k for k, r in enumerate(cached.req_ids)}
+            try:
+                ext["all_keys"] = pack_uints([at[r] for r in every])
+            except KeyError as exc:
+                raise LocalProtocolError("all_token_ids names a request that is not cached",
+                                         req_id=str(exc)) from None
+            state, ids = self.mirror.state, self.mirror.ids  # type: ignore[union-attr]
+            ext["all_tokens"] = tuple(make_ref(toks, _prompt(state.specs[ids[r]]))
+                                      for r, toks in every.items())
 
 
-def _same_spec(a: RequestSpec, b: RequestSpec) -> bool:
-    from protocol.request import _same_value
-
-    return _same_value(a, b)
+def _prompt(spec: Any) -> list[int] | None:
+    return None if spec.prompt_none else unpack_uint_list(spec.prompt)

@@ -3,26 +3,31 @@
 Usage: ``LLM(model=..., distributed_executor_backend=DeltaExecutor, ...)`` or
 ``--distributed-executor-backend engine_side.vllm.DeltaExecutor``.
 
-One spawned process per rank (:mod:`worker_side.vllm.proc`, vLLM's worker run
-through ``WorkerWrapperBase``), each a DEALER on this executor's ROUTER over
-ipc:// in a private 0700 directory.  ``execute_model`` / ``sample_tokens`` send
-the encoder's frames (encoded synchronously: the engine mutates the
-SchedulerOutput after dispatch) to every rank; everything else is a control
-call sealed with a per-run HMAC secret (:mod:`protocol.seal`; vLLM sends functions:
-they travel cloudpickled inside the seal, never as unauthenticated pickle).  Every
-rank answers every call, so an exception on any rank is raised here; a dead rank, or
-a rank whose answer is malformed (:class:`ExecutorFailed` names it), marks the
-executor failed, wakes any waiting call and runs the failure callback.  A message on
-the ROUTER from no rank, or a malformed check-in, is dropped and counted
-(``faults``).  Futures resolve in submission order.
+One spawned process per rank (``worker_side.vllm.proc``, started by name: vLLM's worker run
+through ``WorkerWrapperBase``), each a DEALER on this executor's ROUTER over ipc:// in a
+private 0700 directory (call kinds: :mod:`protocol.calls`).  ``execute_model`` /
+``sample_tokens`` send the encoder's frames (encoded synchronously: the engine mutates the
+SchedulerOutput after dispatch) to every rank; everything else is a control call sealed with
+a per-run HMAC secret (:mod:`protocol.seal`; vLLM sends functions: they travel cloudpickled
+inside the seal, never as unauthenticated pickle).  Every rank answers every call, so an
+exception on any rank is raised here; a dead rank, or a rank whose answer is malformed
+(:class:`ExecutorFailed` names it), marks the executor failed, wakes any waiting call and
+runs the failure callback.  A message on the ROUTER from no rank, or a malformed check-in,
+is dropped and counted (``faults``).  Futures resolve in submission order.
 
 Local step ring (default; ``additional_config={"deltacast_ring_kb": N}`` sizes it,
 default 32 MiB, 0 turns it off): calls go through the shared-memory ring of
-:mod:`worker_side.ring` once for all ranks instead of once per rank on the ROUTER,
-and replies come back through the ranks' reply rings (:mod:`worker_side.vllm.channel`);
+:mod:`engine_side.ring` once for all ranks instead of once per rank on the ROUTER,
+and replies come back through the ranks' reply rings (``worker_side.vllm.channel``);
 a call over ``RING_CALL_LIMIT`` (or half the ring) goes on the ROUTER behind an ON_PUB
 marker, a large reply on the rank's DEALER likewise, so each rank's replies stay in
 call order.
+
+Calls are numbered and checksummed (SPEC §16): a rank that finds one missing or
+damaged asks for it again and gets it from the last calls kept
+(:mod:`engine_side.vllm.resend`); a quiet wait pings the ranks that owe an answer, so
+a rank that lost the newest call finds out.  A rank that lacks a call no longer kept
+fails the executor, named.
 
 Multimodal items and prompt embeds travel as zero-copy frames; with
 ``additional_config={"deltacast_mm_store_mb": N}`` they go once into an N MB
@@ -31,7 +36,7 @@ to it (its AttachInfo sent sealed, ``A``) before the first step.
 
 Divergence: when more than one rank samples (TP > 1), each of the last pipeline
 stage's ranks checks in with a lagged hash of its sampled tokens every
-``token_hash_every`` model outputs (:mod:`worker_side.vllm.tokenhash`); the
+``token_hash_every`` model outputs (``worker_side.vllm.tokenhash``); the
 executor compares them with the output rank's as they arrive and logs, records
 (``divergent``) and calls back (``register_divergence_callback``) on a rank that
 differs.
@@ -58,20 +63,23 @@ import cloudpickle
 import zmq
 from vllm.v1.executor.abstract import Executor, FailureCallback
 
+from engine_side.ring import RingWriter
 from engine_side.security import PrivateDir
 from engine_side.shm_store import ShmStore
+from engine_side.spawn import reap, run_by_name
+from engine_side.transport import spin_poll
 from engine_side.vllm.answers import Answers, RankFault
 from engine_side.vllm.divergence import RankDiverged, TokenHashBoard
 from engine_side.vllm.encoder import SchedulerOutputEncoder
+from engine_side.vllm.resend import Retransmitter
+from protocol import calls as wire
 from protocol.errors import MalformedMessage, ProtocolError
 from protocol.faults import PeerFaults
+from protocol.ring import MAX_RANKS
 from protocol.seal import Opener, Sealer
-from worker_side.ring import MAX_RANKS, RingWriter
-from worker_side.transport import spin_poll
-from worker_side.vllm import proc as wire
-from worker_side.vllm.channel import DOORBELL
 
 log = logging.getLogger("deltacast.vllm.executor")
+RANK_MODULE = "worker_side.vllm.proc"  # a rank's entry point, worker_main (by name)
 POLL_MS = 100  # how often a waiting call re-checks that every rank is alive
 JOIN_S = 10.0
 RING_POLL_MS = 1  # a blocked executor's ring check period (long steps, past the spin)
@@ -174,6 +182,7 @@ class DeltaExecutor(Executor):
             if ring_kb else None
         self.stats: Counter[str] = Counter()  # ring_calls, socket_calls, socket_replies
         self._answers = Answers(self.world_size, self.stats)  # per rank, in call order
+        self._resender = Retransmitter(self._sock, self.stats, self.faults)
         self._finalizer = weakref.finalize(self, DeltaExecutor._cleanup, self.procs,
                                            self._deaths, self._sock, self._ctx, self._dir,
                                            self.ring)
@@ -198,8 +207,8 @@ class DeltaExecutor(Executor):
                           hash_every=every if rank in self.hashes.ranks else 0,
                           spin_s=self.spin_s,
                           ring_dir=str(self._dir.path) if self.ring is not None else None)
-            p = ctx.Process(target=wire.worker_main, kwargs=kwargs, name=f"DeltaWorker-{rank}",
-                            daemon=True)
+            p = ctx.Process(target=run_by_name, args=(RANK_MODULE, "worker_main"),
+                            kwargs=kwargs, name=f"DeltaWorker-{rank}", daemon=True)
             with omp.configure_omp_envs(rank=rank, local_rank=rank):  # per-rank CPU binding
                 p.start()
             reader.close()
@@ -292,6 +301,8 @@ class DeltaExecutor(Executor):
                 self.faults.hit(ident, MalformedMessage("not a rank's message", frames=len(frames)))
             elif frames[0] == wire.CHECK_IN:
                 self._check_in(rank, frames[1:])
+            elif frames[0] == wire.RESEND:
+                self._resend(rank, frames[1:])
             else:
                 got.append((rank, frames))
         if ring is not None:  # read after the ROUTER: a large reply's marker is in already
@@ -334,6 +345,15 @@ class DeltaExecutor(Executor):
             for callback in self._divergence_callbacks:
                 callback(event)
 
+    def _resend(self, rank: int, frames: list[bytes]) -> None:
+        """``rank`` lacks calls (lost or damaged): sent again, or, no longer kept, the
+        executor fails naming the rank."""
+        failure = self._resender.resend(rank, frames)
+        if failure is not None:
+            self.failure = f"DeltaExecutor failed: {failure}"
+            log.error(self.failure)
+            self._fail()
+
     def register_divergence_callback(self, callback: Callable[[RankDiverged], None]) -> None:
         """``callback(event)`` runs (on the calling thread) for each rank found diverging."""
         self._divergence_callbacks.append(callback)
@@ -355,15 +375,16 @@ class DeltaExecutor(Executor):
     def _broadcast(self, kind: bytes, frames: list[Any]) -> None:
         """One call to every rank: once through the ring, else once per rank on the ROUTER."""
         self._calls += 1
-        if self.ring is not None and self.ring.publish([kind, *frames], self._calls,
-                                                       RING_CALL_LIMIT):
+        call = [wire.call_head(kind, self._calls, frames), *frames]
+        self._resender.record(self._calls, call)  # kept for a rank that loses it
+        if self.ring is not None and self.ring.publish(call, self._calls, RING_CALL_LIMIT):
             for rank in self.ring.sleeping_ranks():  # wake who sleeps
-                self._sock.send_multipart([str(rank).encode(), DOORBELL])
+                self._sock.send_multipart([str(rank).encode(), wire.DOORBELL])
             self.stats["ring_calls"] += 1
             return
         self.stats["socket_calls"] += 1
         for rank in range(self.world_size):  # no ring, or too large: behind its marker
-            self._sock.send_multipart([str(rank).encode(), kind, *frames], copy=False)
+            self._sock.send_multipart([str(rank).encode(), *call], copy=False)
 
     def _drain(self, until: _Reply) -> None:
         """Resolve pending calls oldest first, up to and including ``until``."""
@@ -378,7 +399,12 @@ class DeltaExecutor(Executor):
         """One reply per rank; raises the first rank's exception after reading all."""
         try:
             while self._answers.waiting():
-                for rank, frames in self._receive(deadline):
+                got = self._receive(deadline)
+                if self.is_failed:
+                    raise ExecutorFailed(self.failure or "DeltaExecutor has failed")
+                if not got:  # a quiet while: a rank may have lost the last call
+                    self._resender.ping(self._answers.owing())
+                for rank, frames in got:
                     self._answers.socket(rank, frames)
             replies = self._answers.take()
         except RankFault as fault:
@@ -477,18 +503,7 @@ class DeltaExecutor(Executor):
     def _cleanup(procs: list[BaseProcess], deaths: list[Connection], sock: zmq.Socket[bytes],
                  ctx: zmq.Context[zmq.Socket[bytes]], private: PrivateDir,
                  ring: RingWriter | None) -> None:
-        end = time.monotonic() + JOIN_S
-        for p in procs:
-            p.join(max(0.0, end - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(4.0)
-            if p.is_alive():
-                p.kill()
-                p.join(1.0)
-        for d in deaths:
-            d.close()
+        reap(procs, deaths, JOIN_S)
         sock.close(linger=0)
         ctx.term()
         if ring is not None:

@@ -1,8 +1,8 @@
 """Engine side of ``sample_tokens``: vLLM's GrammarOutput → one GrammarMsg (frames).
 
 Request ids travel as positions in the step's batch (names only for an id outside
-it); the bitmask goes by row reference (:mod:`.rowrefs`), deflated, as sparse words
-or as a zero-copy tensor frame, whichever the rows allow.
+it); the bitmask by row reference, deflated, as sparse words or as a zero-copy tensor
+frame, whichever the rows allow (:mod:`protocol.bitmask`).
 """
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ from typing import Any
 
 import msgspec
 
-from engine_side.vllm.convert import RefTable
-from engine_side.vllm.quick import QuickEncoder
-from engine_side.vllm.rowrefs import RowTable
-from engine_side.vllm.schema import GrammarMsg, compact_ways
+from protocol.bitmask import GrammarMsg, RowTable, compact_ways
 from protocol.codec import Frame
+from protocol.ext import RefTable
 from protocol.packing import pack_uints
 from protocol.tensors import make_enc_hook
 
@@ -26,22 +24,28 @@ class GrammarEncoder:
     def __init__(self) -> None:
         self._aux: list[Any] = []
         self._enc = msgspec.msgpack.Encoder(enc_hook=make_enc_hook(self._aux))
-        self._row_table = RowTable()  # see engine_side.vllm.rowrefs
-        #: (batch, grammar ids, their packed positions) of the last GrammarOutput
-        self._last_positions: tuple[list[str], list[str], bytes] = ([], [], b"")
+        self._rows = RowTable()
+        #: (positions map, grammar ids, their packed positions) of the last output
+        self._last: tuple[dict[str, int] | None, list[str], bytes] = (None, [], b"")
 
     def encode(self, grammar: Any, seq: int, batch: list[str],
-               quick: QuickEncoder) -> list[Frame]:
-        """The frames of a GrammarOutput for step ``seq`` of ``batch`` (the encoder answers
-        a step without one, None, itself: one empty frame)."""
+               pos: dict[str, int]) -> list[Frame]:
+        """The frames of a GrammarOutput for step ``seq`` of ``batch`` (``pos``: its
+        positions by id, an object kept while the batch is)."""
         ids = grammar.structured_output_request_ids
         names: tuple[str, ...] = ()
-        positions = self._positions(ids, batch, quick)
-        if positions is None:  # an id outside the batch: named
-            refs = RefTable(batch, [])
-            positions, names = refs.pack(ids), tuple(refs.names)
+        last = self._last
+        if last[0] is pos and last[1] == ids:
+            positions = last[2]  # the same structured requests as the last step
+        else:
+            try:
+                positions = pack_uints([pos[r] for r in ids])
+                self._last = (pos, list(ids), positions)
+            except KeyError:  # an id outside the batch: named
+                refs = RefTable(batch, [])
+                positions, names = refs.pack(ids), tuple(refs.names)
         bitmask, rows = grammar.grammar_bitmask, None
-        by_ref = self._row_table.encode(bitmask)  # repeated rows as references
+        by_ref = self._rows.encode(bitmask)
         if by_ref is not None:
             bitmask = None
             rows, deflated, sparse = by_ref
@@ -49,26 +53,10 @@ class GrammarEncoder:
             deflated, sparse = compact_ways(bitmask)
         if deflated is not None or sparse is not None:
             bitmask = None
-        msg = GrammarMsg(seq, positions, names, bitmask,
-                         grammar.num_acceptable_drafts, deflated, sparse, rows)
+        msg = GrammarMsg(seq, positions, names, bitmask, grammar.num_acceptable_drafts,
+                         deflated, sparse, rows)
         self._aux.clear()
         try:
             return [self._enc.encode(msg), *self._aux]
         finally:
             self._aux.clear()
-
-    def _positions(self, ids: Any, batch: list[str], quick: QuickEncoder) -> bytes | None:
-        """``ids`` packed as positions in ``batch`` through the quick encoder's map of it
-        (kept for the batch of every step); None when one is not in it.  The last
-        answer is kept: structured requests stay the same over a batch's steps."""
-        if quick.batch is not batch or not isinstance(ids, list):
-            return None
-        last = self._last_positions
-        if last[0] is batch and last[1] == ids:
-            return last[2]
-        try:
-            packed = pack_uints(list(map(quick.pos.__getitem__, ids)))
-        except KeyError:
-            return None
-        self._last_positions = (batch, list(ids), packed)
-        return packed

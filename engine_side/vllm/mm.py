@@ -1,8 +1,10 @@
 """vLLM multimodal items and prompt embeddings on the deltacast path (engine side).
 
-Wire form of a ``MultiModalFeatureSpec`` (an :class:`MMFeatureRef`).  Its
-``data`` (a vLLM ``MultiModalKwargsItem``, or None for an item the workers get
-from vLLM's own mm cache) becomes a plain, msgpack-encodable map::
+Wire form of a ``MultiModalFeatureSpec``: its description is an ``MMItem`` of the
+request's spec (modality, identifier, placeholder offset and length, mm hash), its
+placeholder mask ``is_embed`` travels in ``NewRequest.mm_embed`` and its ``data``
+(a vLLM ``MultiModalKwargsItem``, or None for an item the workers get from vLLM's
+own mm cache) in ``NewRequest.mm_data``, as a plain, msgpack-encodable map::
 
     {"@": "vllm", "i": [[key, nested, field], ...]}      # the item's keys, in order
 
@@ -18,41 +20,31 @@ Anything else (another field class, a value of another type) is refused with
 :class:`UnsupportedItem` before anything is sent.  The worker side
 (``worker_side.vllm.mm``) rebuilds fresh, exactly equal objects.
 
-Channels.  Without a store (a *remote* channel) the map travels inline and its
-tensors as zero-copy frames.  With a store (:class:`StoreChannel`, a *local*
-channel) ``engine_side.mm_items.MultimodalEngine`` writes each item once under
-its ``identifier`` (the mm hash) and the delta carries a ``StoreRef`` (a hit:
-the key only).  ``prompt_embeds`` then travel the same way: the encoder's spec
-keeps them, and :class:`StoreChannel` moves them, on the wire only, into one
-extra trailing feature of modality :data:`EMBEDS_MODALITY` keyed by a hash of
-their content; the worker moves them back.
+Channels.  Without a store (a *remote* channel) the map travels inline, in
+``NewRequest.mm_data``, and its tensors as zero-copy frames; so do prompt embeds
+(``NewRequest.embeds``).  With a store (:class:`StoreChannel`, a *local* channel)
+``engine_side.item_writer.ItemWriter`` writes each item once under its
+``identifier`` (the mm hash), and prompt embeds under a hash of their content
+(:func:`content_key`), and those slots carry a ``StoreRef`` instead (a hit: the tag
+alone).  The spec's item descriptions, hashed with the spec, are the same on both.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+from collections.abc import Sequence
 from typing import Any
 
-import msgspec
 import numpy as np
 
-from engine_side.diffing import BlockHint
-from engine_side.mirror import EngineMirror
-from engine_side.mm_items import MultimodalEngine
+from engine_side.item_writer import ItemStats, ItemWriter, content_key
+from engine_side.mirror import Entry
 from engine_side.shm_store import ShmStore
 from protocol.errors import LocalProtocolError
-from protocol.messages import Delta
-from protocol.params import MMFeatureRef
-from protocol.request import ExecuteModelRequest, RequestSpec
-from protocol.tensors import make_enc_hook
-from worker_side.mm_items import same_objects
 
 ITEM_TAG = ("@", "vllm")  # (tag field, value) of an item map (a StoreRef's tag is "store")
 TUPLE = "T"
 SLICE = "s"
-EMBEDS_MODALITY = "@prompt_embeds"  # never a vLLM modality (wire-only, local channels)
-EMBEDS_PREFIX = "pe:"
 
 
 class UnsupportedItem(LocalProtocolError):
@@ -129,82 +121,42 @@ def item_to_wire(item: Any) -> Any:
     return {ITEM_TAG[0]: ITEM_TAG[1], "i": rows}
 
 
-def features_to_refs(features: list[Any]) -> tuple[MMFeatureRef, ...]:
-    """``NewRequestData.mm_features`` as MMFeatureRefs, their data in wire form."""
-    refs = []
-    for f in features:
-        pos = f.mm_position
-        refs.append(MMFeatureRef(modality=f.modality, identifier=f.identifier, offset=pos.offset,
-                                 length=pos.length, mm_hash=f.mm_hash, is_embed=pos.is_embed,
-                                 data=item_to_wire(f.data)))
-    return tuple(refs)
-
-
-# ---------------------------------------------------------------- prompt embeds
-
-
-def content_key(tensor: Any) -> str:
-    """A key naming a tensor's dtype, shape and bytes (BLAKE2b-128 over them)."""
-    aux: list[Any] = []
-    header = msgspec.msgpack.Encoder(enc_hook=make_enc_hook(aux)).encode(tensor)
-    h = hashlib.blake2b(header, digest_size=16)
-    for frame in aux:
-        h.update(frame)
-    return EMBEDS_PREFIX + h.hexdigest()
-
-
-def embeds_feature(spec: RequestSpec) -> RequestSpec:
-    """``spec`` with its prompt_embeds moved into a trailing wire-only feature."""
-    embeds = spec.prompt_embeds
-    feature = MMFeatureRef(modality=EMBEDS_MODALITY, identifier=content_key(embeds), offset=0,
-                           length=int(embeds.shape[0]) if embeds.ndim else 0, data=embeds)
-    return msgspec.structs.replace(spec, prompt_embeds=None,
-                                   mm_features=(*spec.mm_features, feature))
-
-
 class StoreChannel:
-    """A local channel: multimodal items and prompt embeds go through ``store``.
+    """A local channel: the step's multimodal items and prompt embeds go through ``store``.
 
-    Wraps the encoder's mirror in a :class:`MultimodalEngine` (which keeps item
-    lifetimes: written when first needed, released when no live request nor
-    encoder-cache entry needs them).  Steady steps cost one identity check.
+    The encoder calls :meth:`place` with the step's new-request entries, then
+    :meth:`commit` once the mirror took the step or :meth:`abort` if it did not.
+    Steady steps (nothing joins, finishes, is encoded or freed) cost a few tests.
     """
 
     def __init__(self, store: ShmStore) -> None:
         self.store = store
-        self.engine: MultimodalEngine | None = None
-        self._wire: dict[str, tuple[RequestSpec, RequestSpec]] = {}  # id -> (spec, wire spec)
-        self._last: tuple[list[RequestSpec], list[RequestSpec]] = ([], [])
+        self.writer = ItemWriter(store)
 
-    def diff(self, mirror: EngineMirror, request: ExecuteModelRequest,
-             hint: BlockHint | None = None) -> Delta:
-        if self.engine is None or self.engine.mirror is not mirror:
-            self.engine = MultimodalEngine(mirror, self.store)
-        wire = self._embeds_as_features(request)
-        delta = self.engine.diff(wire, hint)
-        self._last = (request.specs, wire.specs)
-        return delta
+    def place(self, entries: Sequence[Entry], so: Any) -> list[Entry]:
+        """``entries`` (the step's ``scheduled_new_reqs``, in order) with their items
+        and prompt embeds in the store, fed with the SchedulerOutput's finishes,
+        encoder inputs and frees (two-phase: then :meth:`commit` or :meth:`abort`)."""
+        return self.writer.place(entries, so.finished_req_ids, so.scheduled_encoder_inputs,
+                                 so.free_encoder_mm_hashes)
 
-    def _embeds_as_features(self, request: ExecuteModelRequest) -> ExecuteModelRequest:
-        if same_objects(request.specs, self._last[0]) and not request.finished_req_ids:
-            return msgspec.structs.replace(request, specs=self._last[1])
-        for rid in request.finished_req_ids:
-            self._wire.pop(rid, None)
-        if not self._wire and all(s.prompt_embeds is None for s in request.specs):
-            return request
-        specs = []
-        for rid, spec in zip(request.req_ids, request.specs, strict=True):
-            entry = self._wire.get(rid)
-            if spec.prompt_embeds is None:
-                specs.append(spec)
-            elif entry is not None and entry[0] is spec:
-                specs.append(entry[1])
-            else:
-                wire = embeds_feature(spec)
-                self._wire[rid] = (spec, wire)
-                specs.append(wire)
-        return msgspec.structs.replace(request, specs=specs)
+    def commit(self) -> None:
+        self.writer.commit()
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+    @property
+    def stats(self) -> ItemStats:
+        return self.writer.stats
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """identifier -> reference count (live requests' stored items + encoder cache)."""
+        return self.writer.counts
+
+    def key_of(self, identifier: str) -> str:
+        return self.writer.key_of(identifier)
 
 
-__all__ = ["EMBEDS_MODALITY", "StoreChannel", "UnsupportedItem", "content_key",
-           "features_to_refs", "item_to_wire"]
+__all__ = ["StoreChannel", "UnsupportedItem", "content_key", "item_to_wire"]

@@ -17,11 +17,12 @@ from typing import Any
 
 import msgspec
 
-from engine_side.vllm.convert import ChannelSeals, RefTable, singletons
-from engine_side.vllm.schema import LogprobsWire, ReplyMsg, decode_frames
 from protocol import codec
 from protocol.errors import MalformedMessage, RemoteProtocolError
+from protocol.ext import LogprobsWire, RefTable, ReplyMsg, decode_frames
+from protocol.kernels import singletons
 from protocol.packing import unpack_sint_list, unpack_uint_list
+from protocol.seal import ChannelSeals
 
 #: single-frame replies (the common ones): a tensor reference is malformed, so one shared
 #: decoder serves them (the others need a hook over their own frames)
@@ -99,6 +100,8 @@ def decode_reply(frames: list[Any], batches: dict[int, list[str]], seals: Channe
         if len(flat) % 2:
             raise MalformedMessage("reply index map is not (ref, index) pairs", items=len(flat))
         index = dict(zip(ids.names_of(flat[0::2]), flat[1::2], strict=True))
+        if max(flat[1::2], default=0) >= max(len(req_ids), 1):
+            raise MalformedMessage("reply index past its requests", requests=len(req_ids))
     flat_tokens = unpack_sint_list(msg.tokens) if msg.tokens else []
     if not msg.counts:  # one token per request
         if len(flat_tokens) != len(req_ids):
@@ -110,6 +113,9 @@ def decode_reply(frames: list[Any], batches: dict[int, list[str]], seals: Channe
         if offsets[-1] != len(flat_tokens):
             raise MalformedMessage("reply token counts do not add up to its tokens",
                                    counted=offsets[-1], tokens=len(flat_tokens))
+        if len(offsets) - 1 not in (0, len(req_ids)):  # (none: a pooling model's reply)
+            raise MalformedMessage("reply token lists are not one per request",
+                                   lists=len(offsets) - 1, requests=len(req_ids))
         sampled = [flat_tokens[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
     if not (msg.sealed or msg.prompt_lp or msg.prompt_tid or msg.nans) and \
             msg.logprobs is None and msg.pooler is None and msg.kv is None and msg.masks is None:

@@ -1,19 +1,30 @@
 """A DeltaExecutor rank's end of its calls: the DEALER, plus the local step ring.
 
-With a ring (:mod:`worker_side.ring`, the executor's default), calls arrive as ring
-records ``[kind, *frames]`` and replies leave through this rank's reply ring; a call
+With a ring (:mod:`protocol.ring`, the executor's default), calls arrive as ring
+records ``[head, *frames]`` and replies leave through this rank's reply ring; a call
 too large for the ring comes on the DEALER behind an ON_PUB marker, a reply too
 large for the reply ring leaves on the DEALER behind an ON_PUB marker in the reply
 ring (the executor keeps each rank's replies in order).  Unsolicited messages
-(ready, failed, check-ins) always use the DEALER.  An empty frame on the DEALER is a
-doorbell: it only wakes a rank that announced it sleeps.
+(ready, failed, check-ins, requests for calls again) always use the DEALER.  An
+empty frame on the DEALER is a doorbell: it only wakes a rank that announced it
+sleeps.  Without a ring: every call and reply on the DEALER.
 
-Without a ring: every call and reply on the DEALER, as :mod:`worker_side.vllm.proc`
-documents.  Not thread-safe (the rank's main thread).
+Calls are numbered (:mod:`protocol.calls`): :meth:`RankChannel.next_call` hands them
+out in number order, each intact, exactly once.  A call that is missing (a later one
+came first, or a ``P`` ping names a number not seen yet), damaged (its CRC does not
+match) or not a call at all is asked for again (``N``) and taken from the resent
+copies (``Y``), which come on the DEALER; a later call that came first waits.  A
+rank cannot skip a call: its peers wait for it in the collectives.
+
+Fault injection, for tests: ``DELTACAST_INJECT="drop:RANK:NUMBER,corrupt:RANK:NUMBER"``
+makes rank RANK lose, or flip a byte of, the first copy of call NUMBER it reads.
+Not thread-safe (the rank's main thread).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -22,48 +33,71 @@ from typing import Any
 
 import zmq
 
+from protocol.calls import CALL_HEAD, DOORBELL, NUMBER, PING, RESEND, RESENT, parse_call
 from protocol.errors import MalformedMessage
-from worker_side.ring import MESSAGE, ON_PUB, RingError, RingReader, pack_frames, unpack_frames
+from protocol.ring import MESSAGE, ON_PUB, pack_frames, unpack_frames
+from worker_side.ring import RingError, RingReader
 from worker_side.transport import spin_poll
 
-DOORBELL = b""
+log = logging.getLogger(__name__)
 _BLOCK_MS = 1000  # a sleeping rank re-checks the ring at least this often
+_ASK_AGAIN_S = 1.0  # a request for calls again is repeated this often until answered
+INJECT_ENV = "DELTACAST_INJECT"
+
+
+def _injections(rank: int) -> dict[int, str]:
+    """Call number -> "drop" or "corrupt", from INJECT_ENV, for ``rank``."""
+    out: dict[int, str] = {}
+    for item in filter(None, os.environ.get(INJECT_ENV, "").split(",")):
+        what, at, number = item.split(":")
+        if what not in ("drop", "corrupt"):
+            raise ValueError(f"{INJECT_ENV}: unknown fault {what!r}")
+        if int(at) == rank:
+            out[int(number)] = what
+    return out
 
 
 class RankChannel:
-    """``next_call()`` → ``[kind, *frames]``; ``reply(frames)``; ``send(frames)``."""
+    """``next_call()`` → ``(kind, frames)``; ``reply(frames)``; ``send(frames)``."""
 
     def __init__(self, sock: zmq.Socket[bytes], ring_dir: str | None, rank: int) -> None:
         self.sock = sock
+        self.rank = rank
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         self.ring = RingReader(Path(ring_dir), rank) if ring_dir else None
         self._calls: deque[tuple[int, bytes]] = deque()
         self._stash: deque[list[bytes]] = deque()  # DEALER calls read while waiting
+        self._resent: deque[list[bytes]] = deque()  # calls sent again, in order
         self.spin_s = 0.0
         self._answered = 0.0  # monotonic time of the last reply: the spin runs from it
+        self.expected = 1  # the next call number to hand out
+        self.newest = 0  # the newest call number a ping named
+        self._held: list[bytes] | None = None  # a later call that came first
+        self._asked = 0.0  # when calls were last asked for again (0: none missing)
+        self.recovered = 0  # calls taken from the resent copies
+        self._inject = _injections(rank)
 
-    def next_call(self) -> list[bytes]:
-        """The next call, waiting as long as it takes (spinning first while steps flow);
-        MalformedMessage for a ring record that is not one (the call is then lost: the
-        rank answers it with an error, in its place)."""
-        if self.ring is None:
-            self._spin()
-            return self._from_dealer()
-        while not self._calls:
-            self._calls.extend(self._read())
-            if not self._calls:
-                self._wait()
-        kind, payload = self._calls.popleft()
-        if kind == ON_PUB:  # the engine sent this one on our DEALER
-            return self._from_dealer()
-        try:
-            call = [bytes(f) for f in unpack_frames(payload)]
-        except ValueError as exc:
-            raise MalformedMessage("a ring record that is not a call", cause=str(exc)) from exc
-        if not call:
-            raise MalformedMessage("a call without its kind")
-        return call
+    def next_call(self) -> tuple[bytes, list[bytes]]:
+        """The next call in number order, intact: (kind, frames); waits as long as it
+        takes (spinning first while steps flow)."""
+        while True:
+            call = self._take()
+            try:
+                kind, number, intact = parse_call(call) if call is not None \
+                    else (b"", self.expected, False)  # (missing: as the expected one, lost)
+            except MalformedMessage:
+                kind, number, intact = b"", self.expected, False  # damaged past its head
+            if number < self.expected:
+                continue  # a copy of a call already handed out
+            if number > self.expected or not intact:
+                if intact and self._held is None:
+                    self._held = call
+                self._ask()
+                continue
+            self.expected += 1
+            self._asked = 0.0
+            return kind, call[1:]  # type: ignore[index]
 
     def reply(self, frames: list[Any]) -> None:
         """One call's reply (in call order)."""
@@ -83,6 +117,72 @@ class RankChannel:
         if self.ring is not None:
             self.ring.close()
             self.ring = None
+
+    # -- which call next ---------------------------------------------------------------
+    def _take(self) -> list[bytes] | None:
+        """A call to check: the held one when its turn came, a resent one while calls are
+        missing, else the next one that arrives (None: a ping says one is missing)."""
+        held = self._held
+        if held is not None and CALL_HEAD.unpack(held[0])[1] <= self.expected:
+            self._held = None
+            return held
+        if self._asked:
+            return self._from_resent()
+        call = self._arriving()
+        if call is None:
+            return None
+        number = CALL_HEAD.unpack(call[0])[1] if len(call[0]) == CALL_HEAD.size else -1
+        fault = self._inject.pop(number, None)
+        if fault == "drop":
+            log.warning("rank %d: injected fault: call %d dropped", self.rank, number)
+            return self._take()
+        if fault == "corrupt":
+            log.warning("rank %d: injected fault: call %d damaged", self.rank, number)
+            last = bytearray(call[-1]) or bytearray(b"\0")
+            last[len(last) // 2] ^= 0x5A
+            return [*call[:-1], bytes(last)] if len(call) > 1 else [call[0], bytes(last)]
+        return call
+
+    def _ask(self) -> None:
+        """Ask the executor for the calls from the expected one on (again every
+        _ASK_AGAIN_S while they do not come)."""
+        now = time.monotonic()
+        if now - self._asked < _ASK_AGAIN_S:
+            return
+        if not self._asked:
+            log.warning("rank %d: call %d missing or damaged: asking for it again", self.rank,
+                        self.expected)
+        self._asked = now
+        self.sock.send_multipart([RESEND, NUMBER.pack(self.expected)])
+
+    def _from_resent(self) -> list[bytes]:
+        while not self._resent:
+            if self.sock.poll(int(_ASK_AGAIN_S * 1000), zmq.POLLIN):
+                self._stash_dealer()
+            else:
+                self._ask()
+        self.recovered += 1
+        return self._resent.popleft()
+
+    def _arriving(self) -> list[bytes] | None:
+        """The next call from the ring or the DEALER (a ring record that is not a call
+        comes back as an empty head: damaged); None when a ping names a call not seen."""
+        if self.ring is None:
+            self._spin()
+            return self._from_dealer()
+        while not self._calls:
+            self._calls.extend(self._read())
+            if not self._calls:
+                self._wait()
+                if self.newest >= self.expected and not self.ring.pending():
+                    return None
+        kind, payload = self._calls.popleft()
+        if kind == ON_PUB:  # the engine sent this one on our DEALER
+            return self._from_dealer()
+        try:
+            return [bytes(f) for f in unpack_frames(payload)] or [b""]
+        except ValueError:
+            return [b""]
 
     # -- waiting ---------------------------------------------------------------------
     def _read(self) -> list[tuple[int, bytes]]:
@@ -107,17 +207,36 @@ class RankChannel:
             ring.sleep(False)
         self._stash_dealer()
 
+    def _file(self, frames: list[bytes]) -> bool:
+        """File a DEALER message that is not a call in its place: True if it was one of
+        those (doorbell, ping, resent call)."""
+        if frames == [DOORBELL]:
+            return True
+        if frames[0] == PING:
+            if len(frames) == 2 and len(frames[1]) == NUMBER.size:
+                self.newest = max(self.newest, NUMBER.unpack(frames[1])[0])
+            return True
+        if frames[0] == RESENT:
+            if len(frames) > 1:
+                self._resent.append(frames[1:])
+            return True
+        return False
+
     def _stash_dealer(self) -> None:
-        """Drop doorbells; keep calls (announced by markers we may not have read yet)."""
+        """File what the DEALER holds; keep calls (announced by markers we may not have
+        read yet)."""
         while self.sock.poll(0, zmq.POLLIN):
             frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            if frames != [DOORBELL]:
+            if not self._file(frames):
                 self._stash.append(frames)
 
-    def _from_dealer(self) -> list[bytes]:
-        if self._stash:
-            return self._stash.popleft()
-        while True:
-            frames = self.sock.recv_multipart()
-            if frames != [DOORBELL]:
-                return frames
+    def _from_dealer(self) -> list[bytes] | None:
+        """The next call on the DEALER; None when a ping names a call not seen."""
+        while not self._stash:
+            if self.newest >= self.expected and self.ring is None:
+                return None
+            if self.sock.poll(_BLOCK_MS, zmq.POLLIN):
+                frames = self.sock.recv_multipart()
+                if not self._file(frames):
+                    return frames
+        return self._stash.popleft()

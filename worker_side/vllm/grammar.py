@@ -1,8 +1,8 @@
-"""The worker's GrammarOutput (the sample_tokens message; a part of the decoder).
+"""Worker side of ``sample_tokens``: one GrammarMsg → vLLM's GrammarOutput.
 
-Request ids travel as positions in the step's batch (names only for ids outside
-it), the bitmask zero-copy, deflated, as sparse words, or as rows by reference
-(:mod:`engine_side.vllm.rowrefs`); SPEC.md §16.
+Request ids travel as positions in the step's batch (names only for ids outside it),
+the bitmask zero-copy, deflated, as sparse words, or as rows by reference
+(:mod:`protocol.bitmask`); SPEC.md §16.
 """
 
 from __future__ import annotations
@@ -10,26 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 
-from engine_side.vllm.convert import RefTable
-from engine_side.vllm.rowrefs import RowTable
-from engine_side.vllm.schema import GrammarMsg, decode_frames, expand, inflate
-from protocol import codec
+from protocol.bitmask import GrammarMsg, RowTable, expand, inflate
+from protocol.codec import no_tensor_frames
 from protocol.errors import InvalidDelta, MalformedMessage
+from protocol.ext import RefTable, decode_frames
 from protocol.packing import unpack_uint_list
-from worker_side.vllm.quick import vllm_types
 
-#: a single-frame GrammarMsg (the bitmask deflated or absent): nothing for a hook to resolve
-_GRAMMAR = msgspec.msgpack.Decoder(GrammarMsg, ext_hook=codec.no_tensor_frames)
-
-
-def _grammar_ids(batch: list[str], msg: GrammarMsg) -> list[str]:
-    """The request ids of a GrammarMsg: positions in ``batch``, then its own names."""
-    if not msg.names:  # the common case: every id is in the batch
-        refs = unpack_uint_list(msg.positions, limit=len(batch))
-        if max(refs, default=-1) < len(batch):
-            return list(map(batch.__getitem__, refs))
-    return RefTable(batch, list(msg.names)).resolve(msg.positions)
+#: a single-frame GrammarMsg (the bitmask deflated or absent)
+_GRAMMAR = msgspec.msgpack.Decoder(GrammarMsg, ext_hook=no_tensor_frames)
 
 
 def _bitmask(msg: GrammarMsg) -> Any:
@@ -43,29 +33,37 @@ def _bitmask(msg: GrammarMsg) -> Any:
 
 
 class GrammarDecoder:
-    """GrammarOutputs of the steps a decoder decoded (the row table and the last
-    step's ids are kept across steps)."""
+    """GrammarOutputs of the steps a decoder decoded (row table and last ids kept)."""
 
     def __init__(self) -> None:
-        self._row_table = RowTable()  # see engine_side.vllm.rowrefs
-        #: (batch, packed positions, request ids) of the last GrammarMsg without names
-        self._last: tuple[list[str], bytes, list[str]] = ([], b"", [])
+        self._rows = RowTable()
+        #: (batch, packed positions, request ids) of the last message without names
+        self._last: tuple[list[str] | None, bytes, list[str]] = (None, b"", [])
 
     def decode(self, frames: list[Any], batches: dict[int, list[str]]) -> Any:
-        """The GrammarOutput of a GrammarMsg's ``frames`` for a step of ``batches``;
-        InvalidDelta for an unknown step, MalformedMessage for bad frames (the decoder
-        answers a step without one, a single empty frame, itself)."""
+        """The GrammarOutput of ``frames`` for a step of ``batches``; InvalidDelta for an
+        unknown step, MalformedMessage for bad frames."""
+        from vllm.v1.core.sched.output import GrammarOutput
+
         msg = decode_frames(frames, _GRAMMAR, GrammarMsg, "grammar")
-        if msg.seq not in batches:
+        batch = batches.get(msg.seq)
+        if batch is None:
             raise InvalidDelta("grammar output for an unknown step", seq=msg.seq)
-        batch, last = batches[msg.seq], self._last
+        last = self._last
         if last[0] is batch and last[1] == msg.positions and not msg.names:
-            ids = list(last[2])  # the structured requests of the last step (fresh list)
+            ids = list(last[2])
         else:
-            ids = _grammar_ids(batch, msg)
-            if not msg.names:
+            refs = unpack_uint_list(msg.positions, limit=len(batch) + len(msg.names))
+            if not msg.names and max(refs, default=-1) < len(batch):
+                ids = list(map(batch.__getitem__, refs))
                 self._last = (batch, msg.positions, list(ids))
+            else:
+                ids = RefTable(batch, list(msg.names)).names_of(refs)
         bitmask = _bitmask(msg)
-        if msg.rows is not None:  # the fresh rows and the references that rebuild it
-            bitmask = self._row_table.decode(msg.rows, bitmask)
-        return vllm_types()[2](ids, bitmask, msg.drafts)
+        if msg.rows is not None:
+            bitmask = self._rows.decode(msg.rows, bitmask)
+        if type(bitmask) is not np.ndarray or bitmask.dtype.kind not in "iu":
+            # (vLLM's runner indexes an integer array: anything else fails there)
+            raise MalformedMessage("grammar bitmask: not an integer array",
+                                   got=type(bitmask).__name__)
+        return GrammarOutput(ids, bitmask, msg.drafts)

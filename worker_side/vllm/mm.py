@@ -1,8 +1,9 @@
 """vLLM multimodal items and prompt embeddings on the deltacast path (worker side).
 
-Rebuilds ``MultiModalFeatureSpec`` objects from the wire form described in
-``engine_side.vllm.mm`` and, on a local channel (:class:`StoreResolver`),
-resolves store references first.
+Rebuilds ``MultiModalFeatureSpec`` item data and prompt embeds from the wire form
+described in ``engine_side.vllm.mm`` (the constants below are that form's; the two
+sides share no module) and, on a local channel (:class:`StoreResolver`), resolves
+store references first.
 
 Buffer rule (what a decoded ``NewRequestData`` shares, and with whom):
 
@@ -28,15 +29,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 import numpy as np
 
-from engine_side.vllm.mm import EMBEDS_MODALITY, ITEM_TAG, SLICE, TUPLE
 from protocol.errors import MalformedMessage
-from protocol.params import MMFeatureRef
-from protocol.request import ExecuteModelRequest, RequestSpec
-from worker_side.mm_items import MultimodalWorker, same_objects
+from worker_side.item_resolver import ItemResolver
 from worker_side.shm_reader import ShmReader
+
+ITEM_TAG = ("@", "vllm")  # (tag field, value) of an item map (a StoreRef's tag is "store")
+TUPLE = "T"
+SLICE = "s"
 
 
 def fresh(x: Any, copy: bool = False) -> Any:
@@ -108,56 +109,27 @@ def item_from_wire(data: Any, copy: bool = False) -> Any:
     return item
 
 
-def features_from_refs(refs: tuple[MMFeatureRef, ...], copy: bool = False) -> list[Any]:
-    """Fresh ``MultiModalFeatureSpec`` objects equal to the engine's."""
-    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+def embeds_from_wire(x: Any, copy: bool = False) -> Any:
+    """Prompt embeds as received (a fresh tensor object, or its own copy if ``copy``).
 
-    return [MultiModalFeatureSpec(
-        data=item_from_wire(r.data, copy), modality=r.modality, identifier=r.identifier,
-        mm_position=PlaceholderRange(r.offset, r.length, fresh(r.is_embed, copy)),
-        mm_hash=r.mm_hash) for r in refs]
-
-
-def features_as_embeds(spec: RequestSpec) -> RequestSpec:
-    """Undo ``engine_side.vllm.mm.embeds_feature`` (specs without it come back as they are)."""
-    features = spec.mm_features
-    if not features or features[-1].modality != EMBEDS_MODALITY:
-        return spec
-    if spec.prompt_embeds is not None:
-        raise MalformedMessage("prompt embeds sent twice", req_id=spec.req_id)
-    return msgspec.structs.replace(spec, prompt_embeds=features[-1].data,
-                                   mm_features=features[:-1])
+    Raises MalformedMessage for anything but a tensor (a store reference without a
+    store, say)."""
+    if isinstance(x, np.ndarray) or type(x).__module__.startswith("torch"):
+        return fresh(x, copy)
+    raise MalformedMessage("prompt embeds are not a tensor (a store ref without a store?)",
+                           type=type(x).__name__)
 
 
-class StoreResolver:
-    """A local channel's worker end: store refs → zero-copy views, prompt embeds restored.
-
-    Call :meth:`resolve` on every rebuilt request, in order.  Raises
-    ``RemoteProtocolError`` (ForgedHandle, StaleHandle, UnknownItem,
-    MalformedMessage) for references that do not resolve; re-attach then.
-    """
+class StoreResolver(ItemResolver):
+    """A local channel's rank end (``SchedulerOutputDecoder.attach_store``): after each
+    applied step, the store references of the requests it added become zero-copy views
+    (items in the wire map above, prompt embeds as tensors) and released items are let
+    go (:class:`worker_side.item_resolver.ItemResolver`).  Raises RemoteProtocolError
+    (ForgedHandle, StaleHandle, UnknownItem, MalformedMessage) for references that do
+    not resolve; re-attach then."""
 
     def __init__(self, reader: ShmReader) -> None:
-        self.worker = MultimodalWorker(reader)
-        self._specs: dict[str, tuple[RequestSpec, RequestSpec]] = {}  # id -> (resolved, out)
-        self._last: tuple[list[RequestSpec], list[RequestSpec]] = ([], [])
-
-    def resolve(self, request: ExecuteModelRequest) -> ExecuteModelRequest:
-        request = self.worker.resolve(request)
-        if same_objects(request.specs, self._last[0]) and not request.finished_req_ids:
-            return msgspec.structs.replace(request, specs=self._last[1])
-        for rid in request.finished_req_ids:
-            self._specs.pop(rid, None)
-        specs = []
-        for rid, spec in zip(request.req_ids, request.specs, strict=True):
-            entry = self._specs.get(rid)
-            if entry is None or entry[0] is not spec:
-                entry = (spec, features_as_embeds(spec))
-                if entry[1] is not spec:
-                    self._specs[rid] = entry
-            specs.append(entry[1])
-        self._last = (request.specs, specs)
-        return msgspec.structs.replace(request, specs=specs)
+        super().__init__(reader)
 
 
-__all__ = ["StoreResolver", "features_from_refs", "fresh", "item_from_wire"]
+__all__ = ["StoreResolver", "embeds_from_wire", "fresh", "item_from_wire"]

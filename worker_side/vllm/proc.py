@@ -1,7 +1,9 @@
 """One DeltaExecutor rank: a spawned process running vLLM's worker through ``WorkerWrapperBase``.
 
 Wire (a DEALER whose identity is the rank, connected to the executor's ROUTER
-over ipc:// in a private directory).  Engine → rank: ``[kind, *frames]``:
+over ipc:// in a private directory; the kinds: :mod:`protocol.calls`).  Engine → rank:
+``[head, *frames]``, the head naming the kind, the call's number and its CRC (a call
+lost or damaged is asked for again: :mod:`worker_side.vllm.channel`):
 
 * ``X`` execute_model: the encoder's Delta frames (every rank decodes them);
 * ``S`` sample_tokens: the encoder's GrammarOutput frames;
@@ -36,21 +38,24 @@ from typing import Any
 
 import zmq
 
-from protocol.errors import MalformedMessage, ProtocolError
+from protocol.calls import (
+    ATTACH,
+    CHECK_IN,
+    CONTROL,
+    DONE,
+    ERROR,
+    EXECUTE,
+    FAILED,
+    OUTPUT,
+    QUIT,
+    READY,
+    SAMPLE,
+)
+from protocol.errors import MalformedMessage
 from protocol.seal import Opener, Sealer
 from worker_side.vllm.channel import RankChannel
 from worker_side.vllm.decoder import SchedulerOutputDecoder
 from worker_side.vllm.tokenhash import TokenHash
-
-READY, FAILED, OUTPUT, DONE, CONTROL, ERROR, CHECK_IN = \
-    b"R", b"F", b"O", b"K", b"C", b"E", b"H"
-EXECUTE, SAMPLE, QUIT, ATTACH = b"X", b"S", b"Q", b"A"
-
-
-def rank_of(identity: bytes, world_size: int) -> int | None:
-    """The rank a DEALER identity names (ASCII decimal, no leading zero), else None."""
-    rank = int(identity) if identity.isdigit() and len(identity) <= 6 else -1
-    return rank if 0 <= rank < world_size and identity == b"%d" % rank else None
 
 
 def _watch_parent(death: Connection) -> None:
@@ -155,11 +160,7 @@ class _Server:
     def serve(self) -> None:
         """Answer calls until ``Q`` (the channel spins while steps flow, then sleeps)."""
         while True:
-            try:
-                kind, *frames = self.channel.next_call()
-            except ProtocolError as exc:  # not a call: answered in its place, as any error
-                self.channel.reply([ERROR, f"{type(exc).__name__}: {exc}".encode()])
-                continue
+            kind, frames = self.channel.next_call()  # in call order, each intact
             if kind == QUIT:
                 return
             try:
@@ -195,8 +196,7 @@ class _Server:
             from worker_side.shm_reader import ShmReader
 
             info = _sealed(self.attach, frames, "attach")[self.rank]
-            self.decoder = SchedulerOutputDecoder(secret=self.secret, seals=self.decoder.seals,
-                                                  reader=ShmReader.attach(info))
+            self.decoder.attach_store(ShmReader.attach(info))
             return [DONE]
         raise ValueError(f"unknown call kind {kind!r}")
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 from itertools import chain
 from typing import Any
 
-from engine_side.vllm.convert import ChannelSeals, RefTable, index_is_positions, single_items
-from engine_side.vllm.schema import KVOutputWire, LogprobsWire, ReplyMsg
+from protocol.ext import KVOutputWire, LogprobsWire, RefTable, ReplyMsg
+from protocol.kernels import index_is_positions, single_items
 from protocol.packing import pack_sints, pack_uints
+from protocol.seal import ChannelSeals
 
 
 def reply_msg(out: Any, batch: list[str], seq: int, seals: ChannelSeals) -> ReplyMsg:

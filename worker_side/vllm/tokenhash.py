@@ -11,13 +11,10 @@ compare ranks at equal output counts and name the one that differs.
 from __future__ import annotations
 
 import hashlib
-import struct
 from array import array
 from collections.abc import Sequence
 
-from protocol.errors import MalformedMessage
-
-CHECK_IN = struct.Struct("<qQ")  # outputs folded (int64), hash (uint64), little-endian
+from protocol.calls import pack_check_in
 
 
 class TokenHash:
@@ -37,12 +34,6 @@ class TokenHash:
         self.steps += 1
 
     def check_in(self) -> bytes:
-        return CHECK_IN.pack(self.steps, self.value)
+        """The ``H`` payload (:func:`protocol.calls.pack_check_in`) of the hash so far."""
+        return pack_check_in(self.steps, self.value)
 
-
-def parse_check_in(payload: bytes) -> tuple[int, int]:
-    """``(steps, value)`` of a check-in payload; raises MalformedMessage if malformed."""
-    if len(payload) != CHECK_IN.size:
-        raise MalformedMessage("check-in payload is not 16 bytes", size=len(payload))
-    steps, value = CHECK_IN.unpack(payload)
-    return int(steps), int(value)

@@ -1,0 +1,153 @@
+"""Whole requests into the mirror: :class:`RequestDiffer` finds what one changed.
+
+A convenience for engines that build a whole :class:`ExecuteModelRequest` each step
+(and the tests' oracle): it compares the request with the mirror's state row by row
+-- O(scheduled requests and their blocks) -- and hands what changed to
+:meth:`EngineMirror.step`.  Engines that know their changes call ``step`` directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from engine_side.mirror import BlockRows, EngineMirror, Entry
+from protocol.errors import LocalProtocolError
+from protocol.messages import TOKEN_MODE_ENGINE, Delta
+from protocol.rebuild import ragged_rows, request_spec, wire_spec
+from protocol.request import ExecuteModelRequest, RequestSpec, _same_value
+
+_EXT_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _row(rows: BlockRows, p: int, ids: list[int]) -> None:
+    rows[0].append(p)
+    rows[1].append(len(ids))
+    rows[2].extend(ids)
+
+
+class RequestDiffer:
+    """``diff(request)``: the Delta taking ``mirror`` to a whole request (the mirror must
+    keep its tables); remembers the engine's RequestSpec objects (the same object again
+    is unchanged, without comparing)."""
+
+    def __init__(self, mirror: EngineMirror) -> None:
+        self.mirror = mirror
+        self.specs: dict[int, RequestSpec] = {}
+        self._added: list[RequestSpec] = []  # the last diff's joining specs
+
+    def diff(self, request: ExecuteModelRequest) -> Delta:
+        """The step's Delta, applied to the mirror; LocalProtocolError (mirror unchanged)
+        for an inconsistent request."""
+        delta, applied = self.mirror.step(**request_changes(self, request))
+        for h in applied.finished:
+            self.specs.pop(h, None)
+        for h, spec in zip(applied.added, self._added, strict=True):
+            self.specs[h] = spec
+        return delta
+
+
+def request_changes(differ: RequestDiffer, r: ExecuteModelRequest) -> dict[str, Any]:
+    """The :meth:`EngineMirror.step` keyword arguments that take the mirror to ``r``."""
+    mirror = differ.mirror
+    state, ids = mirror.state, mirror.ids
+    n = len(r.req_ids)
+    if len(set(r.req_ids)) != n or r.num_scheduled_tokens.size != n \
+            or r.num_computed_tokens.size != n or len(r.specs) != n:
+        raise LocalProtocolError("request columns do not align with its ids", requests=n)
+    finished = set(r.finished_req_ids)
+    added, fresh = [], set()
+    differ._added = []
+    for i, (rid, spec) in enumerate(zip(r.req_ids, r.specs, strict=True)):
+        h = ids.get(rid)
+        if h is not None and rid not in finished and _same_spec(differ, h, spec):
+            continue
+        wire, data, masks, embeds = wire_spec(spec)
+        history = None
+        if state.token_mode == TOKEN_MODE_ENGINE:
+            history = np.asarray(r.output_token_ids[i] if r.output_token_ids is not None
+                                 else [], dtype=np.int64)
+        added.append(Entry(wire, int(r.num_computed_tokens[i]), history, data, masks, embeds))
+        fresh.add(rid)
+        differ._added.append(spec)
+    groups = state.kv_groups
+    if len(r.block_tables) != groups:
+        raise LocalProtocolError("one block table per KV group", groups=groups)
+    appends: list[BlockRows | None] = []
+    replaces: list[BlockRows | None] = []
+    for g, table in enumerate(r.block_tables):
+        app: BlockRows = ([], [], [])
+        rep: BlockRows = ([], [], [])
+        off = table.offsets()
+        for p, rid in enumerate(r.req_ids):
+            new = table.values[off[p]:off[p + 1]].tolist()
+            old = [] if rid in fresh else _held(mirror, ids[rid], g)
+            if new[:len(old)] == old:
+                if len(new) > len(old):
+                    _row(app, p, new[len(old):])
+            else:
+                _row(rep, p, new)
+        appends.append(app if app[0] else None)
+        replaces.append(rep if rep[0] else None)
+    token_rows: BlockRows | None = None
+    truncate: tuple[list[int], list[int]] | None = None
+    if state.token_mode == TOKEN_MODE_ENGINE and r.output_token_ids is not None:
+        token_rows, truncate = _token_rows(mirror, r, fresh)
+    live = set(ids) - finished | fresh
+    for name in (*r.preempted_req_ids, *r.resumed_req_ids):
+        if name not in live:
+            raise LocalProtocolError("preempted or resumed id is not live", req_id=name)
+    return dict(
+        batch=list(r.req_ids), nsched=r.num_scheduled_tokens.tolist(), finished=finished,
+        added=added, computed=r.num_computed_tokens.tolist(), appends=appends,
+        replaces=replaces, tokens=token_rows, truncate=truncate,
+        spec_tokens=ragged_rows(r.spec_token_ids, 1),
+        encoder_inputs=ragged_rows(r.encoder_inputs), preempted=r.preempted_req_ids,
+        resumed=r.resumed_req_ids, free_encoder_mm_hashes=tuple(r.free_encoder_mm_hashes),
+        blocks_to_zero=None if r.blocks_to_zero is None else r.blocks_to_zero.tolist(),
+        structured=r.has_structured_output_requests,
+        pending=r.pending_structured_output_tokens, num_spec=r.num_spec_tokens_to_schedule,
+        extension=_EXT_ENCODER.encode(r.extension) if r.extension else b"")
+
+
+def _same_spec(differ: RequestDiffer, h: int, spec: RequestSpec) -> bool:
+    held = differ.specs.get(h)
+    if held is spec:
+        return True
+    state = differ.mirror.state
+    same = held is not None and _same_value(held, spec) or _same_value(
+        request_spec(state.spec_of(h), state.requests[h]), spec)  # type: ignore[arg-type]
+    if same:
+        differ.specs[h] = spec
+    return same
+
+
+def _held(mirror: EngineMirror, h: int, g: int) -> list[int]:
+    tables = mirror.state.tables
+    if tables is None:
+        raise LocalProtocolError("diffing whole requests needs a mirror that keeps tables")
+    return tables[g].row(h).tolist()  # type: ignore[no-any-return]
+
+
+def _token_rows(mirror: EngineMirror, r: ExecuteModelRequest, fresh: set[str],
+                ) -> tuple[BlockRows | None, tuple[list[int], list[int]] | None]:
+    """(tokens appended, histories truncated) by schedule position."""
+    state, ids = mirror.state, mirror.ids
+    app: BlockRows = ([], [], [])
+    cut: tuple[list[int], list[int]] = ([], [])
+    for p, rid in enumerate(r.req_ids):
+        if rid in fresh:
+            continue
+        old = state.token_history(ids[rid]).tolist()
+        new = np.asarray(r.output_token_ids[p]).tolist()  # type: ignore[index]
+        keep = len(old) if new[:len(old)] == old else \
+            next(i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b) \
+            if any(a != b for a, b in zip(old, new, strict=False)) else min(len(old), len(new))
+        if keep < len(old):
+            cut[0].append(p)
+            cut[1].append(keep)
+        if len(new) > keep:
+            _row(app, p, new[keep:])
+    return (app if app[0] else None), (cut if cut[0] else None)

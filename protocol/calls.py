@@ -1,0 +1,92 @@
+"""The executor channel's wire vocabulary (SPEC §16): call and answer kinds, the
+doorbell, rank identities and the check-in payload.  Pure: no sockets, no model code.
+
+An engine-side executor calls every rank (a DEALER whose identity is its rank in
+ASCII decimal) with ``[head, *frames]``; each rank answers every call once, in call
+order.  Engine → rank: ``X`` execute (a step's frames), ``S`` sample (grammar
+frames), ``C`` control (one sealed call), ``A`` attach (one sealed store map), ``Q``
+quit.  Rank → engine: ``R`` ready, ``F`` failed to start (text), ``O`` output frames
+(the output rank), ``K`` done (other ranks), ``C`` sealed control result, ``E`` an
+exception (text); unsolicited, ``H`` a check-in with a 16-byte payload (``steps``
+int64, ``hash`` uint64, little-endian).  A single empty frame is a doorbell: it only
+wakes a rank that announced it sleeps (§7.6).
+
+Every call is numbered: its first frame is the **call head**, ``kind + number + crc``
+(1 + 8 + 4 bytes: the call number from 1, uint64, and the CRC-32 of the call's other
+frames in order, uint32; little-endian).  A rank that finds a call missing (a later
+number, or a ``P`` ping naming a number it has not seen) or damaged (the CRC does not
+match) asks for it again with ``N`` (8 bytes: the first number it lacks); the engine
+answers from the last calls it keeps with ``Y`` followed by each call's frames, in
+order, or fails the executor when they are gone.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+from protocol.errors import MalformedMessage
+
+# engine -> rank
+EXECUTE, SAMPLE, CONTROL, ATTACH, QUIT = b"X", b"S", b"C", b"A", b"Q"
+RESENT, PING = b"Y", b"P"  # a call again (then its frames); the newest call number (8 B)
+# rank -> engine (CONTROL answers a control call with its sealed result)
+READY, FAILED, OUTPUT, DONE, ERROR, CHECK_IN = b"R", b"F", b"O", b"K", b"E", b"H"
+RESEND = b"N"  # 8 bytes: the first call number the rank lacks
+CALL_HEAD = struct.Struct("<cQI")  # kind, number, CRC-32 of the other frames
+NUMBER = struct.Struct("<Q")
+#: the kinds of a rank's answer to a call
+ANSWER_KINDS = (OUTPUT, DONE, CONTROL, ERROR)
+DOORBELL = b""
+
+CHECK_IN_PAYLOAD = struct.Struct("<qQ")  # outputs folded (int64), hash (uint64)
+
+
+def rank_of(identity: bytes, world_size: int) -> int | None:
+    """The rank a DEALER identity names (ASCII decimal, no leading zero), else None."""
+    rank = int(identity) if identity.isdigit() and len(identity) <= 6 else -1
+    return rank if 0 <= rank < world_size and identity == b"%d" % rank else None
+
+
+def pack_check_in(steps: int, value: int) -> bytes:
+    """An ``H`` payload: ``value`` is the rank's hash after ``steps`` outputs."""
+    return CHECK_IN_PAYLOAD.pack(steps, value)
+
+
+def parse_check_in(payload: bytes) -> tuple[int, int]:
+    """``(steps, value)`` of a check-in payload; raises MalformedMessage if malformed."""
+    if len(payload) != CHECK_IN_PAYLOAD.size:
+        raise MalformedMessage("check-in payload is not 16 bytes", size=len(payload))
+    steps, value = CHECK_IN_PAYLOAD.unpack(payload)
+    return int(steps), int(value)
+
+
+def frames_crc(frames: Sequence[Any]) -> int:
+    """CRC-32 of ``frames`` in order (each a bytes-like object)."""
+    crc = 0
+    for f in frames:
+        crc = zlib.crc32(f, crc)
+    return crc
+
+
+def call_head(kind: bytes, number: int, frames: Sequence[Any]) -> bytes:
+    """The first frame of call ``number`` of ``kind`` whose other frames are ``frames``."""
+    return CALL_HEAD.pack(kind, number, frames_crc(frames))
+
+
+def parse_call(call: Sequence[Any]) -> tuple[bytes, int, bool]:
+    """(kind, number, intact) of a call ``[head, *frames]``, intact when the frames match
+    the head's CRC; MalformedMessage for a head that is not one."""
+    if not call or len(call[0]) != CALL_HEAD.size:
+        raise MalformedMessage("a call without its head")
+    kind, number, crc = CALL_HEAD.unpack(call[0])
+    return kind, number, frames_crc(call[1:]) == crc
+
+
+def parse_number(payload: bytes) -> int:
+    """The call number of a ``P`` or ``N`` payload; MalformedMessage if malformed."""
+    if len(payload) != NUMBER.size:
+        raise MalformedMessage("a call number is 8 bytes", size=len(payload))
+    return int(NUMBER.unpack(payload)[0])

@@ -1,0 +1,65 @@
+"""A DeltaExecutor rank that loses a call, or gets one damaged, recovers it (SPEC §16).
+
+tests/vllm_recovery_run.py runs a real vLLM (CPU) at TP=2: the default executor, then
+DeltaExecutor twice with faults injected into its ranks' calls -- lost ones (the rank
+finds out from the next call, or from the executor's ping when it was the newest) and
+damaged ones (the CRC of the call head) -- through the step ring and through the
+sockets.  Every run must give the default executor's tokens, text and logprobs, and
+the executor must have sent the calls again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from engine_side.bench.vllm_scenarios import build_tiny_model
+
+    model = build_tiny_model(tmp_path_factory.mktemp("vllm-recovery") / "tiny-llama")
+    out = model.parent / "recovery.json"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_recovery_run.py"),
+                           str(model), str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1100)
+    assert out.exists(), proc.stderr[-4000:]
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["stderr"] = proc.stderr
+    return result
+
+
+@pytest.mark.parametrize("name", ["ring", "sockets"])
+def test_outputs_stay_identical_to_the_default_executor(run: dict[str, Any],
+                                                         name: str) -> None:
+    assert name in run, run["stderr"][-4000:]
+    default = run["default2"]
+    assert len(run[name]) == len(default) == 10
+    for k, (a, b) in enumerate(zip(default, run[name], strict=True)):
+        assert a == b, f"request {k} differs after the injected faults"
+
+
+@pytest.mark.parametrize("name", ["ring", "sockets"])
+def test_every_injected_fault_was_recovered_by_sending_calls_again(run: dict[str, Any],
+                                                                   name: str) -> None:
+    faults = run[f"{name}_faults"].split(",")
+    assert max(int(f.split(":")[2]) for f in faults) < run[f"{name}_calls"]  # all reached
+    assert run[f"{name}_stats"].get("resent_calls", 0) >= len(faults)
+    for fault in faults:
+        what, rank, number = fault.split(":")
+        word = "dropped" if what == "drop" else "damaged"
+        assert f"rank {rank}: injected fault: call {number} {word}" in run["stderr"]
+        assert f"rank {rank}: call {number} missing or damaged" in run["stderr"]
