@@ -8,16 +8,18 @@ A convenience for engines that build a whole :class:`ExecuteModelRequest` each s
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import msgspec
 import numpy as np
 
 from engine_side.mirror import BlockRows, EngineMirror, Entry
+from protocol.columns import I64, RowTable
 from protocol.errors import LocalProtocolError
 from protocol.messages import TOKEN_MODE_ENGINE, Delta
 from protocol.rebuild import ragged_rows, request_spec, wire_spec
-from protocol.request import ExecuteModelRequest, RequestSpec, _same_value
+from protocol.request import ExecuteModelRequest, Ragged, RequestSpec, _same_value
 
 _EXT_ENCODER = msgspec.msgpack.Encoder()
 
@@ -60,9 +62,13 @@ def request_changes(differ: RequestDiffer, r: ExecuteModelRequest) -> dict[str, 
     finished = set(r.finished_req_ids)
     added, fresh = [], set()
     differ._added = []
-    for i, (rid, spec) in enumerate(zip(r.req_ids, r.specs, strict=True)):
-        h = ids.get(rid)
-        if h is not None and rid not in finished and _same_spec(differ, h, spec):
+    handles = list(map(ids.get, r.req_ids))
+    specs = differ.specs
+    held = [None if h is None else specs.get(h) for h in handles]  # (None: not held)
+    same = list(map(operator.is_, held, r.specs))
+    for i in ([] if all(same) and finished.isdisjoint(r.req_ids) else range(n)):
+        rid, spec, h = r.req_ids[i], r.specs[i], handles[i]
+        if h is not None and rid not in finished and (same[i] or _same_spec(differ, h, spec)):
             continue
         wire, data, masks, embeds = wire_spec(spec)
         history = None
@@ -75,22 +81,15 @@ def request_changes(differ: RequestDiffer, r: ExecuteModelRequest) -> dict[str, 
     groups = state.kv_groups
     if len(r.block_tables) != groups:
         raise LocalProtocolError("one block table per KV group", groups=groups)
+    if state.tables is None:
+        raise LocalProtocolError("diffing whole requests needs a mirror that keeps tables")
+    hs = np.fromiter((-1 if rid in fresh else ids[rid] for rid in r.req_ids), np.int64, n)
     appends: list[BlockRows | None] = []
     replaces: list[BlockRows | None] = []
     for g, table in enumerate(r.block_tables):
-        app: BlockRows = ([], [], [])
-        rep: BlockRows = ([], [], [])
-        off = table.offsets()
-        for p, rid in enumerate(r.req_ids):
-            new = table.values[off[p]:off[p + 1]].tolist()
-            old = [] if rid in fresh else _held(mirror, ids[rid], g)
-            if new[:len(old)] == old:
-                if len(new) > len(old):
-                    _row(app, p, new[len(old):])
-            else:
-                _row(rep, p, new)
-        appends.append(app if app[0] else None)
-        replaces.append(rep if rep[0] else None)
+        app, rep = _block_changes(state.tables[g], hs, table)
+        appends.append(app)
+        replaces.append(rep)
     token_rows: BlockRows | None = None
     truncate: tuple[list[int], list[int]] | None = None
     if state.token_mode == TOKEN_MODE_ENGINE and r.output_token_ids is not None:
@@ -124,11 +123,38 @@ def _same_spec(differ: RequestDiffer, h: int, spec: RequestSpec) -> bool:
     return same
 
 
-def _held(mirror: EngineMirror, h: int, g: int) -> list[int]:
-    tables = mirror.state.tables
-    if tables is None:
-        raise LocalProtocolError("diffing whole requests needs a mirror that keeps tables")
-    return tables[g].row(h).tolist()  # type: ignore[no-any-return]
+def _block_changes(held: RowTable, hs: I64, table: Ragged,
+                   ) -> tuple[BlockRows | None, BlockRows | None]:
+    """(appended, replaced) rows taking the ``held`` tables of handles ``hs`` (-1: a
+    request added this step, holding none) to ``table``, by position: a row whose held
+    ids are a prefix of its new ones appends the rest, any other changed row is replaced."""
+    n = hs.size
+    new_len = np.asarray(table.lengths, dtype=np.int64)
+    if new_len.size != n:
+        raise LocalProtocolError("a block table is not one row per request", rows=new_len.size)
+    held_len, held_flat = held.gather(np.where(hs >= 0, hs, held.lengths.size))
+    off = table.offsets()
+    k = np.minimum(held_len, new_len)  # the prefix both have
+    rows = np.repeat(np.arange(n), k)
+    within = np.arange(rows.size) - np.repeat(np.cumsum(k) - k, k)
+    held_off = np.cumsum(held_len) - held_len
+    differs = table.values[off[:-1][rows] + within] != held_flat[held_off[rows] + within]
+    replaced = new_len < held_len
+    replaced[rows[differs]] = True
+    appended = ~replaced & (new_len > held_len)
+    return (_rows_of(table, off, np.flatnonzero(appended), held_len),
+            _rows_of(table, off, np.flatnonzero(replaced), None))
+
+
+def _rows_of(table: Ragged, off: Any, at: I64, skip: I64 | None) -> BlockRows | None:
+    """Rows ``at`` of ``table`` (from their ``skip``-th id on) as BlockRows; None: none."""
+    if not at.size:
+        return None
+    starts = off[at] if skip is None else off[at] + skip[at]
+    counts = off[at + 1] - starts
+    flat = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(counts.sum())
+    values = np.asarray(table.values, dtype=np.int64)[flat]
+    return at.tolist(), counts.tolist(), values.tolist()
 
 
 def _token_rows(mirror: EngineMirror, r: ExecuteModelRequest, fresh: set[str],

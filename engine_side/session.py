@@ -39,7 +39,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -174,8 +174,15 @@ class EngineSession:
                 request, finished_req_ids=frozenset(), preempted_req_ids=frozenset(),
                 resumed_req_ids=frozenset())
 
-    def publish_step(self, request: ExecuteModelRequest) -> int:
-        delta = self.differ.diff(request)
+    def publish_step(self, request: ExecuteModelRequest,
+                     changes: dict[str, Any] | None = None) -> int:
+        """Publish the step ``request``; ``changes`` (its :meth:`EngineMirror.step`
+        arguments, as an engine that knows them passes them) skips diffing it."""
+        if changes is None:
+            delta = self.differ.diff(request)
+        else:
+            delta = self.mirror.step(**changes)[0]
+            self.differ.specs.clear()  # (its cache of the engine's specs: stale now)
         self._request = request
         self.stats["bytes"] += self.transport.publish(delta)
         self.stats["steps"] += 1

@@ -67,6 +67,17 @@ class RowTable:
             return np.zeros(0, dtype=np.int64)
         return self.table[handle, :self.lengths[handle]].astype(np.int64)
 
+    def gather(self, handles: I64) -> tuple[I64, I64]:
+        """The rows of ``handles`` as (lengths, flat int64 values), in order."""
+        lengths = np.zeros(handles.size, dtype=np.int64)
+        inside = handles < self.lengths.size
+        lengths[inside] = self.lengths[handles[inside]]
+        width = int(lengths.max()) if lengths.size else 0
+        if not width:
+            return lengths, np.zeros(0, dtype=np.int64)
+        sub = self.table[np.where(inside, handles, 0), :width]
+        return lengths, sub[np.arange(width) < lengths[:, None]].astype(np.int64)
+
     def ensure(self, handle: int, width: int) -> None:
         cap, have = self.table.shape
         if handle < cap and width <= have:

