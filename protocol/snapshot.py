@@ -61,8 +61,8 @@ def load_snapshot(snap: Snapshot) -> ReplicaState:
     state = ReplicaState(body.token_mode, body.kv_groups)
     # 1. the requests, scheduled in handle order so their tables can be written as rows
     handles = [r.handle for r in body.requests]
-    if handles != sorted(set(handles)):
-        raise InvalidDelta("snapshot requests must be in ascending handle order")
+    if handles != sorted(set(handles)) or (handles and handles[0] < 0):
+        raise InvalidDelta("snapshot requests must be in ascending handle order, from 0")
     if body.token_mode != TOKEN_MODE_ENGINE and any(r.output for r in body.requests):
         raise InvalidDelta("snapshot tokens in worker-token mode")
     replace = []

@@ -85,3 +85,21 @@ def test_the_core_raises_typed_errors_with_fields() -> None:
     with pytest.raises(LocalProtocolError) as local:
         EngineMirror().step(["x"], [1, 2])
     assert local.value.fields
+
+
+def test_a_snapshot_naming_a_negative_handle_is_refused_typed() -> None:
+    """Found by the fuzz campaign: a handle below 0 reached the packer (ValueError)."""
+    import msgspec
+    from test_golden import golden_messages
+
+    from protocol.errors import InvalidDelta
+    from protocol.snapshot import load_snapshot
+
+    snap = golden_messages()["snapshot"]
+    first = msgspec.structs.replace(snap.body.requests[0], handle=-1)
+    body = msgspec.structs.replace(snap.body, requests=(first, *snap.body.requests[1:]),
+                                   blocks=())
+    bad = codec.decode(codec.encode(msgspec.structs.replace(snap, body=body)))
+    with pytest.raises(InvalidDelta):
+        load_snapshot(bad)  # type: ignore[arg-type]
+    assert load_snapshot(snap).digest == snap.digest

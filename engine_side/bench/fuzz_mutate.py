@@ -93,15 +93,16 @@ def _frames(rng: random.Random, frames: Frames) -> str:
 
 # ---------------------------------------------------------------- structure level
 def _nodes(tree: Any, path: tuple[Any, ...], out: list[tuple[Any, ...]], cap: int) -> None:
-    if len(out) >= cap:
-        return
-    out.append(path)
-    if isinstance(tree, list):
-        for i, v in enumerate(tree):
-            _nodes(v, (*path, i), out, cap)
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            _nodes(v, (*path, k), out, cap)
+    """The paths of ``tree``'s nodes, depth first, at most ``cap`` (iterative: a mutated
+    tree may nest deeper than Python's recursion limit)."""
+    stack = [(tree, path)]
+    while stack and len(out) < cap:
+        node, at = stack.pop()
+        out.append(at)
+        if isinstance(node, list):
+            stack.extend((v, (*at, i)) for i, v in reversed(list(enumerate(node))))
+        elif isinstance(node, dict):
+            stack.extend((v, (*at, k)) for k, v in reversed(list(node.items())))
 
 
 def _new_value(rng: random.Random, old: Any) -> Any:

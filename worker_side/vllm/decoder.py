@@ -11,7 +11,9 @@ Every call returns fresh containers (the runner keeps and extends ``block_ids`` 
 
 Raises: MalformedMessage for frames that do not decode, InvalidDelta for a step out of
 order or that does not apply, BadSeal for connector metadata whose MAC does not
-verify -- in all three cases before the state changed.
+verify -- in these cases before the state changed (a refused step leaves its seal
+unused) -- and MalformedMessage for extension lists that do not fit the step, which
+are read after the state applied it (the digest matched: the state is the engine's).
 """
 
 from __future__ import annotations
