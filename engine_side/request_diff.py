@@ -83,7 +83,8 @@ def request_changes(differ: RequestDiffer, r: ExecuteModelRequest) -> dict[str, 
         raise LocalProtocolError("one block table per KV group", groups=groups)
     if state.tables is None:
         raise LocalProtocolError("diffing whole requests needs a mirror that keeps tables")
-    hs = np.fromiter((-1 if rid in fresh else ids[rid] for rid in r.req_ids), np.int64, n)
+    hs = np.fromiter((-1 if h is None or rid in fresh else h
+                      for rid, h in zip(r.req_ids, handles, strict=True)), np.int64, n)
     appends: list[BlockRows | None] = []
     replaces: list[BlockRows | None] = []
     for g, table in enumerate(r.block_tables):

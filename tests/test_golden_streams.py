@@ -143,6 +143,7 @@ def test_unlisted_classes_are_refused_both_ways(tmp_path: Path) -> None:
 def test_todays_adapter_rebuilds_every_golden_record() -> None:
     """The corpus is valid adapter input: each record through an encoder / decoder pair
     comes back exactly (execute_model and sample_tokens engine -> worker, replies back)."""
+    from engine_side.bench.vllm_replay import round_trip
     from engine_side.vllm.encoder import SchedulerOutputEncoder
     from worker_side.vllm.decoder import SchedulerOutputDecoder
 
@@ -151,12 +152,7 @@ def test_todays_adapter_rebuilds_every_golden_record() -> None:
         dec = SchedulerOutputDecoder(secret=SECRET)
         for i, (kind, obj) in enumerate(records):
             expected = copy.deepcopy(obj)
-            if kind == "execute_model":
-                got = dec.decode([bytes(f) for f in enc.encode(obj)])
-            elif kind == "sample_tokens":
-                got = dec.decode_grammar([bytes(f) for f in enc.encode_grammar(obj)])
-            else:
-                got = enc.decode_reply([bytes(f) for f in dec.encode_reply(obj)])
+            got = round_trip(enc, dec, kind, obj)
             try:
                 assert_vllm_equal(expected, got)
             except AssertionError as exc:

@@ -221,7 +221,8 @@ def test_a_step_with_a_hostile_extension_decodes_or_is_refused_typed(
 _DTYPE = st.sampled_from(["<i4", "<i8", "|u1", "<f4", "zz", ""])
 _SHAPE = st.lists(st.integers(-1, 6), max_size=3).map(tuple)
 _GRAMMAR_PARTS = st.fixed_dictionaries({}, optional={
-    "bitmask": st.none() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=3) | st.lists(_SMALL, max_size=3),
+    "bitmask": st.none() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=3)
+    | st.lists(_SMALL, max_size=3),
     "drafts": st.none() | st.lists(_SMALL, max_size=3),
     "deflated": st.none() | st.builds(Deflated, _DTYPE, _SHAPE, st.binary(max_size=16)),
     "sparse": st.none() | st.builds(SparseWords, _DTYPE, _SHAPE, _PACKED, _PACKED,

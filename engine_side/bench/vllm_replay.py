@@ -214,6 +214,12 @@ def _route(enc: Any, dec: Any) -> dict[str, tuple[Callable[[Any], Any], Callable
             "sample_reply": (dec.encode_reply, enc.decode_reply)}
 
 
+def round_trip(enc: Any, dec: Any, kind: str, obj: Any) -> Any:
+    """``obj`` (a record of ``kind``) through our encoder and decoder, as a peer gets it."""
+    encode, decode = _route(enc, dec)[kind]
+    return decode([bytes(f) for f in encode(obj)])
+
+
 def _ours(route: tuple[Callable[[Any], Any], Callable[[Any], Any]], obj: Any,
           ) -> tuple[int, float, list[Any]]:
     encode, decode = route

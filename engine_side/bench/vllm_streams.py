@@ -57,7 +57,13 @@ from typing import Any
 
 from engine_side.bench.figures import command, machine, stamp
 from engine_side.bench.page_tables import write_figures
-from engine_side.bench.vllm_replay import pickled, replay, synthetic_churn, synthetic_decode
+from engine_side.bench.vllm_replay import (
+    pickled,
+    replay,
+    round_trip,
+    synthetic_churn,
+    synthetic_decode,
+)
 from engine_side.bench.vllm_scenarios import ROOT, build_tiny_model
 
 __all__ = ["build_tiny_model", "record", "record_scenario", "replay_all", "check_stream"]
@@ -133,12 +139,7 @@ def check_stream(messages: Messages, limit: int = 20) -> dict[str, Any]:
     found: list[str] = []
     for i, (kind, obj) in enumerate(messages):
         expected = copy.deepcopy(obj)
-        if kind == "execute_model":
-            got = dec.decode([bytes(f) for f in enc.encode(obj)])
-        elif kind == "sample_tokens":
-            got = dec.decode_grammar([bytes(f) for f in enc.encode_grammar(obj)])
-        else:
-            got = enc.decode_reply([bytes(f) for f in dec.encode_reply(obj)])
+        got = round_trip(enc, dec, kind, obj)
         found += [f"record {i} ({kind}): {d}" for d in differences(expected, got)]
     return {"records": len(messages), "differences": len(found), "first": found[:limit]}
 
