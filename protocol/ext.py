@@ -178,15 +178,24 @@ class OutputCounts:
         self.learn(handles, at, diff[at])
         return pack_uints(at), pack_sints(diff[at])
 
-    def apply(self, handles: Any, computed: Any, pos: bytes, delta: bytes) -> Any:
-        """The actual counts: the prediction plus the departures (learnt)."""
+    @staticmethod
+    def read(pos: bytes, delta: bytes, n: int) -> tuple[Any, Any] | None:
+        """A step's departures (positions, deltas) checked against its ``n`` cached
+        requests (None: none); MalformedMessage when they do not fit."""
+        if not pos and not delta:
+            return None
+        at = np.asarray(unpack_uint_list(pos, limit=max(n, 1)), dtype=np.int64)
+        d = unpack_sints(delta)
+        if at.size != d.size or (at.size and int(at.max()) >= n):
+            raise MalformedMessage("output departures do not fit the step",
+                                   positions=at.size, deltas=d.size)
+        return at, d
+
+    def apply(self, handles: Any, computed: Any, departures: tuple[Any, Any] | None) -> Any:
+        """The actual counts: the prediction plus the departures :meth:`read` gave (learnt)."""
         out = self.predict(handles, computed)
-        if pos:
-            at = np.asarray(unpack_uint_list(pos, limit=max(len(out), 1)), dtype=np.int64)
-            d = unpack_sints(delta)
-            if at.size != d.size or (at.size and int(at.max()) >= len(out)):
-                raise MalformedMessage("output departures do not fit the step",
-                                       positions=at.size, deltas=d.size)
+        if departures is not None and departures[0].size:
+            at, d = departures
             out[at] += d
             self.learn(handles, at, d)
         return out

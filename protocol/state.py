@@ -23,6 +23,7 @@ vector work when the schedule's membership or order changes; a body naming nothi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,7 +114,8 @@ class ReplicaState:
     # -- applying ----------------------------------------------------------------------
     def apply(self, body: DeltaBody, expected_digest: int | None = None,
               specs: list[Spec] | None = None,
-              actual: tuple[list[int], list[int] | None] | None = None) -> Applied:
+              actual: tuple[list[int], list[int] | None] | None = None,
+              before_commit: Callable[[Applied, I64], None] | None = None) -> Applied:
         """Apply ``body``; with ``expected_digest``, refuse a mismatch unchanged.
 
         The engine's side of a step: ``specs``, the decoded spec of each added request
@@ -122,15 +124,20 @@ class ReplicaState:
         exceptions (which it must not carry) are then derived here, from the protocol's
         predictions, and ``applied.body`` is the completed body to send.  Raises
         InvalidDelta or MalformedMessage (the state unchanged) for a body that does not
-        apply.
+        apply.  ``before_commit(applied, schedule)``, with what the body did and the
+        schedule it leads to, runs after every check and before the state changes: what
+        it raises refuses the body unchanged (a receiver checks its own step data there).
         """
         if (body is EMPTY_BODY or body == EMPTY_BODY) and (
                 actual is None or self._as_predicted(*actual)):
-            return self._advance(expected_digest)  # the steady step (same transition)
+            # the steady step (same transition)
+            return self._advance(expected_digest, before_commit)
         plan = self._prepare(body, specs, actual)
         if expected_digest is not None and plan.digest != expected_digest:
             raise InvalidDelta("state digest mismatch", expected=expected_digest,
                                got=plan.digest)
+        if before_commit is not None:
+            before_commit(plan.applied, plan.member.schedule)
         self._commit(plan)
         return plan.applied
 
@@ -149,13 +156,16 @@ class ReplicaState:
             known = self._counts_list = (self.nsched, self.nsched.tolist())
         return known[1]
 
-    def _advance(self, expected_digest: int | None) -> Applied:
+    def _advance(self, expected_digest: int | None,
+                 before_commit: Callable[[Applied, I64], None] | None = None) -> Applied:
         """A body naming nothing: the schedule repeats and every computed count advances
         by its scheduled count (SPEC §8.3 step 6a alone; ``advance`` holds its digest
         change)."""
         digest = (self.digest + self.advance) & MASK
         if expected_digest is not None and digest != expected_digest:
             raise InvalidDelta("state digest mismatch", expected=expected_digest, got=digest)
+        if before_commit is not None:
+            before_commit(STEADY, self.schedule)
         if self.schedule.size:
             self.cols.computed[self.schedule] += self.nsched
         self.digest = digest

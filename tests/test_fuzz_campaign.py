@@ -40,8 +40,7 @@ def test_a_small_campaign_gives_only_typed_errors_and_keeps_refused_states(
         assert tally.cases > 0, name
         assert tally.untyped == 0, (name, tally.findings[:2])
         assert tally.hangs == 0, name
-        if name != "vllm":  # (its extension lists are read after the state applied)
-            assert tally.violations == 0, (name, tally.findings[:2])
+        assert tally.violations == 0, (name, tally.findings[:2])
     core = t["core"]
     assert core.counted > core.cases * 0.8  # mutations get past the header
     assert core.accepted and core.rejected and core.hypothesis

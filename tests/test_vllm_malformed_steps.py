@@ -287,19 +287,31 @@ def test_a_sampling_field_name_off_the_wire_is_checked() -> None:
             SchedulerOutputDecoder(SECRET).decode(bad)
 
 
-def test_extension_lists_that_do_not_fit_the_step_are_malformed() -> None:
+def test_extension_lists_that_do_not_fit_the_step_are_refused_unchanged() -> None:
     """Resent token lists for a request the step does not hold (the extension is no
-    part of the digest, so only the output's assembly finds it)."""
+    part of the digest): refused before the state changes, so the honest step still
+    applies after it and decodes as the first rank's."""
     enc, dec = SchedulerOutputEncoder(secret=SECRET), SchedulerOutputDecoder(SECRET)
-    dec.decode([bytes(f) for f in enc.encode(_first(["a"]))])
-    msg = codec.decode([bytes(f) for f in enc.encode(_next(["a"], 4))])
+    first = [bytes(f) for f in enc.encode(_first(["a"]))]
+    dec.decode(first)
+    good = [bytes(f) for f in enc.encode(_next(["a"], 4))]
+    msg = codec.decode(good)
     assert isinstance(msg, Delta)
-    grown = msgspec.structs.replace(decode_ext(msg.body.extension), all_keys=pack_uints([5]),
-                                    all_tokens=(TokenRef(),))
-    body = msgspec.structs.replace(msg.body, extension=encode_ext(grown))
-    frames = [bytes(f) for f in codec.encode(msgspec.structs.replace(msg, body=body))]
-    with pytest.raises(MalformedMessage, match="does not fit its step"):
-        dec.decode(frames)
+    ext = decode_ext(msg.body.extension)
+    for bad in (msgspec.structs.replace(ext, all_keys=pack_uints([5]), all_tokens=(TokenRef(),)),
+                msgspec.structs.replace(ext, all_keys=pack_uints([0]),
+                                        all_tokens=(TokenRef(p=99),)),
+                msgspec.structs.replace(ext, all_tokens=(TokenRef(),)),
+                msgspec.structs.replace(ext, out_pos=pack_uints([3]), out_delta=b""),
+                msgspec.structs.replace(ext, block_copies=pack_uints([1, 2, 3]))):
+        body = msgspec.structs.replace(msg.body, extension=encode_ext(bad))
+        frames = [bytes(f) for f in codec.encode(msgspec.structs.replace(msg, body=body))]
+        with pytest.raises(MalformedMessage):
+            dec.decode(frames)
+    out = dec.decode(good)
+    other = SchedulerOutputDecoder(SECRET)
+    other.decode(first)
+    assert repr(out) == repr(other.decode(good))
 
 
 def test_prompt_logprob_ids_must_be_integers() -> None:

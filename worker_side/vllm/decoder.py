@@ -9,22 +9,24 @@ step where nothing joins or leaves reuses the last step's id list and count map.
 Every call returns fresh containers (the runner keeps and extends ``block_ids`` lists,
 ``CachedRequestData`` caches a property, ``mm_features`` are rewritten in place).
 
-Raises: MalformedMessage for frames that do not decode, InvalidDelta for a step out of
-order or that does not apply, BadSeal for connector metadata whose MAC does not
-verify -- in these cases before the state changed (a refused step leaves its seal
-unused) -- and MalformedMessage for extension lists that do not fit the step, which
-are read after the state applied it (the digest matched: the state is the engine's).
+Raises, always before the state changes (a refused step also leaves its seal unused):
+MalformedMessage for frames that do not decode or extension lists that do not fit the
+step (read between the state's two phases), InvalidDelta for a step out of order or
+that does not apply, BadSeal for connector metadata whose MAC does not verify.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from protocol import codec
 from protocol.codec import Frame
+from protocol.columns import I64
 from protocol.errors import InvalidDelta, MalformedMessage
 from protocol.ext import NewFix, OutputCounts, ReplyMsg, StepExt, decode_ext, resolve_ref
 from protocol.messages import Delta, Spec
@@ -40,8 +42,21 @@ from worker_side.vllm.replies import reply_msg
 
 HISTORY = 8  # steps whose batch replies and grammar outputs may name
 _NO_FIX = NewFix(0)
-#: what wire lists that do not fit the step raise while its SchedulerOutput is made
-_SHAPE_ERRORS = (ValueError, IndexError, KeyError, TypeError)
+
+
+@dataclass(slots=True)
+class _Lists:
+    """A step's extension lists, read and checked against the step before its state
+    changes (:meth:`SchedulerOutputDecoder._read`)."""
+
+    new_pos: list[int]  # schedule position of each added handle
+    cpos: list[int] | None  # the cached requests' positions (None: the batch in order)
+    new_tokens: list[list[int]]
+    all_tokens: dict[int, list[int]]  # index among the cached requests -> history
+    prefill: list[list[int] | None]  # per added request
+    departures: tuple[Any, Any] | None
+    copies: list[int] | None
+    prefix: list[int]
 
 
 def _keyed(rows: RowSet, batch: list[str], shift: int = 0) -> dict[str, list[int]]:
@@ -98,8 +113,10 @@ class SchedulerOutputDecoder:
         opened = opener.counter if opener is not None else 0
         opaque = self.seals.open(ext.sealed) if ext.sealed else None  # before any change
         state = self.state or ReplicaState(kv_groups=ext.kv_groups or 1, keep_tables=False)
+        read: list[_Lists] = []
         try:
-            applied = state.apply(msg.body, expected_digest=msg.digest)
+            applied = state.apply(msg.body, expected_digest=msg.digest, before_commit=lambda
+                                  a, schedule: read.append(self._read(ext, a, schedule, state)))
         except BaseException:
             if opener is not None:  # a refused step leaves its seal unused (resent: opens)
                 opener.counter = opened
@@ -108,11 +125,7 @@ class SchedulerOutputDecoder:
         self.seq = msg.seq
         if self.items is not None:
             self._resolved = self.items.resolve(self.state, applied, msg.body)
-        try:
-            return self._output(msg, ext, applied, opaque)
-        except _SHAPE_ERRORS as exc:  # extension lists that do not fit the step
-            raise MalformedMessage("step extension does not fit its step",
-                                   cause=f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+        return self._output(msg, ext, applied, opaque, read[0])
 
     # ------------------------------------------------------------ sample_tokens
     def decode_grammar(self, frames: list[Any]) -> Any:
@@ -184,24 +197,61 @@ class SchedulerOutputDecoder:
     def _added_specs(self, applied: Applied) -> list[Spec]:
         return [self.state.specs[h] for h in applied.added]  # type: ignore[union-attr,misc]
 
+    def _read(self, ext: StepExt, applied: Applied, schedule: I64,
+              state: ReplicaState) -> _Lists:
+        """The extension lists of the step ``applied`` that leads to ``schedule``, checked
+        (MalformedMessage) while ``state`` is still the last step's."""
+        n, added = schedule.size, applied.added
+        new_pos: list[int] = []
+        if applied is STEADY and not ext.cached_order:  # the batch again, in order
+            cpos = None
+        else:
+            if added:
+                inv = np.full(max(int(schedule.max()) if n else 0, max(added)) + 1, -1,
+                              dtype=np.int64)
+                inv[schedule] = np.arange(n)
+                new_pos = inv[added].tolist()
+                if min(new_pos) < 0:
+                    raise MalformedMessage("an added request is not scheduled")
+            cpos = self._cached_positions(n, new_pos, schedule, applied.resumed, ext)
+        ncached = n if cpos is None else len(cpos)
+        histories: dict[int, list[int]] = {}
+        if ext.all_keys or ext.all_tokens:
+            if not ext.all_keys:
+                raise MalformedMessage("token histories without their keys")
+            keys = unpack_uint_list(ext.all_keys, limit=max(ncached, 1))
+            if len(keys) != len(ext.all_tokens) or (keys and max(keys) >= ncached):
+                raise MalformedMessage("token histories do not match their keys")
+            for k, ref in zip(keys, ext.all_tokens, strict=True):
+                h = int(schedule[k if cpos is None else cpos[k]])
+                histories[k] = resolve_ref(ref, _prompt(state.specs[h]))
+        prefill = [None if k >= len(ext.prefill) or ext.prefill[k] is None
+                   else resolve_ref(ext.prefill[k], applied.prompts[k])  # type: ignore[arg-type]
+                   for k in range(len(added))]
+        copies = None
+        if ext.block_copies is not None:
+            copies = unpack_uint_list(ext.block_copies) if ext.block_copies else []
+            if len(copies) % 2:
+                raise MalformedMessage("block copies are not (source, destination) pairs")
+        return _Lists(new_pos, cpos, _new_tokens(ext), histories, prefill,
+                      OutputCounts.read(ext.out_pos, ext.out_delta, ncached), copies,
+                      unpack_uint_list(ext.prefix_blocks) if ext.prefix_blocks else [])
+
     def _output(self, msg: Delta, ext: StepExt, applied: Applied,
-                opaque: dict[str, Any] | None) -> Any:
+                opaque: dict[str, Any] | None, read: _Lists) -> Any:
         SchedulerOutput, CachedRequestData, ScheduledEncoderInputStats = self._vllm
         state = self.state
         assert state is not None  # noqa: S101 - made by decode
         body, rare = msg.body, msg.body.rare
         sched, cols, nsched = state.schedule, state.cols, state.nsched
         new_blocks: list[Any]
+        cpos, new_pos = read.cpos, read.new_pos
         if applied is STEADY and not ext.cached_order:  # the batch again, in order
-            batch, cpos, new_reqs, resumed = self._batch, None, [], set()
+            batch, new_reqs, resumed = self._batch, [], set()
             cids, new_blocks = list(batch), [None] * len(batch)
         else:
             batch = self._batch_of(applied)
-            new_pos = [int(cols.pos[h]) for h in applied.added]
-            if new_pos and min(new_pos) < 0:
-                raise MalformedMessage("an added request is not scheduled")
             resumed = {self.names[h] for h in applied.resumed}
-            cpos = self._cached_positions(len(batch), new_pos, batch, resumed, ext)
             cids = list(batch) if cpos is None else [batch[p] for p in cpos]
             tables = self._tables(applied) if applied.blocks or applied.replaced else {}
             new_blocks = [None] * len(cids)
@@ -212,8 +262,8 @@ class SchedulerOutputDecoder:
                     if k is not None:
                         new_blocks[k] = tuple(lists)
             fixes = {f.i: f for f in ext.fixes} if ext.fixes else {}
-            new_reqs = [self._new_request(k, h, p, applied.prompts[k], tables, ext,
-                                          fixes.get(k, _NO_FIX))
+            new_reqs = [self._new_request(k, h, p, applied.prompts[k], tables,
+                                          read.prefill[k], fixes.get(k, _NO_FIX))
                         for k, (h, p) in enumerate(zip(applied.added, new_pos, strict=True))]
             for h, spec, prompt in zip(applied.added, self._added_specs(applied),
                                        applied.prompts, strict=True):
@@ -221,7 +271,7 @@ class SchedulerOutputDecoder:
                                  spec.embeds[1][0] if spec.embeds and spec.embeds[1] else 0)
         chandles = sched if cpos is None else sched[cpos]
         ccomp = cols.computed[chandles]
-        outputs = self.outputs.apply(chandles, ccomp, ext.out_pos, ext.out_delta)
+        outputs = self.outputs.apply(chandles, ccomp, read.departures)
         nst = self._count_map(batch, applied, nsched)
         if nsched is not self._nsched:
             self._total = int(nsched.sum())
@@ -232,9 +282,8 @@ class SchedulerOutputDecoder:
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=CachedRequestData(
                 req_ids=cids, resumed_req_ids=resumed,
-                new_token_ids=_new_tokens(ext) if ext.new_tokens is not None else [],
-                all_token_ids=self._all_tokens(ext, cids, chandles)
-                if ext.all_keys or ext.all_tokens else {},
+                new_token_ids=read.new_tokens,
+                all_token_ids={cids[k]: tokens for k, tokens in read.all_tokens.items()},
                 new_block_ids=new_blocks, num_computed_tokens=ccomp.tolist(),
                 num_output_tokens=outputs.tolist()),
             num_scheduled_tokens=dict(nst),
@@ -253,11 +302,9 @@ class SchedulerOutputDecoder:
             num_invalid_spec_tokens=None if ext.invalid_spec is None else dict(ext.invalid_spec),
             has_sync_kv_loads=ext.sync_kv,
             new_block_ids_to_zero=applied.zero,
-            kv_cache_block_copies=None if ext.block_copies is None
-            else _copies(ext.block_copies),
+            kv_cache_block_copies=None if read.copies is None else _copies(read.copies),
             num_spec_tokens_to_schedule=rare.num_spec_tokens_to_schedule,
-            num_common_prefix_blocks=unpack_uint_list(ext.prefix_blocks)
-            if ext.prefix_blocks else [])
+            num_common_prefix_blocks=read.prefix)
         if opaque:
             for name, value in opaque.items():
                 setattr(so, name, value)
@@ -283,10 +330,11 @@ class SchedulerOutputDecoder:
                     at += c
         return out
 
-    def _cached_positions(self, n: int, new_pos: list[int], batch: list[str],
-                          resumed: set[str], ext: StepExt) -> list[int] | None:
+    @staticmethod
+    def _cached_positions(n: int, new_pos: list[int], schedule: I64, resumed: list[int],
+                          ext: StepExt) -> list[int] | None:
         """Batch positions of the cached requests in their list order (None: the whole
-        batch in order, the steady step's shape)."""
+        batch in order, the steady step's shape); ``resumed``: handles."""
         if ext.cached_order:
             cpos = unpack_uint_list(ext.cached_order, limit=n)
             if len(cpos) + len(new_pos) != n or set(cpos) & set(new_pos) \
@@ -298,26 +346,14 @@ class SchedulerOutputDecoder:
         new = set(new_pos)
         rest = [p for p in range(n) if p not in new]
         if resumed:
-            rest = [p for p in rest if batch[p] not in resumed] + \
-                [p for p in rest if batch[p] in resumed]
+            back = set(resumed)
+            hs = schedule.tolist()
+            rest = [p for p in rest if hs[p] not in back] + [p for p in rest if hs[p] in back]
         return rest
 
-    def _all_tokens(self, ext: StepExt, cids: list[str], chandles: Any) -> dict[str, list[int]]:
-        """Token histories of cached requests not scheduled last step (prompt references)."""
-        if not ext.all_keys:
-            if ext.all_tokens:
-                raise MalformedMessage("token histories without their keys")
-            return {}
-        keys = unpack_uint_list(ext.all_keys)
-        if len(keys) != len(ext.all_tokens):
-            raise MalformedMessage("token histories do not match their keys")
-        state = self.state
-        assert state is not None  # noqa: S101
-        return {cids[k]: resolve_ref(ref, _prompt(state.specs[int(chandles[k])]))
-                for k, ref in zip(keys, ext.all_tokens, strict=True)}
-
     def _new_request(self, k: int, h: int, p: int, prompt: list[int] | None,
-                     tables: dict[int, list[list[int]]], ext: StepExt, fix: NewFix) -> Any:
+                     tables: dict[int, list[list[int]]], prefill: list[int] | None,
+                     fix: NewFix) -> Any:
         from vllm.v1.core.sched.output import NewRequestData
 
         state = self.state
@@ -326,7 +362,6 @@ class SchedulerOutputDecoder:
         assert spec is not None and req is not None  # noqa: S101 - added this step
         groups = state.kv_groups
         lists = tables.get(p)
-        ref = ext.prefill[k] if k < len(ext.prefill) else None
         return NewRequestData(
             req_id=spec.req_id, prompt_token_ids=prompt,
             mm_features=self._features(spec, req.mm_data, req.mm_embed) if spec.mm else [],
@@ -339,7 +374,7 @@ class SchedulerOutputDecoder:
             prompt_embeds=None if req.embeds is None else embeds_from_wire(req.embeds, self.copy),
             prompt_is_token_ids=None if spec.prompt_is_token_ids is None
             else list(spec.prompt_is_token_ids),
-            prefill_token_ids=None if ref is None else resolve_ref(ref, prompt),
+            prefill_token_ids=prefill,
             replay_start=fix.replay_start)
 
     def _features(self, spec: Spec, data: tuple[Any, ...], embed: tuple[Any, ...]) -> list[Any]:
@@ -380,13 +415,8 @@ def _new_tokens(ext: StepExt) -> list[list[int]]:
     return [flat[at[i]:at[i + 1]] for i in range(len(counts))]
 
 
-def _copies(packed: bytes | None) -> Any:
-    if packed is None:
-        return None
+def _copies(flat: list[int]) -> Any:
     from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
-    flat = unpack_uint_list(packed) if packed else []
-    if len(flat) % 2:
-        raise MalformedMessage("block copies are not (source, destination) pairs")
     return [KVCacheBlockCopy(flat[k], flat[k + 1]) for k in range(0, len(flat), 2)]
 
