@@ -93,13 +93,15 @@ def test_a_snapshot_naming_a_negative_handle_is_refused_typed() -> None:
     from test_golden import golden_messages
 
     from protocol.errors import InvalidDelta
+    from protocol.messages import Snapshot
     from protocol.snapshot import load_snapshot
 
     snap = golden_messages()["snapshot"]
+    assert isinstance(snap, Snapshot)
     first = msgspec.structs.replace(snap.body.requests[0], handle=-1)
     body = msgspec.structs.replace(snap.body, requests=(first, *snap.body.requests[1:]),
                                    blocks=())
     bad = codec.decode(codec.encode(msgspec.structs.replace(snap, body=body)))
     with pytest.raises(InvalidDelta):
-        load_snapshot(bad)  # type: ignore[arg-type]
+        load_snapshot(bad)  # type: ignore[arg-type]  # (a Snapshot: bad on purpose)
     assert load_snapshot(snap).digest == snap.digest
