@@ -30,7 +30,6 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
 from engine_side.stale_dirs import sweep_stale_dirs
 from protocol.ipc_dir import EndpointError, open_private_dir
@@ -112,36 +111,6 @@ def check_tcp_policy(endpoint: str, keys: CurveKeys | None, insecure: bool) -> N
             "read the schedule and inject replies. Pass CURVE keys (--curve) or, for a trusted "
             "network only, --insecure.")
     log.warning("binding %s WITHOUT authentication or encryption (--insecure)", endpoint)
-
-
-def start_authenticator(ctx: zmq.Context[zmq.Socket[bytes]],
-                        allowed: frozenset[bytes]) -> ThreadAuthenticator:
-    """A ZAP handler on ``ctx`` that admits exactly the ``allowed`` CURVE public keys
-    (its :class:`AllowList` is ``auth.allow_list``: it counts the rejected handshakes)."""
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("deltacast.zap"))
-    auth.allow_list = AllowList(allowed)  # type: ignore[attr-defined]
-    auth.start()
-    auth.configure_curve_callback("*", credentials_provider=auth.allow_list)  # type: ignore[attr-defined]
-    return auth
-
-
-class AllowList:
-    """ZAP credentials provider: a fixed set of z85 public keys.  Rejections are counted
-    (``rejected``); the first is logged, then one in every 10,000 (a handshake flood must
-    not become a log flood: the ZAP thread shares the engine's interpreter)."""
-
-    def __init__(self, allowed: frozenset[bytes]) -> None:
-        self.allowed = allowed
-        self.rejected = 0
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        ok = key in self.allowed  # pyzmq passes the z85-encoded key
-        if not ok:
-            self.rejected += 1
-            if self.rejected % 10_000 == 1:
-                log.warning("rejected a CURVE client with an unknown public key (%d so far)",
-                            self.rejected)
-        return ok
 
 
 class PrivateDir:

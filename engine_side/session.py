@@ -397,9 +397,9 @@ class EngineSession:
         """Worker messages not acted on, by reason: the peer rules' refusals, frames that
         do not decode, frames of muted peers dropped undecoded, CURVE handshakes refused."""
         out = dict(self.peers.refused)
-        allow_list = getattr(self.transport, "allow_list", None)
+        auth = getattr(self.transport, "auth", None)  # the ZAP handler counts handshakes
         for name, count in (("muted", getattr(self.transport, "muted_drops", 0)),
-                            ("handshakes", getattr(allow_list, "rejected", 0))):
+                            ("handshakes", getattr(auth, "rejected", 0))):
             if count:
                 out[name] = count
         return out

@@ -48,8 +48,8 @@ from engine_side.security import (
     CurveKeys,
     PrivateDir,
     check_tcp_policy,
-    start_authenticator,
 )
+from engine_side.zap import ZapHandler
 from protocol import codec
 from protocol.endpoints import DEFAULT_MAX_MESSAGE_BYTES, channel_endpoints
 from protocol.errors import MalformedMessage, ProtocolError
@@ -120,8 +120,7 @@ class EngineTransport:
         self.endpoint = endpoint
         self.track_timeout = track_timeout
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.auth = start_authenticator(self.ctx, keys.allowed) if keys is not None else None
-        self.allow_list = getattr(self.auth, "allow_list", None)  # counts refused handshakes
+        self.auth = ZapHandler(self.ctx, keys.allowed) if keys is not None else None
         #: principals pinned to ranks (:class:`CurveKeys` ``pinned``), for the session
         self.pinned: dict[bytes, frozenset[int]] = {
             curve_principal(k): frozenset(r) for k, r in (keys.pinned if keys else {}).items()}
@@ -321,8 +320,7 @@ class EngineTransport:
             if sock is not None:
                 sock.close(linger=0)
         if self.auth is not None:
-            self.auth.stop()
-            self.auth = None
+            self.auth.stop()  # (kept: its count of refused handshakes stays readable)
         self.ctx.term()
         if self.private is not None:
             self.private.close()
