@@ -457,3 +457,42 @@ def test_stalled_worker_past_hwm_detects_the_gap_and_resyncs(tmp_path: Path, rin
         assert stalled["ring_overruns"] + stalled["ring_lost"] >= 1
     assert h.session.stats["resyncs"] >= 1 and h.session.stats["mismatched"] == 0
     assert h.outputs() == reference_outputs(h.args)
+
+
+def test_zap_handler_admits_allowed_curve_keys_alone() -> None:
+    """The ZAP answers by mechanism and key (RFC 27 frames), refusals counted; a real
+    CURVE client with an allowed key gets through the handler's own thread."""
+    import zmq
+    from zmq.utils import z85
+
+    from engine_side.zap import ZapHandler
+
+    server_pub, server_sec = zmq.curve_keypair()
+    good_pub, good_sec = zmq.curve_keypair()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    zap = ZapHandler(ctx, frozenset({good_pub}))
+    try:
+        def ask(mechanism: bytes, *creds: bytes) -> list[bytes]:
+            return zap.answer([b"1.0", b"7", b"", b"127.0.0.1", b"", mechanism, *creds])
+
+        assert ask(b"CURVE", z85.decode(good_pub))[2:5] == [b"200", b"OK", good_pub]
+        assert ask(b"CURVE", b"\0" * 32)[2] == b"400" and zap.rejected == 1
+        assert ask(b"NULL")[2] == b"200" and ask(b"PLAIN", b"u", b"p")[2] == b"400"
+        assert zap.answer([b"2.0", b"7"])[2] == b"400"
+        server = ctx.socket(zmq.ROUTER)
+        server.curve_server, server.curve_secretkey = True, server_sec
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        client = ctx.socket(zmq.DEALER)
+        client.curve_serverkey, client.curve_publickey = server_pub, good_pub
+        client.curve_secretkey = good_sec
+        client.connect(f"tcp://127.0.0.1:{port}")
+        client.send(b"hello")
+        assert server.poll(10_000)
+        ident, body = server.recv_multipart(copy=False)
+        assert body.bytes == b"hello" and body.get("User-Id") == good_pub.decode()
+        for sock in (client, server):
+            sock.close(linger=0)
+    finally:
+        zap.stop()
+        zap.stop()  # (again: nothing)
+        ctx.term()
