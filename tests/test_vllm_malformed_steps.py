@@ -314,6 +314,20 @@ def test_extension_lists_that_do_not_fit_the_step_are_refused_unchanged() -> Non
     assert repr(out) == repr(other.decode(good))
 
 
+def test_a_first_step_naming_impossible_kv_groups_is_malformed() -> None:
+    """Found by the fuzz campaign: ``kg`` out of 1..64 reached the state's constructor
+    (LocalProtocolError, an error of ours) instead of being the peer's (MalformedMessage)."""
+    msg = codec.decode([bytes(f) for f in SchedulerOutputEncoder(secret=SECRET).encode(
+        _first(["a"]))])
+    assert isinstance(msg, Delta)
+    for groups in (65, -1):
+        ext = msgspec.structs.replace(decode_ext(msg.body.extension), kv_groups=groups)
+        body = msgspec.structs.replace(msg.body, extension=encode_ext(ext))
+        frames = [bytes(f) for f in codec.encode(msgspec.structs.replace(msg, body=body))]
+        with pytest.raises(MalformedMessage, match="KV groups"):
+            SchedulerOutputDecoder(SECRET).decode(frames)
+
+
 def test_prompt_logprob_ids_must_be_integers() -> None:
     """An ndarray of token ids keeps its integer dtype across the wire; any other dtype is
     the caller's error at the engine (the worker decodes integer dtypes alone)."""

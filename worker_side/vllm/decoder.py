@@ -112,6 +112,8 @@ class SchedulerOutputDecoder:
         opener = self.seals.opener
         opened = opener.counter if opener is not None else 0
         opaque = self.seals.open(ext.sealed) if ext.sealed else None  # before any change
+        if self.state is None and not 0 <= ext.kv_groups <= 64:
+            raise MalformedMessage("KV groups out of range", kv_groups=ext.kv_groups)
         state = self.state or ReplicaState(kv_groups=ext.kv_groups or 1, keep_tables=False)
         read: list[_Lists] = []
         try:
