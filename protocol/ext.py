@@ -12,7 +12,6 @@ them to and from the executor's objects.  Pure: no I/O.
 
 from __future__ import annotations
 
-from itertools import accumulate
 from operator import itemgetter
 from typing import Any, Literal
 
@@ -259,15 +258,6 @@ class RefTable:
 
     def resolve(self, packed: bytes) -> list[str]:
         return self.names_of(unpack_uint_list(packed))
-
-
-def split_rows(keys: list[str], lengths: list[int], flat: list[int]) -> dict[str, list[int]]:
-    """``{keys[i]: row i}`` for the rows of non-zero length (rows consecutive in ``flat``)."""
-    out, at = {}, [0, *accumulate(lengths)]
-    for i, key in enumerate(keys):
-        if lengths[i]:
-            out[key] = flat[at[i]:at[i + 1]]
-    return out
 
 
 # ---------------------------------------------------------------- replies

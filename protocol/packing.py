@@ -240,8 +240,3 @@ def unpack_sint_list(buf: bytes) -> list[int]:
 def _unpack_sints(buf: bytes) -> npt.NDArray[np.int64]:
     z = _unpack_raw(buf, 1 << 26).astype(np.uint64)
     return ((z >> np.uint64(1)).view(np.int64)) ^ -((z & np.uint64(1)).view(np.int64))
-
-
-def empty_ints() -> npt.NDArray[np.int64]:
-    """A fresh empty int64 array."""
-    return _EMPTY.copy()

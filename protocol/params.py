@@ -167,8 +167,3 @@ class MMFeatureRef(msgspec.Struct, frozen=True, omit_defaults=True):
     mm_hash: str | None = None
     data: Any = None
     is_embed: Any = None
-
-
-def default_sampling() -> SamplingSpec:
-    """Greedy-free vLLM defaults (temperature 1.0, max_tokens 16)."""
-    return SamplingSpec()

@@ -105,54 +105,6 @@ class ExecuteModelRequest(msgspec.Struct):
         return int(self.num_scheduled_tokens.sum())
 
 
-def has_duplicates(values: IntArray) -> bool:
-    """Whether an integer array repeats a value (a set for small arrays: np.unique and
-    np.isin cost microseconds even on a handful of elements)."""
-    if values.size < 2:
-        return False
-    if values.size <= 256:
-        return len(set(values.tolist())) != values.size
-    return bool(np.unique(values).size != values.size)
-
-
-#: members up to this many are found by one vector compare each (see member_mask)
-MEMBER_COMPARES = 16
-
-
-def member_mask(values: IntArray, members: set[int] | IntArray) -> npt.NDArray[np.bool_]:
-    """``values[i] in members`` for every i (a replacement for np.isin on small sets).
-
-    A few members take one vector compare each (a microsecond at 256 values, where a
-    Python loop over the values costs ~15); many take np.isin."""
-    pool = list(members) if isinstance(members, set) else members.tolist()
-    if not pool:
-        return np.zeros(values.size, dtype=bool)
-    if len(pool) > MEMBER_COMPARES:
-        if values.size > 64:
-            return np.isin(values, members if isinstance(members, np.ndarray)
-                           else np.fromiter(members, dtype=np.int64, count=len(pool)))
-        found = set(pool)
-        return np.fromiter((v in found for v in values.tolist()), dtype=bool,
-                           count=values.size)
-    mask = values == pool[0]  # an out-of-range int compares unequal (numpy >= 2)
-    for member in pool[1:]:
-        mask |= values == member
-    return mask  # type: ignore[no-any-return]
-
-
-def same_ints(a: IntArray, b: IntArray) -> bool:
-    """Fast exact equality of two integer arrays (memcmp when dtypes and shapes match).
-
-    Large arrays use numpy: ``tobytes`` copies, and above ~256 KiB the copies cost
-    ~50x a vectorised compare (allocation and page faults).
-    """
-    if a.shape != b.shape:
-        return False
-    if a.size <= 8192 and a.dtype == b.dtype and a.flags.c_contiguous and b.flags.c_contiguous:
-        return a.tobytes() == b.tobytes()
-    return bool(np.array_equal(a, b))
-
-
 def _same_array(a: Any, b: Any) -> bool:
     if a is None or b is None:
         return a is None and b is None

@@ -466,6 +466,14 @@ def test_sampling_params_from_equal_specs_are_exact_and_share_nothing() -> None:
     assert_vllm_equal(params[1], made[1])
     reader = SpecReader()  # the engine's side: the last SamplingSpec again for equal bytes
     read = [reader.read(sp) for sp in params]
-    assert read[1] is read[0] and read[2] is not read[1] and read[3] is not read[2]
+    assert read[1] == read[0] and read[2] != read[1] and read[3] != read[2]
     assert read == [sampling_to_spec(sp) for sp in params]
     assert read[2][1] == ("temperature",) and str(read[3][0].temperature) == "-0.0"
+    # requests that differ in max_tokens or seed alone share the copy, each its own values
+    varied = [SamplingParams(temperature=0.5, max_tokens=m, seed=s, stop=["x"])
+              for m, s in ((8, None), (9, None), (None, 3), (8, 4), (7, None), (9, None))]
+    made = [maker.make(*reader.read(sp)) for sp in varied]
+    for sp, got in zip(varied, made, strict=True):
+        assert_vllm_equal(sp, got)
+        assert reader.read(sp) == sampling_to_spec(sp)
+    assert len({id(got.stop) for got in made}) == len(made)

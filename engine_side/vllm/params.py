@@ -9,6 +9,7 @@ request into the mirror's :class:`Entry` and its exactness fixes.
 
 from __future__ import annotations
 
+import copy
 import functools
 from operator import attrgetter
 from typing import Any, cast, get_args
@@ -79,10 +80,12 @@ def sampling_to_spec(sp: Any) -> tuple[SamplingSpec, tuple[FloatField, ...], Int
 
 
 class SpecReader:
-    """:func:`sampling_to_spec` that returns an earlier result again for parameters that
-    encode to the same msgpack bytes (SamplingSpec is frozen: sharing it is safe; an int
-    and a float, or 0.0 and -0.0, encode differently).  Parameters msgspec cannot encode
-    are converted every time."""
+    """:func:`sampling_to_spec` that reuses an earlier result for parameters that encode
+    to the same msgpack bytes but for their per-request scalars (``max_tokens`` and
+    ``seed``: they vary per request on a server and nothing is derived from them), which
+    it sets on the result (SamplingSpec is frozen: sharing it is safe; an int and a float,
+    or 0.0 and -0.0, encode differently).  Parameters msgspec cannot encode are converted
+    every time."""
 
     _encode = msgspec.msgpack.Encoder().encode
 
@@ -90,16 +93,25 @@ class SpecReader:
         self._read: dict[bytes, tuple[SamplingSpec, tuple[FloatField, ...], IntDtype]] = {}
 
     def read(self, sp: Any) -> tuple[SamplingSpec, tuple[FloatField, ...], IntDtype]:
+        own = (getattr(sp, "max_tokens", None), getattr(sp, "seed", None))
+        shared = sp
+        if own != (None, None) and isinstance(sp, msgspec.Struct):
+            shared = copy.copy(sp)  # (msgspec's C-level __copy__: no __post_init__)
+            msgspec.structs.force_setattr(shared, "max_tokens", None)
+            msgspec.structs.force_setattr(shared, "seed", None)
         try:
-            key = self._encode(sp)
+            key = self._encode(shared)
         except (TypeError, ValueError, msgspec.EncodeError):
             return sampling_to_spec(sp)
         out = self._read.get(key)
         if out is None:
-            out = sampling_to_spec(sp)
+            out = sampling_to_spec(shared)
             if len(self._read) >= SAMPLING_CACHE:
                 self._read.clear()
             self._read[key] = out
+        if shared is not sp:
+            spec = msgspec.structs.replace(out[0], max_tokens=own[0], seed=own[1])
+            return spec, out[1], out[2]
         return out
 
 

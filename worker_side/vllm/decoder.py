@@ -257,11 +257,15 @@ class SchedulerOutputDecoder:
             cids = list(batch) if cpos is None else [batch[p] for p in cpos]
             tables = self._tables(applied) if applied.blocks or applied.replaced else {}
             new_blocks = [None] * len(cids)
-            if tables:
-                at = None if cpos is None else {p: k for k, p in enumerate(cpos)}
-                for p, lists in tables.items():
-                    k = p if at is None else at.get(p)
-                    if k is not None:
+            if tables:  # each row's index among the cached requests (-1: a new one's)
+                if cpos is None:
+                    at = list(tables)
+                else:
+                    inv = np.full(len(batch), -1, dtype=np.int64)
+                    inv[cpos] = np.arange(len(cpos))
+                    at = inv[list(tables)].tolist()
+                for k, lists in zip(at, tables.values(), strict=True):
+                    if k >= 0:
                         new_blocks[k] = tuple(lists)
             fixes = {f.i: f for f in ext.fixes} if ext.fixes else {}
             new_reqs = [self._new_request(k, h, p, applied.prompts[k], tables,

@@ -96,15 +96,18 @@ def spec_to_sampling(spec: SamplingSpec, int_floats: Iterable[str] = (), dtype: 
 
 class SamplingMaker:
     """:func:`spec_to_sampling` that copies an earlier result for a spec seen before (the
-    same frozen object, or one encoding to the same bytes): a C-level copy with fresh
-    lists and sets.  Specs holding nested objects, dicts or lists of lists are made
-    afresh, so no two results share a mutable object."""
+    same frozen object, or one encoding to the same bytes but for its per-request scalars
+    -- ``max_tokens`` and ``seed``, which vary per request on a server and from which
+    SamplingParams derives nothing -- set on the copy): a C-level copy with fresh lists
+    and sets.  Specs holding nested objects, dicts or lists of lists are made afresh, so
+    no two results share a mutable object."""
 
     _NESTED = ("structured_outputs", "logit_bias", "extra_args", "repetition_detection",
                "prompt_logprob_token_ids", "bad_words_token_ids")
     _encode = msgspec.msgpack.Encoder().encode
     _nested = staticmethod(attrgetter(*_NESTED))
     _NONE = (None,) * len(_NESTED)
+    _own = staticmethod(attrgetter("max_tokens", "seed"))
 
     def __init__(self) -> None:
         self._made: dict[tuple[bytes, tuple[str, ...]], tuple[Any, tuple[str, ...]]] = {}
@@ -112,16 +115,23 @@ class SamplingMaker:
     def make(self, spec: SamplingSpec, int_floats: tuple[str, ...] = (), dtype: str = "") -> Any:
         if self._nested(spec) != self._NONE or dtype:
             return spec_to_sampling(spec, int_floats, dtype)
-        key = (self._encode(spec), tuple(int_floats))
+        max_tokens, seed = own = self._own(spec)
+        shared = spec if own == (None, None) else \
+            msgspec.structs.replace(spec, max_tokens=None, seed=None)
+        key = (self._encode(shared), tuple(int_floats))
         known = self._made.get(key)
-        if known is not None:  # (__copy__ runs no __init__ or __post_init__)
-            return _own_containers(known[0].__copy__(), known[1])
-        made = spec_to_sampling(spec, int_floats, dtype)
-        if len(self._made) >= SAMPLING_CACHE:
-            self._made.clear()
-        names = tuple(name for name in _spec_reader()[2]
-                      if isinstance(getattr(made, name), list | set))
-        self._made[key] = (_own_containers(made.__copy__(), names), names)
+        if known is None:
+            made = spec_to_sampling(shared, int_floats, dtype)
+            if len(self._made) >= SAMPLING_CACHE:
+                self._made.clear()
+            names = tuple(name for name in _spec_reader()[2]
+                          if isinstance(getattr(made, name), list | set))
+            known = self._made[key] = (_own_containers(made.__copy__(), names), names)
+        else:  # (__copy__ runs no __init__ or __post_init__)
+            made = _own_containers(known[0].__copy__(), known[1])
+        if own != (None, None):
+            msgspec.structs.force_setattr(made, "max_tokens", max_tokens)
+            msgspec.structs.force_setattr(made, "seed", seed)
         return made
 
 
