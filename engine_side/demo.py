@@ -162,8 +162,8 @@ def check_args(args: argparse.Namespace) -> None:
                     f"use --num-blocks {-(-need // 16)} or more")
     for path in (args.server_secret_key, args.worker_secret_key, *args.allow_key):
         if path is not None and not path.is_file():
-            raise CliError(f"{path}: no such key file (make one with zmq.auth."
-                           "create_certificates, or use --curve)", EXIT_NO_INPUT)
+            raise CliError(f"{path}: no such key file (make them with `deltacast keys DIR`, "
+                           "or use --curve)", EXIT_NO_INPUT)
     if args.curve and args.server_secret_key is not None:
         raise usage("--curve generates keys; --server-secret-key brings your own: choose one")
     if args.server_secret_key is None and (args.allow_key or args.worker_secret_key):
@@ -347,7 +347,7 @@ def _checked_security(args: argparse.Namespace,
         raise CliError(str(exc), EXIT_ENDPOINT) from exc
     except (ValueError, OSError) as exc:  # not a key file at all
         raise CliError(f"cannot read the CURVE keys: {exc} (pass files written by "
-                       "zmq.auth.create_certificates)", EXIT_NO_INPUT) from exc
+                       "`deltacast keys DIR`)", EXIT_NO_INPUT) from exc
 
 
 def _transport(args: argparse.Namespace, keys: CurveKeys | None) -> EngineTransport:
