@@ -51,17 +51,18 @@ class ZapHandler:
 
     def _run(self) -> None:
         sock = self._sock
-        while not self._stopping.is_set():
-            if not sock.poll(_POLL_MS):
-                continue
-            while True:  # every request queued, in one pass
-                try:
-                    request = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                except zmq.ContextTerminated:
-                    return
-                sock.send_multipart(self.answer(request))
+        try:
+            while not self._stopping.is_set():
+                if not sock.poll(_POLL_MS):
+                    continue
+                while True:  # every request queued, in one pass
+                    try:
+                        request = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    sock.send_multipart(self.answer(request))
+        except zmq.ContextTerminated:  # the context is ending first: let it end
+            sock.close(linger=0)
 
     def answer(self, request: list[bytes]) -> list[bytes]:
         """The reply frames to one ZAP request's frames."""
