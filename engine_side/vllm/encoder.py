@@ -21,7 +21,7 @@ transport adds sequencing, retransmission and liveness.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import is_not
 from typing import Any
 
@@ -285,6 +285,15 @@ class SchedulerOutputEncoder:
             for g, ids in enumerate(nr.block_ids):
                 if ids:
                     _row(app[g], p, ids)
+        if some and groups == 1 and not cached.resumed_req_ids:  # one list per row, appended
+            at = _positions_of(nb)
+            if all(len(nb[k]) == 1 for k in at):
+                firsts = [nb[k][0] for k in at]
+                keys, counts = app[0][0], app[0][1]
+                keys += at if cpos is None else [cpos[k] for k in at]
+                counts += map(len, firsts)
+                app[0][2].extend(chain.from_iterable(firsts))
+                some = False  # (done: a request with no new ids keeps its row of none)
         if some:
             resumed, cids = cached.resumed_req_ids, cached.req_ids
             for k in _positions_of(nb):

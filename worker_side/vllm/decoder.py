@@ -323,6 +323,13 @@ class SchedulerOutputDecoder:
         (replaced ids, then appended ones)."""
         groups = self.state.kv_groups  # type: ignore[union-attr]
         out: dict[int, list[list[int]]] = {}
+        rs = applied.blocks[0] if groups == 1 and applied.blocks else None
+        if rs is not None and (not applied.replaced or applied.replaced[0] is None):
+            at, values = 0, rs.values  # one group, appended rows alone: one list a row
+            for p, c in zip(rs.keys, rs.counts, strict=True):
+                out[p] = [values[at:at + c]]
+                at += c
+            return out
         for sets in (applied.replaced, applied.blocks):
             for g, rs in enumerate(sets):
                 if rs is None:
