@@ -75,7 +75,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
              "(created 0700; secret files 0600; existing keys are never overwritten) and "
              "print the demo and worker flags that use them. A tcp:// endpoint admits only "
              "the workers whose public keys the engine is given (--allow-key)."),
-    "record": ("engine_side.vllm.record", "record a vLLM run's scheduler stream to a file",
+    "record": ("engine_side.report.record", "record a vLLM run's scheduler stream to a file",
                "Run vLLM's LLM.generate in this process on --prompts and record every "
                "step's scheduler output (as deltacast messages, never pickle) to --out, "
                "for `deltacast report FILE`. Needs vLLM installed."),
@@ -100,7 +100,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 #: help text and range checks for options their module declares without them (the
-#: recorder lives in engine_side/vllm, which keeps its own options minimal)
+#: recorder, a harness in engine_side/report, keeps its own options minimal)
 OPTION_HELP: dict[str, dict[str, tuple[str, Callable[[str], object] | None]]] = {
     "record": {
         "--max-tokens": ("most tokens generated per prompt", int_in(1)),

@@ -186,10 +186,10 @@ def _imports(path: Path) -> list[tuple[int, str, list[str]]]:
     return out
 
 
-#: modules that run both ends in one process (benchmarks, reports, the demo, the CLI, the
-#: recorder of a vLLM run): the only ones that may import the other side
+#: modules that run both ends in one process (benchmarks, reports and the recorder of a
+#: vLLM run, the demo, the CLI): the only ones that may import the other side
 HARNESSES = ("engine_side/bench/", "engine_side/report/", "engine_side/demo.py",
-             "engine_side/cli.py", "engine_side/vllm/record.py")
+             "engine_side/cli.py")
 
 
 def test_engine_and_worker_libraries_do_not_import_each_other() -> None:

@@ -316,7 +316,7 @@ def test_schema_pinning_refuses_an_unknown_field() -> None:
 
 
 def test_record_file_round_trips_and_refuses_other_files(tmp_path: Path) -> None:
-    from engine_side.vllm.record import NotARecording, RecordReader, RecordWriter
+    from engine_side.report.record import NotARecording, RecordReader, RecordWriter
 
     path = tmp_path / "run.dcrec"
     with RecordWriter(path, meta={"model": "tiny"}) as w:
@@ -336,7 +336,7 @@ def test_recordings_are_format_2_and_format_1_files_still_read(tmp_path: Path) -
     """Format 2 may hold grammar rows by reference, which a format-1 reader would drop
     silently: new files carry a magic such a reader refuses, and this reader still
     takes format-1 files (they never hold rows by reference)."""
-    from engine_side.vllm.record import RecordReader, RecordWriter
+    from engine_side.report.record import RecordReader, RecordWriter
     from protocol.recording import MAGIC, MAGIC_V1
 
     path = tmp_path / "run.dcrec"
@@ -358,7 +358,7 @@ def test_recording_of_another_protocol_major_is_refused(tmp_path: Path) -> None:
 
     import msgspec
 
-    from engine_side.vllm.record import RecordReader
+    from engine_side.report.record import RecordReader
     from protocol.errors import IncompatibleVersion
     from protocol.messages import PROTOCOL_MAJOR
     from protocol.recording import MAGIC_V1, RecordHeader
@@ -419,7 +419,7 @@ def test_real_vllm_streams_round_trip_live(real_runs: dict[str, Any]) -> None:
 @pytest.mark.integration
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_recorded_real_stream_replays_exactly(real_runs: dict[str, Any], name: str) -> None:
-    from engine_side.vllm.record import RecordReader
+    from engine_side.report.record import RecordReader
 
     reader = RecordReader(real_runs[name][1])
     assert reader.header.vllm_version.startswith("0.32")

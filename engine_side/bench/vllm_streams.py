@@ -280,8 +280,8 @@ def record_scenario(model: Path, name: str, out: Path | None, check: bool,
     from vllm import LLM
 
     from engine_side.bench.vllm_scenarios import SCENARIOS, async_scheduling
+    from engine_side.report.record import Recorder, RecordWriter, engine_executor
     from engine_side.vllm.encoder import SchedulerOutputEncoder
-    from engine_side.vllm.record import Recorder, RecordWriter, engine_executor
     from worker_side.vllm.decoder import SchedulerOutputDecoder
 
     scenario = SCENARIOS[name]
