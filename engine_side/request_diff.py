@@ -33,17 +33,22 @@ def _row(rows: BlockRows, p: int, ids: list[int]) -> None:
 class RequestDiffer:
     """``diff(request)``: the Delta taking ``mirror`` to a whole request (the mirror must
     keep its tables); remembers the engine's RequestSpec objects (the same object again
-    is unchanged, without comparing)."""
+    is unchanged, without comparing) while the mirror moves only through it: a step
+    taken some other way (``mirror.step``) makes it forget them."""
 
     def __init__(self, mirror: EngineMirror) -> None:
         self.mirror = mirror
         self.specs: dict[int, RequestSpec] = {}
         self._added: list[RequestSpec] = []  # the last diff's joining specs
+        self._seq = mirror.seq  # the mirror's seq when ``specs`` was last right
 
     def diff(self, request: ExecuteModelRequest) -> Delta:
         """The step's Delta, applied to the mirror; LocalProtocolError (mirror unchanged)
         for an inconsistent request."""
+        if self._seq != self.mirror.seq:
+            self.specs.clear()
         delta, applied = self.mirror.step(**request_changes(self, request))
+        self._seq = self.mirror.seq
         for h in applied.finished:
             self.specs.pop(h, None)
         for h, spec in zip(applied.added, self._added, strict=True):

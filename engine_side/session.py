@@ -178,11 +178,8 @@ class EngineSession:
                      changes: dict[str, Any] | None = None) -> int:
         """Publish the step ``request``; ``changes`` (its :meth:`EngineMirror.step`
         arguments, as an engine that knows them passes them) skips diffing it."""
-        if changes is None:
-            delta = self.differ.diff(request)
-        else:
-            delta = self.mirror.step(**changes)[0]
-            self.differ.specs.clear()  # (its cache of the engine's specs: stale now)
+        delta = self.differ.diff(request) if changes is None else \
+            self.mirror.step(**changes)[0]
         self._request = request
         self.stats["bytes"] += self.transport.publish(delta)
         self.stats["steps"] += 1

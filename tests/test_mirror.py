@@ -274,6 +274,27 @@ def test_a_handle_freed_by_a_finish_is_reused_from_the_next_step() -> None:
     assert mirror.ids == {"b": 1, "c": 2, "d": 0}
 
 
+def test_a_differ_forgets_its_specs_when_the_mirror_moves_without_it() -> None:
+    """Steps the engine takes straight through ``mirror.step`` (its known changes) between
+    diffs: a handle freed and reused there holds another spec, so the differ's memory of
+    the spec object it last saw for that handle must not be trusted."""
+    from protocol.rebuild import wire_spec
+
+    pair, rows = Pair(), prefill(2)
+    pair.step(rows)  # req-0 -> handle 0, req-1 -> handle 1, through the differ
+    old = rows[0].spec
+    other = spec(old.req_id, [7, 7, 7])  # the same id, another prompt
+    for kwargs in ({"finished": [old.req_id]},
+                   {"added": [Entry(wire_spec(other)[0])]}):  # handle 0 again
+        batch_ids = [rows[1].spec.req_id] + ([old.req_id] if "added" in kwargs else [])
+        delta, _ = pair.mirror.step(batch_ids, [1] * len(batch_ids), **kwargs)  # type: ignore[arg-type]
+        assert pair.replica.receive(codec.decode(codec.encode(delta)), 0.0) \
+            == [ev.Applied(delta.seq)]
+    assert pair.mirror.ids[old.req_id] == 0
+    rows = [rows[1], Row(old, 1, 0, [9])]  # the engine's request names the old spec again
+    pair.step(rows)  # rebuilt at both ends equal to it: the differ re-sent the spec
+
+
 # ---------------------------------------------------------------- rebuilt containers
 
 
