@@ -285,18 +285,16 @@ class SchedulerOutputEncoder:
             for g, ids in enumerate(nr.block_ids):
                 if ids:
                     _row(app[g], p, ids)
-        if some and groups == 1 and not cached.resumed_req_ids:  # one list per row, appended
-            at = _positions_of(nb)
-            if all(len(nb[k]) == 1 for k in at):
-                firsts = [nb[k][0] for k in at]
-                keys, counts = app[0][0], app[0][1]
-                keys += at if cpos is None else [cpos[k] for k in at]
-                counts += map(len, firsts)
-                app[0][2].extend(chain.from_iterable(firsts))
-                some = False  # (done: a request with no new ids keeps its row of none)
-        if some:
-            resumed, cids = cached.resumed_req_ids, cached.req_ids
-            for k in _positions_of(nb):
+        at = _positions_of(nb) if some else []
+        resumed, cids = cached.resumed_req_ids, cached.req_ids
+        if groups == 1 and not resumed and all(len(nb[k]) == 1 for k in at):
+            # one list a row, all appended (a request with no new ids: its row of none)
+            firsts = [nb[k][0] for k in at]
+            app[0][0].extend(at if cpos is None else [cpos[k] for k in at])
+            app[0][1].extend(map(len, firsts))
+            app[0][2].extend(chain.from_iterable(firsts))
+        else:
+            for k in at:
                 new, p = nb[k], k if cpos is None else cpos[k]
                 if len(new) != groups:
                     raise LocalProtocolError("new blocks are not one list per KV group")
