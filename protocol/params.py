@@ -60,6 +60,12 @@ class RepetitionDetectionSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     min_count: int = 0
 
 
+#: SamplingSpec fields that vary request by request on a server and from which nothing
+#: else is derived (in vLLM's SamplingParams either): both ends convert a parameter set
+#: once and set these on each request's copy
+PER_REQUEST_FIELDS = ("max_tokens", "seed")
+
+
 class SamplingSpec(msgspec.Struct, frozen=True, omit_defaults=True, rename=_SAMPLING_KEYS):
     """All fields of vLLM ``SamplingParams``; private ``_x`` fields drop the underscore.
 

@@ -24,6 +24,7 @@ from protocol.ext import FloatField, IntDtype, NewFix
 from protocol.messages import MMItem, Spec
 from protocol.packing import pack_uints
 from protocol.params import (
+    PER_REQUEST_FIELDS,
     LoRASpec,
     PoolingSpec,
     RepetitionDetectionSpec,
@@ -81,9 +82,8 @@ def sampling_to_spec(sp: Any) -> tuple[SamplingSpec, tuple[FloatField, ...], Int
 
 class SpecReader:
     """:func:`sampling_to_spec` that reuses an earlier result for parameters that encode
-    to the same msgpack bytes but for their per-request scalars (``max_tokens`` and
-    ``seed``: they vary per request on a server and nothing is derived from them), which
-    it sets on the result (SamplingSpec is frozen: sharing it is safe; an int and a float,
+    to the same msgpack bytes but for their ``PER_REQUEST_FIELDS``, which it sets on the
+    result (SamplingSpec is frozen: sharing it is safe; an int and a float,
     or 0.0 and -0.0, encode differently).  Parameters msgspec cannot encode are converted
     every time."""
 
@@ -93,12 +93,12 @@ class SpecReader:
         self._read: dict[bytes, tuple[SamplingSpec, tuple[FloatField, ...], IntDtype]] = {}
 
     def read(self, sp: Any) -> tuple[SamplingSpec, tuple[FloatField, ...], IntDtype]:
-        own = (getattr(sp, "max_tokens", None), getattr(sp, "seed", None))
+        own = {f: getattr(sp, f, None) for f in PER_REQUEST_FIELDS}
         shared = sp
-        if own != (None, None) and isinstance(sp, msgspec.Struct):
+        if any(v is not None for v in own.values()) and isinstance(sp, msgspec.Struct):
             shared = copy.copy(sp)  # (msgspec's C-level __copy__: no __post_init__)
-            msgspec.structs.force_setattr(shared, "max_tokens", None)
-            msgspec.structs.force_setattr(shared, "seed", None)
+            for f in PER_REQUEST_FIELDS:
+                msgspec.structs.force_setattr(shared, f, None)
         try:
             key = self._encode(shared)
         except (TypeError, ValueError, msgspec.EncodeError):
@@ -110,8 +110,7 @@ class SpecReader:
                 self._read.clear()
             self._read[key] = out
         if shared is not sp:
-            spec = msgspec.structs.replace(out[0], max_tokens=own[0], seed=own[1])
-            return spec, out[1], out[2]
+            return msgspec.structs.replace(out[0], **own), out[1], out[2]
         return out
 
 

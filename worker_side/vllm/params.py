@@ -16,7 +16,13 @@ import msgspec
 import numpy as np
 
 from protocol.errors import MalformedMessage
-from protocol.params import LoRASpec, PoolingSpec, SamplingSpec, StructuredOutputsSpec
+from protocol.params import (
+    PER_REQUEST_FIELDS,
+    LoRASpec,
+    PoolingSpec,
+    SamplingSpec,
+    StructuredOutputsSpec,
+)
 
 #: SamplingSpec fields whose type admits a list
 _LIST_FIELDS = frozenset(f.name for f in msgspec.structs.fields(SamplingSpec)
@@ -96,9 +102,8 @@ def spec_to_sampling(spec: SamplingSpec, int_floats: Iterable[str] = (), dtype: 
 
 class SamplingMaker:
     """:func:`spec_to_sampling` that copies an earlier result for a spec seen before (the
-    same frozen object, or one encoding to the same bytes but for its per-request scalars
-    -- ``max_tokens`` and ``seed``, which vary per request on a server and from which
-    SamplingParams derives nothing -- set on the copy): a C-level copy with fresh lists
+    same frozen object, or one encoding to the same bytes but for its
+    ``PER_REQUEST_FIELDS``, set on the copy): a C-level copy with fresh lists
     and sets.  Specs holding nested objects, dicts or lists of lists are made afresh, so
     no two results share a mutable object."""
 
@@ -107,7 +112,8 @@ class SamplingMaker:
     _encode = msgspec.msgpack.Encoder().encode
     _nested = staticmethod(attrgetter(*_NESTED))
     _NONE = (None,) * len(_NESTED)
-    _own = staticmethod(attrgetter("max_tokens", "seed"))
+    _own = staticmethod(attrgetter(*PER_REQUEST_FIELDS))
+    _UNSET = dict.fromkeys(PER_REQUEST_FIELDS)
 
     def __init__(self) -> None:
         self._made: dict[tuple[bytes, tuple[str, ...]], tuple[Any, tuple[str, ...]]] = {}
@@ -115,9 +121,9 @@ class SamplingMaker:
     def make(self, spec: SamplingSpec, int_floats: tuple[str, ...] = (), dtype: str = "") -> Any:
         if self._nested(spec) != self._NONE or dtype:
             return spec_to_sampling(spec, int_floats, dtype)
-        max_tokens, seed = own = self._own(spec)
-        shared = spec if own == (None, None) else \
-            msgspec.structs.replace(spec, max_tokens=None, seed=None)
+        own = self._own(spec)
+        per_request = any(v is not None for v in own)
+        shared = msgspec.structs.replace(spec, **self._UNSET) if per_request else spec
         key = (self._encode(shared), tuple(int_floats))
         known = self._made.get(key)
         if known is None:
@@ -129,9 +135,9 @@ class SamplingMaker:
             known = self._made[key] = (_own_containers(made.__copy__(), names), names)
         else:  # (__copy__ runs no __init__ or __post_init__)
             made = _own_containers(known[0].__copy__(), known[1])
-        if own != (None, None):
-            msgspec.structs.force_setattr(made, "max_tokens", max_tokens)
-            msgspec.structs.force_setattr(made, "seed", seed)
+        if per_request:
+            for name, value in zip(PER_REQUEST_FIELDS, own, strict=True):
+                msgspec.structs.force_setattr(made, name, value)
         return made
 
 
