@@ -14,7 +14,7 @@ Two kinds of names:
   returns exactly what its pure-Python reference returns, or None for an input it does
   not take -- and always None without the module; the caller then runs the reference,
   which decides, errors included;
-* whole functions (``single_items``, ``singletons``, ``index_is_positions``): the C
+* whole functions (``single_items``, ``singletons``): the C
   kernel where it takes the input, else the ``*_py`` reference beside it.
 
 ``tests/test_kernels*.py`` hold every kernel to its reference on generated and hostile
@@ -110,23 +110,6 @@ def singletons(items: list[Any]) -> list[list[Any]]:
     """``[[item] for item in items]``: fresh one-item lists."""
     made = _C.singletons(items) if _C is not None else None
     return made if made is not None else [[item] for item in items]
-
-
-def dict_matches_py(d: Any, keys: Any, values: Any) -> int | None:
-    """0 when ``list(d) != keys``, 1 when its values are not ``values``, 2 when both
-    match; None unless ``d`` is an exact dict and ``keys`` and ``values`` lists."""
-    if type(d) is not dict or type(keys) is not list or type(values) is not list:
-        return None
-    return 0 if list(d) != keys else 2 if list(d.values()) == values else 1
-
-
-def index_is_positions(index: dict[str, int], keys: list[str]) -> bool:
-    """``list(index) == keys`` and its values are ``0..n-1``."""
-    if _C is not None:
-        got = _C.dict_matches(index, keys, list(range(len(keys))))
-        if got is not None:
-            return got == 2
-    return list(index) == keys and list(index.values()) == list(range(len(index)))
 
 
 if __name__ == "__main__":

@@ -253,8 +253,7 @@ for v in {_SAMPLES}:
 for v in [[-1, 0, 1], [-(2**63), 2**63 - 1], list(range(-600, 600))]:
     b = packing.pack_sints(v)
     out += [b.hex(), packing.unpack_sint_list(b)]
-out += [kernels.single_items([[1], [2]]), kernels.singletons([3]),
-        kernels.index_is_positions({{"a": 0, "b": 1}}, ["a", "b"])]
+out += [kernels.single_items([[1], [2]]), kernels.singletons([3])]
 print(repr(out))
 """
 
@@ -298,42 +297,8 @@ def test_singletons_are_fresh_one_item_lists(items: list[object]) -> None:
     assert C.singletons(tuple(items)) is None and kernels.singletons_py(tuple(items)) is None
 
 
-KEYS = st.lists(st.sampled_from(["a", "b", "c", "d", "e"]), unique=True, max_size=5)
-
-
-@needs_c
-@given(KEYS, KEYS, st.lists(st.integers(0, 2), max_size=6), st.lists(st.integers(0, 2),
-                                                                     max_size=6))
-def test_dict_matches_is_its_reference(keys: list[str], other: list[str], values: list[int],
-                                       want: list[int]) -> None:
-    assert C is not None
-    d = dict(zip(keys, values + [0] * len(keys), strict=False))
-    for names in (keys, other):
-        assert C.dict_matches(d, names, want) == kernels.dict_matches_py(d, names, want)
-        assert kernels.index_is_positions(d, names) == (
-            kernels.dict_matches_py(d, names, list(range(len(names)))) == 2)
-
-
-@needs_c
-def test_dict_matches_refuses_what_it_cannot_take() -> None:
-    from collections import OrderedDict
-
-    assert C is not None
-    for args in ((OrderedDict(a=1), ["a"], [1]), ({"a": 1}, ("a",), [1]),
-                 ({"a": 1}, ["a"], (1,))):
-        assert C.dict_matches(*args) is None and kernels.dict_matches_py(*args) is None
-    assert C.dict_matches({"a": 1}, ["a"], [1]) == 2
-    assert C.dict_matches({"a": 1}, ["a"], [1.0]) == 2  # == as Python compares
-    assert C.dict_matches({"a": 1}, ["b"], [1]) == 0
-    assert C.dict_matches({"a": 1}, ["a"], [1, 2]) == 1
-
-
 def test_whole_functions_without_the_module() -> None:
     """The references the facade falls back on (the pure-Python process's answers)."""
     assert kernels.single_items_py([[1], [2]]) == [1, 2]
     assert kernels.single_items_py([[1], [2, 3]]) is None
     assert kernels.singletons_py([1, 2]) == [[1], [2]]
-    assert kernels.dict_matches_py({"a": 0}, ["a"], [0]) == 2
-    assert kernels.index_is_positions({"a": 0, "b": 1}, ["a", "b"])
-    assert not kernels.index_is_positions({"a": 1, "b": 0}, ["a", "b"])
-    assert not kernels.index_is_positions({"b": 0, "a": 1}, ["a", "b"])

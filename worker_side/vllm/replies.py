@@ -12,7 +12,7 @@ from itertools import chain
 from typing import Any
 
 from protocol.ext import KVOutputWire, LogprobsWire, RefTable, ReplyMsg
-from protocol.kernels import index_is_positions, single_items
+from protocol.kernels import single_items
 from protocol.packing import pack_sints, pack_uints
 from protocol.seal import ChannelSeals
 
@@ -27,7 +27,8 @@ def reply_msg(out: Any, batch: list[str], seq: int, seals: ChannelSeals) -> Repl
     if out.req_ids != batch:
         fields["positions"] = ids.pack(out.req_ids)
     index = out.req_id_to_index
-    if not index_is_positions(index, out.req_ids):  # (ref, index) pairs, flat
+    if list(index) != out.req_ids or list(index.values()) != list(range(len(index))):
+        # (ref, index) pairs, flat
         pairs = zip(ids.refs(list(index)), index.values(), strict=True)
         fields["index_map"] = pack_uints(list(chain.from_iterable(pairs)))
     sampled = out.sampled_token_ids
