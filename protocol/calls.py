@@ -18,10 +18,18 @@ number, or a ``P`` ping naming a number it has not seen) or damaged (the CRC doe
 match) asks for it again with ``N`` (8 bytes: the first number it lacks); the engine
 answers from the last calls it keeps with ``Y`` followed by each call's frames, in
 order, or fails the executor when they are gone.
+
+A rank on another host (over tcp with CURVE) first says ``h`` hello with a JSON object
+of strings: ``node`` (its node rank), ``vllm`` (version), ``protocol`` (major) and
+``config`` (the hash of the model config it built); the engine answers ``w`` welcome,
+then the 32-byte secret of the sealed calls (only ever over the authenticated channel)
+and the rank's settings (``hash_every`` uint32, ``spin_s`` float64, little-endian), or
+``x`` refused with one line of text saying what differs, and the rank exits.
 """
 
 from __future__ import annotations
 
+import json
 import struct
 import zlib
 from collections.abc import Sequence
@@ -35,6 +43,9 @@ RESENT, PING = b"Y", b"P"  # a call again (then its frames); the newest call num
 # rank -> engine (CONTROL answers a control call with its sealed result)
 READY, FAILED, OUTPUT, DONE, ERROR, CHECK_IN = b"R", b"F", b"O", b"K", b"E", b"H"
 RESEND = b"N"  # 8 bytes: the first call number the rank lacks
+HELLO, WELCOME, REFUSED = b"h", b"w", b"x"  # a remote rank's hello and the engine's answers
+HELLO_FIELDS = ("node", "vllm", "protocol", "config")
+WELCOME_SETTINGS = struct.Struct("<Id")  # hash_every, spin_s
 CALL_HEAD = struct.Struct("<cQI")  # kind, number, CRC-32 of the other frames
 NUMBER = struct.Struct("<Q")
 #: the kinds of a rank's answer to a call
@@ -61,6 +72,26 @@ def parse_check_in(payload: bytes) -> tuple[int, int]:
         raise MalformedMessage("check-in payload is not 16 bytes", size=len(payload))
     steps, value = CHECK_IN_PAYLOAD.unpack(payload)
     return int(steps), int(value)
+
+
+def pack_hello(**fields: str) -> bytes:
+    """An ``h`` payload of exactly HELLO_FIELDS (strings)."""
+    if tuple(sorted(fields)) != tuple(sorted(HELLO_FIELDS)):
+        raise ValueError(f"a hello has exactly the fields {HELLO_FIELDS}")
+    return json.dumps(fields, sort_keys=True).encode()
+
+
+def parse_hello(payload: bytes) -> dict[str, str]:
+    """The fields of an ``h`` payload; MalformedMessage unless exactly HELLO_FIELDS,
+    each a string of at most 256 characters."""
+    try:
+        fields = json.loads(payload) if len(payload) <= 4096 else None
+    except (ValueError, UnicodeDecodeError):
+        fields = None
+    if not isinstance(fields, dict) or sorted(fields) != sorted(HELLO_FIELDS) or any(
+            not isinstance(v, str) or len(v) > 256 for v in fields.values()):
+        raise MalformedMessage("a hello is a JSON object of the hello fields", size=len(payload))
+    return fields
 
 
 def frames_crc(frames: Sequence[Any]) -> int:

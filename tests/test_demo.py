@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import netns
 import pytest
 
 from engine_side.security import free_tcp_endpoint
@@ -81,46 +82,16 @@ def test_demo_refuses_tcp_without_keys_or_insecure_flag() -> None:
     assert "refusing to bind tcp://127.0.0.1:45999 without CURVE" in err
 
 
-def _netns_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    if shutil.which("ip") is None:
-        return "needs iproute2 (ip)"
-    probe = subprocess.run(["ip", "netns", "add", "dct-probe"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"ip netns not permitted here: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "dct-probe"], capture_output=True)
-    return None
-
-
 @pytest.mark.integration
 def test_workers_in_another_network_namespace_over_tcp_with_curve(tmp_path: Path) -> None:
-    reason = _netns_unavailable()
+    reason = netns.unavailable()
     if reason:
         pytest.skip(reason)
-    ns_e, ns_w = f"dcte{os.getpid()}", f"dctw{os.getpid()}"
-
-    def ip(*args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True)
-
-    try:
-        ip("netns", "add", ns_e)
-        ip("netns", "add", ns_w)
-        ip("link", "add", f"ve{os.getpid()}", "type", "veth", "peer", "name", f"vw{os.getpid()}")
-        ip("link", "set", f"ve{os.getpid()}", "netns", ns_e)
-        ip("link", "set", f"vw{os.getpid()}", "netns", ns_w)
-        ip("-n", ns_e, "addr", "add", "10.231.0.1/24", "dev", f"ve{os.getpid()}")
-        ip("-n", ns_w, "addr", "add", "10.231.0.2/24", "dev", f"vw{os.getpid()}")
-        for ns, dev in ((ns_e, f"ve{os.getpid()}"), (ns_w, f"vw{os.getpid()}")):
-            ip("-n", ns, "link", "set", dev, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-        _run_split_engine(ns_e, ns_w, tmp_path)
-    finally:
-        subprocess.run(["ip", "netns", "del", ns_e], capture_output=True)
-        subprocess.run(["ip", "netns", "del", ns_w], capture_output=True)
+    with netns.two_hosts("d") as (engine_host, worker_host):
+        _run_split_engine(engine_host, worker_host, tmp_path)
 
 
-def _run_split_engine(ns_e: str, ns_w: str, tmp_path: Path) -> None:
+def _run_split_engine(engine_host: netns.Host, worker_host: netns.Host, tmp_path: Path) -> None:
     """Engine in one namespace, a hand-started worker in the other, CURVE over the veth."""
     from engine_side.security import generate_keypair
 
@@ -128,17 +99,19 @@ def _run_split_engine(ns_e: str, ns_w: str, tmp_path: Path) -> None:
     worker_pub, worker_secret = generate_keypair(tmp_path, "worker")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     engine = subprocess.Popen(
-        ["ip", "netns", "exec", ns_e, sys.executable, "-m", "engine_side.cli", "demo",
-         "--no-progress", "--json", "--workers", "0", "--remote-workers", "1",
-         "--requests", "6", "--reference", "--endpoint", "tcp://10.231.0.1:47100",
-         "--server-secret-key", str(tmp_path / "engine.key_secret"),
-         "--allow-key", str(worker_pub)],
+        engine_host.run(
+            sys.executable, "-m", "engine_side.cli", "demo",
+            "--no-progress", "--json", "--workers", "0", "--remote-workers", "1",
+            "--requests", "6", "--reference", "--endpoint", f"tcp://{engine_host.addr}:47100",
+            "--server-secret-key", str(tmp_path / "engine.key_secret"),
+            "--allow-key", str(worker_pub)),
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     worker = subprocess.Popen(
-        ["ip", "netns", "exec", ns_w, sys.executable, "-m", "worker_side.main",
-         "--connect", "tcp://10.231.0.1:47100", "--rank", "0", "--model-seed", "0",
-         "--num-blocks", "256", "--server-key", str(server_pub),
-         "--secret-key", str(worker_secret)],
+        worker_host.run(
+            sys.executable, "-m", "worker_side.main",
+            "--connect", f"tcp://{engine_host.addr}:47100", "--rank", "0", "--model-seed", "0",
+            "--num-blocks", "256", "--server-key", str(server_pub),
+            "--secret-key", str(worker_secret)),
         cwd=REPO, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         out, err = engine.communicate(timeout=180)

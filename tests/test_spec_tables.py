@@ -374,17 +374,22 @@ def test_executor_call_kinds_match_protocol_calls(spec: str) -> None:
     to_ranks: set[bytes] = set()
     to_engine: set[bytes] = set()
     for kind, direction, frames, _ in rows:
-        names = {k.encode() for k in re.findall(r"\b([A-Z])\b", kind)}  # (`R` / `F`)
+        names = {k.encode() for k in re.findall(r"\b([A-Za-z])\b", kind)}  # (`R` / `F`)
         (to_ranks if direction.startswith("engine") else to_engine).update(names)
         if names == {calls.CHECK_IN}:
             assert f"{calls.CHECK_IN_PAYLOAD.size} bytes" in frames
+        if calls.WELCOME in names:
+            assert f"{calls.WELCOME_SETTINGS.size} bytes of settings" in frames
+        if names == {calls.HELLO}:
+            assert all(f"`{field}`" in frames for field in calls.HELLO_FIELDS)
     assert to_ranks == {calls.EXECUTE, calls.SAMPLE, calls.CONTROL, calls.ATTACH, calls.QUIT,
-                        calls.RESENT, calls.PING}
+                        calls.RESENT, calls.PING, calls.WELCOME, calls.REFUSED}
     assert to_engine == {calls.READY, calls.FAILED, calls.OUTPUT, calls.DONE, calls.CONTROL,
-                         calls.ERROR, calls.CHECK_IN, calls.RESEND}
+                         calls.ERROR, calls.CHECK_IN, calls.RESEND, calls.HELLO}
     assert calls.CALL_HEAD.size == 13 and calls.CALL_HEAD.format == "<cQI"
     assert "13-byte **head**" in spec and calls.NUMBER.format == "<Q"
     assert calls.CHECK_IN_PAYLOAD.format == "<qQ" and calls.DOORBELL == b""
+    assert calls.WELCOME_SETTINGS.format == "<Id"  # hash_every uint32, spin_s float64
 
 
 def test_extension_size_limits_as_stated(spec: str) -> None:

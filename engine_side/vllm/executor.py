@@ -71,7 +71,9 @@ from engine_side.transport import spin_poll
 from engine_side.vllm.answers import Answers, RankFault
 from engine_side.vllm.divergence import RankDiverged, TokenHashBoard
 from engine_side.vllm.encoder import SchedulerOutputEncoder
+from engine_side.vllm.nodes import NodeLayout, hello_mismatch
 from engine_side.vllm.resend import Retransmitter
+from engine_side.zap import ZapHandler
 from protocol import calls as wire
 from protocol.errors import MalformedMessage, ProtocolError
 from protocol.faults import PeerFaults
@@ -84,6 +86,8 @@ POLL_MS = 100  # how often a waiting call re-checks that every rank is alive
 JOIN_S = 10.0
 RING_POLL_MS = 1  # a blocked executor's ring check period (long steps, past the spin)
 RING_CALL_LIMIT = 1 << 20  # bigger calls use the ROUTER (bounds what the ring holds in flight)
+HEARTBEAT_S = 0.8  # a remote rank unheard this long (ZMTP heartbeats every 1/4 of it) is lost
+JOIN_LOG_S = 10.0  # while ranks on other nodes have not joined, say so this often
 
 
 class ExecutorFailed(RuntimeError):
@@ -122,7 +126,9 @@ class DeltaExecutor(Executor):
             if isinstance(self.vllm_config.additional_config, dict) else {}
         self._init_state(extra)
         self._init_channels(extra)
-        set_multiprocessing_worker_envs(self.world_size)
+        set_multiprocessing_worker_envs(len(self.local_ranks))
+        if self._links is not None:
+            self._link_watch.start()
         try:
             self._start_ranks()
             self._wait_ready()
@@ -141,6 +147,13 @@ class DeltaExecutor(Executor):
         self.shutting_down = False
         self.failure_callback: FailureCallback | None = None
         self.world_size = self.parallel_config.world_size
+        self.nodes = NodeLayout.from_config(extra, self.world_size)
+        self.local_ranks = range(self.nodes.per_node(self.world_size))
+        self.remote_ranks = range(len(self.local_ranks), self.world_size)
+        if self.nodes.remote and extra.get("deltacast_mm_store_mb"):
+            raise ValueError("deltacast_mm_store_mb is a shared-memory store on the engine's "
+                             "host: it cannot serve ranks on other nodes (leave it unset)")
+        self.hosts: dict[int, str] = {}  # remote rank -> its peer address (from its hello)
         self.output_rank = self.world_size - self.parallel_config.tensor_parallel_size \
             * self.parallel_config.prefill_context_parallel_size
         samplers = range(self.output_rank, self.world_size)  # the last PP stage
@@ -172,12 +185,28 @@ class DeltaExecutor(Executor):
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._zap: ZapHandler | None = None
+        self._links: zmq.Socket[bytes] | None = None  # the ROUTER's monitor (remote ranks)
+        self._link_watch = threading.Thread(target=self._watch_links, daemon=True,
+                                            name="DeltaLinks")
+        self._rank_keys: dict[int, str] = {}  # rank -> the z85 CURVE key it must use
+        if self.nodes.remote:
+            self._secure_channel()
         self._sock.bind(f"{self._dir.endpoint}/ctl")
+        for node in range(1, self.nodes.nnodes):
+            where = self.nodes.channel(node)
+            try:
+                self._sock.bind(where)
+            except zmq.ZMQError as exc:
+                raise RuntimeError(f"DeltaExecutor cannot listen on {where} for node {node}'s "
+                                   f"ranks ({exc}): deltacast_master_addr must be this host's "
+                                   "address and the port free") from exc
+            log.info("DeltaExecutor: node %d's ranks join at %s", node, where)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         # every rank needs a reply ring: beyond MAX_RANKS ranks, sockets only
         ring_kb = int(extra.get("deltacast_ring_kb", 32 << 10)) \
-            if self.world_size <= MAX_RANKS else 0
+            if len(self.local_ranks) <= MAX_RANKS else 0
         self.ring = RingWriter(self._dir.path, ring_kb << 10, min(4 << 20, ring_kb << 10)) \
             if ring_kb else None
         self.stats: Counter[str] = Counter()  # ring_calls, socket_calls, socket_replies
@@ -185,7 +214,28 @@ class DeltaExecutor(Executor):
         self._resender = Retransmitter(self._sock, self.stats, self.faults)
         self._finalizer = weakref.finalize(self, DeltaExecutor._cleanup, self.procs,
                                            self._deaths, self._sock, self._ctx, self._dir,
-                                           self.ring)
+                                           self.ring, self._zap, self._links,
+                                           self._link_watch)
+
+    def _secure_channel(self) -> None:
+        """Ranks on other nodes: CURVE on the ROUTER with our ZAP allow-list (each node's
+        key; the local ranks a key made for this run), and ZMTP heartbeats, so a rank
+        killed, frozen or cut off drops its connection within HEARTBEAT_S."""
+        public, secret, allowed = self.nodes.node_keys()
+        local_public, local_secret = zmq.curve_keypair()
+        self._local_curve = (public, local_public, local_secret)
+        self._zap = ZapHandler(self._ctx, frozenset([*allowed.values(), local_public]))
+        for rank in range(self.world_size):
+            node = self.nodes.node_of(rank, self.world_size)
+            self._rank_keys[rank] = (local_public if node == 0 else allowed[node]).decode()
+        self._sock.curve_server = True
+        self._sock.curve_publickey, self._sock.curve_secretkey = public, secret
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 250))
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_S * 1000))
+        self._links = self._sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
     def _start_ranks(self) -> None:
         """Start every rank before waiting on any (device init is collective)."""
@@ -194,11 +244,12 @@ class DeltaExecutor(Executor):
 
         ctx = multiprocessing.get_context("spawn")
         lock = self._lock = ctx.Lock()  # kept: a spawned child opens it by name later
-        init_method = get_file_store_init_method()
+        init_method = self.nodes.init_method if self.nodes.remote \
+            else get_file_store_init_method()
         omp = OMPProcessManager(self.vllm_config)
         tp = self.parallel_config.tensor_parallel_size
         every = self.token_hash_every if len(self.hashes.ranks) > 1 else 0
-        for rank in range(self.world_size):
+        for rank in self.local_ranks:
             reader, writer = ctx.Pipe(duplex=False)
             kwargs = dict(vllm_config=self.vllm_config, local_rank=rank, rank=rank,
                           init_method=init_method, endpoint=f"{self._dir.endpoint}/ctl",
@@ -206,7 +257,8 @@ class DeltaExecutor(Executor):
                           output_rank=self.output_rank, lock=lock, death=reader,
                           hash_every=every if rank in self.hashes.ranks else 0,
                           spin_s=self.spin_s,
-                          ring_dir=str(self._dir.path) if self.ring is not None else None)
+                          ring_dir=str(self._dir.path) if self.ring is not None else None,
+                          curve=getattr(self, "_local_curve", None))
             p = ctx.Process(target=run_by_name, args=(RANK_MODULE, "worker_main"),
                             kwargs=kwargs, name=f"DeltaWorker-{rank}", daemon=True)
             with omp.configure_omp_envs(rank=rank, local_rank=rank):  # per-rank CPU binding
@@ -217,14 +269,48 @@ class DeltaExecutor(Executor):
 
     def _wait_ready(self) -> None:
         ready: set[int] = set()
+        said = time.monotonic()
         while len(ready) < self.world_size:
-            for rank, (kind, *rest) in self._receive(None):
-                if kind == wire.FAILED:
+            if self.is_failed:
+                raise ExecutorFailed(self.failure)
+            got = self._receive(None)
+            if not got and time.monotonic() - said > JOIN_LOG_S and self.nodes.remote:
+                said = time.monotonic()
+                missing = [r for r in range(self.world_size) if r not in ready]
+                log.warning("DeltaExecutor: waiting for ranks %s (`deltacast node --node-rank "
+                            "K` on node K joins at %s)", missing,
+                            ", ".join(self.nodes.channel(n) for n in range(1, self.nodes.nnodes)))
+            for rank, (kind, *rest) in got:
+                if kind == wire.HELLO and rank in self.remote_ranks:
+                    self._welcome(rank, rest)
+                elif kind == wire.FAILED:
                     raise RuntimeError(f"DeltaExecutor rank {rank} failed to start:\n"
                                        + b"".join(rest).decode(errors="replace"))
-                if kind != wire.READY:
+                elif kind != wire.READY:
                     raise RuntimeError(f"rank {rank} sent {kind!r} before ready")
-                ready.add(rank)
+                else:
+                    ready.add(rank)
+
+    def _welcome(self, rank: int, frames: list[bytes]) -> None:
+        """A remote rank's hello: the secret if it built what we built, else refused
+        (and start-up fails with what differs)."""
+        node = self.nodes.node_of(rank, self.world_size)
+        try:
+            fields = wire.parse_hello(frames[0] if len(frames) == 1 else b"")
+        except ProtocolError as exc:
+            self.faults.hit(f"rank {rank}", exc)
+            return
+        wrong = hello_mismatch(fields, node, self.vllm_config)
+        if wrong is not None:
+            self._sock.send_multipart([b"%d" % rank, wire.REFUSED, wrong.encode()])
+            raise RuntimeError(f"DeltaExecutor rank {rank} (node {fields['node']}, "
+                               f"{self.hosts.get(rank, '?')}) differs from the engine: {wrong}")
+        every = self.token_hash_every if rank in self.hashes.ranks and \
+            len(self.hashes.ranks) > 1 else 0
+        self._sock.send_multipart([b"%d" % rank, wire.WELCOME, self.secret,
+                                   wire.WELCOME_SETTINGS.pack(every, self.spin_s)])
+        log.info("DeltaExecutor: rank %d joined from node %d at %s", rank, node,
+                 self.hosts.get(rank, "?"))
 
     def _attach_store(self) -> None:
         """Every rank attaches a reader to the store (one sealed map rank -> AttachInfo)."""
@@ -242,7 +328,7 @@ class DeltaExecutor(Executor):
         """Wait for any rank to exit; unless shutting down, fail and call back."""
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
         died = multiprocessing.connection.wait(list(sentinels))
-        if self.shutting_down:
+        if self.shutting_down or self.is_failed:
             return
         rank = sentinels[died[0]]  # type: ignore[index]
         self.is_failed = True
@@ -250,6 +336,51 @@ class DeltaExecutor(Executor):
         log.error("DeltaExecutor rank %d died (exit code %s); the executor has failed",
                   rank, self.procs[rank].exitcode)
         for p in self.procs:  # the other shards are useless without it
+            if p.is_alive():
+                p.terminate()
+        self._fail()
+
+    def _watch_links(self) -> None:
+        """Ranks on other nodes: a connection on node k's port that completed its CURVE
+        handshake and then dropped (rank killed, frozen past HEARTBEAT_S, link down)
+        fails the executor, naming node k.  Monitor events carry no identity, and a
+        refused handshake also ends in a disconnect: each failed handshake on a port
+        accounts for that port's next disconnect (a node dropping at the very moment
+        a stranger's handshake fails there is then missed, never a false failure)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        links = self._links
+        assert links is not None
+        ports = {self.nodes.master_port + n: n for n in range(1, self.nodes.nnodes)}
+        joined: set[int] = set()
+        failed: Counter[int] = Counter()
+        while not self.shutting_down:
+            if not links.poll(POLL_MS):
+                continue
+            event = recv_monitor_message(links)
+            where = event["endpoint"].decode(errors="replace")
+            node = ports.get(int(where.rpartition(":")[2])) if where.startswith("tcp") else None
+            kind = event["event"]
+            if node is None:
+                continue
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                joined.add(node)
+            elif kind != zmq.EVENT_DISCONNECTED:  # a failed handshake
+                failed[node] += 1
+            elif failed[node]:
+                failed[node] -= 1
+            elif node in joined and not self.shutting_down:
+                self._node_lost(node)
+                return
+
+    def _node_lost(self, node: int) -> None:
+        ranks = [r for r in self.remote_ranks if self.nodes.node_of(r, self.world_size) == node]
+        hosts = sorted({self.hosts.get(r, "?") for r in ranks})
+        self.failure = (f"DeltaExecutor failed: node {node} (ranks {ranks}, host "
+                        f"{', '.join(hosts)}) dropped its connection: killed, frozen, or cut "
+                        f"off (no heartbeat for {HEARTBEAT_S} s)")
+        log.error(self.failure)
+        for p in self.procs:  # the local shards are useless without it
             if p.is_alive():
                 p.terminate()
         self._fail()
@@ -295,7 +426,7 @@ class DeltaExecutor(Executor):
             return []
         ring, got = self.ring, []
         while self._sock.poll(0, zmq.POLLIN):
-            ident, *frames = self._sock.recv_multipart(copy=True)
+            ident, *frames = self._recv()
             rank = wire.rank_of(ident, self.world_size)
             if rank is None or not frames:  # not from a rank (a peer in our directory?)
                 self.faults.hit(ident, MalformedMessage("not a rank's message", frames=len(frames)))
@@ -313,6 +444,20 @@ class DeltaExecutor(Executor):
                     self.faults.hit(f"reply ring {rank}", MalformedMessage("no such rank"))
         self._replied = time.monotonic()
         return got
+
+    def _recv(self) -> list[bytes]:
+        """One ROUTER message; with ranks on other nodes, a message whose CURVE key is
+        not its rank's node's comes back with an identity of no rank (dropped, counted)."""
+        if not self._rank_keys:
+            return self._sock.recv_multipart(copy=True)
+        parts = self._sock.recv_multipart(copy=False)
+        ident = parts[0].bytes
+        rank = wire.rank_of(ident, self.world_size)
+        if rank is not None and parts[-1].get("User-Id") != self._rank_keys[rank]:
+            return [b"key of another node:" + ident, *(p.bytes for p in parts[1:])]
+        if rank is not None and rank not in self.hosts and rank in self.remote_ranks:
+            self.hosts[rank] = str(parts[-1].get("Peer-Address"))
+        return [p.bytes for p in parts]
 
     def _arrived(self) -> bool:
         """Wait (spinning while steps flow) until the ROUTER or a reply ring has input;
@@ -380,6 +525,8 @@ class DeltaExecutor(Executor):
         if self.ring is not None and self.ring.publish(call, self._calls, RING_CALL_LIMIT):
             for rank in self.ring.sleeping_ranks():  # wake who sleeps
                 self._sock.send_multipart([str(rank).encode(), wire.DOORBELL])
+            for rank in self.remote_ranks:  # no ring on another host
+                self._sock.send_multipart([str(rank).encode(), *call], copy=False)
             self.stats["ring_calls"] += 1
             return
         self.stats["socket_calls"] += 1
@@ -502,8 +649,16 @@ class DeltaExecutor(Executor):
     @staticmethod
     def _cleanup(procs: list[BaseProcess], deaths: list[Connection], sock: zmq.Socket[bytes],
                  ctx: zmq.Context[zmq.Socket[bytes]], private: PrivateDir,
-                 ring: RingWriter | None) -> None:
+                 ring: RingWriter | None, zap: ZapHandler | None,
+                 links: zmq.Socket[bytes] | None, link_watch: threading.Thread) -> None:
         reap(procs, deaths, JOIN_S)
+        if link_watch.is_alive():  # it ends within POLL_MS once shutting down
+            link_watch.join(2 * POLL_MS / 1e3)
+        if links is not None and not link_watch.is_alive():
+            sock.disable_monitor()
+            links.close(linger=0)
+        if zap is not None:
+            zap.stop()
         sock.close(linger=0)
         ctx.term()
         if ring is not None:

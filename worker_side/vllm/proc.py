@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection
@@ -46,12 +47,18 @@ from protocol.calls import (
     ERROR,
     EXECUTE,
     FAILED,
+    HELLO,
     OUTPUT,
     QUIT,
     READY,
+    REFUSED,
     SAMPLE,
+    WELCOME,
+    WELCOME_SETTINGS,
+    pack_hello,
 )
 from protocol.errors import MalformedMessage
+from protocol.messages import PROTOCOL_MAJOR
 from protocol.seal import Opener, Sealer
 from worker_side.vllm.channel import RankChannel
 from worker_side.vllm.decoder import SchedulerOutputDecoder
@@ -66,6 +73,72 @@ def _watch_parent(death: Connection) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="DeltaDeathPipe").start()
+
+
+HEARTBEAT_S = 0.8  # the engine unheard this long (ZMTP heartbeats every 1/4 of it) is gone
+_SAY_S = 10.0  # while the engine has not answered our hello, say so this often
+_quitting = threading.Event()
+
+
+def _watch_engine(sock: zmq.Socket[bytes], endpoint: str, rank: int) -> None:
+    """A rank on another node: exit (status 1, one line) when the engine refuses our
+    CURVE key or, once joined, its connection drops (engine gone, frozen, or cut off)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 250))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_S * 1000))
+    monitor = sock.get_monitor_socket()
+
+    def watch() -> None:
+        joined = False
+        while not _quitting.is_set():
+            if not monitor.poll(100):
+                continue
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                joined = True
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                _die(rank, f"the engine at {endpoint} refused this node's CURVE key (is its "
+                           "public key among the engine's workerK.key for this node?)")
+            elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                           zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL) and not joined:
+                _die(rank, f"no CURVE handshake with {endpoint}: wrong engine.key for this "
+                           "engine, or not a deltacast engine")
+            elif event == zmq.EVENT_DISCONNECTED and joined and not _quitting.is_set():
+                _die(rank, f"lost the engine at {endpoint} (gone, frozen, or cut off: no "
+                           f"heartbeat for {HEARTBEAT_S} s)")
+        monitor.close(linger=0)  # (the context's term waits for it)
+
+    threading.Thread(target=watch, daemon=True, name="DeltaEngineWatch").start()
+
+
+def _die(rank: int, why: str) -> None:
+    print(f"deltacast rank {rank}: {why}; exiting", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _join(sock: zmq.Socket[bytes], node: int, vllm_config: Any, endpoint: str,
+          rank: int) -> tuple[bytes, int, float]:
+    """A rank on another node says hello; the engine's welcome carries the secret of
+    the sealed calls (over CURVE only) and (hash_every, spin_s).  Refused: one line on
+    stderr, exit 1."""
+    import vllm
+
+    sock.send_multipart([HELLO, pack_hello(
+        node=str(node), vllm=vllm.__version__, protocol=str(PROTOCOL_MAJOR),
+        config=vllm_config.compute_hash())])
+    while True:
+        if not sock.poll(int(_SAY_S * 1000)):
+            print(f"deltacast rank {rank}: waiting for the engine at {endpoint}",
+                  file=sys.stderr, flush=True)
+            continue
+        kind, *rest = sock.recv_multipart()
+        if kind == WELCOME and len(rest) == 2 and len(rest[0]) == 32 \
+                and len(rest[1]) == WELCOME_SETTINGS.size:
+            every, spin = WELCOME_SETTINGS.unpack(rest[1])
+            return rest[0], int(every), float(spin)
+        if kind == REFUSED:
+            _die(rank, "the engine refused this node: " + b"".join(rest).decode(errors="replace"))
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
@@ -95,8 +168,12 @@ def _start_worker(vllm_config: Any, local_rank: int, rank: int, init_method: str
 def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
                 endpoint: str, secret: bytes, is_driver: bool, output_rank: int,
                 lock: Any, death: Connection, hash_every: int = 0, spin_s: float = 0.0,
-                ring_dir: str | None = None) -> None:
-    """Process entry point (spawned): start the worker, then serve calls until ``Q``."""
+                ring_dir: str | None = None, curve: tuple[bytes, bytes, bytes] | None = None,
+                node: int = 0) -> None:
+    """Process entry point (spawned): start the worker, then serve calls until ``Q``.
+    ``curve``: (the engine's public key, ours, our secret) when the engine takes ranks
+    from other nodes; ``node`` > 0: this rank runs on node ``node`` and learns ``secret``
+    from the engine's welcome."""
     from vllm.utils.system_utils import set_process_title
 
     set_process_title(name=f"DeltaWorker_{rank}")  # "VLLM::DeltaWorker_<rank>" in ps
@@ -106,7 +183,13 @@ def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, str(rank).encode())
     sock.setsockopt(zmq.LINGER, 1000)
+    if curve is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
+    if node:
+        _watch_engine(sock, endpoint, rank)
     sock.connect(endpoint)
+    if node:
+        secret, hash_every, spin_s = _join(sock, node, vllm_config, endpoint, rank)
     wrapper = None
     try:
         try:
@@ -119,6 +202,7 @@ def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
         sock.send_multipart([READY])
         _Server(wrapper, channel, secret, rank == output_rank, rank, hash_every).serve()
     finally:
+        _quitting.set()
         if wrapper is not None:
             _shutdown_worker(wrapper)
         sock.close()

@@ -1,0 +1,80 @@
+"""Two "hosts" on this machine for tests: Linux network namespaces joined by a veth pair.
+
+:func:`two_hosts` makes namespaces A (10.231.N.1) and B (10.231.N.2), each with its end
+of the veth up, lo up and the link shaped to 1 Gbit/s (``tbf``: this kernel has no
+``netem``, so no added delay), and removes them on exit.  :func:`unavailable` says why
+a test must skip (not root, no ``ip``, namespaces not permitted).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+
+
+def unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if shutil.which("ip") is None:
+        return "needs iproute2 (ip)"
+    probe = subprocess.run(["ip", "netns", "add", "dct-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"ip netns not permitted here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "dct-probe"], capture_output=True)
+    return None
+
+
+@dataclass(frozen=True)
+class Host:
+    ns: str
+    dev: str
+    addr: str
+
+    def run(self, *argv: str) -> list[str]:
+        """``argv`` as a command line run in this host's namespace."""
+        return ["ip", "netns", "exec", self.ns, *argv]
+
+    def pids(self) -> list[int]:
+        """Processes still running in this namespace."""
+        out = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+    def tx_bytes(self) -> int:
+        out = subprocess.run(self.run("cat", f"/sys/class/net/{self.dev}/statistics/tx_bytes"),
+                             capture_output=True, text=True, check=True)
+        return int(out.stdout)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@contextmanager
+def two_hosts(tag: str = "") -> Iterator[tuple[Host, Host]]:
+    n = os.getpid() % 200 + 20
+    a = Host(f"dct{tag}a{os.getpid()}", f"va{os.getpid()}", f"10.231.{n}.1")
+    b = Host(f"dct{tag}b{os.getpid()}", f"vb{os.getpid()}", f"10.231.{n}.2")
+    try:
+        _ip("netns", "add", a.ns)
+        _ip("netns", "add", b.ns)
+        _ip("link", "add", a.dev, "type", "veth", "peer", "name", b.dev)
+        for h in (a, b):
+            _ip("link", "set", h.dev, "netns", h.ns)
+            _ip("-n", h.ns, "addr", "add", f"{h.addr}/24", "dev", h.dev)
+            _ip("-n", h.ns, "link", "set", h.dev, "up")
+            _ip("-n", h.ns, "link", "set", "lo", "up")
+            subprocess.run(h.run("tc", "qdisc", "add", "dev", h.dev, "root", "tbf", "rate",
+                                 "1gbit", "burst", "64kb", "latency", "5ms"),
+                           capture_output=True)  # shaping is best effort
+        yield a, b
+    finally:
+        for h in (a, b):
+            for pid in h.pids():
+                with suppress(OSError):
+                    os.kill(pid, 9)
+            subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
+

@@ -1,0 +1,189 @@
+"""DeltaExecutor across two "hosts": the engine and rank 0 in one network namespace,
+``deltacast node`` and rank 1 in another, over a veth pair (tests/netns.py), real vLLM
+(CPU build) at TP=2.  Skipped cleanly without vLLM or network namespaces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed")
+
+import netns  # noqa: E402
+from vllm_nodes_run import engine_args  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+ROOT = Path(__file__).resolve().parent.parent
+PORT = 29611  # each namespace has its own ports
+ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+       "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[tuple[netns.Host, netns.Host]]:
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    with netns.two_hosts("n") as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine_side.bench.vllm_scenarios import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-nodes") / "tiny-llama")
+
+
+def _keys(directory: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "engine_side.cli", "keys", str(directory)],
+                   cwd=ROOT, env=ENV, check=True, capture_output=True)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _keys(tmp_path_factory.mktemp("keys") / "deployment")
+
+
+def _engine(host: netns.Host, model: Path, out: Path, keys: Path, *extra: str
+            ) -> subprocess.Popen[str]:
+    log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 (the process holds it)
+    env = {**ENV, "GLOO_SOCKET_IFNAME": host.dev, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    return subprocess.Popen(
+        host.run(sys.executable, str(ROOT / "tests" / "vllm_nodes_run.py"), str(model),
+                 str(out), "delta", host.addr, str(PORT), str(keys), *extra),
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+
+
+def _node(host: netns.Host, engine_host: netns.Host, model: Path, keys: Path, key_dir: Path,
+          **changed: Any) -> subprocess.Popen[str]:
+    """``deltacast node`` for node 1 with the engine's vLLM arguments (``changed``
+    overrides some: a node that built another config)."""
+    args = {**engine_args(str(model), "delta", engine_host.addr, PORT, str(keys)), **changed}
+    argv = [str(args.pop("model"))]
+    for name, value in args.items():
+        flag = "--" + name.replace("_", "-")
+        argv += [flag] if value is True else [flag, json.dumps(value) if isinstance(
+            value, dict) else str(value)]
+    env = {**ENV, "GLOO_SOCKET_IFNAME": host.dev, "VLLM_CPU_OMP_THREADS_BIND": "1|0"}
+    return subprocess.Popen(
+        host.run(sys.executable, "-m", "engine_side.cli", "node", "--nnodes", "2",
+                 "--node-rank", "1", "--master-addr", engine_host.addr, "--master-port",
+                 str(PORT), "--keys", str(key_dir), "--engine", "llm", *argv),
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(*procs: subprocess.Popen[str], timeout: float = 300) -> list[str]:
+    """Each process's stderr once it has exited (killed after ``timeout``)."""
+    errs = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        errs.append(err or "")
+    return errs
+
+
+def _wait_for(path: Path, text: str, proc: subprocess.Popen[str], timeout: float = 300) -> None:
+    end = time.monotonic() + timeout
+    while text not in path.read_text():
+        assert proc.poll() is None and time.monotonic() < end, path.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def _gone(*hosts: netns.Host, timeout: float = 30) -> bool:
+    end = time.monotonic() + timeout
+    while any(h.pids() for h in hosts) and time.monotonic() < end:
+        time.sleep(0.2)
+    return not any(h.pids() for h in hosts)
+
+
+def test_tp2_across_two_hosts_matches_the_default_executor(
+        hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, tmp_path: Path) -> None:
+    a, b = hosts
+    ref = tmp_path / "default.json"
+    subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_nodes_run.py"), str(model),
+                    str(ref), "default"], cwd=ROOT, env={**ENV, "VLLM_CPU_OMP_THREADS_BIND":
+                                                         "0|1"}, capture_output=True,
+                   timeout=600)
+    out = tmp_path / "delta.json"
+    sent = b.tx_bytes()
+    engine = _engine(a, model, out, keys)
+    node = _node(b, a, model, keys, keys)
+    (node_err,) = _finish(node)
+    _finish(engine)
+    log = out.with_suffix(".log").read_text()
+    assert engine.returncode == 0 and node.returncode == 0, (log[-3000:], node_err[-3000:])
+    assert json.loads(out.read_text())["short"] == json.loads(ref.read_text())["short"]
+    assert b.tx_bytes() - sent > 100_000  # rank 1's collectives and replies crossed the link
+    assert "ranks [1] of 2" in node_err and f"gloo interface {b.dev}" in node_err
+    assert _gone(a, b), "a process outlived the run"
+
+
+def test_a_foreign_key_and_another_config_are_refused_by_name(
+        hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, tmp_path: Path) -> None:
+    a, b = hosts
+    out = tmp_path / "refused.json"
+    engine = _engine(a, model, out, keys)
+    rogue = _keys(tmp_path / "rogue")
+    (rogue / "engine.key").write_bytes((keys / "engine.key").read_bytes())
+    (rogue_err,) = _finish(_node(b, a, model, keys, rogue))
+    assert "refused this node's CURVE key" in rogue_err, rogue_err[-3000:]
+    other = _node(b, a, model, keys, keys, max_model_len=128)
+    (other_err,) = _finish(other)
+    _finish(engine)
+    log = out.with_suffix(".log").read_text()
+    assert other.returncode == 1 and "the engine refused this node" in other_err, other_err[-3000:]
+    assert engine.returncode == 0 and "error" in json.loads(out.read_text())
+    assert "rank 1 (node 1" in log and "vLLM config hash" in log, log[-3000:]
+    assert _gone(a, b)
+
+
+def test_a_killed_remote_rank_fails_the_engine_naming_its_node(
+        hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, tmp_path: Path) -> None:
+    import psutil
+
+    a, b = hosts
+    out = tmp_path / "killed.json"
+    engine = _engine(a, model, out, keys, "long")
+    node = _node(b, a, model, keys, keys)
+    _wait_for(out.with_suffix(".log"), "WARM", engine)
+    (rank,) = [c for c in psutil.Process(node.pid).children()
+               if "DeltaWorker" in " ".join(c.cmdline())]
+    rank.send_signal(signal.SIGKILL)
+    (node_err,) = _finish(node)
+    _finish(engine)
+    result, log = json.loads(out.read_text()), out.with_suffix(".log").read_text()
+    assert "error" in result and "long" not in result
+    assert f"node 1 (ranks [1], host {b.addr}) dropped its connection" in log, log[-3000:]
+    assert node.returncode == 1 and "rank 1 exited with code -9" in node_err
+    assert _gone(a, b)
+
+
+def test_the_remote_node_exits_when_the_engine_dies(
+        hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, tmp_path: Path) -> None:
+    import psutil
+
+    a, b = hosts
+    out = tmp_path / "engine-killed.json"
+    engine = _engine(a, model, out, keys, "long")
+    node = _node(b, a, model, keys, keys)
+    _wait_for(out.with_suffix(".log"), "WARM", engine)
+    for p in [*psutil.Process(engine.pid).children(recursive=True), psutil.Process(engine.pid)]:
+        p.send_signal(signal.SIGKILL)
+    (node_err,) = _finish(node, timeout=60)
+    assert node.returncode == 1 and "lost the engine" in node_err, node_err[-3000:]
+    assert _gone(a, b)

@@ -1,0 +1,65 @@
+"""Subprocess script for tests/test_vllm_nodes.py: one engine of a two-node DeltaExecutor.
+
+``python tests/vllm_nodes_run.py MODEL OUT.json BACKEND [ADDR PORT KEYS] [long]``: LLM
+at TP=2 with BACKEND (``default``: vLLM's own executor, one host; ``delta``:
+DeltaExecutor with rank 1 on node 1 at ADDR, ``deltacast node`` started by the test).
+It generates greedily with logprobs (the ``short`` batch); with ``long``, prints
+``WARM`` to stderr, then generates a long batch.  OUT.json gets the outputs, or the
+error that ended generation and when (``time.time()``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12, 13] * 9]
+
+
+def engine_args(model: str, backend: str, addr: str = "", port: int = 0,
+                keys: str = "") -> dict[str, Any]:
+    """The LLM keyword arguments; ``deltacast node`` is given the same (tests build its
+    command line from them)."""
+    args: dict[str, Any] = {"model": model, "tensor_parallel_size": 2, "enforce_eager": True,
+                            "max_model_len": 256, "seed": 0}
+    if backend == "delta":
+        args["distributed_executor_backend"] = "engine_side.vllm.DeltaExecutor"
+        args["additional_config"] = {"deltacast_nnodes": 2, "deltacast_master_addr": addr,
+                                     "deltacast_master_port": port, "deltacast_keys": keys}
+    return args
+
+
+def _outputs(outs: list[Any]) -> list[Any]:
+    return [[list(o.outputs[0].token_ids),
+             [sorted((k, v.logprob) for k, v in lp.items()) for lp in o.outputs[0].logprobs]]
+            for o in outs]
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model, out, backend, *rest = sys.argv[1:]
+    addr, port, keys = (rest[0], int(rest[1]), rest[2]) if len(rest) >= 3 else ("", 0, "")
+    result: dict[str, Any] = {}
+    try:
+        llm = LLM(**engine_args(model, backend, addr, port, keys))
+        short = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+        result["short"] = _outputs(llm.generate(prompts, short))
+        if rest[-1:] != ["long"]:
+            return
+        print("WARM", file=sys.stderr, flush=True)
+        long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        result["long"] = [len(o.outputs[0].token_ids) for o in llm.generate(prompts, long)]
+    except Exception as exc:  # what the test judges: the message and when
+        result["error"], result["error_at"] = f"{type(exc).__name__}: {exc}", time.time()
+    finally:
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""``deltacast node``: one other host's DeltaExecutor ranks (vLLM's ``--headless`` node).
+
+The engine's host is node 0 (``additional_config`` names the layout: see
+``engine_side/vllm/nodes.py``); on node K, ``deltacast node --nnodes N --node-rank K
+--master-addr ADDR --master-port PORT --keys DIR VLLM-ARGS...`` builds the same vLLM
+config from the same vLLM arguments, starts ranks ``K*W/N .. (K+1)*W/N - 1`` (W the
+world size), and each joins the engine at ``tcp://ADDR:PORT+K`` over CURVE with this
+node's key (``workerK.key_secret`` in DIR, the engine's ``engine.key`` beside it).
+torch.distributed meets at ``tcp://ADDR:PORT``; gloo picks its interface from
+``GLOO_SOCKET_IFNAME`` when set (printed at start).  The model's weights must be at
+the same path on every node.
+
+The node exits 0 when the engine stops its ranks, 1 (one line naming the rank) when a
+rank fails or loses the engine, 128+N on a signal; its ranks never outlive it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from protocol.cli_support import (
+    EXIT_FAILED,
+    EXIT_NO_INPUT,
+    EXIT_USAGE,
+    CliError,
+    int_in,
+)
+
+JOIN_S = 10.0  # ranks given to stop after one failed, before they are killed
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nnodes", type=int_in(2), required=True,
+                        help="nodes in all, the engine's included (vLLM's --nnodes)")
+    parser.add_argument("--node-rank", type=int_in(1), required=True,
+                        help="this node's number, 1 .. nnodes-1 (vLLM's --node-rank)")
+    parser.add_argument("--master-addr", required=True,
+                        help="the engine host's address (vLLM's --master-addr)")
+    parser.add_argument("--master-port", type=int_in(1, 65000), required=True,
+                        help="torch.distributed's port on the engine host; the executor "
+                             "listens for node K on PORT+K (vLLM's --master-port)")
+    parser.add_argument("--keys", type=Path, required=True, metavar="DIR",
+                        help="engine.key and this node's workerK.key_secret (deltacast keys)")
+    parser.add_argument("--engine", choices=("serve", "llm"), default="serve",
+                        help="how the engine was started: `vllm serve` or Python's LLM "
+                             "class (their defaults differ, and so would the config)")
+    parser.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="VLLM-ARGS",
+                        help="the engine's vLLM arguments: MODEL (or --model) and the rest")
+
+
+def _keys(directory: Path, node: int) -> tuple[bytes, bytes, bytes]:
+    import zmq.auth
+
+    engine, own = directory / "engine.key", directory / f"worker{node}.key_secret"
+    for path in (engine, own):
+        if not path.is_file():
+            raise CliError(f"{path}: no such key file (copy the engine's engine.key and this "
+                           f"node's worker{node}.key_secret from `deltacast keys`)",
+                           EXIT_NO_INPUT)
+    public, secret = zmq.auth.load_certificate(str(own))
+    if secret is None:
+        raise CliError(f"{own} holds no secret key", EXIT_NO_INPUT)
+    return zmq.auth.load_certificate(str(engine))[0], public, secret
+
+
+def build_config(vllm_args: list[str], engine: str) -> Any:
+    """The VllmConfig the engine built from the same arguments."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = list(vllm_args)
+    if args and args[0] == "--":
+        args = args[1:]
+    if args and not args[0].startswith("-"):
+        args = ["--model", *args]
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="deltacast node"))
+    try:
+        parsed = parser.parse_args(args)
+    except SystemExit as exc:
+        raise CliError("the vLLM arguments above are not valid", EXIT_USAGE) from exc
+    context = UsageContext.OPENAI_API_SERVER if engine == "serve" else UsageContext.LLM_CLASS
+    return EngineArgs.from_cli_args(parsed).create_engine_config(usage_context=context)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+    from vllm.v1.executor.multiproc_executor import set_multiprocessing_worker_envs
+
+    from worker_side.vllm.proc import worker_main
+
+    node, nnodes = args.node_rank, args.nnodes
+    if node >= nnodes:
+        raise CliError(f"--node-rank {node} must be below --nnodes {nnodes} (node 0 is the "
+                       "engine's)", EXIT_USAGE)
+    curve = _keys(args.keys, node)
+    config = build_config(args.vllm_args, args.engine)
+    parallel = config.parallel_config
+    world = parallel.world_size
+    if world % nnodes:
+        raise CliError(f"--nnodes {nnodes} does not divide the world size {world}", EXIT_USAGE)
+    per_node = world // nnodes
+    ranks = range(node * per_node, (node + 1) * per_node)
+    tp = parallel.tensor_parallel_size
+    output_rank = world - tp * parallel.prefill_context_parallel_size
+    endpoint = f"tcp://{args.master_addr}:{args.master_port + node}"
+    # a distinct address per node: vLLM's CPU ranks share memory only with the same one
+    init_method = f"tcp://{args.master_addr}:{args.master_port}?node={node}"
+    print(f"deltacast node {node}: ranks {list(ranks)} of {world} on {socket.gethostname()}; "
+          f"engine {endpoint}; torch.distributed tcp://{args.master_addr}:{args.master_port}, "
+          f"gloo interface {os.environ.get('GLOO_SOCKET_IFNAME') or '(gloo chooses)'}",
+          file=sys.stderr, flush=True)
+    set_multiprocessing_worker_envs(per_node)
+    ctx = multiprocessing.get_context("spawn")
+    lock = ctx.Lock()
+    omp = OMPProcessManager(config)
+    procs, deaths = [], []
+    try:
+        for local, rank in enumerate(ranks):
+            reader, writer = ctx.Pipe(duplex=False)
+            kwargs = dict(vllm_config=config, local_rank=local, rank=rank,
+                          init_method=init_method, endpoint=endpoint, secret=b"",
+                          is_driver=rank % tp == 0, output_rank=output_rank, lock=lock,
+                          death=reader, curve=curve, node=node)
+            p = ctx.Process(target=worker_main, kwargs=kwargs, name=f"DeltaWorker-{rank}",
+                            daemon=True)
+            with omp.configure_omp_envs(rank=rank, local_rank=local):
+                p.start()
+            reader.close()
+            procs.append(p)
+            deaths.append(writer)
+        return _supervise(procs, list(ranks))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(JOIN_S)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for w in deaths:
+            w.close()
+
+
+def _supervise(procs: list[Any], ranks: list[int]) -> int:
+    """Until every rank has exited: 0 if all did cleanly, else EXIT_FAILED (named)."""
+    left = {p.sentinel: (rank, p) for rank, p in zip(ranks, procs, strict=True)}
+    while left:
+        for sentinel in multiprocessing.connection.wait(list(left)):
+            rank, p = left.pop(sentinel)  # type: ignore[call-overload]
+            p.join()
+            if p.exitcode != 0:
+                print(f"deltacast node: rank {rank} exited with code {p.exitcode}; stopping "
+                      "this node's other ranks", file=sys.stderr, flush=True)
+                return EXIT_FAILED
+    return 0
