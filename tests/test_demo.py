@@ -16,9 +16,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import netns
 import pytest
 
+from engine_side.bench import netns
 from engine_side.security import free_tcp_endpoint
 from protocol.cli_support import EXIT_ENDPOINT
 

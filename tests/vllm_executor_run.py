@@ -156,9 +156,9 @@ def _kill(llm: Any, out: dict[str, Any]) -> None:
         out["generate_after_death"] = "returned"
     except Exception as exc:  # noqa: BLE001
         out["generate_after_death"] = type(exc).__name__
-    ex.procs[0].join(10)  # the monitor terminates the surviving rank
+    ex.local.procs[0].join(10)  # the monitor terminates the surviving rank
     out["callback_calls"] = len(called)
-    out["alive_after_death"] = [p.is_alive() for p in ex.procs]
+    out["alive_after_death"] = [p.is_alive() for p in ex.local.procs]
 
 
 def _async_run(model: str, out: dict[str, Any]) -> None:
@@ -183,7 +183,7 @@ def main(model: str, path: str) -> None:
                 ex = _executor(llm)
                 out["tp1_pids"] = ex.collective_rpc(_pid)
                 _close(llm)
-                out["tp1_alive_after_shutdown"] = [p.is_alive() for p in ex.procs]
+                out["tp1_alive_after_shutdown"] = [p.is_alive() for p in ex.local.procs]
                 _async_run(model, out)
             elif delta:
                 out["ring_stats"] = dict(_executor(llm).stats)

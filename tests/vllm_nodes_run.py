@@ -4,7 +4,9 @@
 at TP=2 with BACKEND (``default``: vLLM's own executor, one host; ``delta``:
 DeltaExecutor with rank 1 on node 1 at ADDR, ``deltacast node`` started by the test).
 It generates greedily with logprobs (the ``short`` batch); with ``long``, prints
-``WARM`` to stderr, then generates a long batch.  OUT.json gets the outputs, or the
+``WARM`` to stderr, then generates a long batch; with ``skew``, makes rank 1 sample other
+tokens (a sealed callable sent to every rank) and generates again, so the engine names
+rank 1 as diverged.  OUT.json gets the outputs, or the
 error that ended generation and when (``time.time()``).
 """
 
@@ -31,6 +33,22 @@ def engine_args(model: str, backend: str, addr: str = "", port: int = 0,
     return args
 
 
+def _skew_rank1_sampler(worker: Any) -> bool:
+    """Test-only fault: global rank 1 samples token + 1 from now on."""
+    if worker.global_rank != 1:
+        return False
+    sampler = worker.worker.model_runner.sampler
+    forward = sampler.forward
+
+    def skewed(logits: Any, *args: Any, **kwargs: Any) -> Any:
+        result = forward(logits, *args, **kwargs)
+        result.sampled_token_ids = (result.sampled_token_ids + 1) % logits.shape[-1]
+        return result
+
+    sampler.forward = skewed
+    return True
+
+
 def _outputs(outs: list[Any]) -> list[Any]:
     return [[list(o.outputs[0].token_ids),
              [sorted((k, v.logprob) for k, v in lp.items()) for lp in o.outputs[0].logprobs]]
@@ -49,6 +67,9 @@ def main() -> None:
         short = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
         result["short"] = _outputs(llm.generate(prompts, short))
+        if rest[-1:] == ["skew"]:
+            result["skewed"] = llm.collective_rpc(_skew_rank1_sampler)
+            llm.generate(prompts, short)
         if rest[-1:] != ["long"]:
             return
         print("WARM", file=sys.stderr, flush=True)

@@ -11,6 +11,9 @@ its answers are out of step with the calls, so the executor fails.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 from protocol.calls import ANSWER_KINDS
 from protocol.errors import MalformedMessage, ProtocolError, malformed
@@ -69,3 +72,18 @@ class Answers:
                 raise RankFault(rank, MalformedMessage("not an answer to a call",
                                                        kind=frames[0][:8] if frames else b""))
         return replies
+
+
+class Reply(Future):  # type: ignore[type-arg]
+    """A call's result; ``result()`` first has ``drain`` resolve every earlier call (in
+    order) and this one."""
+
+    def __init__(self, drain: Callable[[Reply], None], convert: Callable[[list[Any]], Any],
+                 deadline: float | None) -> None:
+        super().__init__()
+        self.drain, self.convert, self.deadline = drain, convert, deadline
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.drain(self)
+        return super().result(timeout)
+

@@ -6,16 +6,21 @@ The board keeps each count's hashes until every such rank has reported it, and
 compares each rank with the reference rank (the executor's output rank: its
 tokens are the ones the engine uses).  A rank that differs is named once; its
 rolling hash can never agree again, so it is not compared any further.
+:class:`DivergenceWatch` adds what the executor does with a divergence.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from protocol.calls import parse_check_in
-from protocol.errors import MalformedMessage
+from protocol.errors import MalformedMessage, ProtocolError
+from protocol.faults import PeerFaults
+
+log = logging.getLogger("deltacast.vllm.executor")
 
 
 @dataclass(frozen=True)
@@ -74,3 +79,30 @@ class TokenHashBoard:
             return None
         self.diverged[rank] = event = RankDiverged(rank, steps, self.reference)
         return event
+
+
+class DivergenceWatch(TokenHashBoard):
+    """The board, and what a divergence does: logged, kept in :attr:`divergent`, passed
+    to each of :attr:`callbacks` (on the thread that heard the check-in).  A malformed
+    check-in, or one from a rank that does not sample, is dropped and counted."""
+
+    def __init__(self, ranks: Iterable[int], reference: int, faults: PeerFaults) -> None:
+        super().__init__(ranks, reference)
+        self.faults = faults
+        self.divergent: list[RankDiverged] = []
+        self.callbacks: list[Callable[[RankDiverged], None]] = []
+
+    def hear(self, rank: int, frames: list[bytes]) -> None:
+        try:
+            events = self.check_in(rank, frames)
+        except ProtocolError as exc:
+            self.faults.hit(f"rank {rank}", exc)
+            return
+        for event in events:
+            self.divergent.append(event)
+            log.error("DeltaExecutor rank %d diverged: its sampled tokens differ from rank "
+                      "%d's (the output rank) within the first %d model outputs",
+                      event.rank, event.source_rank, event.steps)
+            for callback in self.callbacks:
+                callback(event)
+

@@ -34,6 +34,11 @@ Multimodal items and prompt embeds travel as zero-copy frames; with
 shared-memory store instead (``engine_side.vllm.mm``), and every rank attaches
 to it (its AttachInfo sent sealed, ``A``) before the first step.
 
+Ranks on other hosts (``additional_config``: ``deltacast_nnodes`` and the rest,
+:mod:`engine_side.vllm.nodes`): the engine runs node 0's ranks; the others join over tcp
+with CURVE (``deltacast node`` on their hosts; :mod:`engine_side.vllm.remote`), take
+every call on the ROUTER, and a dropped connection fails the executor naming the node.
+
 Divergence: when more than one rank samples (TP > 1), each of the last pipeline
 stage's ranks checks in with a lagged hash of its sampled tokens every
 ``token_hash_every`` model outputs (``worker_side.vllm.tokenhash``); the
@@ -46,15 +51,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
-import multiprocessing.connection
 import secrets
 import threading
 import time
 import weakref
 from collections import Counter, deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -66,14 +68,14 @@ from vllm.v1.executor.abstract import Executor, FailureCallback
 from engine_side.ring import RingWriter
 from engine_side.security import PrivateDir
 from engine_side.shm_store import ShmStore
-from engine_side.spawn import reap, run_by_name
 from engine_side.transport import spin_poll
-from engine_side.vllm.answers import Answers, RankFault
-from engine_side.vllm.divergence import RankDiverged, TokenHashBoard
+from engine_side.vllm.answers import Answers, RankFault, Reply
+from engine_side.vllm.divergence import DivergenceWatch, RankDiverged
 from engine_side.vllm.encoder import SchedulerOutputEncoder
-from engine_side.vllm.nodes import NodeLayout, hello_mismatch
+from engine_side.vllm.local_ranks import LocalRanks
+from engine_side.vllm.nodes import NodeLayout
+from engine_side.vllm.remote import HEARTBEAT_S, RemoteRanks
 from engine_side.vllm.resend import Retransmitter
-from engine_side.zap import ZapHandler
 from protocol import calls as wire
 from protocol.errors import MalformedMessage, ProtocolError
 from protocol.faults import PeerFaults
@@ -81,12 +83,10 @@ from protocol.ring import MAX_RANKS
 from protocol.seal import Opener, Sealer
 
 log = logging.getLogger("deltacast.vllm.executor")
-RANK_MODULE = "worker_side.vllm.proc"  # a rank's entry point, worker_main (by name)
 POLL_MS = 100  # how often a waiting call re-checks that every rank is alive
 JOIN_S = 10.0
 RING_POLL_MS = 1  # a blocked executor's ring check period (long steps, past the spin)
 RING_CALL_LIMIT = 1 << 20  # bigger calls use the ROUTER (bounds what the ring holds in flight)
-HEARTBEAT_S = 0.8  # a remote rank unheard this long (ZMTP heartbeats every 1/4 of it) is lost
 JOIN_LOG_S = 10.0  # while ranks on other nodes have not joined, say so this often
 
 
@@ -95,23 +95,8 @@ class ExecutorFailed(RuntimeError):
     the executor is permanently failed."""
 
 
-class _Reply(Future):  # type: ignore[type-arg]
-    """A call's result; ``result()`` first drains every earlier call (in order)."""
-
-    def __init__(self, executor: DeltaExecutor, convert: Callable[[list[Any]], Any],
-                 deadline: float | None) -> None:
-        super().__init__()
-        self.executor = executor
-        self.convert = convert
-        self.deadline = deadline
-
-    def result(self, timeout: float | None = None) -> Any:
-        self.executor._drain(self)
-        return super().result(timeout)
-
-
 class DeltaExecutor(Executor):
-    """See the module docstring.  Supported: vLLM 0.32.x, single node, TP and PP."""
+    """See the module docstring.  Supported: vLLM 0.32.x, TP and PP, one or more nodes."""
 
     supports_pp: bool = True
     token_hash_every: int = 8  # model outputs between a sampling rank's check-ins
@@ -127,7 +112,7 @@ class DeltaExecutor(Executor):
         self._init_state(extra)
         self._init_channels(extra)
         set_multiprocessing_worker_envs(len(self.local_ranks))
-        if self._links is not None:
+        if self.remote is not None:
             self._link_watch.start()
         try:
             self._start_ranks()
@@ -149,59 +134,44 @@ class DeltaExecutor(Executor):
         self.world_size = self.parallel_config.world_size
         self.nodes = NodeLayout.from_config(extra, self.world_size)
         self.local_ranks = range(self.nodes.per_node(self.world_size))
-        self.remote_ranks = range(len(self.local_ranks), self.world_size)
         if self.nodes.remote and extra.get("deltacast_mm_store_mb"):
             raise ValueError("deltacast_mm_store_mb is a shared-memory store on the engine's "
                              "host: it cannot serve ranks on other nodes (leave it unset)")
-        self.hosts: dict[int, str] = {}  # remote rank -> its peer address (from its hello)
         self.output_rank = self.world_size - self.parallel_config.tensor_parallel_size \
             * self.parallel_config.prefill_context_parallel_size
         samplers = range(self.output_rank, self.world_size)  # the last PP stage
-        self.hashes = TokenHashBoard(samplers, reference=self.output_rank)
-        self.divergent: list[RankDiverged] = []
-        self._divergence_callbacks: list[Callable[[RankDiverged], None]] = []
+        #: malformed messages: from no rank (by identity; dropped) or a rank ("rank N")
+        self.faults = PeerFaults(log, "DeltaExecutor dropped a malformed message")
+        self.hashes = DivergenceWatch(samplers, self.output_rank, self.faults)
+        self.divergent = self.hashes.divergent  # every RankDiverged so far
         self.secret = secrets.token_bytes(32)
         self._seal_call, self._seal_attach = (Sealer(self.secret, x) for x in (b"call", b"attach"))
         self._open_result = [Opener(self.secret, b"result:%d" % r) for r in range(self.world_size)]
-        #: malformed messages: from no rank (by identity; dropped) or a rank ("rank N")
-        self.faults = PeerFaults(log, "DeltaExecutor dropped a malformed message")
         store_mb = extra.get("deltacast_mm_store_mb", 0)
         self.spin_s = float(extra.get("deltacast_spin_ms", self.spin_ms)) / 1e3
         self._replied = 0.0  # monotonic time of the last message from a rank
         self.store = ShmStore(int(store_mb) << 20) if store_mb else None
         self.encoder = SchedulerOutputEncoder(secret=self.secret, store=self.store)
-        self._pending: deque[_Reply] = deque()
-        self.procs: list[BaseProcess] = []
+        self._pending: deque[Reply] = deque()
+        self.local = LocalRanks()
         self._calls = 0
 
     def _init_channels(self, extra: dict[str, Any]) -> None:
         """The control socket (a ROUTER on a private directory), the reply ring and the
         finalizer that closes them and reaps the ranks.  The zmq context is made here, in
         the engine process, and never crosses a fork."""
-        self._deaths: list[Connection] = []
-        self._lock: Any = None
         self._dir = PrivateDir()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()  # made here, never forked
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._zap: ZapHandler | None = None
-        self._links: zmq.Socket[bytes] | None = None  # the ROUTER's monitor (remote ranks)
+        self.remote = RemoteRanks(self.nodes, self.world_size, self._ctx, self._sock) \
+            if self.nodes.remote else None
         self._link_watch = threading.Thread(target=self._watch_links, daemon=True,
                                             name="DeltaLinks")
-        self._rank_keys: dict[int, str] = {}  # rank -> the z85 CURVE key it must use
-        if self.nodes.remote:
-            self._secure_channel()
         self._sock.bind(f"{self._dir.endpoint}/ctl")
-        for node in range(1, self.nodes.nnodes):
-            where = self.nodes.channel(node)
-            try:
-                self._sock.bind(where)
-            except zmq.ZMQError as exc:
-                raise RuntimeError(f"DeltaExecutor cannot listen on {where} for node {node}'s "
-                                   f"ranks ({exc}): deltacast_master_addr must be this host's "
-                                   "address and the port free") from exc
-            log.info("DeltaExecutor: node %d's ranks join at %s", node, where)
+        if self.remote is not None:
+            self.remote.bind(self._sock)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         # every rank needs a reply ring: beyond MAX_RANKS ranks, sockets only
@@ -212,60 +182,27 @@ class DeltaExecutor(Executor):
         self.stats: Counter[str] = Counter()  # ring_calls, socket_calls, socket_replies
         self._answers = Answers(self.world_size, self.stats)  # per rank, in call order
         self._resender = Retransmitter(self._sock, self.stats, self.faults)
-        self._finalizer = weakref.finalize(self, DeltaExecutor._cleanup, self.procs,
-                                           self._deaths, self._sock, self._ctx, self._dir,
-                                           self.ring, self._zap, self._links,
-                                           self._link_watch)
-
-    def _secure_channel(self) -> None:
-        """Ranks on other nodes: CURVE on the ROUTER with our ZAP allow-list (each node's
-        key; the local ranks a key made for this run), and ZMTP heartbeats, so a rank
-        killed, frozen or cut off drops its connection within HEARTBEAT_S."""
-        public, secret, allowed = self.nodes.node_keys()
-        local_public, local_secret = zmq.curve_keypair()
-        self._local_curve = (public, local_public, local_secret)
-        self._zap = ZapHandler(self._ctx, frozenset([*allowed.values(), local_public]))
-        for rank in range(self.world_size):
-            node = self.nodes.node_of(rank, self.world_size)
-            self._rank_keys[rank] = (local_public if node == 0 else allowed[node]).decode()
-        self._sock.curve_server = True
-        self._sock.curve_publickey, self._sock.curve_secretkey = public, secret
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 250))
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_S * 1000))
-        self._links = self._sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self._finalizer = weakref.finalize(self, DeltaExecutor._cleanup, self.local.procs,
+                                           self.local.deaths, self._sock, self._ctx, self._dir,
+                                           self.ring, self.remote, self._link_watch)
 
     def _start_ranks(self) -> None:
-        """Start every rank before waiting on any (device init is collective)."""
         from vllm.utils.network_utils import get_file_store_init_method
-        from vllm.utils.ompmultiprocessing import OMPProcessManager
 
-        ctx = multiprocessing.get_context("spawn")
-        lock = self._lock = ctx.Lock()  # kept: a spawned child opens it by name later
         init_method = self.nodes.init_method if self.nodes.remote \
             else get_file_store_init_method()
-        omp = OMPProcessManager(self.vllm_config)
         tp = self.parallel_config.tensor_parallel_size
-        every = self.token_hash_every if len(self.hashes.ranks) > 1 else 0
-        for rank in self.local_ranks:
-            reader, writer = ctx.Pipe(duplex=False)
-            kwargs = dict(vllm_config=self.vllm_config, local_rank=rank, rank=rank,
-                          init_method=init_method, endpoint=f"{self._dir.endpoint}/ctl",
-                          secret=self.secret, is_driver=rank % tp == 0,
-                          output_rank=self.output_rank, lock=lock, death=reader,
-                          hash_every=every if rank in self.hashes.ranks else 0,
-                          spin_s=self.spin_s,
-                          ring_dir=str(self._dir.path) if self.ring is not None else None,
-                          curve=getattr(self, "_local_curve", None))
-            p = ctx.Process(target=run_by_name, args=(RANK_MODULE, "worker_main"),
-                            kwargs=kwargs, name=f"DeltaWorker-{rank}", daemon=True)
-            with omp.configure_omp_envs(rank=rank, local_rank=rank):  # per-rank CPU binding
-                p.start()
-            reader.close()
-            self.procs.append(p)
-            self._deaths.append(writer)
+        self.local.start(self.vllm_config, self.local_ranks, lambda rank: dict(
+            vllm_config=self.vllm_config, local_rank=rank, rank=rank, init_method=init_method,
+            endpoint=f"{self._dir.endpoint}/ctl", secret=self.secret, is_driver=rank % tp == 0,
+            output_rank=self.output_rank, hash_every=self._hash_every(rank), spin_s=self.spin_s,
+            ring_dir=str(self._dir.path) if self.ring is not None else None,
+            curve=self.remote.local_curve if self.remote else None))
+
+    def _hash_every(self, rank: int) -> int:
+        """Outputs between ``rank``'s check-ins (0: it does not check in)."""
+        samplers = self.hashes.ranks
+        return self.token_hash_every if rank in samplers and len(samplers) > 1 else 0
 
     def _wait_ready(self) -> None:
         ready: set[int] = set()
@@ -274,15 +211,16 @@ class DeltaExecutor(Executor):
             if self.is_failed:
                 raise ExecutorFailed(self.failure)
             got = self._receive(None)
-            if not got and time.monotonic() - said > JOIN_LOG_S and self.nodes.remote:
+            if not got and time.monotonic() - said > JOIN_LOG_S and self.remote:
                 said = time.monotonic()
                 missing = [r for r in range(self.world_size) if r not in ready]
                 log.warning("DeltaExecutor: waiting for ranks %s (`deltacast node --node-rank "
-                            "K` on node K joins at %s)", missing,
-                            ", ".join(self.nodes.channel(n) for n in range(1, self.nodes.nnodes)))
+                            "K` on node K joins at %s)", missing, self.remote.waiting_for())
             for rank, (kind, *rest) in got:
-                if kind == wire.HELLO and rank in self.remote_ranks:
-                    self._welcome(rank, rest)
+                if kind == wire.HELLO and self.remote and rank in self.remote.ranks:
+                    settings = wire.WELCOME_SETTINGS.pack(self._hash_every(rank), self.spin_s)
+                    self.remote.welcome(self._sock, rank, rest, self.vllm_config, self.secret,
+                                        settings, self.faults)
                 elif kind == wire.FAILED:
                     raise RuntimeError(f"DeltaExecutor rank {rank} failed to start:\n"
                                        + b"".join(rest).decode(errors="replace"))
@@ -291,98 +229,37 @@ class DeltaExecutor(Executor):
                 else:
                     ready.add(rank)
 
-    def _welcome(self, rank: int, frames: list[bytes]) -> None:
-        """A remote rank's hello: the secret if it built what we built, else refused
-        (and start-up fails with what differs)."""
-        node = self.nodes.node_of(rank, self.world_size)
-        try:
-            fields = wire.parse_hello(frames[0] if len(frames) == 1 else b"")
-        except ProtocolError as exc:
-            self.faults.hit(f"rank {rank}", exc)
-            return
-        wrong = hello_mismatch(fields, node, self.vllm_config)
-        if wrong is not None:
-            self._sock.send_multipart([b"%d" % rank, wire.REFUSED, wrong.encode()])
-            raise RuntimeError(f"DeltaExecutor rank {rank} (node {fields['node']}, "
-                               f"{self.hosts.get(rank, '?')}) differs from the engine: {wrong}")
-        every = self.token_hash_every if rank in self.hashes.ranks and \
-            len(self.hashes.ranks) > 1 else 0
-        self._sock.send_multipart([b"%d" % rank, wire.WELCOME, self.secret,
-                                   wire.WELCOME_SETTINGS.pack(every, self.spin_s)])
-        log.info("DeltaExecutor: rank %d joined from node %d at %s", rank, node,
-                 self.hosts.get(rank, "?"))
-
     def _attach_store(self) -> None:
         """Every rank attaches a reader to the store (one sealed map rank -> AttachInfo)."""
         if self.store is None:
             return
-        infos = {}
-        for rank, p in enumerate(self.procs):
-            assert p.pid is not None  # started
-            infos[rank] = self.store.add_reader(p.pid)
+        infos = {rank: self.store.add_reader(pid) for rank, pid in enumerate(self.local.pids())}
         self._submit(wire.ATTACH, [self._seal_attach.seal({"attach": infos})], lambda r: None,
                      timeout=60).result()
 
     # ------------------------------------------------------------ failure handling
     def _monitor(self) -> None:
         """Wait for any rank to exit; unless shutting down, fail and call back."""
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
-        died = multiprocessing.connection.wait(list(sentinels))
+        rank, code = self.local.wait_death()
         if self.shutting_down or self.is_failed:
             return
-        rank = sentinels[died[0]]  # type: ignore[index]
         self.is_failed = True
-        self.procs[rank].join(1.0)  # reap it, for the exit code
         log.error("DeltaExecutor rank %d died (exit code %s); the executor has failed",
-                  rank, self.procs[rank].exitcode)
-        for p in self.procs:  # the other shards are useless without it
-            if p.is_alive():
-                p.terminate()
+                  rank, code)
+        self.local.terminate()  # the other shards are useless without it
         self._fail()
 
     def _watch_links(self) -> None:
-        """Ranks on other nodes: a connection on node k's port that completed its CURVE
-        handshake and then dropped (rank killed, frozen past HEARTBEAT_S, link down)
-        fails the executor, naming node k.  Monitor events carry no identity, and a
-        refused handshake also ends in a disconnect: each failed handshake on a port
-        accounts for that port's next disconnect (a node dropping at the very moment
-        a stranger's handshake fails there is then missed, never a false failure)."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        links = self._links
-        assert links is not None
-        ports = {self.nodes.master_port + n: n for n in range(1, self.nodes.nnodes)}
-        joined: set[int] = set()
-        failed: Counter[int] = Counter()
-        while not self.shutting_down:
-            if not links.poll(POLL_MS):
-                continue
-            event = recv_monitor_message(links)
-            where = event["endpoint"].decode(errors="replace")
-            node = ports.get(int(where.rpartition(":")[2])) if where.startswith("tcp") else None
-            kind = event["event"]
-            if node is None:
-                continue
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                joined.add(node)
-            elif kind != zmq.EVENT_DISCONNECTED:  # a failed handshake
-                failed[node] += 1
-            elif failed[node]:
-                failed[node] -= 1
-            elif node in joined and not self.shutting_down:
-                self._node_lost(node)
-                return
+        if self.remote is not None:
+            self.remote.watch(lambda: self.shutting_down, self._node_lost)
 
     def _node_lost(self, node: int) -> None:
-        ranks = [r for r in self.remote_ranks if self.nodes.node_of(r, self.world_size) == node]
-        hosts = sorted({self.hosts.get(r, "?") for r in ranks})
-        self.failure = (f"DeltaExecutor failed: node {node} (ranks {ranks}, host "
-                        f"{', '.join(hosts)}) dropped its connection: killed, frozen, or cut "
-                        f"off (no heartbeat for {HEARTBEAT_S} s)")
+        assert self.remote is not None
+        self.failure = (f"DeltaExecutor failed: {self.remote.describe(node)} dropped its "
+                        f"connection: killed, frozen, or cut off (no heartbeat for "
+                        f"{HEARTBEAT_S} s)")
         log.error(self.failure)
-        for p in self.procs:  # the local shards are useless without it
-            if p.is_alive():
-                p.terminate()
+        self.local.terminate()  # the local shards are useless without it
         self._fail()
 
     def _fail(self) -> None:
@@ -409,9 +286,9 @@ class DeltaExecutor(Executor):
             self.failure_callback = callback
 
     def _check_alive(self) -> None:
-        if self.is_failed or any(not p.is_alive() for p in self.procs):
+        dead = self.local.dead()
+        if self.is_failed or dead:
             self.is_failed = True
-            dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
             raise ExecutorFailed(self.failure or f"DeltaExecutor failed: rank(s) {dead} died")
 
     # ------------------------------------------------------------ transport
@@ -431,7 +308,7 @@ class DeltaExecutor(Executor):
             if rank is None or not frames:  # not from a rank (a peer in our directory?)
                 self.faults.hit(ident, MalformedMessage("not a rank's message", frames=len(frames)))
             elif frames[0] == wire.CHECK_IN:
-                self._check_in(rank, frames[1:])
+                self.hashes.hear(rank, frames[1:])
             elif frames[0] == wire.RESEND:
                 self._resend(rank, frames[1:])
             else:
@@ -446,18 +323,9 @@ class DeltaExecutor(Executor):
         return got
 
     def _recv(self) -> list[bytes]:
-        """One ROUTER message; with ranks on other nodes, a message whose CURVE key is
-        not its rank's node's comes back with an identity of no rank (dropped, counted)."""
-        if not self._rank_keys:
-            return self._sock.recv_multipart(copy=True)
-        parts = self._sock.recv_multipart(copy=False)
-        ident = parts[0].bytes
-        rank = wire.rank_of(ident, self.world_size)
-        if rank is not None and parts[-1].get("User-Id") != self._rank_keys[rank]:
-            return [b"key of another node:" + ident, *(p.bytes for p in parts[1:])]
-        if rank is not None and rank not in self.hosts and rank in self.remote_ranks:
-            self.hosts[rank] = str(parts[-1].get("Peer-Address"))
-        return [p.bytes for p in parts]
+        if self.remote is not None:
+            return self.remote.recv(self._sock)
+        return self._sock.recv_multipart(copy=True)
 
     def _arrived(self) -> bool:
         """Wait (spinning while steps flow) until the ROUTER or a reply ring has input;
@@ -474,22 +342,6 @@ class DeltaExecutor(Executor):
         return any(self._sock.poll(step, zmq.POLLIN) or in_ring()
                    for _ in range(POLL_MS // step))
 
-    def _check_in(self, rank: int, frames: list[bytes]) -> None:
-        """A sampling rank's token hash: compare; name and report a diverging rank.  A
-        malformed one, or one from a rank that does not sample, is dropped and counted."""
-        try:
-            events = self.hashes.check_in(rank, frames)
-        except ProtocolError as exc:
-            self.faults.hit(f"rank {rank}", exc)
-            return
-        for event in events:
-            self.divergent.append(event)
-            log.error("DeltaExecutor rank %d diverged: its sampled tokens differ from rank "
-                      "%d's (the output rank) within the first %d model outputs",
-                      event.rank, event.source_rank, event.steps)
-            for callback in self._divergence_callbacks:
-                callback(event)
-
     def _resend(self, rank: int, frames: list[bytes]) -> None:
         """``rank`` lacks calls (lost or damaged): sent again, or, no longer kept, the
         executor fails naming the rank."""
@@ -501,10 +353,10 @@ class DeltaExecutor(Executor):
 
     def register_divergence_callback(self, callback: Callable[[RankDiverged], None]) -> None:
         """``callback(event)`` runs (on the calling thread) for each rank found diverging."""
-        self._divergence_callbacks.append(callback)
+        self.hashes.callbacks.append(callback)
 
     def _submit(self, kind: bytes, frames: list[Any], convert: Callable[[list[Any]], Any],
-                timeout: float | None) -> _Reply:
+                timeout: float | None) -> Reply:
         if self.is_failed:
             raise ExecutorFailed(self.failure or "DeltaExecutor has failed")
         try:
@@ -513,7 +365,7 @@ class DeltaExecutor(Executor):
             self._check_alive()
             raise
         deadline = None if timeout is None else time.monotonic() + timeout
-        reply = _Reply(self, convert, deadline)
+        reply = Reply(self._drain, convert, deadline)
         self._pending.append(reply)
         return reply
 
@@ -525,7 +377,7 @@ class DeltaExecutor(Executor):
         if self.ring is not None and self.ring.publish(call, self._calls, RING_CALL_LIMIT):
             for rank in self.ring.sleeping_ranks():  # wake who sleeps
                 self._sock.send_multipart([str(rank).encode(), wire.DOORBELL])
-            for rank in self.remote_ranks:  # no ring on another host
+            for rank in self.remote.ranks if self.remote else ():  # no ring elsewhere
                 self._sock.send_multipart([str(rank).encode(), *call], copy=False)
             self.stats["ring_calls"] += 1
             return
@@ -533,7 +385,7 @@ class DeltaExecutor(Executor):
         for rank in range(self.world_size):  # no ring, or too large: behind its marker
             self._sock.send_multipart([str(rank).encode(), *call], copy=False)
 
-    def _drain(self, until: _Reply) -> None:
+    def _drain(self, until: Reply) -> None:
         """Resolve pending calls oldest first, up to and including ``until``."""
         while not until.done():
             call = self._pending.popleft()
@@ -638,27 +490,24 @@ class DeltaExecutor(Executor):
         if getattr(self, "shutting_down", True):
             return
         self.shutting_down = True
-        if any(p.is_alive() for p in self.procs):
+        if len(self.local.dead()) < len(self.local.procs) or self.remote is not None:
             with contextlib.suppress(zmq.ZMQError):  # a rank never connected
                 self._broadcast(wire.QUIT, [])
         self._finalizer()
         if self.store is not None:
             self.store.close()
-        self._lock = None  # releases the named semaphore
+        self.local.lock = None  # releases the named semaphore
 
     @staticmethod
     def _cleanup(procs: list[BaseProcess], deaths: list[Connection], sock: zmq.Socket[bytes],
                  ctx: zmq.Context[zmq.Socket[bytes]], private: PrivateDir,
-                 ring: RingWriter | None, zap: ZapHandler | None,
-                 links: zmq.Socket[bytes] | None, link_watch: threading.Thread) -> None:
-        reap(procs, deaths, JOIN_S)
+                 ring: RingWriter | None, remote: RemoteRanks | None,
+                 link_watch: threading.Thread) -> None:
+        LocalRanks.reap(procs, deaths, JOIN_S)
         if link_watch.is_alive():  # it ends within POLL_MS once shutting down
             link_watch.join(2 * POLL_MS / 1e3)
-        if links is not None and not link_watch.is_alive():
-            sock.disable_monitor()
-            links.close(linger=0)
-        if zap is not None:
-            zap.stop()
+        if remote is not None:
+            remote.close(sock, not link_watch.is_alive())
         sock.close(linger=0)
         ctx.term()
         if ring is not None:

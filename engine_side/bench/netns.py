@@ -1,4 +1,4 @@
-"""Two "hosts" on this machine for tests: Linux network namespaces joined by a veth pair.
+"""Two "hosts" on one machine for tests and benchmarks: network namespaces and a veth pair.
 
 :func:`two_hosts` makes namespaces A (10.231.N.1) and B (10.231.N.2), each with its end
 of the veth up, lo up and the link shaped to 1 Gbit/s (``tbf``: this kernel has no

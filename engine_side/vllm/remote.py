@@ -1,0 +1,143 @@
+"""DeltaExecutor's ranks on other nodes, on its ROUTER (SPEC §16.1, "Ranks on other nodes").
+
+:class:`RemoteRanks` makes the executor's ROUTER a CURVE server whose ZAP handler
+admits exactly each node's key (and one made per run for the local ranks), binds node
+k's port, checks that every message from rank r carries r's node's key, answers the
+remote ranks' hellos, and watches their connections: ZMTP heartbeats drop a rank
+killed, frozen or cut off within HEARTBEAT_S, and the drop fails the executor, naming
+the node.  Not thread-safe but for :meth:`RemoteRanks.watch`, which owns the monitor
+socket on its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from engine_side.vllm.nodes import NodeLayout, hello_mismatch
+from engine_side.zap import ZapHandler
+from protocol import calls as wire
+from protocol.errors import ProtocolError
+from protocol.faults import PeerFaults
+
+log = logging.getLogger("deltacast.vllm.executor")
+HEARTBEAT_S = 0.8  # a rank unheard this long (ZMTP heartbeats every 1/4 of it) is lost
+_POLL_MS = 100  # how often the watch looks at its stop flag
+
+
+class RemoteRanks:
+    """See the module docstring; ``layout`` has more than one node."""
+
+    def __init__(self, layout: NodeLayout, world_size: int, ctx: zmq.Context[Any],
+                 sock: zmq.Socket[bytes]) -> None:
+        self.layout, self.world_size = layout, world_size
+        self.ranks = range(layout.per_node(world_size), world_size)
+        self.hosts: dict[int, str] = {}  # rank -> its peer address (its first message)
+        public, secret, allowed = layout.node_keys()
+        local_public, local_secret = zmq.curve_keypair()
+        #: what the local ranks connect with: (the engine's key, theirs, their secret)
+        self.local_curve = (public, local_public, local_secret)
+        self.zap = ZapHandler(ctx, frozenset([*allowed.values(), local_public]))
+        self.keys = {rank: (local_public if node == 0 else allowed[node]).decode()
+                     for rank in range(world_size)
+                     for node in [layout.node_of(rank, world_size)]}
+        sock.curve_server = True
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 250))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_S * 1000))
+        self.links = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+    def bind(self, sock: zmq.Socket[bytes]) -> None:
+        for node in range(1, self.layout.nnodes):
+            where = self.layout.channel(node)
+            try:
+                sock.bind(where)
+            except zmq.ZMQError as exc:
+                raise RuntimeError(f"DeltaExecutor cannot listen on {where} for node {node}'s "
+                                   f"ranks ({exc}): deltacast_master_addr must be this host's "
+                                   "address and the port free") from exc
+            log.info("DeltaExecutor: node %d's ranks join at %s", node, where)
+
+    def recv(self, sock: zmq.Socket[bytes]) -> list[bytes]:
+        """One ROUTER message; one whose CURVE key is not its rank's node's comes back
+        with an identity of no rank (the executor drops and counts it)."""
+        parts = sock.recv_multipart(copy=False)
+        ident = parts[0].bytes
+        rank = wire.rank_of(ident, self.world_size)
+        if rank is not None and parts[-1].get("User-Id") != self.keys[rank]:
+            return [b"key of another node:" + ident, *(p.bytes for p in parts[1:])]
+        if rank is not None and rank not in self.hosts and rank in self.ranks:
+            self.hosts[rank] = str(parts[-1].get("Peer-Address"))
+        return [p.bytes for p in parts]
+
+    def welcome(self, sock: zmq.Socket[bytes], rank: int, frames: list[bytes], vllm_config: Any,
+                secret: bytes, settings: bytes, faults: PeerFaults) -> None:
+        """A remote rank's hello: the secret and its settings if it built what we built;
+        else refused, and RuntimeError naming what differs (start-up fails)."""
+        node = self.layout.node_of(rank, self.world_size)
+        try:
+            fields = wire.parse_hello(frames[0] if len(frames) == 1 else b"")
+        except ProtocolError as exc:
+            faults.hit(f"rank {rank}", exc)
+            return
+        wrong = hello_mismatch(fields, node, vllm_config)
+        if wrong is not None:
+            sock.send_multipart([b"%d" % rank, wire.REFUSED, wrong.encode()])
+            raise RuntimeError(f"DeltaExecutor rank {rank} (node {fields['node']}, "
+                               f"{self.hosts.get(rank, '?')}) differs from the engine: {wrong}")
+        sock.send_multipart([b"%d" % rank, wire.WELCOME, secret, settings])
+        log.info("DeltaExecutor: rank %d joined from node %d at %s", rank, node,
+                 self.hosts.get(rank, "?"))
+
+    def waiting_for(self) -> str:
+        return ", ".join(self.layout.channel(n) for n in range(1, self.layout.nnodes))
+
+    def describe(self, node: int) -> str:
+        ranks = [r for r in self.ranks if self.layout.node_of(r, self.world_size) == node]
+        hosts = sorted({self.hosts.get(r, "?") for r in ranks})
+        return f"node {node} (ranks {ranks}, host {', '.join(hosts)})"
+
+    def watch(self, stopping: Callable[[], bool], lost: Callable[[int], None]) -> None:
+        """Until ``stopping()``: a connection on node k's port that completed its CURVE
+        handshake and then dropped calls ``lost(k)`` (once; the watch ends).  Monitor
+        events carry no identity, and a refused handshake also ends in a disconnect:
+        each failed handshake on a port accounts for that port's next disconnect (a
+        node dropping at the very moment a stranger's handshake fails there is then
+        missed, never a false failure)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        ports = {self.layout.master_port + n: n for n in range(1, self.layout.nnodes)}
+        joined: set[int] = set()
+        failed: Counter[int] = Counter()
+        while not stopping():
+            if not self.links.poll(_POLL_MS):
+                continue
+            event = recv_monitor_message(self.links)
+            where = event["endpoint"].decode(errors="replace")
+            node = ports.get(int(where.rpartition(":")[2])) if where.startswith("tcp") else None
+            kind = event["event"]
+            if node is None:
+                continue
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                joined.add(node)
+            elif kind != zmq.EVENT_DISCONNECTED:  # a failed handshake
+                failed[node] += 1
+            elif failed[node]:
+                failed[node] -= 1
+            elif node in joined and not stopping():
+                lost(node)
+                return
+
+    def close(self, sock: zmq.Socket[bytes], watch_ended: bool) -> None:
+        """After the watch ended (else its socket is left to the process's exit)."""
+        if watch_ended:
+            sock.disable_monitor()
+            self.links.close(linger=0)
+        self.zap.stop()
