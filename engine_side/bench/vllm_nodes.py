@@ -86,16 +86,19 @@ def run_once(backend: str, hosts: tuple[netns.Host, netns.Host], model: Path, ke
     tag = f"{backend}-{fault or 'run'}-{time.monotonic_ns()}"
     config, out, log = (work / f"{tag}.{x}" for x in ("config.json", "json", "log"))
     prompts = [[(7 * i + j) % 500 + 1 for j in range(8 + i % 5)] for i in range(args.prompts)]
-    config.write_text(json.dumps({"llm": llm, "prompts": prompts, "max_tokens": args.max_tokens,
+    tokens = args.max_tokens if fault is None else 256 - max(map(len, prompts))  # running
+    config.write_text(json.dumps({"llm": llm, "prompts": prompts, "max_tokens": tokens,
                                   "peer": b.addr, "fault": fault}))
     with open(log, "w") as engine_log, open(work / f"{tag}.node.log", "w") as node_log:
         engine = subprocess.Popen(
             a.run(sys.executable, "-m", "engine_side.bench.vllm_nodes_engine", str(config),
                   str(out)), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=engine_log,
-            env={**ENV, "GLOO_SOCKET_IFNAME": a.dev, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+            env={**ENV, "GLOO_SOCKET_IFNAME": a.dev, "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+                 "VLLM_HOST_IP": a.addr})
         node = subprocess.Popen(
             b.run(*node_cmd), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=node_log,
-            env={**ENV, "GLOO_SOCKET_IFNAME": b.dev, "VLLM_CPU_OMP_THREADS_BIND": "1|0"})
+            env={**ENV, "GLOO_SOCKET_IFNAME": b.dev, "VLLM_CPU_OMP_THREADS_BIND": "1|0",
+                 "VLLM_HOST_IP": b.addr})
         at = None
         try:
             if fault is not None:

@@ -218,7 +218,9 @@ class DeltaExecutor(Executor):
                             "K` on node K joins at %s)", missing, self.remote.waiting_for())
             for rank, (kind, *rest) in got:
                 if kind == wire.HELLO and self.remote and rank in self.remote.ranks:
-                    settings = wire.WELCOME_SETTINGS.pack(self._hash_every(rank), self.spin_s)
+                    # no spin across a link: it would take a core from the model (2 rounds
+                    # of 64 prompts: 1.04 and 0.84x vLLM's multi-node, 0.78 spinning)
+                    settings = wire.WELCOME_SETTINGS.pack(self._hash_every(rank), 0.0)
                     self.remote.welcome(self._sock, rank, rest, self.vllm_config, self.secret,
                                         settings, self.faults)
                 elif kind == wire.FAILED:
