@@ -204,6 +204,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="deltacast-nodes-") as tmp:
         doc = rounds(args, Path(tmp))
     doc["summary"] = summary(doc)
+    for run in doc["runs"]:  # compared in the summary; not kept in the figures
+        run.pop("token_ids", None)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
     print(json.dumps(doc["summary"], indent=1))

@@ -25,7 +25,7 @@ from protocol.errors import ProtocolError
 from protocol.faults import PeerFaults
 
 log = logging.getLogger("deltacast.vllm.executor")
-HEARTBEAT_S = 0.8  # a rank unheard this long (ZMTP heartbeats every 1/4 of it) is lost
+HEARTBEAT_S = 0.6  # a rank unheard this long (ZMTP heartbeats every 1/4 of it) is lost
 _POLL_MS = 100  # how often the watch looks at its stop flag
 
 

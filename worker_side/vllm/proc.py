@@ -75,7 +75,7 @@ def _watch_parent(death: Connection) -> None:
     threading.Thread(target=watch, daemon=True, name="DeltaDeathPipe").start()
 
 
-HEARTBEAT_S = 0.8  # the engine unheard this long (ZMTP heartbeats every 1/4 of it) is gone
+HEARTBEAT_S = 0.6  # the engine unheard this long (ZMTP heartbeats every 1/4 of it) is gone
 _SAY_S = 10.0  # while the engine has not answered our hello, say so this often
 _quitting = threading.Event()
 
