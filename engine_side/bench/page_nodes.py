@@ -16,8 +16,10 @@ def _target(target: str, value: Any, limit: str, met: bool | None) -> dict[str, 
 
 
 def _row(name: Any, vllm: float, delta: float, vllm_b: float, delta_b: float,
-         vllm_c: float, delta_c: float) -> list[Any]:
-    ratio, fewer = delta / vllm, vllm_b / max(delta_b, 1)
+         vllm_c: float, delta_c: float, ratio: float | None = None,
+         fewer: float | None = None) -> list[Any]:
+    ratio = delta / vllm if ratio is None else ratio
+    fewer = vllm_b / max(delta_b, 1) if fewer is None else fewer
     slower = ", ".join(w for w, bad in (("throughput", ratio < 1), ("bytes", fewer < 1)) if bad)
     return [name, round(vllm, 1), round(delta, 1), round(ratio, 3), round(vllm_b),
             round(delta_b), round(fewer, 1), round(vllm_c), round(delta_c), slower or NONE]
@@ -30,9 +32,11 @@ def from_nodes(doc: dict[str, Any]) -> Fields:
     keys = ("vllm", "delta", "vllm_channel", "delta_channel", "vllm_collectives",
             "delta_collectives")
     table = [_row(r["round"], *(r[k] for k in keys)) for r in rounds]
-    table.append(_row("median", *(statistics.median(r[k] for r in rounds) for k in keys)))
     ratios = [r["delta"] / r["vllm"] for r in rounds]
     fewer = statistics.median(r["vllm_channel"] / max(r["delta_channel"], 1) for r in rounds)
+    v, d, vb, db, vc, dc = (statistics.median(r[k] for r in rounds) for k in keys)
+    table.append(_row("median", v, d, vb, db, vc, dc, ratio=statistics.median(ratios),
+                      fewer=fewer))
     targets = [
         _target("step channel bytes between the hosts, × fewer (median of rounds)",
                 round(fewer, 1), "≥ 15", fewer >= 15),
@@ -48,7 +52,8 @@ def from_nodes(doc: dict[str, Any]) -> Fields:
     notes = [f"{runs} rounds, alternating which executor starts; each run {doc['prompts']} "
              f"prompts × {doc['max_tokens']} tokens after a warm-up generate, in a fresh "
              f"engine and node. Throughput ratios: spread {min(ratios):.3f}–{max(ratios):.3f}, "
-             f"{sum(x >= 1 for x in ratios)} of {runs} ≥ 1.",
+             f"{sum(x >= 1 for x in ratios)} of {runs} ≥ 1. The median row is each column's "
+             "median (its ratios: the medians of the rounds' ratios).",
              "Channel: bytes both ways on the engine process's TCP sockets to the other host "
              "(calls and replies: vLLM's message queue, pickled; deltacast's ROUTER, CURVE); "
              "collectives: the ranks' sockets (gloo, the same work for both).",
