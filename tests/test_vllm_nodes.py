@@ -22,6 +22,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed")
 from vllm_nodes_run import engine_args  # noqa: E402
 
 from engine_side.bench import netns  # noqa: E402
+from engine_side.bench.vllm_nodes import cli_args  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,12 +74,8 @@ def _node(host: netns.Host, engine_host: netns.Host, model: Path, keys: Path, ke
           **changed: Any) -> subprocess.Popen[str]:
     """``deltacast node`` for node 1 with the engine's vLLM arguments (``changed``
     overrides some: a node that built another config)."""
-    args = {**engine_args(str(model), "delta", engine_host.addr, PORT, str(keys)), **changed}
-    argv = [str(args.pop("model"))]
-    for name, value in args.items():
-        flag = "--" + name.replace("_", "-")
-        argv += [flag] if value is True else [flag, json.dumps(value) if isinstance(
-            value, dict) else str(value)]
+    argv = cli_args({**engine_args(str(model), "delta", engine_host.addr, PORT, str(keys)),
+                     **changed})
     env = {**ENV, "GLOO_SOCKET_IFNAME": host.dev, "VLLM_CPU_OMP_THREADS_BIND": "1|0"}
     return subprocess.Popen(
         host.run(sys.executable, "-m", "engine_side.cli", "node", "--nnodes", "2",
@@ -100,11 +97,17 @@ def _finish(*procs: subprocess.Popen[str], timeout: float = 300) -> list[str]:
     return errs
 
 
-def _wait_for(path: Path, text: str, proc: subprocess.Popen[str], timeout: float = 300) -> None:
-    end = time.monotonic() + timeout
-    while text not in path.read_text():
-        assert proc.poll() is None and time.monotonic() < end, path.read_text()[-3000:]
+def _generating(hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, out: Path,
+                timeout: float = 300) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
+    """(engine, node) once the engine is in its long generate (its log says WARM)."""
+    a, b = hosts
+    engine = _engine(a, model, out, keys, "long")
+    node = _node(b, a, model, keys, keys)
+    log, end = out.with_suffix(".log"), time.monotonic() + timeout
+    while "WARM" not in log.read_text():
+        assert engine.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
         time.sleep(0.2)
+    return engine, node
 
 
 def _gone(*hosts: netns.Host, timeout: float = 30) -> bool:
@@ -165,9 +168,7 @@ def test_a_killed_remote_rank_fails_the_engine_naming_its_node(
 
     a, b = hosts
     out = tmp_path / "killed.json"
-    engine = _engine(a, model, out, keys, "long")
-    node = _node(b, a, model, keys, keys)
-    _wait_for(out.with_suffix(".log"), "WARM", engine)
+    engine, node = _generating(hosts, model, keys, out)
     (rank,) = [c for c in psutil.Process(node.pid).children()
                if "DeltaWorker" in " ".join(c.cmdline())]
     rank.send_signal(signal.SIGKILL)
@@ -186,9 +187,7 @@ def test_the_remote_node_exits_when_the_engine_dies(
 
     a, b = hosts
     out = tmp_path / "engine-killed.json"
-    engine = _engine(a, model, out, keys, "long")
-    node = _node(b, a, model, keys, keys)
-    _wait_for(out.with_suffix(".log"), "WARM", engine)
+    engine, node = _generating(hosts, model, keys, out)
     for p in [*psutil.Process(engine.pid).children(recursive=True), psutil.Process(engine.pid)]:
         p.send_signal(signal.SIGKILL)
     (node_err,) = _finish(node, timeout=60)

@@ -43,6 +43,12 @@ class Host:
         out = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True)
         return [int(p) for p in out.stdout.split()]
 
+    def kill_all(self) -> None:
+        """SIGKILL every process still in this namespace."""
+        for pid in self.pids():
+            with suppress(OSError):
+                os.kill(pid, 9)
+
     def tx_bytes(self) -> int:
         out = subprocess.run(self.run("cat", f"/sys/class/net/{self.dev}/statistics/tx_bytes"),
                              capture_output=True, text=True, check=True)
@@ -73,8 +79,6 @@ def two_hosts(tag: str = "") -> Iterator[tuple[Host, Host]]:
         yield a, b
     finally:
         for h in (a, b):
-            for pid in h.pids():
-                with suppress(OSError):
-                    os.kill(pid, 9)
+            h.kill_all()
             subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
 

@@ -20,7 +20,6 @@ fault until ``LLM.generate`` raised.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -47,7 +46,7 @@ def _vllm_args(model: Path) -> dict[str, Any]:
             "max_model_len": 256, "seed": 0}
 
 
-def _cli(args: dict[str, Any]) -> list[str]:
+def cli_args(args: dict[str, Any]) -> list[str]:
     """LLM keyword arguments as vLLM's command line (the model first)."""
     args = dict(args)
     out = [str(args.pop("model"))]
@@ -68,11 +67,11 @@ def commands(backend: str, a: netns.Host, model: Path, keys: Path) -> tuple[dict
                                     "deltacast_master_port": PORT, "deltacast_keys": str(keys)}
         node = [sys.executable, "-m", "engine_side.cli", "node", "--nnodes", "2",
                 "--node-rank", "1", "--master-addr", a.addr, "--master-port", str(PORT),
-                "--keys", str(keys), "--engine", "llm", *_cli(llm)]
+                "--keys", str(keys), "--engine", "llm", *cli_args(llm)]
         return llm, node
     layout = {"nnodes": 2, "master_addr": a.addr, "master_port": PORT}
     node = [sys.executable, str(ROOT / "tests" / "vllm_cli.py"), "serve",
-            *_cli({**_vllm_args(model), **layout, "node_rank": 1}), "--headless"]
+            *cli_args({**_vllm_args(model), **layout, "node_rank": 1}), "--headless"]
     return {**llm, **layout, "node_rank": 0}, node
 
 
@@ -121,8 +120,7 @@ def run_once(backend: str, hosts: tuple[netns.Host, netns.Host], model: Path, ke
             if fault == "link":
                 subprocess.run(["ip", "-n", b.ns, "link", "set", b.dev, "up"])
             for host in (a, b):
-                for pid in host.pids():
-                    _kill(pid)
+                host.kill_all()
             for p in (engine, node):
                 p.wait()
     result: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
@@ -132,11 +130,6 @@ def run_once(backend: str, hosts: tuple[netns.Host, netns.Host], model: Path, ke
     if "tokens" not in result and fault is None:
         raise RuntimeError(f"{backend} run failed: {result.get('error')}; see {log}")
     return result
-
-
-def _kill(pid: int) -> None:
-    with contextlib.suppress(OSError):
-        os.kill(pid, signal.SIGKILL)
 
 
 def rounds(args: argparse.Namespace, work: Path) -> dict[str, Any]:

@@ -68,6 +68,7 @@ from vllm.v1.executor.abstract import Executor, FailureCallback
 from engine_side.ring import RingWriter
 from engine_side.security import PrivateDir
 from engine_side.shm_store import ShmStore
+from engine_side.spawn import reap
 from engine_side.transport import spin_poll
 from engine_side.vllm.answers import Answers, RankFault, Reply
 from engine_side.vllm.divergence import DivergenceWatch, RankDiverged
@@ -218,8 +219,8 @@ class DeltaExecutor(Executor):
                             "K` on node K joins at %s)", missing, self.remote.waiting_for())
             for rank, (kind, *rest) in got:
                 if kind == wire.HELLO and self.remote and rank in self.remote.ranks:
-                    # no spin across a link: it would take a core from the model (2 rounds
-                    # of 64 prompts: 1.04 and 0.84x vLLM's multi-node, 0.78 spinning)
+                    # no spin across a link: it would take a core from the model
+                    # (BENCHMARKS, "tried and dropped")
                     settings = wire.WELCOME_SETTINGS.pack(self._hash_every(rank), 0.0)
                     self.remote.welcome(self._sock, rank, rest, self.vllm_config, self.secret,
                                         settings, self.faults)
@@ -492,7 +493,7 @@ class DeltaExecutor(Executor):
         if getattr(self, "shutting_down", True):
             return
         self.shutting_down = True
-        if len(self.local.dead()) < len(self.local.procs) or self.remote is not None:
+        if any(p.is_alive() for p in self.local.procs) or self.remote is not None:
             with contextlib.suppress(zmq.ZMQError):  # a rank never connected
                 self._broadcast(wire.QUIT, [])
         self._finalizer()
@@ -505,7 +506,7 @@ class DeltaExecutor(Executor):
                  ctx: zmq.Context[zmq.Socket[bytes]], private: PrivateDir,
                  ring: RingWriter | None, remote: RemoteRanks | None,
                  link_watch: threading.Thread) -> None:
-        LocalRanks.reap(procs, deaths, JOIN_S)
+        reap(procs, deaths, JOIN_S)
         if link_watch.is_alive():  # it ends within POLL_MS once shutting down
             link_watch.join(2 * POLL_MS / 1e3)
         if remote is not None:

@@ -15,13 +15,14 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from engine_side.spawn import reap, run_by_name
+from engine_side.spawn import run_by_name
 
 RANK_MODULE = "worker_side.vllm.proc"  # a rank's entry point, worker_main (by name)
 
 
 class LocalRanks:
-    """``start`` them, ``wait_death`` for one, ``terminate`` the rest, ``reap`` all."""
+    """``start`` them, ``wait_death`` for one, ``terminate`` the rest (the executor's
+    finalizer reaps ``procs`` and closes ``deaths``: :func:`engine_side.spawn.reap`)."""
 
     def __init__(self) -> None:
         self.procs: list[BaseProcess] = []
@@ -67,8 +68,3 @@ class LocalRanks:
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
-
-    @staticmethod
-    def reap(procs: list[BaseProcess], deaths: list[Connection], join_s: float) -> None:
-        """(For a finalizer: no reference to the instance.)"""
-        reap(procs, deaths, join_s)
