@@ -219,8 +219,7 @@ class DeltaExecutor(Executor):
                             "K` on node K joins at %s)", missing, self.remote.waiting_for())
             for rank, (kind, *rest) in got:
                 if kind == wire.HELLO and self.remote and rank in self.remote.ranks:
-                    # no spin across a link: it would take a core from the model
-                    # (BENCHMARKS, "tried and dropped")
+                    # no spin across a link: it takes a core from the model (tried, dropped)
                     settings = wire.WELCOME_SETTINGS.pack(self._hash_every(rank), 0.0)
                     self.remote.welcome(self._sock, rank, rest, self.vllm_config, self.secret,
                                         settings, self.faults)
