@@ -332,6 +332,8 @@ def _schedule(state: StateView, body: DeltaBody, fin: set[int], added: set[int],
         if cut:
             ordered = sorted(cut)
             kept_reset = [at - bisect_left(ordered, at) for at in kept_reset]
+        if counts is prev_n:  # an append that unpacks to nothing: prev_n is read-only
+            counts = prev_n.copy()
         counts[kept_reset] = 1
     new.flags.writeable = False
     return Membership(state, new, counts, keep=keep, appended=new_part, kept_reset=kept_reset)
