@@ -197,6 +197,21 @@ def test_a_mutated_body_applies_whole_or_changes_nothing(
         assert load_snapshot(build_snapshot(state, 1, 1)).digest == state.digest
 
 
+def test_a_request_re_added_in_place_with_an_empty_append_applies() -> None:
+    """A live, scheduled handle added again (an update) while ``schedule_append`` is the
+    empty list's encoding: the handle keeps its position with a count of 1 (found by the
+    property above: the previous counts are read-only and must not be written)."""
+    _, delta = first_step(2, 1)
+    state = ReplicaState(TOKEN_MODE_WORKER, 1)
+    state.apply(delta.body, delta.digest)
+    again = NewRequest(handle=0, spec=encode_spec(Spec(req_id="r0", prompt=pack_uints([1]))),
+                       computed=0)
+    state.apply(DeltaBody(added=(again,), schedule_append=pack_uints([])), None)
+    assert state.schedule.tolist() == [0, 1]
+    assert state.nsched.tolist()[0] == 1
+    assert state.digest == state.recompute_digest()
+
+
 _UNBUILDABLE = {
     "drafts past the schedule": DeltaBody(spec_tokens=Rows(keys=pack_uints([7]),
                                                            values=pack_uints([1]))),
