@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from engine_side.keys import write_keys
 from engine_side.vllm.nodes import LayoutError, NodeLayout
+from engine_side.vllm.remote import layout_for
 from protocol.calls import HELLO_FIELDS, pack_hello, parse_hello
 from protocol.errors import MalformedMessage
 
@@ -80,3 +81,36 @@ def test_a_missing_node_key_is_named(tmp_path: Path) -> None:
         NodeLayout.from_config({"deltacast_nnodes": 4, "deltacast_master_addr": "h",
                                 "deltacast_master_port": 1000,
                                 "deltacast_keys": str(tmp_path / "k")}, 4).node_keys()
+
+
+def test_a_placement_other_than_ray_is_refused() -> None:
+    with pytest.raises(LayoutError, match='deltacast_placement must be "ray"'):
+        layout_for({"deltacast_placement": "k8s"}, 2)
+
+
+def test_ray_placement_without_a_cluster_says_how_to_start_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'deltacast[ray]')")
+    import ray
+    from ray._private.services import find_gcs_addresses
+
+    if ray.is_initialized() or find_gcs_addresses():
+        pytest.skip("a Ray cluster runs on this machine")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(LayoutError, match="ray start --head"):
+        layout_for({"deltacast_placement": "ray"}, 2)
+
+
+def test_free_ports_are_consecutive_and_bindable() -> None:
+    import socket
+
+    from engine_side.vllm.ray_nodes import free_ports
+
+    first = free_ports("127.0.0.1", 3)
+    held = [socket.socket() for _ in range(3)]
+    try:
+        for port, s in enumerate(held, start=first):
+            s.bind(("127.0.0.1", port))
+    finally:
+        for s in held:
+            s.close()

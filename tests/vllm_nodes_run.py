@@ -2,7 +2,8 @@
 
 ``python tests/vllm_nodes_run.py MODEL OUT.json BACKEND [ADDR PORT KEYS] [long]``: LLM
 at TP=2 with BACKEND (``default``: vLLM's own executor, one host; ``delta``:
-DeltaExecutor with rank 1 on node 1 at ADDR, ``deltacast node`` started by the test).
+DeltaExecutor with rank 1 on node 1 at ADDR, ``deltacast node`` started by the test;
+``ray``: DeltaExecutor placing its ranks on the Ray cluster whose head is ADDR:PORT).
 It generates greedily with logprobs (the ``short`` batch); with ``long``, prints
 ``WARM`` to stderr, then generates a long batch; with ``skew``, makes rank 1 sample other
 tokens (a sealed callable sent to every rank) and generates again, so the engine names
@@ -30,6 +31,10 @@ def engine_args(model: str, backend: str, addr: str = "", port: int = 0,
         args["distributed_executor_backend"] = "engine_side.vllm.DeltaExecutor"
         args["additional_config"] = {"deltacast_nnodes": 2, "deltacast_master_addr": addr,
                                      "deltacast_master_port": port, "deltacast_keys": keys}
+    if backend == "ray":  # Ray places rank 1 (its cluster's head at ADDR:PORT)
+        args["distributed_executor_backend"] = "engine_side.vllm.DeltaExecutor"
+        args["additional_config"] = {"deltacast_placement": "ray",
+                                     "deltacast_ray_address": f"{addr}:{port}"}
     return args
 
 

@@ -74,8 +74,7 @@ from engine_side.vllm.answers import Answers, RankFault, Reply
 from engine_side.vllm.divergence import DivergenceWatch, RankDiverged
 from engine_side.vllm.encoder import SchedulerOutputEncoder
 from engine_side.vllm.local_ranks import LocalRanks
-from engine_side.vllm.nodes import NodeLayout
-from engine_side.vllm.remote import HEARTBEAT_S, RemoteRanks
+from engine_side.vllm.remote import HEARTBEAT_S, RemoteRanks, layout_for
 from engine_side.vllm.resend import Retransmitter
 from protocol import calls as wire
 from protocol.errors import MalformedMessage, ProtocolError
@@ -133,7 +132,7 @@ class DeltaExecutor(Executor):
         self.shutting_down = False
         self.failure_callback: FailureCallback | None = None
         self.world_size = self.parallel_config.world_size
-        self.nodes = NodeLayout.from_config(extra, self.world_size)
+        self.nodes = layout_for(extra, self.world_size)
         self.local_ranks = range(self.nodes.per_node(self.world_size))
         if self.nodes.remote and extra.get("deltacast_mm_store_mb"):
             raise ValueError("deltacast_mm_store_mb is a shared-memory store on the engine's "
@@ -172,7 +171,7 @@ class DeltaExecutor(Executor):
                                             name="DeltaLinks")
         self._sock.bind(f"{self._dir.endpoint}/ctl")
         if self.remote is not None:
-            self.remote.bind(self._sock)
+            self.remote.bind(self._sock, self.vllm_config)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         # every rank needs a reply ring: beyond MAX_RANKS ranks, sockets only

@@ -12,6 +12,9 @@ Ports: torch.distributed's TCP store listens on ``master_port`` (as vLLM's); nod
 ranks reach the executor's channel (one ROUTER with CURVE: only the keys ``worker1 ..
 worker{nnodes-1}`` get in, node k's ranks only with ``worker{k}``'s key) on
 ``master_port + k``, so a dropped connection names its node.
+
+With ``deltacast_placement: "ray"`` Ray places the ranks and makes the layout instead
+(:func:`engine_side.vllm.remote.layout_for`, :mod:`engine_side.vllm.ray_nodes`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ class NodeLayout:
     master_addr: str = ""
     master_port: int = 0
     keys: Path | None = None
+    placement: Any = None  # Ray's placement (engine_side.vllm.ray_nodes), if it placed us
+    curve: tuple[bytes, bytes, dict[int, bytes]] | None = None  # keys made for this run
 
     @staticmethod
     def from_config(extra: dict[str, Any], world_size: int) -> NodeLayout:
@@ -79,6 +84,8 @@ class NodeLayout:
         """(the engine's public and secret CURVE keys, node -> its allowed public key)."""
         import zmq.auth
 
+        if self.curve is not None:
+            return self.curve
         assert self.keys is not None
         public, secret = zmq.auth.load_certificate(str(self.keys / "engine.key_secret"))
         if secret is None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from engine_side.vllm.nodes import NodeLayout, hello_mismatch
+from engine_side.vllm.nodes import LayoutError, NodeLayout, hello_mismatch
 from engine_side.zap import ZapHandler
 from protocol import calls as wire
 from protocol.errors import ProtocolError
@@ -27,6 +27,20 @@ from protocol.faults import PeerFaults
 log = logging.getLogger("deltacast.vllm.executor")
 HEARTBEAT_S = 0.6  # a rank unheard this long (ZMTP heartbeats every 1/4 of it) is lost
 _POLL_MS = 100  # how often the watch looks at its stop flag
+
+
+def layout_for(extra: dict[str, Any], world_size: int) -> NodeLayout:
+    """The node layout ``additional_config`` asks for: ``deltacast_placement: "ray"``
+    (Ray places the ranks), else the ``deltacast_nnodes`` options (or one node)."""
+    placement = extra.get("deltacast_placement")
+    if placement == "ray":
+        from engine_side.vllm.ray_nodes import place
+
+        return place(extra, world_size)
+    if placement is not None:
+        raise LayoutError(f"deltacast_placement must be \"ray\" (or unset: nodes started "
+                          f"with `deltacast node`), got {placement!r}")
+    return NodeLayout.from_config(extra, world_size)
 
 
 class RemoteRanks:
@@ -54,7 +68,8 @@ class RemoteRanks:
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
-    def bind(self, sock: zmq.Socket[bytes]) -> None:
+    def bind(self, sock: zmq.Socket[bytes], vllm_config: Any) -> None:
+        """Listen for each node's ranks (placed by Ray: then start them)."""
         for node in range(1, self.layout.nnodes):
             where = self.layout.channel(node)
             try:
@@ -64,6 +79,8 @@ class RemoteRanks:
                                    f"ranks ({exc}): deltacast_master_addr must be this host's "
                                    "address and the port free") from exc
             log.info("DeltaExecutor: node %d's ranks join at %s", node, where)
+        if self.layout.placement is not None:
+            self.layout.placement.launch(vllm_config, self.layout)
 
     def recv(self, sock: zmq.Socket[bytes]) -> list[bytes]:
         """One ROUTER message; one whose CURVE key is not its rank's node's comes back
@@ -141,3 +158,5 @@ class RemoteRanks:
             sock.disable_monitor()
             self.links.close(linger=0)
         self.zap.stop()
+        if self.layout.placement is not None:
+            self.layout.placement.release()

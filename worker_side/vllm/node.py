@@ -91,30 +91,38 @@ def build_config(vllm_args: list[str], engine: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm.utils.ompmultiprocessing import OMPProcessManager
-    from vllm.v1.executor.multiproc_executor import set_multiprocessing_worker_envs
-
-    from worker_side.vllm.proc import worker_main
-
     node, nnodes = args.node_rank, args.nnodes
     if node >= nnodes:
         raise CliError(f"--node-rank {node} must be below --nnodes {nnodes} (node 0 is the "
                        "engine's)", EXIT_USAGE)
     curve = _keys(args.keys, node)
     config = build_config(args.vllm_args, args.engine)
-    parallel = config.parallel_config
-    world = parallel.world_size
+    world = config.parallel_config.world_size
     if world % nnodes:
         raise CliError(f"--nnodes {nnodes} does not divide the world size {world}", EXIT_USAGE)
+    return start_node(config, node, nnodes, args.master_addr, args.master_port, curve)
+
+
+def start_node(config: Any, node: int, nnodes: int, master_addr: str, master_port: int,
+               curve: tuple[bytes, bytes, bytes]) -> int:
+    """Start node ``node``'s ranks and supervise them (the exit code: see the module
+    docstring); ``curve``: (the engine's public key, this node's public and secret)."""
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+    from vllm.v1.executor.multiproc_executor import set_multiprocessing_worker_envs
+
+    from worker_side.vllm.proc import worker_main
+
+    parallel = config.parallel_config
+    world = parallel.world_size
     per_node = world // nnodes
     ranks = range(node * per_node, (node + 1) * per_node)
     tp = parallel.tensor_parallel_size
     output_rank = world - tp * parallel.prefill_context_parallel_size
-    endpoint = f"tcp://{args.master_addr}:{args.master_port + node}"
+    endpoint = f"tcp://{master_addr}:{master_port + node}"
     # a distinct address per node: vLLM's CPU ranks share memory only with the same one
-    init_method = f"tcp://{args.master_addr}:{args.master_port}?node={node}"
+    init_method = f"tcp://{master_addr}:{master_port}?node={node}"
     print(f"deltacast node {node}: ranks {list(ranks)} of {world} on {socket.gethostname()}; "
-          f"engine {endpoint}; torch.distributed tcp://{args.master_addr}:{args.master_port}, "
+          f"engine {endpoint}; torch.distributed tcp://{master_addr}:{master_port}, "
           f"gloo interface {os.environ.get('GLOO_SOCKET_IFNAME') or '(gloo chooses)'}",
           file=sys.stderr, flush=True)
     set_multiprocessing_worker_envs(per_node)

@@ -1,0 +1,127 @@
+"""DeltaExecutor placed by Ray across two "hosts": a Ray head (engine, rank 0) in one
+network namespace and a Ray worker node in another, one CPU each, so the placement group
+puts rank 1 on the other node; real vLLM (CPU build) at TP=2.  Skipped cleanly without
+vLLM, Ray or network namespaces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed")
+pytest.importorskip("ray", reason="Ray is not installed (pip install 'deltacast[ray]')")
+
+from engine_side.bench import netns  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+ROOT = Path(__file__).resolve().parent.parent
+RAY_PORT = 6379
+RAY = str(Path(sys.executable).with_name("ray"))
+ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+       "RAY_DISABLE_USAGE_STATS": "1", "RAY_ADDRESS": "",
+       "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[netns.Host, netns.Host]]:
+    """A two-node Ray cluster, one CPU per node, head in A; stopped and emptied after."""
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    temp = tmp_path_factory.mktemp("ray")
+    with netns.two_hosts("r") as (a, b):
+        try:
+            for host, first, bind in ((a, ["--head", f"--port={RAY_PORT}",
+                                           "--include-dashboard=false", f"--temp-dir={temp}"],
+                                       "0|1"),
+                                      (b, [f"--address={a.addr}:{RAY_PORT}"], "1|0")):
+                subprocess.run(host.run(RAY, "start", *first, f"--node-ip-address={host.addr}",
+                                        "--num-cpus=1", "--disable-usage-stats"),
+                               env={**ENV, "VLLM_CPU_OMP_THREADS_BIND": bind}, check=True,
+                               capture_output=True, timeout=120)
+            yield a, b
+        finally:
+            for host in (b, a):
+                subprocess.run(host.run(RAY, "stop", "--force"), capture_output=True, env=ENV)
+                host.kill_all()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine_side.bench.vllm_scenarios import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-ray") / "tiny-llama")
+
+
+def _ranks(host: netns.Host) -> list[int]:
+    """This host's DeltaExecutor rank processes."""
+    import psutil
+
+    return [p for p in host.pids()
+            if "DeltaWorker" in " ".join(psutil.Process(p).cmdline() or [""])
+            or psutil.Process(p).name().startswith("VLLM::Delta")]
+
+
+def _engine(a: netns.Host, model: Path, out: Path, *extra: str) -> subprocess.Popen[str]:
+    log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 (the process holds it)
+    return subprocess.Popen(
+        a.run(sys.executable, str(ROOT / "tests" / "vllm_nodes_run.py"), str(model), str(out),
+              "ray", a.addr, str(RAY_PORT), "", *extra),
+        cwd=ROOT, env={**ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, stdout=subprocess.DEVNULL,
+        stderr=log, text=True)
+
+
+def _wait_gone(host: netns.Host, timeout: float = 30) -> list[int]:
+    end = time.monotonic() + timeout
+    while _ranks(host) and time.monotonic() < end:
+        time.sleep(0.2)
+    return _ranks(host)
+
+
+def test_ranks_placed_by_ray_on_another_host_match_the_default_executor(
+        cluster: tuple[netns.Host, netns.Host], model: Path, tmp_path: Path) -> None:
+    a, b = cluster
+    ref = tmp_path / "default.json"
+    subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_nodes_run.py"), str(model),
+                    str(ref), "default"], cwd=ROOT,
+                   env={**ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, capture_output=True,
+                   timeout=600)
+    out = tmp_path / "ray.json"
+    sent = b.tx_bytes()
+    engine = _engine(a, model, out)
+    engine.wait(timeout=600)
+    log = out.with_suffix(".log").read_text()
+    result = json.loads(out.read_text())
+    assert engine.returncode == 0 and "short" in result, log[-3000:]
+    assert result["short"] == json.loads(ref.read_text())["short"]
+    # the actor on B started rank 1 there, gloo on the interface holding B's Ray address
+    assert "ranks [1] of 2" in log and f"gloo interface {b.dev}" in log, log[-3000:]
+    assert b.tx_bytes() - sent > 100_000  # rank 1's collectives and replies crossed the link
+    assert _wait_gone(b) == [] and _wait_gone(a) == [], "a rank outlived the engine"
+
+
+def test_a_killed_ray_placed_rank_fails_the_engine_naming_its_host(
+        cluster: tuple[netns.Host, netns.Host], model: Path, tmp_path: Path) -> None:
+    a, b = cluster
+    out = tmp_path / "killed.json"
+    engine = _engine(a, model, out, "long")
+    log, end = out.with_suffix(".log"), time.monotonic() + 400
+    while "WARM" not in log.read_text():
+        assert engine.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
+        time.sleep(0.2)
+    (rank,) = _ranks(b)
+    os.kill(rank, signal.SIGKILL)
+    engine.wait(timeout=120)
+    result, text = json.loads(out.read_text()), log.read_text()
+    assert "error" in result and "long" not in result
+    assert f"node 1 (ranks [1], host {b.addr}) dropped its connection" in text, text[-3000:]
+    assert _wait_gone(b) == [] and _wait_gone(a) == [], "a rank outlived the engine"
