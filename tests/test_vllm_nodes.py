@@ -98,10 +98,12 @@ def _finish(*procs: subprocess.Popen[str], timeout: float = 300) -> list[str]:
 
 
 def _generating(hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, out: Path,
-                timeout: float = 300) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
-    """(engine, node) once the engine is in its long generate (its log says WARM)."""
+                timeout: float = 300, mode: str = "long",
+                ) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
+    """(engine, node) once the engine is in its long generate (its log says WARM;
+    ``mode`` "hold": the engine waits for OUT.go before it)."""
     a, b = hosts
-    engine = _engine(a, model, out, keys, "long")
+    engine = _engine(a, model, out, keys, mode)
     node = _node(b, a, model, keys, keys)
     log, end = out.with_suffix(".log"), time.monotonic() + timeout
     while "WARM" not in log.read_text():
@@ -192,4 +194,24 @@ def test_the_remote_node_exits_when_the_engine_dies(
         p.send_signal(signal.SIGKILL)
     (node_err,) = _finish(node, timeout=60)
     assert node.returncode == 1 and "lost the engine" in node_err, node_err[-3000:]
+    assert _gone(a, b)
+
+
+def test_a_second_session_with_a_nodes_key_is_dropped_and_the_first_runs_on(
+        hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, tmp_path: Path) -> None:
+    """One live session per key: node 1 started twice (the same key, the engine
+    running): the ROUTER drops what the second sends (its rank's identity is taken),
+    the second exits saying so once its hello goes unanswered, and the first then
+    generates to the end."""
+    a, b = hosts
+    out = tmp_path / "twice.json"
+    engine, node = _generating(hosts, model, keys, out, mode="hold")
+    (twice_err,) = _finish(_node(b, a, model, keys, keys), timeout=120)
+    out.with_suffix(".go").touch()
+    (node_err,) = _finish(node)
+    _finish(engine)
+    result, log = json.loads(out.read_text()), out.with_suffix(".log").read_text()
+    assert "node 1 is already connected (one session per key)" in twice_err, twice_err[-3000:]
+    assert "error" not in result and result["long"] == [200, 200, 200], log[-3000:]
+    assert node.returncode == 0, node_err[-3000:]
     assert _gone(a, b)

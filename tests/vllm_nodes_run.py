@@ -5,7 +5,8 @@ at TP=2 with BACKEND (``default``: vLLM's own executor, one host; ``delta``:
 DeltaExecutor with rank 1 on node 1 at ADDR, ``deltacast node`` started by the test;
 ``ray``: DeltaExecutor placing its ranks on the Ray cluster whose head is ADDR:PORT).
 It generates greedily with logprobs (the ``short`` batch); with ``long``, prints
-``WARM`` to stderr, then generates a long batch; with ``skew``, makes rank 1 sample other
+``WARM`` to stderr, then generates a long batch (``hold``: the same once OUT.go
+exists); with ``skew``, makes rank 1 sample other
 tokens (a sealed callable sent to every rank) and generates again, so the engine names
 rank 1 as diverged.  OUT.json gets the outputs, or the
 error that ended generation and when (``time.time()``).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12, 13] * 9]
@@ -75,9 +77,12 @@ def main() -> None:
         if rest[-1:] == ["skew"]:
             result["skewed"] = llm.collective_rpc(_skew_rank1_sampler)
             llm.generate(prompts, short)
-        if rest[-1:] != ["long"]:
+        if rest[-1:] not in (["long"], ["hold"]):
             return
         print("WARM", file=sys.stderr, flush=True)
+        go = Path(out).with_suffix(".go")
+        while rest[-1:] == ["hold"] and not go.exists():  # until the test says go
+            time.sleep(0.1)
         long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
         result["long"] = [len(o.outputs[0].token_ids) for o in llm.generate(prompts, long)]
     except Exception as exc:  # what the test judges: the message and when

@@ -123,7 +123,9 @@ class RemoteRanks:
 
     def watch(self, stopping: Callable[[], bool], lost: Callable[[int], None]) -> None:
         """Until ``stopping()``: a connection on node k's port that completed its CURVE
-        handshake and then dropped calls ``lost(k)`` (once; the watch ends).  Monitor
+        handshake dropping, so that fewer than its ranks' are up, calls ``lost(k)``
+        (once; the watch ends).  A second session with a rank's identity is dropped by
+        the ROUTER: its disconnect leaves the node's count whole, no loss.  Monitor
         events carry no identity, and a refused handshake also ends in a disconnect:
         each failed handshake on a port accounts for that port's next disconnect (a
         node dropping at the very moment a stranger's handshake fails there is then
@@ -131,8 +133,9 @@ class RemoteRanks:
         from zmq.utils.monitor import recv_monitor_message
 
         ports = {self.layout.master_port + n: n for n in range(1, self.layout.nnodes)}
-        joined: set[int] = set()
-        failed: Counter[int] = Counter()
+        per_node = self.layout.per_node(self.world_size)
+        joined: Counter[int] = Counter()  # connections up per node; one past its ranks
+        failed: Counter[int] = Counter()  # (a rank's identity taken: dropped) is no loss
         while not stopping():
             if not self.links.poll(_POLL_MS):
                 continue
@@ -143,14 +146,16 @@ class RemoteRanks:
             if node is None:
                 continue
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                joined.add(node)
+                joined[node] += 1
             elif kind != zmq.EVENT_DISCONNECTED:  # a failed handshake
                 failed[node] += 1
             elif failed[node]:
                 failed[node] -= 1
-            elif node in joined and not stopping():
-                lost(node)
-                return
+            elif joined[node]:
+                joined[node] -= 1
+                if joined[node] < per_node and not stopping():
+                    lost(node)
+                    return
 
     def close(self, sock: zmq.Socket[bytes], watch_ended: bool) -> None:
         """After the watch ended (else its socket is left to the process's exit)."""

@@ -78,7 +78,9 @@ def _watch_parent(death: Connection) -> None:
 
 HEARTBEAT_S = 0.6  # the engine unheard this long (ZMTP heartbeats every 1/4 of it) is gone
 _SAY_S = 10.0  # while the engine has not answered our hello, say so this often
+WELCOME_S = 30.0  # connected, the engine's answer to our hello is due within this long
 _quitting = threading.Event()
+_connected = threading.Event()  # our CURVE handshake with the engine succeeded
 
 
 def _watch_engine(sock: zmq.Socket[bytes], endpoint: str, rank: int) -> None:
@@ -98,6 +100,7 @@ def _watch_engine(sock: zmq.Socket[bytes], endpoint: str, rank: int) -> None:
             event = recv_monitor_message(monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 joined = True
+                _connected.set()
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 _die(rank, f"the engine at {endpoint} refused this node's CURVE key (is its "
                            "public key among the engine's workerK.key for this node?)")
@@ -128,8 +131,15 @@ def _join(sock: zmq.Socket[bytes], node: int, vllm_config: Any, endpoint: str,
     sock.send_multipart([HELLO, pack_hello(
         node=str(node), vllm=vllm.__version__, protocol=str(PROTOCOL_MAJOR),
         config=vllm_config.compute_hash())])
+    quiet = 0.0  # seconds connected without an answer
     while True:
         if not sock.poll(int(_SAY_S * 1000)):
+            quiet += _SAY_S if _connected.is_set() else 0.0
+            if quiet >= WELCOME_S:  # the ROUTER drops what a second session sends
+                _die(rank, f"connected to the engine at {endpoint}, but no answer to this "
+                           f"node's hello in {WELCOME_S:.0f} s: node {node} is already "
+                           "connected (one session per key), or the engine is not waiting "
+                           "for it")
             print(f"deltacast rank {rank}: waiting for the engine at {endpoint}",
                   file=sys.stderr, flush=True)
             continue
