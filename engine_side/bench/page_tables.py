@@ -15,6 +15,7 @@ from typing import Any
 
 from engine_side.bench import figures
 from engine_side.bench.page_hostile import from_fuzz, from_hostile
+from engine_side.bench.page_link import from_link
 from engine_side.bench.page_nodes import from_nodes
 
 SLOWER = "slower on"  # the last column of a comparison: where deltacast is slower
@@ -428,7 +429,8 @@ def from_bitmask(results: Sequence[dict[str, Any]]) -> Fields:
 CONVERTERS: dict[str, Callable[[Any], Fields]] = {
     "core": from_core, "latency": from_latency, "mm": from_mm, "report": from_report,
     "vllm_streams": from_streams, "vllm_throughput": from_throughput, "bitmask": from_bitmask,
-    "fuzz": from_fuzz, "hostile": from_hostile, "vllm_nodes": from_nodes}
+    "fuzz": from_fuzz, "hostile": from_hostile, "vllm_nodes": from_nodes,
+    "vllm_link": from_link}
 
 
 def reconvert(path: Path) -> bool:
