@@ -125,3 +125,23 @@ def test_a_killed_ray_placed_rank_fails_the_engine_naming_its_host(
     assert "error" in result and "long" not in result
     assert f"node 1 (ranks [1], host {b.addr}) dropped its connection" in text, text[-3000:]
     assert _wait_gone(b) == [] and _wait_gone(a) == [], "a rank outlived the engine"
+
+
+def test_ranks_placed_by_ray_exit_when_the_engine_dies(
+        cluster: tuple[netns.Host, netns.Host], model: Path, tmp_path: Path) -> None:
+    """The engine's process tree SIGKILLed mid-generation: the rank on the other node
+    exits (its engine's connection lost, and Ray ends the dead driver's actor)."""
+    import psutil
+
+    a, b = cluster
+    out = tmp_path / "engine-killed.json"
+    engine = _engine(a, model, out, "long")
+    log, end = out.with_suffix(".log"), time.monotonic() + 400
+    while "WARM" not in log.read_text():
+        assert engine.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
+        time.sleep(0.2)
+    assert _ranks(b), "no rank on the other node"
+    for p in [*psutil.Process(engine.pid).children(recursive=True), psutil.Process(engine.pid)]:
+        p.send_signal(signal.SIGKILL)
+    engine.wait(timeout=60)
+    assert _wait_gone(b) == [] and _wait_gone(a) == [], "a rank outlived the engine"
