@@ -130,3 +130,17 @@ _ONE_ROW = (pack_uints([0]), pack_uints([0, 1]), bytes(8))  # background, gaps, 
 def test_hostile_sparse_words_are_malformed(bad: SparseWords) -> None:
     with pytest.raises(MalformedMessage):
         expand(bad)
+
+
+@pytest.mark.parametrize("name", ["a", "S4", "<f4", "i4,i4", "<U9999999999", "int32", "", "|b1"])
+def test_a_dtype_string_outside_the_integer_list_is_malformed(name: str) -> None:
+    """Only ``|i1``, ``|u1``, ``<i2`` .. ``>u8`` (SPEC): numpy's parser never sees the
+    peer's text (it warns, raises other errors, or builds non-integer types)."""
+    with pytest.raises(MalformedMessage, match="bad dtype"):
+        inflate(Deflated(name, (4,), zlib.compress(bytes(4))))
+
+
+def test_every_listed_dtype_string_is_an_integer_type() -> None:
+    for name in ["|i1", "|u1", "<i2", ">u8", "<u4", ">i8"]:
+        a = np.arange(3, dtype=name)
+        assert np.array_equal(inflate(Deflated(name, (3,), zlib.compress(a.tobytes()))), a)
