@@ -80,6 +80,17 @@ def _engine(a: netns.Host, model: Path, out: Path, *extra: str) -> subprocess.Po
         stderr=log, text=True)
 
 
+def _generating(a: netns.Host, model: Path, out: Path,
+                timeout: float = 400) -> tuple[subprocess.Popen[str], Path]:
+    """(engine, its log) once the engine is in its long generate (the log says WARM)."""
+    engine = _engine(a, model, out, "long")
+    log, end = out.with_suffix(".log"), time.monotonic() + timeout
+    while "WARM" not in log.read_text():
+        assert engine.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
+        time.sleep(0.2)
+    return engine, log
+
+
 def _wait_gone(host: netns.Host, timeout: float = 30) -> list[int]:
     end = time.monotonic() + timeout
     while _ranks(host) and time.monotonic() < end:
@@ -113,11 +124,7 @@ def test_a_killed_ray_placed_rank_fails_the_engine_naming_its_host(
         cluster: tuple[netns.Host, netns.Host], model: Path, tmp_path: Path) -> None:
     a, b = cluster
     out = tmp_path / "killed.json"
-    engine = _engine(a, model, out, "long")
-    log, end = out.with_suffix(".log"), time.monotonic() + 400
-    while "WARM" not in log.read_text():
-        assert engine.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
-        time.sleep(0.2)
+    engine, log = _generating(a, model, out)
     (rank,) = _ranks(b)
     os.kill(rank, signal.SIGKILL)
     engine.wait(timeout=120)
@@ -135,11 +142,7 @@ def test_ranks_placed_by_ray_exit_when_the_engine_dies(
 
     a, b = cluster
     out = tmp_path / "engine-killed.json"
-    engine = _engine(a, model, out, "long")
-    log, end = out.with_suffix(".log"), time.monotonic() + 400
-    while "WARM" not in log.read_text():
-        assert engine.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
-        time.sleep(0.2)
+    engine, log = _generating(a, model, out)
     assert _ranks(b), "no rank on the other node"
     for p in [*psutil.Process(engine.pid).children(recursive=True), psutil.Process(engine.pid)]:
         p.send_signal(signal.SIGKILL)

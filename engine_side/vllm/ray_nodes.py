@@ -81,7 +81,6 @@ class RayNodes:
         strategy = str(extra.get("deltacast_ray_strategy", "PACK"))
         self.group = placement_group([{"CPU": cpus}] * world_size, strategy=strategy)
         self.actors: list[Any] = []
-        self.runs: list[Any] = []
         if not self.group.wait(timeout_seconds=PLACE_S):
             self.release()
             raise LayoutError(f"Ray could not place {world_size} bundles of {cpus:g} CPU "
@@ -98,8 +97,8 @@ class RayNodes:
                 f"and the engine runs on {here}: DeltaExecutor needs the engine's node to hold "
                 "ranks and every node as many (set deltacast_ray_strategy or the nodes' CPUs)")
         order = sorted(per_node, key=lambda n: (n != here, n))  # the engine's node first
-        self.nodes = [(node, min(b for b, n in where.items() if n == node), addrs[node])
-                      for node in order]  # (Ray node id, its first bundle, its address)
+        self.nodes = [(min(b for b, n in where.items() if n == node), addrs[node])
+                      for node in order]  # (the node's first bundle, its address)
         self.master_addr = addrs[here]
 
     def layout(self, extra: dict[str, Any]) -> NodeLayout:
@@ -114,7 +113,7 @@ class RayNodes:
             return NodeLayout()
         cls = ray.remote(getattr(importlib.import_module(ACTOR[0]), ACTOR[1]))
         cpus = self.group.bundle_specs[0]["CPU"]
-        for _, bundle, _ in self.nodes[1:]:
+        for bundle, _ in self.nodes[1:]:
             strategy = PlacementGroupSchedulingStrategy(self.group, bundle)
             self.actors.append(cls.options(num_cpus=cpus, scheduling_strategy=strategy,
                                            max_concurrency=2).remote())
@@ -140,10 +139,10 @@ class RayNodes:
     def launch(self, config: Any, layout: NodeLayout) -> None:
         """Each other node's actor starts its ranks (they join the channel)."""
         assert layout.curve is not None
-        for k, (actor, (_, _, addr)) in enumerate(zip(self.actors, self.nodes[1:],
+        for k, (actor, (_, addr)) in enumerate(zip(self.actors, self.nodes[1:],
                                                       strict=True), start=1):
-            self.runs.append(actor.run.remote(config, k, layout.nnodes, layout.master_addr,
-                                              layout.master_port, layout.curve[0], addr))
+            actor.run.remote(config, k, layout.nnodes, layout.master_addr,  # its exit: the
+                             layout.master_port, layout.curve[0], addr)  # link watch sees it
             log.info("DeltaExecutor: node %d's ranks start on Ray node %s", k, addr)
 
     def release(self) -> None:
