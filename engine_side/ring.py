@@ -93,6 +93,12 @@ class RingWriter:
         self._seen = struct.pack(f"<{len(cursors)}Q", *cursors)
         return out
 
+    def reset(self) -> None:
+        """A fresh segment of the same sizes for a new group (no worker attached)."""
+        layout, directory = self.seg.layout, self.path.parent
+        self.close()
+        self.__init__(directory, layout.ring_bytes, layout.reply_bytes)  # type: ignore[misc]
+
     def close(self) -> None:
         """Mark the segment closed (attached workers re-attach) and remove ``DIR/ring``."""
         if self.fd < 0:

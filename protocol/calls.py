@@ -74,6 +74,18 @@ def parse_check_in(payload: bytes) -> tuple[int, int]:
     return int(steps), int(value)
 
 
+def ready_seconds(frames: Sequence[bytes]) -> float:
+    """The seconds an ``R``'s optional frame says the rank took to start its device and
+    load its model (ASCII decimal); 0.0 when absent or not such a number (it only
+    informs the engine's log)."""
+    try:
+        seconds = float(frames[0].decode("ascii")) if len(frames) == 1 and \
+            len(frames[0]) <= 16 else 0.0
+    except (UnicodeDecodeError, ValueError):
+        return 0.0
+    return seconds if 0.0 <= seconds < 1e7 else 0.0
+
+
 def pack_hello(**fields: str) -> bytes:
     """An ``h`` payload of exactly HELLO_FIELDS (strings)."""
     if tuple(sorted(fields)) != tuple(sorted(HELLO_FIELDS)):

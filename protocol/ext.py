@@ -71,6 +71,7 @@ class StepExt(_Map, frozen=True):
     all_tokens: tuple[TokenRef, ...] = msgspec.field(default=(), name="at")
     prefill: tuple[TokenRef | None, ...] = msgspec.field(default=(), name="pf")
     fixes: tuple[NewFix, ...] = msgspec.field(default=(), name="fx")
+    restored: tuple[tuple[int, bytes], ...] = msgspec.field(default=(), name="ro")
     total: int = msgspec.field(default=-1, name="tt")
     preempted_none: bool = msgspec.field(default=False, name="pn")
     enc_stats: tuple[int, int] | None = msgspec.field(default=None, name="es")

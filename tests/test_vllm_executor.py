@@ -157,11 +157,13 @@ def test_exception_on_non_output_rank_is_reported(run: dict[str, Any]) -> None:
     assert run["after_error"][0]["outs"] == run["default2"][6]["outs"]
 
 
-def test_dead_rank_fails_the_engine_and_calls_back(run: dict[str, Any]) -> None:
-    assert run["rpc_after_death"] == "ExecutorFailed"
-    assert run["generate_after_death"] == "ExecutorFailed"
-    assert run["callback_calls"] == 1
-    assert run["alive_after_death"] == [False, False]
+def test_a_rank_dead_in_a_control_call_restarts_the_group(run: dict[str, Any]) -> None:
+    """The call it died in raises; the engine generates on, with a new group."""
+    assert run["rpc_after_death"] == "RuntimeError"
+    assert run["generate_after_death"] == "returned"
+    assert run["callback_calls"] == 0
+    assert run["alive_after_death"] == [True, True]
+    assert [r["cause"] for r in run["recoveries"]] == ["rank 1 died (exit code 3)"]
 
 
 def test_shutdown_leaves_no_orphans(run: dict[str, Any]) -> None:
@@ -169,10 +171,13 @@ def test_shutdown_leaves_no_orphans(run: dict[str, Any]) -> None:
     assert not [pid for pid in run["tp1_pids"] + run["pids"] if _alive(pid)]
 
 
-def test_sigkilled_rank_behind_engine_core_process_kills_the_engine(model: Path) -> None:
+def test_sigkilled_rank_behind_engine_core_process_restarts_the_group(model: Path) -> None:
     """vLLM's default layout (engine core in its own process): SIGKILL the non-output
-    rank; the failure callback fails the engine, generate raises instead of hanging."""
+    rank; the next generate runs on a restarted group, with the same (seeded) tokens;
+    shutdown leaves no rank of either group."""
     run = _script(model, "kill", "kill")
     assert len(run["pids"]) == 2 and run["before"]
-    assert run["generate_after_kill"] == "EngineDeadError"
-    assert not [pid for pid in run["pids"] if _alive(pid)]
+    assert run["generate_after_kill"] == "returned"
+    assert run["after"] == run["before"]
+    assert len(run["pids_after"]) == 2 and not set(run["pids_after"]) & set(run["pids"])
+    assert not [pid for pid in run["pids"] + run["pids_after"] if _alive(pid)]

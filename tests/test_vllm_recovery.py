@@ -10,10 +10,6 @@ the executor must have sent the calls again.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,25 +17,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
+from vllm_script import run_script  # noqa: E402
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from engine_side.bench.vllm_scenarios import build_tiny_model
-
-    model = build_tiny_model(tmp_path_factory.mktemp("vllm-recovery") / "tiny-llama")
-    out = model.parent / "recovery.json"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_recovery_run.py"),
-                           str(model), str(out)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=1100)
-    assert out.exists(), proc.stderr[-4000:]
-    result: dict[str, Any] = json.loads(out.read_text())
-    result["stderr"] = proc.stderr
-    return result
+    return run_script(tmp_path_factory, "recovery")
 
 
 @pytest.mark.parametrize("name", ["ring", "sockets"])

@@ -142,7 +142,7 @@ def _diverge(llm: Any, out: dict[str, Any]) -> None:
 
 
 def _kill(llm: Any, out: dict[str, Any]) -> None:
-    """A rank dies mid-call: the failure callback runs and the engine raises."""
+    """A rank dies mid-call: the group restarts, the call raises, the engine serves on."""
     ex = _executor(llm)
     called: list[int] = []
     ex.register_failure_callback(lambda: called.append(1))
@@ -156,9 +156,10 @@ def _kill(llm: Any, out: dict[str, Any]) -> None:
         out["generate_after_death"] = "returned"
     except Exception as exc:  # noqa: BLE001
         out["generate_after_death"] = type(exc).__name__
-    ex.local.procs[0].join(10)  # the monitor terminates the surviving rank
     out["callback_calls"] = len(called)
     out["alive_after_death"] = [p.is_alive() for p in ex.local.procs]
+    out["recoveries"] = ex.recoveries
+    _close(llm)
 
 
 def _async_run(model: str, out: dict[str, Any]) -> None:
@@ -216,7 +217,8 @@ def _worker_pids() -> list[int]:
 
 
 def kill_main(model: str, path: str) -> None:
-    """Engine core in its own process (vLLM's default): SIGKILL rank 1, then generate."""
+    """Engine core in its own process (vLLM's default): SIGKILL rank 1, then generate
+    (the group restarts), then shut down."""
     import signal
 
     from vllm.v1.engine.exceptions import EngineDeadError
@@ -227,10 +229,12 @@ def kill_main(model: str, path: str) -> None:
     out["before"] = _run(llm, SEEDED[:1], _params()[1][:1])[0]["outs"][0]["ids"]
     os.kill(out["pids"][1], signal.SIGKILL)
     try:
-        llm.generate(SEEDED[:1], use_tqdm=False)
+        out["after"] = _run(llm, SEEDED[:1], _params()[1][:1])[0]["outs"][0]["ids"]
         out["generate_after_kill"] = "returned"
     except EngineDeadError:
         out["generate_after_kill"] = "EngineDeadError"
+    out["pids_after"] = _worker_pids()
+    _close(llm)
     with open(path, "w") as f:
         json.dump(out, f)
 

@@ -149,7 +149,8 @@ class Sender:
         from protocol import calls as wire
 
         enc = SchedulerOutputEncoder(secret=self.secret)
-        route = {"execute_model": (wire.EXECUTE, enc.encode),
+        route: dict[str, tuple[bytes, Callable[[Any], list[Any]]]] = {
+            "execute_model": (wire.EXECUTE, enc.encode),
                  "sample_tokens": (wire.SAMPLE, enc.encode_grammar)}
 
         def send() -> list[int]:

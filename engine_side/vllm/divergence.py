@@ -92,6 +92,11 @@ class DivergenceWatch(TokenHashBoard):
         self.divergent: list[RankDiverged] = []
         self.callbacks: list[Callable[[RankDiverged], None]] = []
 
+    def restart(self) -> None:
+        """Forget the check-ins of a group that was restarted (its counts start again)."""
+        self.pending.clear()
+        self.diverged.clear()
+
     def hear(self, rank: int, frames: list[bytes]) -> None:
         try:
             events = self.check_in(rank, frames)

@@ -129,8 +129,9 @@ class SchedulerOutputEncoder:
         return self._pos
 
     # ------------------------------------------------------------ execute_model
-    def encode(self, so: Any) -> list[Frame]:
-        """Frames of one step (one Delta message).
+    def encode(self, so: Any, restored: dict[str, list[int]] | None = None) -> list[Frame]:
+        """Frames of one step (one Delta message); ``restored``: the tokens sampled before
+        a restart by new requests that resume (SPEC §16 ``ro``).
 
         Raises LocalProtocolError for a stream vLLM cannot produce (a cached request
         never scheduled, ...); the encoder is then unusable: start a new epoch.
@@ -178,6 +179,9 @@ class SchedulerOutputEncoder:
                            make_ref(nr.prefill_token_ids, nr.prompt_token_ids))
         if fixes:
             ext["fixes"] = tuple(fixes)
+        if restored:
+            ext["restored"] = tuple((k, pack_sints(restored[nr.req_id]))
+                                    for k, nr in enumerate(new_reqs) if nr.req_id in restored)
         if prefill and any(r is not None for r in prefill):
             ext["prefill"] = tuple(prefill)
         self._token_lists(cached, ext)

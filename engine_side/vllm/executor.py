@@ -10,10 +10,13 @@ private 0700 directory (call kinds: :mod:`protocol.calls`).  ``execute_model`` /
 SchedulerOutput after dispatch) to every rank; everything else is a control call sealed with
 a per-run HMAC secret (:mod:`protocol.seal`; vLLM sends functions: they travel cloudpickled
 inside the seal, never as unauthenticated pickle).  Every rank answers every call, so an
-exception on any rank is raised here; a dead rank, or a rank whose answer is malformed
-(:class:`ExecutorFailed` names it), marks the executor failed, wakes any waiting call and
-runs the failure callback.  A message on the ROUTER from no rank, or a malformed check-in,
-is dropped and counted (``faults``).  Futures resolve in submission order.
+exception on any rank is raised here.  A dead rank on this host restarts the group and
+vLLM's scheduler recomputes every running request (:mod:`engine_side.vllm.restart`;
+bounded: ``deltacast_restarts`` within ``deltacast_restart_window_s``); past the bound,
+a rank on another host dying, or a malformed answer (:class:`ExecutorFailed` names the
+rank) marks the executor failed, wakes any waiting call and runs the failure callback.
+A message on the ROUTER from no rank, or a malformed check-in, is dropped and counted
+(``faults``).  Futures resolve in submission order.
 
 Local step ring (default; ``additional_config={"deltacast_ring_kb": N}`` sizes it,
 default 32 MiB, 0 turns it off): calls go through the shared-memory ring of
@@ -73,9 +76,11 @@ from engine_side.transport import spin_poll
 from engine_side.vllm.answers import Answers, RankFault, Reply
 from engine_side.vllm.divergence import DivergenceWatch, RankDiverged
 from engine_side.vllm.encoder import SchedulerOutputEncoder
-from engine_side.vllm.local_ranks import LocalRanks
-from engine_side.vllm.remote import HEARTBEAT_S, RemoteRanks, layout_for
+from engine_side.vllm.local_ranks import LocalRanks, remove_dist_files
+from engine_side.vllm.rank_deaths import ExecutorFailed, RankDeaths
+from engine_side.vllm.remote import RemoteRanks, layout_for
 from engine_side.vllm.resend import Retransmitter
+from engine_side.vllm.restart import GroupDied, RestartPolicy, SchedulerHook, renew
 from protocol import calls as wire
 from protocol.errors import MalformedMessage, ProtocolError
 from protocol.faults import PeerFaults
@@ -90,12 +95,7 @@ RING_CALL_LIMIT = 1 << 20  # bigger calls use the ROUTER (bounds what the ring h
 JOIN_LOG_S = 10.0  # while ranks on other nodes have not joined, say so this often
 
 
-class ExecutorFailed(RuntimeError):
-    """A rank died or sent a malformed answer: its KV shard is gone or out of step, so
-    the executor is permanently failed."""
-
-
-class DeltaExecutor(Executor):
+class DeltaExecutor(RankDeaths, Executor):
     """See the module docstring.  Supported: vLLM 0.32.x, TP and PP, one or more nodes."""
 
     supports_pp: bool = True
@@ -121,6 +121,8 @@ class DeltaExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+        if self._hook is not None:  # EngineCore builds its scheduler next
+            self._hook.install()
         set_torch_threads_for_runtime()
         threading.Thread(target=self._monitor, daemon=True, name="DeltaMonitor").start()
 
@@ -144,9 +146,7 @@ class DeltaExecutor(Executor):
         self.faults = PeerFaults(log, "DeltaExecutor dropped a malformed message")
         self.hashes = DivergenceWatch(samplers, self.output_rank, self.faults)
         self.divergent = self.hashes.divergent  # every RankDiverged so far
-        self.secret = secrets.token_bytes(32)
-        self._seal_call, self._seal_attach = (Sealer(self.secret, x) for x in (b"call", b"attach"))
-        self._open_result = [Opener(self.secret, b"result:%d" % r) for r in range(self.world_size)]
+        self._new_secret()
         store_mb = extra.get("deltacast_mm_store_mb", 0)
         self.spin_s = float(extra.get("deltacast_spin_ms", self.spin_ms)) / 1e3
         self._replied = 0.0  # monotonic time of the last message from a rank
@@ -155,6 +155,23 @@ class DeltaExecutor(Executor):
         self._pending: deque[Reply] = deque()
         self.local = LocalRanks()
         self._calls = 0
+        # a dead rank restarts the group (ranks on this host only: others cannot be restarted)
+        self.restarts = RestartPolicy(0) if self.nodes.remote else RestartPolicy.from_config(extra)
+        self._hook = SchedulerHook(self.vllm_config) if self.restarts.limit else None
+        self._built: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []  # replayed
+        self._serving = False  # the first step is sent: the group is built
+        self._died: GroupDied | None = None  # the group is stopped, the restart due
+        self._relaunching = False  # a death now fails the restart
+        self._restarted = threading.Event()
+        self._unsent: set[str] = set()  # requests the restarted group has not seen
+        self.recoveries: list[dict[str, Any]] = []  # per restart: rank, cause, seconds
+        self.loads: dict[int, float] = {}  # per rank: seconds its device and model took
+
+    def _new_secret(self) -> None:
+        """A secret for the seal (per group: a restarted group gets its own) and its seals."""
+        self.secret = secrets.token_bytes(32)
+        self._seal_call, self._seal_attach = (Sealer(self.secret, x) for x in (b"call", b"attach"))
+        self._open_result = [Opener(self.secret, b"result:%d" % r) for r in range(self.world_size)]
 
     def _init_channels(self, extra: dict[str, Any]) -> None:
         """The control socket (a ROUTER on a private directory), the reply ring and the
@@ -165,6 +182,8 @@ class DeltaExecutor(Executor):
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if not self.nodes.remote:  # a restarted rank takes its identity over at once
+            self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.remote = RemoteRanks(self.nodes, self.world_size, self._ctx, self._sock) \
             if self.nodes.remote else None
         self._link_watch = threading.Thread(target=self._watch_links, daemon=True,
@@ -182,15 +201,17 @@ class DeltaExecutor(Executor):
         self.stats: Counter[str] = Counter()  # ring_calls, socket_calls, socket_replies
         self._answers = Answers(self.world_size, self.stats)  # per rank, in call order
         self._resender = Retransmitter(self._sock, self.stats, self.faults)
+        self._dist = [""]  # the group's torch.distributed init method (its files: cleanup)
         self._finalizer = weakref.finalize(self, DeltaExecutor._cleanup, self.local.procs,
                                            self.local.deaths, self._sock, self._ctx, self._dir,
-                                           self.ring, self.remote, self._link_watch)
+                                           self.ring, self.remote, self._link_watch, self._dist)
 
     def _start_ranks(self) -> None:
         from vllm.utils.network_utils import get_file_store_init_method
 
         init_method = self.nodes.init_method if self.nodes.remote \
             else get_file_store_init_method()
+        self._dist[0] = init_method
         tp = self.parallel_config.tensor_parallel_size
         self.local.start(self.vllm_config, self.local_ranks, lambda rank: dict(
             vllm_config=self.vllm_config, local_rank=rank, rank=rank, init_method=init_method,
@@ -229,6 +250,7 @@ class DeltaExecutor(Executor):
                     raise RuntimeError(f"rank {rank} sent {kind!r} before ready")
                 else:
                     ready.add(rank)
+                    self.loads[rank] = wire.ready_seconds(rest)
 
     def _attach_store(self) -> None:
         """Every rank attaches a reader to the store (one sealed map rank -> AttachInfo)."""
@@ -238,59 +260,11 @@ class DeltaExecutor(Executor):
         self._submit(wire.ATTACH, [self._seal_attach.seal({"attach": infos})], lambda r: None,
                      timeout=60).result()
 
-    # ------------------------------------------------------------ failure handling
-    def _monitor(self) -> None:
-        """Wait for any rank to exit; unless shutting down, fail and call back."""
-        rank, code = self.local.wait_death()
-        if self.shutting_down or self.is_failed:
-            return
-        self.is_failed = True
-        log.error("DeltaExecutor rank %d died (exit code %s); the executor has failed",
-                  rank, code)
-        self.local.terminate()  # the other shards are useless without it
-        self._fail()
-
-    def _watch_links(self) -> None:
-        if self.remote is not None:
-            self.remote.watch(lambda: self.shutting_down, self._node_lost)
-
-    def _node_lost(self, node: int) -> None:
-        assert self.remote is not None
-        self.failure = (f"DeltaExecutor failed: {self.remote.describe(node)} dropped its "
-                        f"connection: killed, frozen, or cut off (no heartbeat for "
-                        f"{HEARTBEAT_S} s)")
-        log.error(self.failure)
-        self.local.terminate()  # the local shards are useless without it
-        self._fail()
-
-    def _fail(self) -> None:
-        """Mark the executor failed and run the failure callback (once)."""
-        self.is_failed = True
-        callback, self.failure_callback = self.failure_callback, None
-        if callback is not None:
-            callback()
-
-    def _rank_fault(self, rank: int, error: ProtocolError | KeyError) -> ExecutorFailed:
-        """``rank`` answered with a malformed message (``error``): its fault, and fatal
-        (call order is lost); logged, counted, the executor failed.  Raise the result."""
-        self.faults.count(f"rank {rank}")
-        log.error("DeltaExecutor rank %d sent a malformed answer (%s); the executor has "
-                  "failed", rank, error)
-        self.failure = f"DeltaExecutor failed: rank {rank} sent a malformed answer: {error}"
-        self._fail()
-        return ExecutorFailed(self.failure)
-
     def register_failure_callback(self, callback: FailureCallback) -> None:
         if self.is_failed:
             callback()
         else:
             self.failure_callback = callback
-
-    def _check_alive(self) -> None:
-        dead = self.local.dead()
-        if self.is_failed or dead:
-            self.is_failed = True
-            raise ExecutorFailed(self.failure or f"DeltaExecutor failed: rank(s) {dead} died")
 
     # ------------------------------------------------------------ transport
     def _receive(self, deadline: float | None) -> list[tuple[int, list[bytes]]]:
@@ -363,8 +337,10 @@ class DeltaExecutor(Executor):
         try:
             self._broadcast(kind, frames)
         except zmq.ZMQError:
-            self._check_alive()
-            raise
+            with contextlib.suppress(GroupDied):  # the restart answers the call
+                self._check_alive()
+            if not self.local.dead():
+                raise
         deadline = None if timeout is None else time.monotonic() + timeout
         reply = Reply(self._drain, convert, deadline)
         self._pending.append(reply)
@@ -392,6 +368,9 @@ class DeltaExecutor(Executor):
             call = self._pending.popleft()
             try:
                 call.set_result(call.convert(self._gather(call.deadline)))
+            except GroupDied as died:
+                self._pending.appendleft(call)
+                self._restart(died)
             except Exception as exc:
                 call.set_exception(exc)
 
@@ -426,7 +405,12 @@ class DeltaExecutor(Executor):
             raise self._rank_fault(self.output_rank, exc) from exc
 
     def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
-        frames = self.encoder.encode(scheduler_output)  # synchronously: it is mutated later
+        self._serving, restored = True, None
+        if self._unsent:  # resumed after a restart: new to the group
+            assert self._hook is not None  # noqa: S101 - restarts need it
+            scheduler_output, restored = renew(scheduler_output, self._hook.scheduler,
+                                               self._unsent)
+        frames = self.encoder.encode(scheduler_output, restored)  # now: it is mutated later
         reply = self._submit(wire.EXECUTE, frames, self._output, self._model_timeout())
         return reply if non_block else reply.result()
 
@@ -445,6 +429,8 @@ class DeltaExecutor(Executor):
                        args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
                        non_block: bool = False) -> Any:
         """Every rank's result; a callable travels cloudpickled inside the HMAC seal."""
+        if not self._serving:
+            self._built.append((method, args, kwargs or {}))  # replayed on a restart
         sent = method if isinstance(method, str) else cloudpickle.dumps(method)
         blob = self._seal_call.seal({"call": (sent, args, kwargs or {})})
         reply = self._submit(wire.CONTROL, [blob], self._results, timeout)
@@ -473,7 +459,10 @@ class DeltaExecutor(Executor):
         self.collective_rpc("execute_dummy_batch", timeout=self._model_timeout())
 
     def check_health(self) -> None:
-        self._check_alive()
+        try:
+            self._check_alive()
+        except GroupDied as died:
+            self._restart(died)
         self.collective_rpc("check_health", timeout=10)
 
     @classmethod
@@ -503,8 +492,9 @@ class DeltaExecutor(Executor):
     def _cleanup(procs: list[BaseProcess], deaths: list[Connection], sock: zmq.Socket[bytes],
                  ctx: zmq.Context[zmq.Socket[bytes]], private: PrivateDir,
                  ring: RingWriter | None, remote: RemoteRanks | None,
-                 link_watch: threading.Thread) -> None:
+                 link_watch: threading.Thread, dist: list[str]) -> None:
         reap(procs, deaths, JOIN_S)
+        remove_dist_files(dist[0])
         if link_watch.is_alive():  # it ends within POLL_MS once shutting down
             link_watch.join(2 * POLL_MS / 1e3)
         if remote is not None:

@@ -8,11 +8,14 @@ group's lock is kept here: a spawned child opens it by name later.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import multiprocessing
 import multiprocessing.connection
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 from engine_side.spawn import run_by_name
@@ -68,3 +71,22 @@ class LocalRanks:
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
+
+    def kill(self) -> None:
+        """SIGKILL every rank still running: after a rank's death the others may wait in a
+        collective that never ends (the CPU all-reduce has no timeout)."""
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+
+
+def remove_dist_files(init_method: str) -> None:
+    """What vLLM's ranks made for the group that ``init_method`` (a ``file://`` store)
+    named and a killed rank leaves behind: the store file and the CPU all-reduce's
+    shared-memory segments (``/dev/shm/<store name>-*``)."""
+    if not init_method.startswith("file://"):
+        return
+    store = Path(init_method.removeprefix("file://"))
+    for path in [store, *Path("/dev/shm").glob(glob.escape(store.name) + "-*")]:
+        with contextlib.suppress(OSError):
+            path.unlink()

@@ -54,6 +54,7 @@ class _Lists:
     new_tokens: list[list[int]]
     all_tokens: dict[int, list[int]]  # index among the cached requests -> history
     prefill: list[list[int] | None]  # per added request
+    restored: dict[int, list[int]]  # added request -> tokens it sampled before a restart
     departures: tuple[Any, Any] | None
     copies: list[int] | None
     prefix: list[int]
@@ -94,6 +95,8 @@ class SchedulerOutputDecoder:
         self._grammar = GrammarDecoder()
         self._vllm = _vllm_classes()
         self._aux: list[Any] = []
+        #: the last step's new requests that resume after a restart: id -> sampled tokens
+        self.restored: dict[str, list[int]] = {}
         self._reply_enc = msgspec.msgpack.Encoder(enc_hook=make_enc_hook(self._aux))
 
     def attach_store(self, reader: ShmReader) -> None:
@@ -230,12 +233,17 @@ class SchedulerOutputDecoder:
         prefill = [None if k >= len(ext.prefill) or ext.prefill[k] is None
                    else resolve_ref(ext.prefill[k], applied.prompts[k])  # type: ignore[arg-type]
                    for k in range(len(added))]
+        restored: dict[int, list[int]] = {}
+        for k, raw in ext.restored:
+            if not 0 <= k < len(added) or k in restored:
+                raise MalformedMessage("restored tokens name no new request", index=k)
+            restored[k] = unpack_sint_list(raw)
         copies = None
         if ext.block_copies is not None:
             copies = unpack_uint_list(ext.block_copies) if ext.block_copies else []
             if len(copies) % 2:
                 raise MalformedMessage("block copies are not (source, destination) pairs")
-        return _Lists(new_pos, cpos, _new_tokens(ext), histories, prefill,
+        return _Lists(new_pos, cpos, _new_tokens(ext), histories, prefill, restored,
                       OutputCounts.read(ext.out_pos, ext.out_delta, ncached), copies,
                       unpack_uint_list(ext.prefix_blocks) if ext.prefix_blocks else [])
 
@@ -314,6 +322,8 @@ class SchedulerOutputDecoder:
         if opaque:
             for name, value in opaque.items():
                 setattr(so, name, value)
+        self.restored = {new_reqs[k].req_id: t for k, t in read.restored.items()} \
+            if read.restored else {}
         self.batches[msg.seq] = batch
         self.batches.pop(msg.seq - HISTORY, None)
         return so

@@ -34,6 +34,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -63,6 +64,7 @@ from protocol.messages import PROTOCOL_MAJOR
 from protocol.seal import Opener, Sealer
 from worker_side.vllm.channel import RankChannel
 from worker_side.vllm.decoder import SchedulerOutputDecoder
+from worker_side.vllm.resume import resume
 from worker_side.vllm.tokenhash import TokenHash
 
 
@@ -204,13 +206,15 @@ def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
     wrapper = None
     try:
         try:
+            loading = time.monotonic()
             wrapper = _start_worker(vllm_config, local_rank, rank, init_method, is_driver, lock)
+            loaded = time.monotonic() - loading
         except Exception:
             sock.send_multipart([FAILED, traceback.format_exc().encode()])
             return
         channel = RankChannel(sock, ring_dir, rank)  # attached before READY: sees every call
         channel.spin_s = spin_s
-        sock.send_multipart([READY])
+        sock.send_multipart([READY, b"%.3f" % loaded])
         _Server(wrapper, channel, secret, rank == output_rank, rank, hash_every).serve()
     finally:
         _quitting.set()
@@ -288,7 +292,10 @@ class _Server:
 
     def _handle(self, kind: bytes, frames: list[bytes]) -> list[bytes]:
         if kind == EXECUTE:
-            return self._output(self.wrapper.execute_model(self.decoder.decode(frames)))
+            so = self.decoder.decode(frames)
+            if self.decoder.restored:  # after the engine restarted this group
+                resume(self.wrapper.worker.model_runner, so, self.decoder.restored)
+            return self._output(self.wrapper.execute_model(so))
         if kind == SAMPLE:
             grammar = self.decoder.decode_grammar(frames)
             return self._output(self.wrapper.sample_tokens(grammar))

@@ -1,0 +1,91 @@
+"""A DeltaExecutor rank dies, no request is lost: the group restarts and recomputes.
+
+tests/vllm_restart_run.py runs a real vLLM (CPU) at TP=2 with greedy requests (logprobs,
+a chunk-prefilled prompt, prefix caching): DeltaExecutor loses rank 1 while a prompt
+is in prefill and rank 0 mid-decode (SIGKILL), then runs a round on the prefix cache
+the restarts emptied; with async scheduling it loses a rank mid-decode, and past its
+restart bound it fails.  The same steps run on vLLM's default executor undisturbed,
+and on vLLM's default executor recomputing at those steps itself (its scheduler's
+``reset_prefix_cache(reset_running_requests=True)``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed")
+
+from vllm_script import run_script  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_script(tmp_path_factory, "restart")
+
+
+def _ids(rounds: list[dict[str, Any]]) -> list[list[list[int]]]:
+    return [[c["ids"] for c in r["outs"]] for r in rounds]
+
+
+def _max_logprob_gap(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> float:
+    gaps = [abs(p[k] - q[k]) for x, y in zip(a, b, strict=True)
+            for c, d in zip(x["outs"], y["outs"], strict=True) if c["lp"]
+            for p, q in zip(c["lp"], d["lp"], strict=True) for k in p]
+    return max(gaps, default=0.0)
+
+
+def test_every_request_completes_with_the_undisturbed_tokens(run: dict[str, Any]) -> None:
+    """Kills in prefill and mid-decode: every request gets all its tokens, the same
+    token ids as the undisturbed default executor, logprobs within recompute noise."""
+    assert run["restarts"] == 2 and run["callback_calls"] == 0
+    for got, want in zip(run["delta"], run["default"], strict=True):
+        assert _ids(got) == _ids(want)
+        assert _max_logprob_gap(got, want) < 0.05
+    assert all(len(r["outs"][0]["ids"]) > 0 for rnd in run["delta"] for r in rnd)
+
+
+def test_outputs_equal_vllms_own_recompute_at_the_same_steps(run: dict[str, Any]) -> None:
+    """Where recompute changes the numerics (prefill kernels over what was decoded),
+    vLLM's default executor recomputing at the same steps gives the very same
+    outputs: tokens, text and logprobs, bit for bit."""
+    assert run["delta"] == run["recomputed"]
+    assert run["delta"][1] != run["default"][1]  # (the recompute did change logprobs)
+
+
+def test_the_prefix_cache_is_emptied_with_the_kv(run: dict[str, Any]) -> None:
+    """The third round repeats prompts whose blocks were cached before the kills:
+    were those blocks trusted, the restarted group's empty KV would be read."""
+    assert run["delta"][2] == run["default"][2] == run["recomputed"][2]
+
+
+def test_the_group_restarts_as_new_processes_and_leaves_nothing(run: dict[str, Any]) -> None:
+    pids = run["pids"]
+    assert pids[0] != pids[1] and not set(pids[0]) & set(pids[1])
+    for rec in run["recoveries_sync"]:
+        assert rec["preempted"] == 3 and rec["total"] >= rec["start"] > 0
+    name = Path(run["dist"].removeprefix("file://")).name
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith(name)]
+    assert not Path(run["dist"].removeprefix("file://")).exists()
+
+
+def test_async_scheduling_with_two_batches_in_flight(run: dict[str, Any]) -> None:
+    assert run["async_batches"] == 2 and run["async_restarts"] == 1
+    assert _ids(run["async"]) == _ids(run["default"][0])
+    assert _max_logprob_gap(run["async"], run["default"][0]) < 0.05
+
+
+def test_a_group_that_keeps_dying_fails_with_a_clear_message(run: dict[str, Any]) -> None:
+    assert run["past_bound"].startswith("ExecutorFailed")
+    assert run["failure"] == ("DeltaExecutor failed: rank 0 died (signal 9 (SIGKILL)); 1 "
+                              "restart(s) within 600 s already (deltacast_restarts, "
+                              "deltacast_restart_window_s)")
+    assert run["callback_calls_past_bound"] == 1
+    assert run["alive_past_bound"] == [False, False]
+    assert "restarted the group after rank 1 died (signal 9 (SIGKILL))" in run["stderr"]
