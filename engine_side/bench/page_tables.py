@@ -17,6 +17,7 @@ from engine_side.bench import figures
 from engine_side.bench.page_hostile import from_fuzz, from_hostile
 from engine_side.bench.page_link import from_link
 from engine_side.bench.page_nodes import from_nodes
+from engine_side.bench.page_restarts import from_restarts
 
 SLOWER = "slower on"  # the last column of a comparison: where deltacast is slower
 NONE = "–"
@@ -430,7 +431,7 @@ CONVERTERS: dict[str, Callable[[Any], Fields]] = {
     "core": from_core, "latency": from_latency, "mm": from_mm, "report": from_report,
     "vllm_streams": from_streams, "vllm_throughput": from_throughput, "bitmask": from_bitmask,
     "fuzz": from_fuzz, "hostile": from_hostile, "vllm_nodes": from_nodes,
-    "vllm_link": from_link}
+    "vllm_link": from_link, "vllm_restarts": from_restarts}
 
 
 def reconvert(path: Path) -> bool:

@@ -1,0 +1,182 @@
+"""Benchmark: a rank dies, no request is lost -- DeltaExecutor under injected kills.
+
+::
+
+    VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m engine_side.bench.vllm_restarts \\
+        --kills 50 --figures docs/benchmarks/vllm_restarts.json
+
+A real vLLM (CPU) at TP=2 on a tiny random Llama, requests arriving over time (two every
+few steps, greedy, fixed lengths, prefix-sharing prompts), driven step by step through
+``LLMEngine.step``.  First vLLM's default executor runs the workload undisturbed, then
+DeltaExecutor with a rank SIGKILLed at seeded random steps (ranks alternating; during
+prefill and decode alike).  Per kill: seconds from the kill until the executor noticed
+(detection), its restart split into stopping the group, starting the rank processes,
+their device and weights, and the replayed KV set-up and warm-up; then the recompute,
+until the next token of a request that was running at the kill.  Per request: did it finish
+with all its tokens, and are its token ids the undisturbed run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+PROMPT_TOKENS = (40, 72, 104)  # prompt lengths, cycled (a shared 32-token prefix each)
+MAX_TOKENS = (24, 48)
+
+
+def _engine(model: Path, delta: bool, restarts: int) -> Any:
+    from vllm import LLM
+
+    kw: dict[str, Any] = {}
+    if delta:
+        from engine_side.vllm import DeltaExecutor
+
+        kw = {"distributed_executor_backend": DeltaExecutor,
+              "additional_config": {"deltacast_restarts": restarts,
+                                    "deltacast_restart_window_s": 3600}}
+    return LLM(model=str(model), tensor_parallel_size=2, enforce_eager=True, block_size=32,
+               max_model_len=512, seed=0, enable_prefix_caching=True,
+               max_num_batched_tokens=256, enable_chunked_prefill=True, **kw)
+
+
+def _requests(n: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, max tokens) of request k: a shared prefix, then its own."""
+    return [([5 + (j % 11) for j in range(32)] +
+             [(31 * k + 7 * j) % 400 + 20 for j in range(PROMPT_TOKENS[k % 3] - 32)],
+             MAX_TOKENS[k % 2]) for k in range(n)]
+
+
+def drive(llm: Any, requests: list[tuple[list[int], int]], every: int,
+          kills: dict[int, int]) -> dict[str, Any]:
+    """Add two requests every ``every`` steps; at step s in ``kills`` SIGKILL that rank.
+    Returns each request's token ids and, per kill, when it happened and when each
+    request running at the kill got its next token."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    ids: dict[str, list[int]] = {}
+    running: set[str] = set()
+    events: list[dict[str, Any]] = []
+    waiting_next: dict[str, int] = {}  # request -> the kill whose next token it owes
+    step, added = 0, 0
+    while added < len(requests) or engine.has_unfinished_requests():
+        if step % every == 0:
+            for _ in range(2):
+                if added < len(requests):
+                    prompt, n = requests[added]
+                    engine.add_request(str(added), TokensPrompt(prompt_token_ids=prompt),
+                                       SamplingParams(temperature=0, max_tokens=n,
+                                                      ignore_eos=True))
+                    ids[str(added)] = []
+                    added += 1
+        if step in kills:
+            ex = engine.engine_core.engine_core.model_executor
+            proc = ex.local.procs[kills[step]]
+            at = time.monotonic()
+            os.kill(proc.pid, signal.SIGKILL)
+            wait([proc.sentinel], 10)
+            events.append({"step": step, "rank": kills[step], "at": at,
+                           "running": len(running), "next_token_s": None})
+            waiting_next.update(dict.fromkeys(running, len(events) - 1))
+        for out in engine.step():
+            got = list(out.outputs[0].token_ids)
+            if len(got) > len(ids[out.request_id]):
+                k = waiting_next.pop(out.request_id, None)
+                if k is not None and events[k]["next_token_s"] is None:
+                    events[k]["next_token_s"] = time.monotonic() - events[k]["at"]
+            ids[out.request_id] = got
+            (running.discard if out.finished else running.add)(out.request_id)
+        step += 1
+    return {"ids": ids, "events": events, "steps": step}
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from engine_side.bench.vllm_scenarios import build_tiny_model
+
+    model = build_tiny_model(work / "tiny-llama")
+    requests = _requests(args.requests)
+    llm = _engine(model, False, 0)
+    base = drive(llm, requests, args.every, {})
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    rng = random.Random(args.seed)
+    steps = sorted(rng.sample(range(3, base["steps"] - 3), args.kills))
+    kills = {s: k % 2 for k, s in enumerate(steps)}
+    llm = _engine(model, True, args.kills)
+    ex = llm.llm_engine.engine_core.engine_core.model_executor
+    got = drive(llm, requests, args.every, kills)
+    recoveries = list(ex.recoveries)
+    failure = ex.failure
+    llm.llm_engine.engine_core.shutdown()
+    for event, rec in zip(got["events"], recoveries, strict=False):
+        event.update({"detect_s": rec["noticed_at"] - event["at"], "stop_s": rec["stop"],
+                      "spawn_s": rec["spawn"], "load_s": rec["load"],
+                      "build_s": rec["build"], "cause": rec["cause"]})
+        if event["next_token_s"] is not None:
+            event["recompute_s"] = event["next_token_s"] - event["detect_s"] - rec["total"]
+    want = {r: len(base["ids"][r]) for r in base["ids"]}
+    return {"requests": len(requests), "every": args.every, "kills": len(kills),
+            "restarts": len(recoveries), "failure": failure, "events": got["events"],
+            "complete": sum(len(got["ids"].get(r, [])) == n for r, n in want.items()),
+            "same_ids": sum(got["ids"].get(r) == base["ids"][r] for r in want),
+            "max_tokens": {str(n) for n in MAX_TOKENS}, "steps": got["steps"],
+            "base_steps": base["steps"]}
+
+
+def summary(doc: dict[str, Any]) -> dict[str, Any]:
+    def med(key: str) -> float | None:
+        vals = [e[key] for e in doc["events"] if e.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    def top(key: str) -> float | None:
+        vals = [e[key] for e in doc["events"] if e.get(key) is not None]
+        return max(vals) if vals else None
+
+    return {k: {"median": med(k), "max": top(k)} for k in
+            ("detect_s", "stop_s", "spawn_s", "load_s", "build_s", "recompute_s",
+             "next_token_s")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kills", type=int, default=50)
+    p.add_argument("--requests", type=int, default=160)
+    p.add_argument("--every", type=int, default=3, help="steps between arrivals of two")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", default="", help="write the raw document here")
+    p.add_argument("--figures", default="", metavar="FILE",
+                   help="write the figures envelope BENCHMARKS.md is made from")
+    args = p.parse_args(argv)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the executor object is reachable
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    from engine_side.bench import figures
+    from engine_side.bench.page_tables import write_figures
+
+    started = figures.stamp()
+    with tempfile.TemporaryDirectory(prefix="deltacast-restarts-") as work:
+        doc = run(args, Path(work))
+    doc["max_tokens"] = sorted(doc["max_tokens"])
+    doc["summary"] = summary(doc)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    print(json.dumps({k: v for k, v in doc.items() if k != "events"}, indent=1))
+    if args.figures:
+        write_figures(args.figures, "vllm_restarts", doc, started)
+    return 0 if doc["complete"] == doc["requests"] and not doc["failure"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
