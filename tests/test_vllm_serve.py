@@ -74,8 +74,10 @@ def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
     port = int(free_tcp_endpoint().rsplit(":", 1)[1])
     log = tmp_path_factory.mktemp("vllm-serve-log") / "serve.log"
     with open(log, "wb") as sink:
+        metrics = tmp_path_factory.mktemp("vllm-serve-metrics")  # vLLM's multiprocess mode
         proc = subprocess.Popen(_serve_args(model, port), cwd=ROOT,  # (its log unbuffered)
-                                env={**_env(), "PYTHONUNBUFFERED": "1"}, stdout=sink,
+                                env={**_env(), "PYTHONUNBUFFERED": "1",
+                                     "PROMETHEUS_MULTIPROC_DIR": str(metrics)}, stdout=sink,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield {"proc": proc, "url": f"http://127.0.0.1:{port}", "log": log}
@@ -186,3 +188,7 @@ def test_an_open_stream_carries_on_when_the_rank_is_killed(served: dict[str, Any
     assert len(_stream(client, model, server)) == STREAM_TOKENS  # a new group serves on
     assert "restarted the group after rank 0 died (signal 9 (SIGKILL))" in \
         server["log"].read_text()
+    with urllib.request.urlopen(server["url"] + "/metrics", timeout=30) as r:
+        metrics = r.read().decode()
+    assert 'deltacast_rank_restarts_total{rank="0"} 1.0' in metrics
+    assert "deltacast_restart_seconds_count 1.0" in metrics

@@ -25,6 +25,27 @@ from protocol.errors import ProtocolError
 log = logging.getLogger("deltacast.vllm.executor")
 
 
+_METRICS: tuple[Any, Any] | None = None
+
+
+def restart_metrics() -> tuple[Any, Any]:
+    """The Prometheus counter of restarts (by the rank that died) and histogram of their
+    seconds, made once per process (prometheus_client refuses a name twice).  They live
+    in the engine core's process: vLLM's ``/metrics`` shows them in its multiprocess
+    mode (``PROMETHEUS_MULTIPROC_DIR`` set, as vLLM does itself with
+    ``--api-server-count`` > 1)."""
+    global _METRICS
+    if _METRICS is None:
+        from prometheus_client import Counter, Histogram
+
+        _METRICS = (Counter("deltacast_rank_restarts", "DeltaExecutor group restarts after a "
+                            "rank of the group died", ["rank"]),
+                    Histogram("deltacast_restart_seconds", "Seconds from a rank's death "
+                              "noticed to its group restarted",
+                              buckets=(1, 2, 5, 10, 15, 20, 30, 60, 120)))
+    return _METRICS
+
+
 class ExecutorFailed(RuntimeError):
     """A rank died past the restart bound (or on another host) or sent a malformed
     answer: the executor is permanently failed."""
@@ -136,6 +157,9 @@ class RankDeaths:
         seconds["spawn"] = round(seconds["start"] - seconds["load"], 3)
         self.recoveries.append({"rank": died.rank, "cause": str(died), "preempted": preempted,
                                 "noticed_at": died.at, **seconds})
+        counter, histogram = restart_metrics()
+        counter.labels(rank=str(died.rank)).inc()
+        histogram.observe(seconds["total"])
         log.warning("DeltaExecutor restarted the group after %s in %.1f s (restart %d: stop "
                     "%.1f s, processes %.1f s, device and weights %.1f s, KV and warm-up "
                     "%.1f s); %d running request(s) recompute", died, seconds["total"],
