@@ -46,6 +46,7 @@ def _request(rid: str, outputs: list[int]) -> Any:
     from vllm.sampling_params import SamplingParams
 
     return SimpleNamespace(request_id=rid, prompt_token_ids=PROMPTS[rid], mm_features=[],
+                           num_prompt_tokens=len(PROMPTS[rid]),
                            sampling_params=SamplingParams(temperature=0), pooling_params=None,
                            num_computed_tokens=99, lora_request=None, prompt_embeds=None,
                            prompt_is_token_ids=None, replay_start=0, output_token_ids=outputs)
@@ -87,6 +88,16 @@ def test_renew_sends_resumed_requests_the_new_group_never_saw_as_new() -> None:
     assert so.scheduled_cached_reqs.req_ids == ["c", "a", "b"]  # the engine's is untouched
     same, none = renew(so, scheduler, set())
     assert same is so and none == {}
+
+
+
+def test_a_request_waiting_at_the_restart_is_seen_once_it_runs() -> None:
+    """A request never scheduled before the restart joins the new group as new; resumed
+    after a later preemption, it is the group's own (not sent as new again)."""
+    joins, scheduler = _resumed_step(running_c=False)  # "c" joins, "a" and "b" resume
+    unsent = {"c", "a", "b", "w"}  # ("w" waits on)
+    renew(joins, scheduler, unsent)
+    assert unsent == {"w"}
 
 
 class _Runner:

@@ -162,6 +162,7 @@ def renew(so: Any, scheduler: Any, unsent: set[str]) -> tuple[Any, dict[str, lis
               "preempted_req_ids": (so.preempted_req_ids or set()) & unsent}
     unseen = {name: getattr(so, name) - ids for name, ids in unseen.items() if ids}
     unsent.difference_update(so.finished_req_ids)
+    unsent.difference_update(nr.req_id for nr in so.scheduled_new_reqs)  # seen from now on
     move = [k for k, r in enumerate(cached.req_ids) if r in unsent and r in cached.resumed_req_ids]
     if not move:
         return (dataclasses.replace(so, **unseen) if unseen else so), {}
@@ -169,16 +170,13 @@ def renew(so: Any, scheduler: Any, unsent: set[str]) -> tuple[Any, dict[str, lis
     for k in move:
         rid = cached.req_ids[k]
         request = scheduler.requests[rid]
-        prompt = request.prompt_token_ids
-        if prompt is None:
-            raise RuntimeError(f"request {rid} has no prompt token ids (prompt embeds): it "
-                               "cannot be resumed on a restarted group")
         data = NewRequestData.from_request(request, cached.new_block_ids[k])
         data.num_computed_tokens = cached.num_computed_tokens[k]
         data.mm_features = request.mm_features  # whole: the group computes from its start
         new.append(data)
         every = cached.all_token_ids.get(rid)
-        tokens[rid] = list(request.output_token_ids if every is None else every[len(prompt):])
+        tokens[rid] = list(request.output_token_ids if every is None
+                           else every[request.num_prompt_tokens:])
         unsent.discard(rid)
     keep = [k for k in range(len(cached.req_ids)) if cached.req_ids[k] not in tokens]
     rest = CachedRequestData(

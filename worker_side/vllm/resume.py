@@ -36,7 +36,9 @@ def resume(runner: Any, so: Any, restored: dict[str, list[int]]) -> None:
         cached.resumed_req_ids.add(nr.req_id)
         if cached.new_token_ids:
             cached.new_token_ids.append([])
-        cached.all_token_ids[nr.req_id] = [*nr.prompt_token_ids, *tokens]
+        prompt = nr.prompt_token_ids if nr.prompt_token_ids is not None \
+            else [0] * nr.prompt_len  # (prompt embeds: the runner reads the tokens' tail)
+        cached.all_token_ids[nr.req_id] = [*prompt, *tokens]
         cached.new_block_ids.append(nr.block_ids)
         cached.num_computed_tokens.append(nr.num_computed_tokens)
         cached.num_output_tokens.append(len(tokens))
