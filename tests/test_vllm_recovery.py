@@ -10,7 +10,6 @@ the executor must have sent the calls again.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +19,6 @@ pytest.importorskip("vllm", reason="vLLM is not installed")
 from vllm_script import run_script  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ pytest.importorskip("vllm", reason="vLLM is not installed")
 from vllm_script import run_script  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ RANK_MODULE = "worker_side.vllm.proc"  # a rank's entry point, worker_main (by n
 
 
 class LocalRanks:
-    """``start`` them, ``wait_death`` for one, ``terminate`` the rest (the executor's
+    """``start`` them, ``wait_death`` for one, ``kill`` the rest (the executor's
     finalizer reaps ``procs`` and closes ``deaths``: :func:`engine_side.spawn.reap`)."""
 
     def __init__(self) -> None:
@@ -65,12 +65,6 @@ class LocalRanks:
         rank = sentinels[died[0]]  # type: ignore[index]
         self.procs[rank].join(1.0)  # reap it, for the exit code
         return rank, self.procs[rank].exitcode
-
-    def terminate(self) -> None:
-        """SIGTERM every rank still running (the others' shards are useless)."""
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
 
     def kill(self) -> None:
         """SIGKILL every rank still running: after a rank's death the others may wait in a
