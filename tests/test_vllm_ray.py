@@ -63,12 +63,37 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _ranks(host: netns.Host) -> list[int]:
-    """This host's DeltaExecutor rank processes."""
+    """This host's DeltaExecutor rank processes: by their title, or as the children of
+    the Ray actor that started them."""
     import psutil
 
-    return [p for p in host.pids()
-            if "DeltaWorker" in " ".join(psutil.Process(p).cmdline() or [""])
-            or psutil.Process(p).name().startswith("VLLM::Delta")]
+    found = []
+    for pid in host.pids():
+        try:
+            proc = psutil.Process(pid)
+            title = " ".join(proc.cmdline()) + " " + proc.name()
+            if "DeltaWorker" in title or "VLLM::Delta" in title:
+                found.append(pid)
+            elif "RayNode" in title:
+                found += [c.pid for c in proc.children() if "resource_tracker" not in
+                          " ".join(c.cmdline())]
+        except psutil.Error:  # gone meanwhile
+            continue
+    return sorted(set(found))
+
+
+def _processes(host: netns.Host) -> str:
+    """What runs in ``host`` (for a failure's message)."""
+    import psutil
+
+    lines = []
+    for pid in host.pids():
+        try:
+            lines.append(f"{pid} {psutil.Process(pid).name()} "
+                         f"{' '.join(psutil.Process(pid).cmdline())[:120]}")
+        except psutil.Error:
+            continue
+    return "\n".join(lines)
 
 
 def _engine(a: netns.Host, model: Path, out: Path, *extra: str) -> subprocess.Popen[str]:
@@ -80,15 +105,20 @@ def _engine(a: netns.Host, model: Path, out: Path, *extra: str) -> subprocess.Po
         stderr=log, text=True)
 
 
-def _generating(a: netns.Host, model: Path, out: Path,
-                timeout: float = 400) -> tuple[subprocess.Popen[str], Path]:
-    """(engine, its log) once the engine is in its long generate (the log says WARM)."""
+def _generating(a: netns.Host, b: netns.Host, model: Path, out: Path,
+                timeout: float = 400) -> tuple[subprocess.Popen[str], Path, int]:
+    """(engine, its log, the rank on ``b``) once the engine is in its long generate (the
+    log says WARM)."""
     engine = _engine(a, model, out, "long")
     log, end = out.with_suffix(".log"), time.monotonic() + timeout
     while "WARM" not in log.read_text():
         assert engine.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
         time.sleep(0.2)
-    return engine, log
+    ranks = _ranks(b)
+    assert len(ranks) == 1, (f"ranks on the other node: {ranks}; engine "
+                             f"{'running' if engine.poll() is None else engine.returncode}\n"
+                             f"{_processes(b)}\n{log.read_text()[-3000:]}")
+    return engine, log, ranks[0]
 
 
 def _wait_gone(host: netns.Host, timeout: float = 30) -> list[int]:
@@ -124,8 +154,7 @@ def test_a_killed_ray_placed_rank_fails_the_engine_naming_its_host(
         cluster: tuple[netns.Host, netns.Host], model: Path, tmp_path: Path) -> None:
     a, b = cluster
     out = tmp_path / "killed.json"
-    engine, log = _generating(a, model, out)
-    (rank,) = _ranks(b)
+    engine, log, rank = _generating(a, b, model, out)
     os.kill(rank, signal.SIGKILL)
     engine.wait(timeout=120)
     result, text = json.loads(out.read_text()), log.read_text()
@@ -142,8 +171,7 @@ def test_ranks_placed_by_ray_exit_when_the_engine_dies(
 
     a, b = cluster
     out = tmp_path / "engine-killed.json"
-    engine, log = _generating(a, model, out)
-    assert _ranks(b), "no rank on the other node"
+    engine, log, _ = _generating(a, b, model, out)
     for p in [*psutil.Process(engine.pid).children(recursive=True), psutil.Process(engine.pid)]:
         p.send_signal(signal.SIGKILL)
     engine.wait(timeout=60)

@@ -3,9 +3,10 @@
 tests/vllm_restart_run.py runs a real vLLM (CPU) at TP=2 with greedy requests (logprobs,
 a chunk-prefilled prompt, prefix caching): DeltaExecutor loses rank 1 while a prompt
 is in prefill and rank 0 mid-decode (SIGKILL), then runs a round on the prefix cache
-the restarts emptied; with async scheduling it loses a rank mid-decode, and past its
-restart bound it fails.  The same steps run on vLLM's default executor undisturbed,
-and on vLLM's default executor recomputing at those steps itself (its scheduler's
+the restarts emptied; with async scheduling it loses a rank mid-decode, has one frozen
+(SIGSTOP: killed past the liveness bound), and past its restart bound it fails.  The
+same steps run on vLLM's default executor undisturbed, and on vLLM's default executor
+recomputing at those steps itself (its scheduler's
 ``reset_prefix_cache(reset_running_requests=True)``).
 """
 
@@ -75,14 +76,25 @@ def test_the_group_restarts_as_new_processes_and_leaves_nothing(run: dict[str, A
 
 
 def test_async_scheduling_with_two_batches_in_flight(run: dict[str, Any]) -> None:
-    assert run["async_batches"] == 2 and run["async_restarts"] == 1
+    assert run["async_batches"] == 2 and run["async_restarts"] == 2
     assert _ids(run["async"]) == _ids(run["default"][0])
     assert _max_logprob_gap(run["async"], run["default"][0]) < 0.05
 
 
+def test_a_frozen_rank_is_killed_past_the_liveness_bound_and_the_group_restarts(
+        run: dict[str, Any]) -> None:
+    """SIGSTOP leaves the rank alive and its peer waiting in a collective: its link goes
+    unheard, it is killed, the group restarts, and no request is lost."""
+    assert _ids(run["frozen"]) == _ids(run["default"][0])
+    assert _max_logprob_gap(run["frozen"], run["default"][0]) < 0.05
+    assert run["recoveries"][1]["cause"] == ("rank 0 froze (no heartbeat for 0.6 s) and was "
+                                             "killed")
+    assert [r["cause"] for r in run["recoveries"]].count(run["recoveries"][1]["cause"]) == 1
+
+
 def test_a_group_that_keeps_dying_fails_with_a_clear_message(run: dict[str, Any]) -> None:
     assert run["past_bound"].startswith("ExecutorFailed")
-    assert run["failure"] == ("DeltaExecutor failed: rank 0 died (signal 9 (SIGKILL)); 1 "
+    assert run["failure"] == ("DeltaExecutor failed: rank 0 died (signal 9 (SIGKILL)); 2 "
                               "restart(s) within 600 s already (deltacast_restarts, "
                               "deltacast_restart_window_s)")
     assert run["callback_calls_past_bound"] == 1

@@ -14,7 +14,8 @@ caching on) for three rounds at TP=2:
   prefix cache the restarts emptied (``delta``).
 
 Then DeltaExecutor with async scheduling (two batches in flight) loses a rank mid-decode,
-and, allowed one restart, fails on the second death.  Outputs, pids, restarts and what
+then has a rank frozen (SIGSTOP: past the liveness bound it is killed) and, allowed
+two restarts, fails on the third death.  Outputs, pids, restarts and what
 failed go to OUT.json for the test to judge.
 """
 
@@ -79,6 +80,11 @@ def kill(llm: Any, rank: int) -> Callable[[], None]:
     return run
 
 
+def freeze(llm: Any, rank: int) -> Callable[[], None]:
+    """SIGSTOP DeltaExecutor's ``rank``: it stays alive, its link unheard."""
+    return lambda: os.kill(_executor(llm).local.procs[rank].pid, signal.SIGSTOP)
+
+
 def recompute(llm: Any) -> Callable[[], None]:
     """vLLM's own recompute: preempt every running request, empty the prefix cache."""
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
@@ -121,16 +127,18 @@ def main(model: str, path: str) -> None:
     _close(llm)
     out["pids"].append([p for p in ex.local.pids()])
 
-    llm = _engine(model, restarts=1, async_on=True)
+    llm = _engine(model, restarts=2, async_on=True)
     ex = _executor(llm)
     out["async_batches"] = ex.max_concurrent_batches
     out["pids"].append(ex.local.pids())
     at_step(llm, 12, before=kill(llm, 1))
     out["async"] = _generate(llm)
+    at_step(llm, 8, before=freeze(llm, 0))
+    out["frozen"] = _generate(llm)
     out["async_restarts"] = ex.restarts.count
     out["pids"].append(ex.local.pids())
     ex.register_failure_callback(lambda: called.append(2))
-    at_step(llm, 5, before=kill(llm, 0))  # past the bound (one restart): the executor fails
+    at_step(llm, 5, before=kill(llm, 0))  # past the bound (two restarts): the executor fails
     try:
         _generate(llm)
         out["past_bound"] = "returned"

@@ -3,17 +3,20 @@
 ::
 
     VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m engine_side.bench.vllm_restarts \\
-        --kills 50 --figures docs/benchmarks/vllm_restarts.json
+        --kills 50 --freezes 10 --soak-s 600 --figures docs/benchmarks/vllm_restarts.json
 
 A real vLLM (CPU) at TP=2 on a tiny random Llama, requests arriving over time (two every
 few steps, greedy, fixed lengths, prefix-sharing prompts), driven step by step through
 ``LLMEngine.step``.  First vLLM's default executor runs the workload undisturbed, then
 DeltaExecutor with a rank SIGKILLed at seeded random steps (ranks alternating; during
-prefill and decode alike).  Per kill: seconds from the kill until the executor noticed
+prefill and decode alike), and at ``--freezes`` more steps SIGSTOPped instead (frozen:
+killed past the liveness bound).  Per fault: seconds from it until the executor noticed
 (detection), its restart split into stopping the group, starting the rank processes,
 their device and weights, and the replayed KV set-up and warm-up; then the recompute,
-until the next token of a request that was running at the kill.  Per request: did it finish
-with all its tokens, and are its token ids the undisturbed run's.
+until the next token of a request that was running at the fault.  Per request: did it
+finish with all its tokens, and are its token ids the undisturbed run's.  Last, a soak:
+DeltaExecutor runs the workload again and again without faults for ``--soak-s``
+seconds, and every restart there is a false kill by the liveness bound.
 """
 
 from __future__ import annotations
@@ -58,10 +61,10 @@ def _requests(n: int) -> list[tuple[list[int], int]]:
 
 
 def drive(llm: Any, requests: list[tuple[list[int], int]], every: int,
-          kills: dict[int, int]) -> dict[str, Any]:
-    """Add two requests every ``every`` steps; at step s in ``kills`` SIGKILL that rank.
-    Returns each request's token ids and, per kill, when it happened and when each
-    request running at the kill got its next token."""
+          faults: dict[int, tuple[int, str]]) -> dict[str, Any]:
+    """Add two requests every ``every`` steps; at step s in ``faults`` SIGKILL (``kill``)
+    or SIGSTOP (``freeze``) that rank.  Returns each request's token ids and, per fault,
+    when it happened and when each request running then got its next token."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -81,13 +84,15 @@ def drive(llm: Any, requests: list[tuple[list[int], int]], every: int,
                                                       ignore_eos=True))
                     ids[str(added)] = []
                     added += 1
-        if step in kills:
+        if step in faults:
             ex = engine.engine_core.engine_core.model_executor
-            proc = ex.local.procs[kills[step]]
+            rank, kind = faults[step]
+            proc = ex.local.procs[rank]
             at = time.monotonic()
-            os.kill(proc.pid, signal.SIGKILL)
-            wait([proc.sentinel], 10)
-            events.append({"step": step, "rank": kills[step], "at": at,
+            os.kill(proc.pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+            if kind == "kill":
+                wait([proc.sentinel], 10)
+            events.append({"step": step, "rank": rank, "kind": kind, "at": at,
                            "running": len(running), "next_token_s": None})
             waiting_next.update(dict.fromkeys(running, len(events) - 1))
         for out in engine.step():
@@ -112,11 +117,12 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     llm.llm_engine.engine_core.shutdown()
     del llm
     rng = random.Random(args.seed)
-    steps = sorted(rng.sample(range(3, base["steps"] - 3), args.kills))
-    kills = {s: k % 2 for k, s in enumerate(steps)}
-    llm = _engine(model, True, args.kills)
+    steps = sorted(rng.sample(range(3, base["steps"] - 3), args.kills + args.freezes))
+    frozen = set(rng.sample(steps, args.freezes))
+    faults = {s: (k % 2, "freeze" if s in frozen else "kill") for k, s in enumerate(steps)}
+    llm = _engine(model, True, len(faults))
     ex = llm.llm_engine.engine_core.engine_core.model_executor
-    got = drive(llm, requests, args.every, kills)
+    got = drive(llm, requests, args.every, faults)
     recoveries = list(ex.recoveries)
     failure = ex.failure
     llm.llm_engine.engine_core.shutdown()
@@ -127,12 +133,34 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if event["next_token_s"] is not None:
             event["recompute_s"] = event["next_token_s"] - event["detect_s"] - rec["total"]
     want = {r: len(base["ids"][r]) for r in base["ids"]}
-    return {"requests": len(requests), "every": args.every, "kills": len(kills),
-            "restarts": len(recoveries), "failure": failure, "events": got["events"],
+    return {"requests": len(requests), "every": args.every, "kills": args.kills,
+            "freezes": args.freezes, "restarts": len(recoveries), "failure": failure,
+            "events": got["events"],
             "complete": sum(len(got["ids"].get(r, [])) == n for r, n in want.items()),
             "same_ids": sum(got["ids"].get(r) == base["ids"][r] for r in want),
             "max_tokens": {str(n) for n in MAX_TOKENS}, "steps": got["steps"],
-            "base_steps": base["steps"]}
+            "base_steps": base["steps"], "liveness_s": ex.liveness_s,
+            "soak": soak(model, requests, args, base) if args.soak_s > 0 else None}
+
+
+def soak(model: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace,
+         base: dict[str, Any]) -> dict[str, Any]:
+    """DeltaExecutor without faults, the workload again and again for ``soak_s``:
+    restarts there are false kills (the liveness bound, on a box its ranks keep busy)."""
+    llm = _engine(model, True, 100)
+    ex = llm.llm_engine.engine_core.engine_core.model_executor
+    start, rounds, steps, same = time.monotonic(), 0, 0, 0
+    while time.monotonic() - start < args.soak_s:
+        got = drive(llm, requests, args.every, {})
+        rounds, steps = rounds + 1, steps + got["steps"]
+        same += sum(got["ids"].get(r) == ids for r, ids in base["ids"].items())
+    seconds = time.monotonic() - start
+    out = {"seconds": round(seconds), "rounds": rounds, "steps": steps,
+           "requests": rounds * len(requests), "same_ids": same,
+           "false_kills": len(ex.recoveries), "causes": [r["cause"] for r in ex.recoveries],
+           "failure": ex.failure}
+    llm.llm_engine.engine_core.shutdown()
+    return out
 
 
 def summary(doc: dict[str, Any]) -> dict[str, Any]:
@@ -144,14 +172,24 @@ def summary(doc: dict[str, Any]) -> dict[str, Any]:
         vals = [e[key] for e in doc["events"] if e.get(key) is not None]
         return max(vals) if vals else None
 
-    return {k: {"median": med(k), "max": top(k)} for k in
-            ("detect_s", "stop_s", "spawn_s", "load_s", "build_s", "recompute_s",
-             "next_token_s")}
+    out = {k: {"median": med(k), "max": top(k)} for k in
+           ("detect_s", "stop_s", "spawn_s", "load_s", "build_s", "recompute_s",
+            "next_token_s")}
+    for kind in ("kill", "freeze"):  # detection by fault
+        vals = [e["detect_s"] for e in doc["events"]
+                if e.get("kind", "kill") == kind and e.get("detect_s") is not None]
+        out[f"detect_{kind}_s"] = {"median": statistics.median(vals) if vals else None,
+                                   "max": max(vals) if vals else None}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kills", type=int, default=50)
+    p.add_argument("--freezes", type=int, default=10,
+                   help="more faults: a rank SIGSTOPped (killed past the liveness bound)")
+    p.add_argument("--soak-s", type=float, default=600,
+                   help="then run without faults this long, counting false kills (0: no soak)")
     p.add_argument("--requests", type=int, default=160)
     p.add_argument("--every", type=int, default=3, help="steps between arrivals of two")
     p.add_argument("--seed", type=int, default=1)
@@ -175,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in doc.items() if k != "events"}, indent=1))
     if args.figures:
         write_figures(args.figures, "vllm_restarts", doc, started)
-    return 0 if doc["complete"] == doc["requests"] and not doc["failure"] else 1
+    soaked = doc["soak"] is None or doc["soak"]["false_kills"] == 0
+    return 0 if doc["complete"] == doc["requests"] and not doc["failure"] and soaked else 1
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ from engine_side.vllm.answers import Answers, RankFault, Reply
 from engine_side.vllm.divergence import DivergenceWatch, RankDiverged
 from engine_side.vllm.encoder import SchedulerOutputEncoder
 from engine_side.vllm.local_ranks import LocalRanks, remove_dist_files
-from engine_side.vllm.rank_deaths import ExecutorFailed, RankDeaths
+from engine_side.vllm.rank_deaths import ExecutorFailed, RankDeaths, liveness_bound
 from engine_side.vllm.remote import RemoteRanks, layout_for
 from engine_side.vllm.resend import Retransmitter
 from engine_side.vllm.restart import GroupDied, RestartPolicy, SchedulerHook, renew
@@ -112,8 +112,7 @@ class DeltaExecutor(RankDeaths, Executor):
         self._init_state(extra)
         self._init_channels(extra)
         set_multiprocessing_worker_envs(len(self.local_ranks))
-        if self.remote is not None:
-            self._link_watch.start()
+        self._link_watch.start()
         try:
             self._start_ranks()
             self._wait_ready()
@@ -149,6 +148,7 @@ class DeltaExecutor(RankDeaths, Executor):
         self._new_secret()
         store_mb = extra.get("deltacast_mm_store_mb", 0)
         self.spin_s = float(extra.get("deltacast_spin_ms", self.spin_ms)) / 1e3
+        self.liveness_s = liveness_bound(extra)
         self._replied = 0.0  # monotonic time of the last message from a rank
         self.store = ShmStore(int(store_mb) << 20) if store_mb else None
         self.encoder = SchedulerOutputEncoder(secret=self.secret, store=self.store)
@@ -184,11 +184,9 @@ class DeltaExecutor(RankDeaths, Executor):
         self._sock.setsockopt(zmq.LINGER, 0)
         if not self.nodes.remote:  # a restarted rank takes its identity over at once
             self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._init_links()
         self.remote = RemoteRanks(self.nodes, self.world_size, self._ctx, self._sock) \
             if self.nodes.remote else None
-        self._link_watch = threading.Thread(target=self._watch_links, daemon=True,
-                                            name="DeltaLinks")
-        self._sock.bind(f"{self._dir.endpoint}/ctl")
         if self.remote is not None:
             self.remote.bind(self._sock, self.vllm_config)
         self._poller = zmq.Poller()
@@ -204,7 +202,8 @@ class DeltaExecutor(RankDeaths, Executor):
         self._dist = [""]  # the group's torch.distributed init method (its files: cleanup)
         self._finalizer = weakref.finalize(self, DeltaExecutor._cleanup, self.local.procs,
                                            self.local.deaths, self._sock, self._ctx, self._dir,
-                                           self.ring, self.remote, self._link_watch, self._dist)
+                                           self.ring, self.remote, self._links,
+                                           self._link_watch, self._dist)
 
     def _start_ranks(self) -> None:
         from vllm.utils.network_utils import get_file_store_init_method
@@ -213,9 +212,10 @@ class DeltaExecutor(RankDeaths, Executor):
             else get_file_store_init_method()
         self._dist[0] = init_method
         tp = self.parallel_config.tensor_parallel_size
+        endpoint = self._bind_group()
         self.local.start(self.vllm_config, self.local_ranks, lambda rank: dict(
             vllm_config=self.vllm_config, local_rank=rank, rank=rank, init_method=init_method,
-            endpoint=f"{self._dir.endpoint}/ctl", secret=self.secret, is_driver=rank % tp == 0,
+            endpoint=endpoint[rank], secret=self.secret, is_driver=rank % tp == 0,
             output_rank=self.output_rank, hash_every=self._hash_every(rank), spin_s=self.spin_s,
             ring_dir=str(self._dir.path) if self.ring is not None else None,
             curve=self.remote.local_curve if self.remote else None))
@@ -492,13 +492,17 @@ class DeltaExecutor(RankDeaths, Executor):
     def _cleanup(procs: list[BaseProcess], deaths: list[Connection], sock: zmq.Socket[bytes],
                  ctx: zmq.Context[zmq.Socket[bytes]], private: PrivateDir,
                  ring: RingWriter | None, remote: RemoteRanks | None,
-                 link_watch: threading.Thread, dist: list[str]) -> None:
+                 links: zmq.Socket[bytes], link_watch: threading.Thread,
+                 dist: list[str]) -> None:
         reap(procs, deaths, JOIN_S)
         remove_dist_files(dist[0])
         if link_watch.is_alive():  # it ends within POLL_MS once shutting down
             link_watch.join(2 * POLL_MS / 1e3)
+        if not link_watch.is_alive():  # (else its socket is left to the process's exit)
+            sock.disable_monitor()
+            links.close(linger=0)
         if remote is not None:
-            remote.close(sock, not link_watch.is_alive())
+            remote.close()
         sock.close(linger=0)
         ctx.term()
         if ring is not None:

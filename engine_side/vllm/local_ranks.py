@@ -31,6 +31,7 @@ class LocalRanks:
         self.procs: list[BaseProcess] = []
         self.deaths: list[Connection] = []
         self.lock: Any = None
+        self.frozen: dict[int, float] = {}  # rank -> the liveness bound it missed (killed)
 
     def start(self, vllm_config: Any, ranks: range,
               kwargs: Callable[[int], dict[str, Any]]) -> None:

@@ -1,8 +1,11 @@
 """What a dead or faulty rank does to DeltaExecutor: restart the group, or fail.
 
 A rank on the engine's host that dies stops its whole group (the survivors are
-killed: they may wait in a collective that never ends).  Within the restart bound
-(:class:`engine_side.vllm.restart.RestartPolicy`) and once serving, the engine's next
+killed: they may wait in a collective that never ends).  One that is frozen (its link
+unheard for ``deltacast_liveness_s``: ZMTP heartbeats, answered by its I/O thread, so a
+stopped, frozen or starved process, never a long step) is killed, and dies so.  Within
+the restart bound (:class:`engine_side.vllm.restart.RestartPolicy`) and once serving,
+the engine's next
 wait for an answer restarts the group (:mod:`engine_side.vllm.restart` says how) and
 answers every call in flight; else, or for a rank on another host, or a malformed
 answer, the executor fails: :attr:`failure` says why, waiting calls raise
@@ -12,17 +15,24 @@ answer, the executor fails: :attr:`failure` says why, waiting calls raise
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import wait
 from typing import Any
 
 import zmq
 
-from engine_side.vllm.remote import HEARTBEAT_S
 from engine_side.vllm.restart import GroupDied, recompute
 from protocol.errors import ProtocolError
 
 log = logging.getLogger("deltacast.vllm.executor")
+LIVENESS_S = 0.6  # a rank unheard this long (ZMTP heartbeats every 1/4 of it) is lost
+LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+               | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_POLL_MS = 100  # how often the link watch looks at its stop flag
+_EXITING_S = 0.1  # a rank whose link dropped and that is still alive this long is frozen
 
 
 _METRICS: tuple[Any, Any] | None = None
@@ -46,6 +56,15 @@ def restart_metrics() -> tuple[Any, Any]:
     return _METRICS
 
 
+def liveness_bound(extra: dict[str, Any]) -> float:
+    """``deltacast_liveness_s`` of vLLM's additional_config (default LIVENESS_S)."""
+    seconds = float(extra.get("deltacast_liveness_s", LIVENESS_S))
+    if not 0.01 <= seconds <= 3600:
+        raise ValueError("deltacast_liveness_s (seconds a rank may go unheard) must be "
+                         f"within 0.01 and 3600, got {seconds}")
+    return seconds
+
+
 class ExecutorFailed(RuntimeError):
     """A rank died past the restart bound (or on another host) or sent a malformed
     answer: the executor is permanently failed."""
@@ -66,7 +85,7 @@ class RankDeaths:
             if self.shutting_down or self.is_failed:
                 return
             self.local.kill()  # the other shards are useless without it
-            died = GroupDied(rank, code)
+            died = GroupDied(rank, code, self.local.frozen.pop(rank, None))
             if not self._serving or not self.restarts.allow():
                 why = "starting up" if not self._serving else self.restarts.refusal()
                 self.failure = f"DeltaExecutor failed: {died}; {why}"
@@ -78,15 +97,67 @@ class RankDeaths:
             self._died = died
             self._restarted.wait()
 
+    def _init_links(self: Any) -> None:
+        """ZMTP heartbeats on the ROUTER's links, its monitor socket and their watch."""
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self.liveness_s * 250)))
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.liveness_s * 1000))
+        self._links = self._sock.get_monitor_socket(LINK_EVENTS)
+        self._endpoints: dict[str, int] = {}  # the local ranks' endpoints, this group's
+        self._groups = 0  # groups started (a group's endpoints carry its number)
+        self._link_watch = threading.Thread(target=self._watch_links, daemon=True,
+                                            name="DeltaLinks")
+
+    def _bind_group(self: Any) -> dict[int, str]:
+        """Each local rank's own endpoint (rank -> endpoint), named by the group: a
+        link's monitor events name its rank, and an older group's are told apart (its
+        endpoints unbound)."""
+        old, self._groups = list(self._endpoints), self._groups + 1
+        ends = {f"{self._dir.endpoint}/ctl{self._groups}-{r}": r for r in self.local_ranks}
+        for where in ends:
+            self._sock.bind(where)
+        self._endpoints = ends
+        for where in old:
+            self._sock.unbind(where)
+        return {r: where for where, r in ends.items()}
+
     def _watch_links(self: Any) -> None:
-        if self.remote is not None:
-            self.remote.watch(lambda: self.shutting_down, self._node_lost)
+        """Until shutdown, the ROUTER's monitor events (its own thread): a local rank's
+        link dropping (:meth:`_link_dropped`), a node's (:meth:`_node_lost`)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while not self.shutting_down:
+            if not self._links.poll(_POLL_MS):
+                continue
+            event = recv_monitor_message(self._links)
+            where = event["endpoint"].decode(errors="replace")
+            if where.startswith("tcp://") and self.remote is not None:
+                node = self.remote.link_event(event["event"], where)
+                if node is not None and not self.shutting_down:
+                    self._node_lost(node)
+                    return
+            elif event["event"] == zmq.EVENT_DISCONNECTED and where in self._endpoints:
+                self._link_dropped(self._endpoints[where])
+
+    def _link_dropped(self: Any, rank: int) -> None:
+        """Local ``rank``'s link dropped: dead (its death is the monitor's), or, still
+        alive after _EXITING_S, frozen: killed, so that it dies (the endpoint names the
+        group's generation: an older group's link is not this one's)."""
+        procs = list(self.local.procs)
+        if rank >= len(procs) or self.shutting_down or self.is_failed:
+            return
+        proc = procs[rank]
+        if wait([proc.sentinel], _EXITING_S) or self.shutting_down:
+            return
+        log.error("DeltaExecutor rank %d is frozen (no heartbeat for %g s); killing it",
+                  rank, self.liveness_s)
+        self.local.frozen[rank] = self.liveness_s
+        proc.kill()
 
     def _node_lost(self: Any, node: int) -> None:
         assert self.remote is not None
         self.failure = (f"DeltaExecutor failed: {self.remote.describe(node)} dropped its "
                         f"connection: killed, frozen, or cut off (no heartbeat for "
-                        f"{HEARTBEAT_S} s)")
+                        f"{self.liveness_s:g} s)")
         log.error(self.failure)
         self.local.kill()  # the local shards are useless without it
         self._fail()

@@ -3,17 +3,17 @@
 :class:`RemoteRanks` makes the executor's ROUTER a CURVE server whose ZAP handler
 admits exactly each node's key (and one made per run for the local ranks), binds node
 k's port, checks that every message from rank r carries r's node's key, answers the
-remote ranks' hellos, and watches their connections: ZMTP heartbeats drop a rank
-killed, frozen or cut off within HEARTBEAT_S, and the drop fails the executor, naming
-the node.  Not thread-safe but for :meth:`RemoteRanks.watch`, which owns the monitor
-socket on its own thread.
+remote ranks' hellos, and reads their connections' monitor events
+(:meth:`RemoteRanks.link_event`, from the executor's link watch): ZMTP heartbeats
+drop a rank killed, frozen or cut off within the liveness bound, and the drop fails
+the executor, naming the node.  Not thread-safe but for ``link_event``, which only
+the link watch calls.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -25,8 +25,6 @@ from protocol.errors import ProtocolError
 from protocol.faults import PeerFaults
 
 log = logging.getLogger("deltacast.vllm.executor")
-HEARTBEAT_S = 0.6  # a rank unheard this long (ZMTP heartbeats every 1/4 of it) is lost
-_POLL_MS = 100  # how often the watch looks at its stop flag
 
 
 def layout_for(extra: dict[str, Any], world_size: int) -> NodeLayout:
@@ -61,12 +59,9 @@ class RemoteRanks:
                      for node in [layout.node_of(rank, world_size)]}
         sock.curve_server = True
         sock.curve_publickey, sock.curve_secretkey = public, secret
-        sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 250))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_S * 1000))
-        self.links = sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self._ports = {layout.master_port + n: n for n in range(1, layout.nnodes)}
+        self._joined: Counter[int] = Counter()  # connections up per node; one past its
+        self._failed: Counter[int] = Counter()  # ranks (an identity taken: dropped) is no loss
 
     def bind(self, sock: zmq.Socket[bytes], vllm_config: Any) -> None:
         """Listen for each node's ranks (placed by Ray: then start them)."""
@@ -121,47 +116,31 @@ class RemoteRanks:
         hosts = sorted({self.hosts.get(r, "?") for r in ranks})
         return f"node {node} (ranks {ranks}, host {', '.join(hosts)})"
 
-    def watch(self, stopping: Callable[[], bool], lost: Callable[[int], None]) -> None:
-        """Until ``stopping()``: a connection on node k's port that completed its CURVE
-        handshake dropping, so that fewer than its ranks' are up, calls ``lost(k)``
-        (once; the watch ends).  A second session with a rank's identity is dropped by
-        the ROUTER: its disconnect leaves the node's count whole, no loss.  Monitor
-        events carry no identity, and a refused handshake also ends in a disconnect:
-        each failed handshake on a port accounts for that port's next disconnect (a
-        node dropping at the very moment a stranger's handshake fails there is then
-        missed, never a false failure)."""
-        from zmq.utils.monitor import recv_monitor_message
+    def link_event(self, kind: int, endpoint: str) -> int | None:
+        """One monitor event on a tcp endpoint: the node lost, if this event loses one.
+        A connection on node k's port that completed its CURVE handshake dropping, so
+        that fewer than its ranks' are up, loses node k.  A second session with a rank's
+        identity is dropped by the ROUTER: its disconnect leaves the node's count whole,
+        no loss.  Monitor events carry no identity, and a refused handshake also ends in
+        a disconnect: each failed handshake on a port accounts for that port's next
+        disconnect (a node dropping at the very moment a stranger's handshake fails
+        there is then missed, never a false failure)."""
+        node = self._ports.get(int(endpoint.rpartition(":")[2] or 0))
+        if node is None or kind == zmq.EVENT_ACCEPTED:
+            return None
+        if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._joined[node] += 1
+        elif kind != zmq.EVENT_DISCONNECTED:  # a failed handshake
+            self._failed[node] += 1
+        elif self._failed[node]:
+            self._failed[node] -= 1
+        elif self._joined[node]:
+            self._joined[node] -= 1
+            if self._joined[node] < self.layout.per_node(self.world_size):
+                return node
+        return None
 
-        ports = {self.layout.master_port + n: n for n in range(1, self.layout.nnodes)}
-        per_node = self.layout.per_node(self.world_size)
-        joined: Counter[int] = Counter()  # connections up per node; one past its ranks
-        failed: Counter[int] = Counter()  # (a rank's identity taken: dropped) is no loss
-        while not stopping():
-            if not self.links.poll(_POLL_MS):
-                continue
-            event = recv_monitor_message(self.links)
-            where = event["endpoint"].decode(errors="replace")
-            node = ports.get(int(where.rpartition(":")[2])) if where.startswith("tcp") else None
-            kind = event["event"]
-            if node is None:
-                continue
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                joined[node] += 1
-            elif kind != zmq.EVENT_DISCONNECTED:  # a failed handshake
-                failed[node] += 1
-            elif failed[node]:
-                failed[node] -= 1
-            elif joined[node]:
-                joined[node] -= 1
-                if joined[node] < per_node and not stopping():
-                    lost(node)
-                    return
-
-    def close(self, sock: zmq.Socket[bytes], watch_ended: bool) -> None:
-        """After the watch ended (else its socket is left to the process's exit)."""
-        if watch_ended:
-            sock.disable_monitor()
-            self.links.close(linger=0)
+    def close(self) -> None:
         self.zap.stop()
         if self.layout.placement is not None:
             self.layout.placement.release()
