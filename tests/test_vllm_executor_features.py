@@ -2,7 +2,9 @@
 CPU vLLM and a tiny random Llama: ngram speculative decoding, structured output
 (choice and regex) and preemption under a 12-block KV cache, all in one engine per
 executor (tests/vllm_features_run.py); then pipeline parallelism (PP=2, TP=1) with
-structured output and preemption.
+structured output and preemption.  Mid-run DeltaExecutor's last rank is SIGKILLed (the
+group restarts, the scheduler recomputes) while vLLM's default executor recomputes at
+the same step itself: no request is lost, and the outputs stay equal bit for bit.
 
 What the CPU build cannot do with PP=2, whatever the executor, and how the PP run
 avoids it, is in PP_NOTE of the script: ``enforce_eager`` fails vLLM's own
@@ -26,7 +28,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
-from vllm_features_run import CHOICES, FREE, GUIDED, REGEX  # noqa: E402
+from vllm_features_run import CHOICES, FAULT_STEP, FREE, GUIDED, REGEX  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # engines start slowly on busy cores
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +68,7 @@ def pipeline(model: Path) -> dict[str, Any]:
 def _same_outputs(run: dict[str, Any]) -> None:
     default, delta = run["default"], run["delta"]
     assert default["executor"] != "DeltaExecutor" == delta["executor"]
+    assert delta["restarts"] == [f"rank {delta['world_size'] - 1} died (signal 9 (SIGKILL))"]
     assert len(delta["outs"]) == len(default["outs"]) == len(FREE) + len(GUIDED)
     for k, (a, b) in enumerate(zip(default["outs"], delta["outs"], strict=True)):
         assert a == b, f"request {k} differs (token ids, text or logprobs)"
@@ -96,9 +99,15 @@ def test_structured_output_was_enforced(features: dict[str, Any]) -> None:
     assert re.fullmatch(REGEX, regex), regex
 
 
+def _preempted_by_pressure(run: dict[str, Any]) -> bool:
+    """Requests preempted for want of KV blocks: at a step the fault's recompute did not
+    (it preempts every running request in the steps after FAULT_STEP)."""
+    return any(not FAULT_STEP <= s <= FAULT_STEP + 2 for s in run["preempted_at"])
+
+
 def test_preemption_happened(features: dict[str, Any]) -> None:
-    assert features["default"]["seen"]["preempted"] > 0
-    assert features["delta"]["seen"]["preempted"] > 0
+    assert _preempted_by_pressure(features["default"])
+    assert _preempted_by_pressure(features["delta"])
     assert features["delta"]["divergent"] == []
 
 
@@ -107,7 +116,7 @@ def test_pipeline_parallel_matches_default_executor(pipeline: dict[str, Any]) ->
     assert pipeline["default"]["executor"] == "MultiprocExecutor"
     for run in ("default", "delta"):
         seen = pipeline[run]["seen"]
-        assert seen["preempted"] > 0 and seen["grammar_steps"] > 0
+        assert _preempted_by_pressure(pipeline[run]) and seen["grammar_steps"] > 0
     choice, regex = _guided_texts(pipeline)
     assert choice in CHOICES and re.fullmatch(REGEX, regex)
 

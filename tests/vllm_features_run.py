@@ -7,8 +7,11 @@ on three features at once: ngram speculative decoding, structured output and a
 KV cache so small that requests are preempted.  The same prompts go to both;
 each executor's calls are observed (preemptions and draft tokens in the
 SchedulerOutputs, accepted drafts in the ModelRunnerOutputs, non-empty
-``take_draft_token_ids``) so the test can check the features really ran.
-Everything goes to OUT.json.
+``take_draft_token_ids``) so the test can check the features really ran.  At step
+FAULT_STEP DeltaExecutor loses its last rank (SIGKILL: the group restarts and vLLM's
+scheduler recomputes), and vLLM's default executor recomputes at that step itself
+(``reset_prefix_cache(reset_running_requests=True)``), so the two stay comparable bit
+for bit.  Everything goes to OUT.json.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ GUIDED = ["seven wizards " * 3, LOOP * 2]
 CHOICES = ["the lazy dog", "seven wizards", "quick brown fox"]
 REGEX = r"(fox|dog|hex)( (jumps|over|quietly)){2,4}"
 BLOCKS = 12  # 12 blocks of 32 tokens for ~8 growing requests: preemption
+FAULT_STEP = 10  # drafts, grammars and preempted requests are in flight by then
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}
 # PP_NOTE -- what vLLM 0.32's CPU build cannot do with PP=2, whatever the executor:
@@ -75,6 +79,8 @@ class _Observer:
 
     def __init__(self, ex: Any) -> None:
         self.seen: Counter[str] = Counter()
+        self.steps = 0
+        self.preempted_at: list[int] = []  # the steps naming preempted requests
         self.submitted = 0
         self.resolved: list[int] = []
         self.execute, self.sample = ex.execute_model, ex.sample_tokens
@@ -89,7 +95,10 @@ class _Observer:
         return out
 
     def execute_model(self, so: Any, non_block: bool = False) -> Any:
+        self.steps += 1
         self.seen["preempted"] += len(so.preempted_req_ids or ())
+        if so.preempted_req_ids:
+            self.preempted_at.append(self.steps)
         self.seen["draft_tokens_scheduled"] += sum(
             len(v) for v in so.scheduled_spec_decode_tokens.values())
         return self._track(self.execute(so, non_block), non_block)
@@ -124,13 +133,27 @@ def _run(llm: Any, prompts: list[str], params: list[Any]) -> list[dict[str, Any]
             for req in llm.generate(prompts, params, use_tqdm=False)]
 
 
+def _fault(llm: Any, delta: bool) -> None:
+    """At FAULT_STEP: DeltaExecutor's last rank SIGKILLed; vLLM's own recompute otherwise."""
+    from vllm_restart_run import at_step, kill, recompute
+
+    if delta:
+        at_step(llm, FAULT_STEP, before=kill(llm, llm.llm_engine.engine_core.engine_core
+                                               .model_executor.world_size - 1))
+    else:
+        at_step(llm, FAULT_STEP, after=recompute(llm))
+
+
 def _one(model: str, delta: bool, pp: int) -> dict[str, Any]:
     llm = _engine(model, delta, pp)
     core = llm.llm_engine.engine_core.engine_core
     ex = core.model_executor
     seen = _Observer(ex)
+    _fault(llm, delta)
     outs = _run(llm, FREE + GUIDED, _params())
     result = {"outs": outs, "seen": dict(seen.seen), "executor": type(ex).__name__,
+              "restarts": [r["cause"] for r in getattr(ex, "recoveries", [])],
+              "preempted_at": seen.preempted_at, "world_size": ex.parallel_config.world_size,
               "batch_queue": core.batch_queue_size, "resolved": seen.resolved,
               "max_concurrent_batches": getattr(ex, "max_concurrent_batches", None),
               "divergent": [vars(e) for e in getattr(ex, "divergent", [])]}
@@ -149,5 +172,6 @@ def main(model: str, path: str, pp: int) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(__file__))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if sys.argv[3:] else 1)
