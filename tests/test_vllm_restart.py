@@ -44,11 +44,21 @@ def _max_logprob_gap(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> float:
 def test_every_request_completes_with_the_undisturbed_tokens(run: dict[str, Any]) -> None:
     """Kills in prefill and mid-decode: every request gets all its tokens, the same
     token ids as the undisturbed default executor, logprobs within recompute noise."""
-    assert run["restarts"] == 2 and run["callback_calls"] == 0
+    assert run["restarts"] == 3 and run["callback_calls"] == 0
     for got, want in zip(run["delta"], run["default"], strict=True):
         assert _ids(got) == _ids(want)
         assert _max_logprob_gap(got, want) < 0.05
     assert all(len(r["outs"][0]["ids"]) > 0 for rnd in run["delta"] for r in rnd)
+
+
+def test_seeded_requests_go_on_with_the_undisturbed_random_stream(
+        run: dict[str, Any]) -> None:
+    """Random sampling with a seed, a rank killed mid-decode: the new rank's generator,
+    seeded afresh and advanced by the draws already made, samples what the undisturbed
+    run sampled.  (Seeded re-prefill in chunks is not tested: vLLM's CPU runner fails a
+    seeded request in a chunked prefill, "CPU Generator does not use offset".)"""
+    assert run["seeded"] == run["default_seeded"]
+    assert len({tuple(r["outs"][0]["ids"]) for r in run["seeded"]}) == 2
 
 
 def test_outputs_equal_vllms_own_recompute_at_the_same_steps(run: dict[str, Any]) -> None:
@@ -68,8 +78,9 @@ def test_the_prefix_cache_is_emptied_with_the_kv(run: dict[str, Any]) -> None:
 def test_the_group_restarts_as_new_processes_and_leaves_nothing(run: dict[str, Any]) -> None:
     pids = run["pids"]
     assert pids[0] != pids[1] and not set(pids[0]) & set(pids[1])
-    for rec in run["recoveries_sync"]:
-        assert rec["preempted"] == 3 and rec["total"] >= rec["start"] > 0
+    # the greedy rounds' three requests, then the seeded round's four (one with n=3)
+    assert [rec["preempted"] for rec in run["recoveries_sync"]] == [3, 3, 4]
+    assert all(rec["total"] >= rec["start"] > 0 for rec in run["recoveries_sync"])
     name = Path(run["dist"].removeprefix("file://")).name
     assert not [p for p in os.listdir("/dev/shm") if p.startswith(name)]
     assert not Path(run["dist"].removeprefix("file://")).exists()

@@ -22,7 +22,7 @@ from protocol.ext import decode_ext, encode_ext  # noqa: E402
 from protocol.messages import Delta  # noqa: E402
 from protocol.packing import pack_sints  # noqa: E402
 from worker_side.vllm import SchedulerOutputDecoder  # noqa: E402
-from worker_side.vllm.resume import resume  # noqa: E402
+from worker_side.vllm.resume import advance, resume  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 SECRET = b"r" * 32
@@ -110,7 +110,7 @@ class _Runner:
     def execute_model(self, so: Any) -> None:
         self.steps.append(so)
         for nr in so.scheduled_new_reqs:
-            self.requests[nr.req_id] = SimpleNamespace(output_token_ids=[])
+            self.requests[nr.req_id] = SimpleNamespace(output_token_ids=[], generator=None)
 
 
 def test_restored_requests_cross_the_wire_and_resume_on_the_runner() -> None:
@@ -155,3 +155,29 @@ def test_restored_tokens_naming_no_new_request_are_refused_unchanged() -> None:
     assert dec.seq == 0
     dec.decode(good)
     assert dec.restored == {"a": [40, 41], "b": [50]}
+
+
+@pytest.mark.parametrize("path", ["forward_cpu", "forward_native"])
+def test_a_seeded_generator_is_advanced_by_the_draws_already_made(path: str) -> None:
+    """A restarted rank's generator, seeded afresh and advanced by three sampled tokens,
+    samples what the undisturbed generator sampled from its fourth token on (vLLM's
+    own sampler draws; CPU and native paths)."""
+    import torch
+    import vllm._C  # noqa: F401  (the CPU build's kernels: fused_gumbel_argmax)
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    sampler = TopKTopPSampler()
+    sampler.forward = getattr(sampler, path)
+    runner = SimpleNamespace(sampler=SimpleNamespace(topk_topp_sampler=sampler),
+                             model_config=SimpleNamespace(get_vocab_size=lambda: 64))
+    logits = torch.zeros(1, 64)  # uniform: every token is as likely
+
+    def sample(gen: torch.Generator, n: int) -> list[int]:
+        return [int(sampler.forward(logits.clone(), {0: gen}, None, None)[0][0])
+                for _ in range(n)]
+
+    undisturbed = sample(torch.Generator().manual_seed(7), 8)
+    restarted = torch.Generator().manual_seed(7)
+    advance(runner, restarted, 3)
+    assert sample(restarted, 5) == undisturbed[3:]
+    assert sample(torch.Generator().manual_seed(7), 5) != undisturbed[3:]  # (not by chance)

@@ -11,7 +11,9 @@ caching on) for three rounds at TP=2:
   =True)``, vLLM's own utility) (``recomputed``);
 * DeltaExecutor, a rank SIGKILLed just before that step is sent: in the first round
   while the long prompt is in prefill, in the second mid-decode; the third runs on the
-  prefix cache the restarts emptied (``delta``).
+  prefix cache the restarts emptied (``delta``); then a seeded round (random
+  sampling, every recompute within one step's token budget) loses a rank mid-decode
+  (``seeded``: against the default executor's undisturbed seeded round).
 
 Then DeltaExecutor with async scheduling (two batches in flight) loses a rank mid-decode,
 then has a rank frozen (SIGSTOP: past the liveness bound it is killed) and, allowed
@@ -31,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from vllm_executor_run import GREEDY, _close, _executor, _params, _run  # noqa: E402
+from vllm_executor_run import GREEDY, SEEDED, _close, _executor, _params, _run  # noqa: E402
 
 ROUNDS = 3
 FAULTS = {0: (1, 2), 1: (0, 12)}  # round -> (rank, step of the round): prefill, decode
@@ -95,6 +97,10 @@ def _generate(llm: Any) -> list[dict[str, Any]]:
     return _run(llm, GREEDY, _params()[0])
 
 
+def _seeded(llm: Any) -> list[dict[str, Any]]:
+    return _run(llm, SEEDED, _params()[1])
+
+
 def _rounds(llm: Any, fault: Callable[[int], dict[str, Any]] | None) -> list[Any]:
     outs = []
     for r in range(ROUNDS):
@@ -109,6 +115,7 @@ def main(model: str, path: str) -> None:
     out: dict[str, Any] = {}
     llm = _engine(model)
     out["default"] = _rounds(llm, None)
+    out["default_seeded"] = _seeded(llm)
     _close(llm)
     llm = _engine(model)
     out["recomputed"] = _rounds(llm, lambda rank: {"after": recompute(llm)})
@@ -120,6 +127,8 @@ def main(model: str, path: str) -> None:
     ex.register_failure_callback(lambda: called.append(1))
     out["pids"] = [ex.local.pids()]
     out["delta"] = _rounds(llm, lambda rank: {"before": kill(llm, rank)})
+    at_step(llm, 10, before=kill(llm, 1))
+    out["seeded"] = _seeded(llm)
     out["pids"].append(ex.local.pids())
     out["restarts"], out["callback_calls"] = ex.restarts.count, len(called)
     out["recoveries_sync"] = ex.recoveries

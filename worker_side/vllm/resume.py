@@ -8,6 +8,10 @@ step schedules no token: the runner updates its states and returns), sets their
 sampled tokens (the step names every request it schedules, so the runner keeps the
 others in its batch), and then hands it the step with them resumed from preemption: the
 runner's own path, as when vLLM preempts and resumes a request on one process.
+
+A seeded request's generator is new (seeded afresh): it is advanced by the draws its
+sampler made for the tokens already sampled (:func:`advance`), so the request goes on
+with the random stream an undisturbed run would have used.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ def resume(runner: Any, so: Any, restored: dict[str, list[int]]) -> None:
     cached = so.scheduled_cached_reqs
     for nr in moving:
         tokens = restored[nr.req_id]
-        runner.requests[nr.req_id].output_token_ids = list(tokens)
+        state = runner.requests[nr.req_id]
+        state.output_token_ids = list(tokens)
+        if state.generator is not None:
+            advance(runner, state.generator, len(tokens))
         cached.req_ids.append(nr.req_id)
         cached.resumed_req_ids.add(nr.req_id)
         if cached.new_token_ids:
@@ -43,3 +50,24 @@ def resume(runner: Any, so: Any, restored: dict[str, list[int]]) -> None:
         cached.num_computed_tokens.append(nr.num_computed_tokens)
         cached.num_output_tokens.append(len(tokens))
     so.scheduled_new_reqs = [nr for nr in so.scheduled_new_reqs if nr.req_id not in restored]
+
+
+def advance(runner: Any, generator: Any, draws: int) -> None:
+    """Advance a seeded request's ``generator`` by what ``runner``'s sampler draws for
+    ``draws`` sampled tokens, one sampling step each.  vLLM's CPU sampler draws one
+    seed per step (``torch.randint``); the native one an exponential row over the
+    vocabulary (a speculative decoding step's rejection sampler draws otherwise: not
+    replayed)."""
+    import torch
+
+    sampler = runner.sampler.topk_topp_sampler
+    fp64 = bool(getattr(sampler, "use_fp64_gumbel", False))
+    if getattr(sampler.forward, "__func__", None) is getattr(type(sampler), "forward_cpu",
+                                                              None) and not fp64:
+        for _ in range(draws):
+            torch.randint(0, 2**31, (1,), generator=generator, dtype=torch.long)
+        return
+    row = torch.empty(runner.model_config.get_vocab_size(),
+                      dtype=torch.float64 if fp64 else torch.float32, device=generator.device)
+    for _ in range(draws):
+        row.exponential_(generator=generator)
