@@ -80,8 +80,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
              "Start this host's share of a DeltaExecutor engine's ranks (like vLLM's "
              "--headless): build the vLLM config from the engine's vLLM arguments, start "
              "ranks K*W/N .. (K+1)*W/N-1 and join the engine at tcp://MASTER-ADDR:"
-             "MASTER-PORT+K over CURVE with this node's key. Exits when the engine stops "
-             "them, or with 1 when a rank fails or the engine is lost. Needs vLLM."),
+             "MASTER-PORT+K over CURVE with this node's key. When the engine restarts the "
+             "group (a rank died here or elsewhere), starts its ranks again. Exits when the "
+             "engine stops them, or with 1 when a rank fails to start or the engine is lost "
+             "or refuses it. Needs vLLM."),
     "record": ("engine_side.report.record", "record a vLLM run's scheduler stream to a file",
                "Run vLLM's LLM.generate in this process on --prompts and record every "
                "step's scheduler output (as deltacast messages, never pickle) to --out, "

@@ -71,11 +71,11 @@ def _engine(host: netns.Host, model: Path, out: Path, keys: Path, *extra: str
 
 
 def _node(host: netns.Host, engine_host: netns.Host, model: Path, keys: Path, key_dir: Path,
-          **changed: Any) -> subprocess.Popen[str]:
+          restarts: bool = True, **changed: Any) -> subprocess.Popen[str]:
     """``deltacast node`` for node 1 with the engine's vLLM arguments (``changed``
     overrides some: a node that built another config)."""
-    argv = cli_args({**engine_args(str(model), "delta", engine_host.addr, PORT, str(keys)),
-                     **changed})
+    argv = cli_args({**engine_args(str(model), "delta", engine_host.addr, PORT, str(keys),
+                                   restarts), **changed})
     env = {**ENV, "GLOO_SOCKET_IFNAME": host.dev, "VLLM_CPU_OMP_THREADS_BIND": "1|0"}
     return subprocess.Popen(
         host.run(sys.executable, "-m", "engine_side.cli", "node", "--nnodes", "2",
@@ -98,13 +98,14 @@ def _finish(*procs: subprocess.Popen[str], timeout: float = 300) -> list[str]:
 
 
 def _generating(hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, out: Path,
-                timeout: float = 300, mode: str = "long",
+                *modes: str, timeout: float = 300,
                 ) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
     """(engine, node) once the engine is in its long generate (its log says WARM;
-    ``mode`` "hold": the engine waits for OUT.go before it)."""
+    ``modes`` end with "long", or "hold": the engine waits for OUT.go before it, or
+    "twice"; "norestart" first: a dead rank fails the engine)."""
     a, b = hosts
-    engine = _engine(a, model, out, keys, mode)
-    node = _node(b, a, model, keys, keys)
+    engine = _engine(a, model, out, keys, *modes)
+    node = _node(b, a, model, keys, keys, restarts="norestart" not in modes)
     log, end = out.with_suffix(".log"), time.monotonic() + timeout
     while "WARM" not in log.read_text():
         assert engine.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
@@ -164,16 +165,58 @@ def test_a_foreign_key_and_another_config_are_refused_by_name(
     assert _gone(a, b)
 
 
-def test_a_killed_remote_rank_fails_the_engine_naming_its_node(
-        hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, tmp_path: Path) -> None:
+def _rank_of(pid: int) -> Any:
+    """The DeltaExecutor rank process among ``pid``'s descendants (one per host here)."""
     import psutil
 
+    (rank,) = [c for c in psutil.Process(pid).children(recursive=True)
+               if "DeltaWorker" in " ".join(c.cmdline())]
+    return rank
+
+
+def _await(engine: subprocess.Popen[str], log: Path, text: str, count: int = 1) -> None:
+    end = time.monotonic() + 300
+    while log.read_text().count(text) < count:
+        assert engine.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def test_a_killed_rank_restarts_the_group_across_hosts_and_no_request_is_lost(
+        hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, tmp_path: Path) -> None:
+    """Rank 1 on the other host SIGKILLed mid-generation: the engine sees its link drop
+    and restarts the group (rank 0 here; ``deltacast node`` starts rank 1 again, which
+    rejoins over CURVE with the new group's secret), the scheduler recomputes, and the
+    generation ends with every token.  Then, in a second generation, rank 0 here is
+    killed: the engine's QUIT tells rank 1 that its group restarts, and its node starts
+    it again."""
+    a, b = hosts
+    out = tmp_path / "restarted.json"
+    engine, node = _generating(hosts, model, keys, out, "twice")
+    log = out.with_suffix(".log")
+    first = _rank_of(node.pid)
+    first.kill()
+    _await(engine, log, "SECOND")
+    second = _rank_of(node.pid)
+    _rank_of(engine.pid).kill()
+    (node_err,) = _finish(node)
+    _finish(engine)
+    result, text = json.loads(out.read_text()), log.read_text()
+    assert result.get("long") == result.get("long2") == [200, 200, 200], text[-3000:]
+    assert (f"restarted the group after node 1 (ranks [1], host {b.addr}) dropped its "
+            "connection") in text, text[-3000:]
+    assert "restarted the group after rank 0 died (signal 9 (SIGKILL))" in text, text[-3000:]
+    assert node_err.count("its group restarts; starting ranks [1] again") == 2, node_err
+    assert "rank 1 exited with code 75 (its group restarts)" in node_err, node_err
+    assert node.returncode == 0 and second.pid != first.pid
+    assert _gone(a, b)
+
+
+def test_a_killed_remote_rank_fails_the_engine_naming_its_node_without_restarts(
+        hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, tmp_path: Path) -> None:
     a, b = hosts
     out = tmp_path / "killed.json"
-    engine, node = _generating(hosts, model, keys, out)
-    (rank,) = [c for c in psutil.Process(node.pid).children()
-               if "DeltaWorker" in " ".join(c.cmdline())]
-    rank.send_signal(signal.SIGKILL)
+    engine, node = _generating(hosts, model, keys, out, "norestart", "long")
+    _rank_of(node.pid).kill()
     (node_err,) = _finish(node)
     _finish(engine)
     result, log = json.loads(out.read_text()), out.with_suffix(".log").read_text()
@@ -189,7 +232,7 @@ def test_the_remote_node_exits_when_the_engine_dies(
 
     a, b = hosts
     out = tmp_path / "engine-killed.json"
-    engine, node = _generating(hosts, model, keys, out)
+    engine, node = _generating(hosts, model, keys, out, "long")
     for p in [*psutil.Process(engine.pid).children(recursive=True), psutil.Process(engine.pid)]:
         p.send_signal(signal.SIGKILL)
     (node_err,) = _finish(node, timeout=60)
@@ -205,7 +248,7 @@ def test_a_second_session_with_a_nodes_key_is_dropped_and_the_first_runs_on(
     generates to the end."""
     a, b = hosts
     out = tmp_path / "twice.json"
-    engine, node = _generating(hosts, model, keys, out, mode="hold")
+    engine, node = _generating(hosts, model, keys, out, "hold")
     (twice_err,) = _finish(_node(b, a, model, keys, keys), timeout=120)
     out.with_suffix(".go").touch()
     (node_err,) = _finish(node)

@@ -8,8 +8,9 @@ KV cache so small that requests are preempted.  The same prompts go to both;
 each executor's calls are observed (preemptions and draft tokens in the
 SchedulerOutputs, accepted drafts in the ModelRunnerOutputs, non-empty
 ``take_draft_token_ids``) so the test can check the features really ran.  At step
-FAULT_STEP DeltaExecutor loses its last rank (SIGKILL: the group restarts and vLLM's
-scheduler recomputes), and vLLM's default executor recomputes at that step itself
+FAULT_STEP, between its execute_model and its sample_tokens, DeltaExecutor loses its
+last rank (SIGKILL: the group restarts and vLLM's scheduler recomputes), and vLLM's
+default executor recomputes at that point itself
 (``reset_prefix_cache(reset_running_requests=True)``), so the two stay comparable bit
 for bit.  Everything goes to OUT.json.
 """
@@ -134,14 +135,22 @@ def _run(llm: Any, prompts: list[str], params: list[Any]) -> list[dict[str, Any]
 
 
 def _fault(llm: Any, delta: bool) -> None:
-    """At FAULT_STEP: DeltaExecutor's last rank SIGKILLed; vLLM's own recompute otherwise."""
-    from vllm_restart_run import at_step, kill, recompute
+    """Between the FAULT_STEP-th execute_model and its sample_tokens: DeltaExecutor's
+    last rank SIGKILLed (the sample call finds the group dead); vLLM's own recompute
+    otherwise."""
+    from vllm_restart_run import kill, recompute
 
-    if delta:
-        at_step(llm, FAULT_STEP, before=kill(llm, llm.llm_engine.engine_core.engine_core
-                                               .model_executor.world_size - 1))
-    else:
-        at_step(llm, FAULT_STEP, after=recompute(llm))
+    ex = llm.llm_engine.engine_core.engine_core.model_executor
+    action = kill(llm, ex.world_size - 1) if delta else recompute(llm)
+    sample, seen = ex.sample_tokens, [0]
+
+    def sample_tokens(grammar: Any, non_block: bool = False) -> Any:
+        seen[0] += 1
+        if seen[0] == FAULT_STEP:
+            action()
+        return sample(grammar, non_block)
+
+    ex.sample_tokens = sample_tokens
 
 
 def _one(model: str, delta: bool, pp: int) -> dict[str, Any]:

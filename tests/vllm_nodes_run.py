@@ -4,12 +4,13 @@
 at TP=2 with BACKEND (``default``: vLLM's own executor, one host; ``delta``:
 DeltaExecutor with rank 1 on node 1 at ADDR, ``deltacast node`` started by the test;
 ``ray``: DeltaExecutor placing its ranks on the Ray cluster whose head is ADDR:PORT).
-It generates greedily with logprobs (the ``short`` batch); with ``long``, prints
-``WARM`` to stderr, then generates a long batch (``hold``: the same once OUT.go
-exists); with ``skew``, makes rank 1 sample other
-tokens (a sealed callable sent to every rank) and generates again, so the engine names
-rank 1 as diverged.  OUT.json gets the outputs, or the
-error that ended generation and when (``time.time()``).
+It generates greedily with logprobs (the ``short`` batch); with ``norestart`` (before
+the mode) a dead rank fails the engine instead of restarting its group; with ``long``,
+prints ``WARM`` to stderr, then generates a long batch (``hold``: the same once OUT.go
+exists; ``twice``: then prints ``SECOND`` and generates it again); with ``skew``, makes
+rank 1 sample other tokens (a sealed callable sent to every rank) and generates again,
+so the engine names rank 1 as diverged. OUT.json gets the outputs, or the error that
+ended generation and when (``time.time()``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12, 13] * 9]
 
 
 def engine_args(model: str, backend: str, addr: str = "", port: int = 0,
-                keys: str = "") -> dict[str, Any]:
+                keys: str = "", restarts: bool = True) -> dict[str, Any]:
     """The LLM keyword arguments; ``deltacast node`` is given the same (tests build its
     command line from them)."""
     args: dict[str, Any] = {"model": model, "tensor_parallel_size": 2, "enforce_eager": True,
@@ -37,6 +38,8 @@ def engine_args(model: str, backend: str, addr: str = "", port: int = 0,
         args["distributed_executor_backend"] = "engine_side.vllm.DeltaExecutor"
         args["additional_config"] = {"deltacast_placement": "ray",
                                      "deltacast_ray_address": f"{addr}:{port}"}
+    if not restarts:
+        args["additional_config"]["deltacast_restarts"] = 0
     return args
 
 
@@ -70,14 +73,14 @@ def main() -> None:
     addr, port, keys = (rest[0], int(rest[1]), rest[2]) if len(rest) >= 3 else ("", 0, "")
     result: dict[str, Any] = {}
     try:
-        llm = LLM(**engine_args(model, backend, addr, port, keys))
+        llm = LLM(**engine_args(model, backend, addr, port, keys, "norestart" not in rest))
         short = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
         result["short"] = _outputs(llm.generate(prompts, short))
         if rest[-1:] == ["skew"]:
             result["skewed"] = llm.collective_rpc(_skew_rank1_sampler)
             llm.generate(prompts, short)
-        if rest[-1:] not in (["long"], ["hold"]):
+        if rest[-1:] not in (["long"], ["hold"], ["twice"]):
             return
         print("WARM", file=sys.stderr, flush=True)
         go = Path(out).with_suffix(".go")
@@ -85,6 +88,10 @@ def main() -> None:
             time.sleep(0.1)
         long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
         result["long"] = [len(o.outputs[0].token_ids) for o in llm.generate(prompts, long)]
+        if rest[-1:] == ["twice"]:
+            print("SECOND", file=sys.stderr, flush=True)
+            result["long2"] = [len(o.outputs[0].token_ids)
+                               for o in llm.generate(prompts, long)]
     except Exception as exc:  # what the test judges: the message and when
         result["error"], result["error_at"] = f"{type(exc).__name__}: {exc}", time.time()
     finally:

@@ -155,12 +155,13 @@ class DeltaExecutor(RankDeaths, Executor):
         self._pending: deque[Reply] = deque()
         self.local = LocalRanks()
         self._calls = 0
-        # a dead rank restarts the group (ranks on this host only: others cannot be restarted)
-        self.restarts = RestartPolicy(0) if self.nodes.remote else RestartPolicy.from_config(extra)
+        # a dead rank restarts the group (ranks on other nodes: their nodes start them again)
+        self.restarts = RestartPolicy.from_config(extra)
         self._hook = SchedulerHook(self.vllm_config) if self.restarts.limit else None
         self._built: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []  # replayed
         self._serving = False  # the first step is sent: the group is built
         self._died: GroupDied | None = None  # the group is stopped, the restart due
+        self._lost: tuple[int, str] | None = None  # a node's link dropped: (rank, why)
         self._relaunching = False  # a death now fails the restart
         self._restarted = threading.Event()
         self._unsent: set[str] = set()  # requests the restarted group has not seen
@@ -225,12 +226,16 @@ class DeltaExecutor(RankDeaths, Executor):
         samplers = self.hashes.ranks
         return self.token_hash_every if rank in samplers and len(samplers) > 1 else 0
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, within: float = 0.0) -> None:
+        """Every rank ready (``within`` > 0: in that many seconds, else RuntimeError)."""
         ready: set[int] = set()
-        said = time.monotonic()
+        said = started = time.monotonic()
         while len(ready) < self.world_size:
             if self.is_failed:
                 raise ExecutorFailed(self.failure)
+            if within and time.monotonic() - started > within:
+                missing = [r for r in range(self.world_size) if r not in ready]
+                raise RuntimeError(f"ranks {missing} were not ready within {within:.0f} s")
             got = self._receive(None)
             if not got and time.monotonic() - said > JOIN_LOG_S and self.remote:
                 said = time.monotonic()

@@ -100,15 +100,15 @@ class NodeLayout:
         return public, secret, allowed
 
 
-def hello_mismatch(fields: dict[str, str], node: int, vllm_config: Any) -> str | None:
+def hello_mismatch(fields: dict[str, str], node: int, config_hash: str) -> str | None:
     """What a remote rank's hello (:func:`protocol.calls.parse_hello`) disagrees on with
-    this engine (one line), or None."""
+    this engine, whose vLLM config hashes to ``config_hash`` (one line), or None."""
     import vllm
 
     from protocol.messages import PROTOCOL_MAJOR
 
     ours = {"node": str(node), "vllm": vllm.__version__, "protocol": str(PROTOCOL_MAJOR),
-            "config": vllm_config.compute_hash()}
+            "config": config_hash}
     what = {"node": "node rank (its ranks belong to another node: check --node-rank)",
             "vllm": "vLLM version", "protocol": "deltacast protocol major version",
             "config": "vLLM config hash (start every node with the same vLLM arguments)"}

@@ -14,6 +14,7 @@ answer, the executor fails: :attr:`failure` says why, waiting calls raise
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -24,6 +25,7 @@ from typing import Any
 import zmq
 
 from engine_side.vllm.restart import GroupDied, recompute
+from protocol import calls as wire
 from protocol.errors import ProtocolError
 
 log = logging.getLogger("deltacast.vllm.executor")
@@ -33,6 +35,7 @@ LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _POLL_MS = 100  # how often the link watch looks at its stop flag
 _EXITING_S = 0.1  # a rank whose link dropped and that is still alive this long is frozen
+REJOIN_S = 150.0  # a restarted group's ranks on other nodes are ready within this long
 
 
 _METRICS: tuple[Any, Any] | None = None
@@ -75,6 +78,7 @@ class RankDeaths:
     docstring.  Methods take ``self: Any``: the executor's state is made in its module."""
 
     _died: GroupDied | None  # the group is stopped, the restart due
+    _lost: tuple[int, str] | None  # a node's link dropped: (its first rank, why)
     failure_callback: Callable[[], None] | None
 
     def _monitor(self: Any) -> None:
@@ -85,7 +89,9 @@ class RankDeaths:
             if self.shutting_down or self.is_failed:
                 return
             self.local.kill()  # the other shards are useless without it
-            died = GroupDied(rank, code, self.local.frozen.pop(rank, None))
+            lost, self._lost = self._lost, None
+            died = GroupDied(rank, code, self.local.frozen.pop(rank, None)) if lost is None \
+                else GroupDied(lost[0], None, cause=lost[1])
             if not self._serving or not self.restarts.allow():
                 why = "starting up" if not self._serving else self.restarts.refusal()
                 self.failure = f"DeltaExecutor failed: {died}; {why}"
@@ -134,7 +140,6 @@ class RankDeaths:
                 node = self.remote.link_event(event["event"], where)
                 if node is not None and not self.shutting_down:
                     self._node_lost(node)
-                    return
             elif event["event"] == zmq.EVENT_DISCONNECTED and where in self._endpoints:
                 self._link_dropped(self._endpoints[where])
 
@@ -154,10 +159,20 @@ class RankDeaths:
         proc.kill()
 
     def _node_lost(self: Any, node: int) -> None:
+        """Node ``node``'s link dropped: its group stops (the local ranks are killed),
+        and the monitor restarts it (the node starts its ranks again) or fails.  Ignored
+        while a restart is under way (the old group's links drop then)."""
         assert self.remote is not None
-        self.failure = (f"DeltaExecutor failed: {self.remote.describe(node)} dropped its "
-                        f"connection: killed, frozen, or cut off (no heartbeat for "
-                        f"{self.liveness_s:g} s)")
+        if self._died is not None or self._relaunching or self.is_failed:
+            return
+        why = (f"{self.remote.describe(node)} dropped its connection: killed, frozen, or "
+               f"cut off (no heartbeat for {self.liveness_s:g} s)")
+        if self._serving and self.restarts.limit:
+            # the monitor's cause for the local death that follows: the node's first rank
+            self._lost = (node * self.remote.layout.per_node(self.world_size), why)
+            self.local.kill()
+            return
+        self.failure = f"DeltaExecutor failed: {why}"
         log.error(self.failure)
         self.local.kill()  # the local shards are useless without it
         self._fail()
@@ -253,6 +268,7 @@ class RankDeaths:
         self.local.procs.clear()
         self.local.deaths.clear()
         took["stopped"] = time.monotonic()
+        self._restart_remote()
         while self._sock.poll(0, zmq.POLLIN):  # the old group's last words
             self._sock.recv_multipart()
         if self.ring is not None:
@@ -267,7 +283,7 @@ class RankDeaths:
         self.loads.clear()
         with self._hook.removed():
             self._start_ranks()
-        self._wait_ready()
+        self._wait_ready(REJOIN_S if self.remote is not None else 0.0)
         took["started"] = time.monotonic()
         if self.store is not None:
             self.store.reap()
@@ -278,3 +294,14 @@ class RankDeaths:
         self._unsent = set(scheduler.requests)
         took["built"] = time.monotonic()
         return recompute(scheduler)
+
+    def _restart_remote(self: Any) -> None:
+        """Tell the ranks on other nodes that their group restarts (a QUIT naming it:
+        each exits, and its node starts it again); one already gone is skipped."""
+        if self.remote is None:
+            return
+        self._calls += 1
+        call = [wire.call_head(wire.QUIT, self._calls, [wire.RESTART]), wire.RESTART]
+        for rank in self.remote.ranks:
+            with contextlib.suppress(zmq.ZMQError):  # (gone: ROUTER_MANDATORY refuses)
+                self._sock.send_multipart([b"%d" % rank, *call])

@@ -49,6 +49,7 @@ class RemoteRanks:
         self.layout, self.world_size = layout, world_size
         self.ranks = range(layout.per_node(world_size), world_size)
         self.hosts: dict[int, str] = {}  # rank -> its peer address (its first message)
+        self.config_hash = ""
         public, secret, allowed = layout.node_keys()
         local_public, local_secret = zmq.curve_keypair()
         #: what the local ranks connect with: (the engine's key, theirs, their secret)
@@ -99,7 +100,9 @@ class RemoteRanks:
         except ProtocolError as exc:
             faults.hit(f"rank {rank}", exc)
             return
-        wrong = hello_mismatch(fields, node, vllm_config)
+        if not self.config_hash:  # at the first hello: the config as the nodes build it
+            self.config_hash = vllm_config.compute_hash()  # (a restart's scheduler hook
+        wrong = hello_mismatch(fields, node, self.config_hash)  # is not theirs)
         if wrong is not None:
             sock.send_multipart([b"%d" % rank, wire.REFUSED, wrong.encode()])
             raise RuntimeError(f"DeltaExecutor rank {rank} (node {fields['node']}, "

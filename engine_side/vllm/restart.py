@@ -38,8 +38,10 @@ class GroupDied(Exception):
     """A rank of the group died and the group may restart (the executor's drain restarts
     it and answers what was in flight)."""
 
-    def __init__(self, rank: int, code: int | None, frozen_s: float | None = None) -> None:
-        super().__init__(f"rank {rank} died ({describe_exit(code)})" if frozen_s is None else
+    def __init__(self, rank: int, code: int | None, frozen_s: float | None = None,
+                 cause: str | None = None) -> None:
+        super().__init__(cause if cause is not None else
+                         f"rank {rank} died ({describe_exit(code)})" if frozen_s is None else
                          f"rank {rank} froze (no heartbeat for {frozen_s:g} s) and was killed")
         self.rank, self.code = rank, code
         self.at = time.monotonic()  # when the death was noticed

@@ -11,7 +11,14 @@ torch.distributed meets at ``tcp://ADDR:PORT``; gloo picks its interface from
 the same path on every node.
 
 The node exits 0 when the engine stops its ranks, 1 (one line naming the rank) when a
-rank fails or loses the engine, 128+N on a signal; its ranks never outlive it.
+rank fails to start, loses the engine or is refused, 128+N on a signal; its ranks never
+outlive it.  When the engine restarts the group (a rank died, here or on another host)
+the node starts its ranks again: a rank that the engine told to (status RESTART_EXIT),
+or one that died otherwise (killed, crashed: the engine sees its link drop and restarts
+the group), stops this node's others, and the node starts them all anew; they must be
+welcomed within REJOIN_S (and reach the engine within 30 s), else they exit 1 and so
+does the node.  With ``deltacast_restarts`` 0 in the config, a rank's death ends the node
+(status 1), as it ends the engine.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from protocol.cli_support import (
 )
 
 JOIN_S = 10.0  # ranks given to stop after one failed, before they are killed
+REJOIN_S = 120.0  # ranks started again after a restart must be welcomed within this long
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,10 +115,7 @@ def start_node(config: Any, node: int, nnodes: int, master_addr: str, master_por
                curve: tuple[bytes, bytes, bytes]) -> int:
     """Start node ``node``'s ranks and supervise them (the exit code: see the module
     docstring); ``curve``: (the engine's public key, this node's public and secret)."""
-    from vllm.utils.ompmultiprocessing import OMPProcessManager
     from vllm.v1.executor.multiproc_executor import set_multiprocessing_worker_envs
-
-    from worker_side.vllm.proc import worker_main
 
     parallel = config.parallel_config
     world = parallel.world_size
@@ -126,6 +131,32 @@ def start_node(config: Any, node: int, nnodes: int, master_addr: str, master_por
           f"gloo interface {os.environ.get('GLOO_SOCKET_IFNAME') or '(gloo chooses)'}",
           file=sys.stderr, flush=True)
     set_multiprocessing_worker_envs(per_node)
+    common = dict(init_method=init_method, endpoint=endpoint, secret=b"",
+                  output_rank=output_rank, curve=curve, node=node)
+    extra = config.additional_config if isinstance(config.additional_config, dict) else {}
+    restarts = int(extra.get("deltacast_restarts", 1)) > 0  # 0: the engine fails instead
+    rejoin_s = 0.0
+    while True:
+        status = _generation(config, ranks, tp, {**common, "rejoin_s": rejoin_s})
+        if status != RESTART:
+            return status
+        if not restarts:
+            return EXIT_FAILED
+        print(f"deltacast node {node}: its group restarts; starting ranks {list(ranks)} "
+              "again", file=sys.stderr, flush=True)
+        rejoin_s = REJOIN_S
+
+
+RESTART = -1  # _supervise: start the ranks again
+
+
+def _generation(config: Any, ranks: range, tp: int, common: dict[str, Any]) -> int:
+    """Start ``ranks`` and supervise them until one exits: the node's exit code, or
+    RESTART.  Their processes are gone when it returns."""
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    from worker_side.vllm.proc import worker_main
+
     ctx = multiprocessing.get_context("spawn")
     lock = ctx.Lock()
     omp = OMPProcessManager(config)
@@ -134,9 +165,7 @@ def start_node(config: Any, node: int, nnodes: int, master_addr: str, master_por
         for local, rank in enumerate(ranks):
             reader, writer = ctx.Pipe(duplex=False)
             kwargs = dict(vllm_config=config, local_rank=local, rank=rank,
-                          init_method=init_method, endpoint=endpoint, secret=b"",
-                          is_driver=rank % tp == 0, output_rank=output_rank, lock=lock,
-                          death=reader, curve=curve, node=node)
+                          is_driver=rank % tp == 0, lock=lock, death=reader, **common)
             p = ctx.Process(target=worker_main, kwargs=kwargs, name=f"DeltaWorker-{rank}",
                             daemon=True)
             with omp.configure_omp_envs(rank=rank, local_rank=local):
@@ -159,14 +188,20 @@ def start_node(config: Any, node: int, nnodes: int, master_addr: str, master_por
 
 
 def _supervise(procs: list[Any], ranks: list[int]) -> int:
-    """Until every rank has exited: 0 if all did cleanly, else EXIT_FAILED (named)."""
+    """Until every rank has exited: 0 if all did cleanly; RESTART when one was told to
+    restart or died of a signal or a crash; else EXIT_FAILED (named)."""
+    from protocol.calls import RESTART_EXIT
+
     left = {p.sentinel: (rank, p) for rank, p in zip(ranks, procs, strict=True)}
     while left:
         for sentinel in multiprocessing.connection.wait(list(left)):
             rank, p = left.pop(sentinel)  # type: ignore[call-overload]
             p.join()
-            if p.exitcode != 0:
-                print(f"deltacast node: rank {rank} exited with code {p.exitcode}; stopping "
-                      "this node's other ranks", file=sys.stderr, flush=True)
-                return EXIT_FAILED
+            if p.exitcode == 0:
+                continue
+            restart = p.exitcode not in (EXIT_FAILED,)  # 1: refused, failed, engine lost
+            print(f"deltacast node: rank {rank} exited with code {p.exitcode}"
+                  f"{' (its group restarts)' if p.exitcode == RESTART_EXIT else ''}; "
+                  f"stopping this node's other ranks", file=sys.stderr, flush=True)
+            return RESTART if restart else EXIT_FAILED
     return 0

@@ -12,7 +12,8 @@ lost or damaged is asked for again: :mod:`worker_side.vllm.channel`):
   ``b"call"``, :mod:`protocol.seal`);
 * ``A`` attach: a sealed (``b"attach"``) map rank -> store ``AttachInfo``; the rank's
   decoder then resolves multimodal items from the engine's shared-memory store;
-* ``Q`` quit.
+* ``Q`` quit; with the one frame ``restart`` (a rank on another node: its group restarts)
+  the rank exits with status RESTART_EXIT, and its node starts it again.
 
 With the executor's local step ring (its default), the same calls arrive once
 through the ring and replies leave through the rank's reply ring
@@ -54,6 +55,8 @@ from protocol.calls import (
     QUIT,
     READY,
     REFUSED,
+    RESTART,
+    RESTART_EXIT,
     SAMPLE,
     WELCOME,
     WELCOME_SETTINGS,
@@ -80,22 +83,38 @@ def _watch_parent(death: Connection) -> None:
 
 HEARTBEAT_S = 0.6  # the engine unheard this long (ZMTP heartbeats every 1/4 of it) is gone
 _SAY_S = 10.0  # while the engine has not answered our hello, say so this often
+_REACH_S = 30.0  # started again after a restart: the engine's CURVE handshake within this
 WELCOME_S = 30.0  # connected, the engine's answer to our hello is due within this long
 _quitting = threading.Event()
 _connected = threading.Event()  # our CURVE handshake with the engine succeeded
 
 
-def _watch_engine(sock: zmq.Socket[bytes], endpoint: str, rank: int) -> None:
+def _watch_engine(sock: zmq.Socket[bytes], endpoint: str, rank: int) -> threading.Thread:
     """A rank on another node: exit (status 1, one line) when the engine refuses our
-    CURVE key or, once joined, its connection drops (engine gone, frozen, or cut off)."""
-    from zmq.utils.monitor import recv_monitor_message
+    CURVE key or, once joined, its connection drops (engine gone, frozen, or cut off).
+    The watch (returned) ends within 0.1 s of ``_quitting``; join it before the context's
+    term, which would otherwise interrupt its poll and wait for its socket forever."""
 
     sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 250))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_S * 1000))
     monitor = sock.get_monitor_socket()
 
     def watch() -> None:
-        joined = False
+        try:
+            _watch(monitor, endpoint, rank)
+        finally:
+            monitor.close(linger=0)  # (the context's term waits for it)
+
+    thread = threading.Thread(target=watch, daemon=True, name="DeltaEngineWatch")
+    thread.start()
+    return thread
+
+
+def _watch(monitor: zmq.Socket[bytes], endpoint: str, rank: int) -> None:
+    from zmq.utils.monitor import recv_monitor_message
+
+    joined = False
+    with contextlib.suppress(zmq.ContextTerminated):
         while not _quitting.is_set():
             if not monitor.poll(100):
                 continue
@@ -113,9 +132,6 @@ def _watch_engine(sock: zmq.Socket[bytes], endpoint: str, rank: int) -> None:
             elif event == zmq.EVENT_DISCONNECTED and joined and not _quitting.is_set():
                 _die(rank, f"lost the engine at {endpoint} (gone, frozen, or cut off: no "
                            f"heartbeat for {HEARTBEAT_S} s)")
-        monitor.close(linger=0)  # (the context's term waits for it)
-
-    threading.Thread(target=watch, daemon=True, name="DeltaEngineWatch").start()
 
 
 def _die(rank: int, why: str) -> None:
@@ -124,19 +140,27 @@ def _die(rank: int, why: str) -> None:
 
 
 def _join(sock: zmq.Socket[bytes], node: int, vllm_config: Any, endpoint: str,
-          rank: int) -> tuple[bytes, int, float]:
+          rank: int, rejoin_s: float = 0.0) -> tuple[bytes, int, float]:
     """A rank on another node says hello; the engine's welcome carries the secret of
     the sealed calls (over CURVE only) and (hash_every, spin_s).  Refused: one line on
-    stderr, exit 1."""
+    stderr, exit 1.  ``rejoin_s`` > 0 (started again after a restart): no welcome
+    within that long (the engine gone, or failed) is an exit 1 too."""
     import vllm
 
     sock.send_multipart([HELLO, pack_hello(
         node=str(node), vllm=vllm.__version__, protocol=str(PROTOCOL_MAJOR),
         config=vllm_config.compute_hash())])
-    quiet = 0.0  # seconds connected without an answer
+    quiet, waited = 0.0, 0.0  # seconds connected without an answer; in all
     while True:
         if not sock.poll(int(_SAY_S * 1000)):
             quiet += _SAY_S if _connected.is_set() else 0.0
+            waited += _SAY_S
+            if rejoin_s and not _connected.is_set() and waited >= _REACH_S:
+                _die(rank, f"started again after its group's restart, but the engine at "
+                           f"{endpoint} cannot be reached (gone, or failed)")
+            if rejoin_s and waited >= rejoin_s:
+                _die(rank, f"started again after its group's restart, but the engine at "
+                           f"{endpoint} did not welcome it within {rejoin_s:.0f} s")
             if quiet >= WELCOME_S:  # the ROUTER drops what a second session sends
                 _die(rank, f"connected to the engine at {endpoint}, but no answer to this "
                            f"node's hello in {WELCOME_S:.0f} s: node {node} is already "
@@ -182,7 +206,7 @@ def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
                 endpoint: str, secret: bytes, is_driver: bool, output_rank: int,
                 lock: Any, death: Connection, hash_every: int = 0, spin_s: float = 0.0,
                 ring_dir: str | None = None, curve: tuple[bytes, bytes, bytes] | None = None,
-                node: int = 0) -> None:
+                node: int = 0, rejoin_s: float = 0.0) -> None:
     """Process entry point (spawned): start the worker, then serve calls until ``Q``.
     ``curve``: (the engine's public key, ours, our secret) when the engine takes ranks
     from other nodes; ``node`` > 0: this rank runs on node ``node`` and learns ``secret``
@@ -198,12 +222,11 @@ def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
     sock.setsockopt(zmq.LINGER, 1000)
     if curve is not None:
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
-    if node:
-        _watch_engine(sock, endpoint, rank)
+    watch = _watch_engine(sock, endpoint, rank) if node else None
     sock.connect(endpoint)
     if node:
-        secret, hash_every, spin_s = _join(sock, node, vllm_config, endpoint, rank)
-    wrapper = None
+        secret, hash_every, spin_s = _join(sock, node, vllm_config, endpoint, rank, rejoin_s)
+    wrapper, status = None, 0
     try:
         try:
             loading = time.monotonic()
@@ -215,24 +238,28 @@ def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
         channel = RankChannel(sock, ring_dir, rank)  # attached before READY: sees every call
         channel.spin_s = spin_s
         sock.send_multipart([READY, b"%.3f" % loaded])
-        _Server(wrapper, channel, secret, rank == output_rank, rank, hash_every).serve()
+        server = _Server(wrapper, channel, secret, rank == output_rank, rank, hash_every)
+        server.serve()
+        status = RESTART_EXIT if server.restart else 0
     finally:
         _quitting.set()
-        if wrapper is not None:
+        if wrapper is not None and not status:  # (a restart: the group's peers are gone)
             _shutdown_worker(wrapper)
+        if watch is not None:
+            watch.join(2.0)
         sock.close()
         ctx.term()
-    _leave()
+    _leave(status)
 
 
-def _leave() -> None:
-    """Exit 0 without the interpreter's teardown of torch and vLLM (2.5-5 s here: past
+def _leave(status: int = 0) -> None:
+    """Exit without the interpreter's teardown of torch and vLLM (2.5-5 s here: past
     vLLM's 5 s engine shutdown budget, so the engine was force-killed); the exit
     handlers (vLLM's, multiprocessing's) still run, and the streams are flushed."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def _shutdown_worker(wrapper: Any) -> None:
@@ -266,12 +293,14 @@ class _Server:
         self.hash_every = hash_every
         self.token_hash = TokenHash()
         self.sampled: Any = None  # the last call's ModelRunnerOutput, hashed after replying
+        self.restart = False  # the engine's QUIT said its group restarts
 
     def serve(self) -> None:
         """Answer calls until ``Q`` (the channel spins while steps flow, then sleeps)."""
         while True:
             kind, frames = self.channel.next_call()  # in call order, each intact
             if kind == QUIT:
+                self.restart = [bytes(f) for f in frames] == [RESTART]
                 return
             try:
                 reply = self._handle(kind, frames)
