@@ -5,9 +5,9 @@ admits exactly each node's key (and one made per run for the local ranks), binds
 k's port, checks that every message from rank r carries r's node's key, answers the
 remote ranks' hellos, and reads their connections' monitor events
 (:meth:`RemoteRanks.link_event`, from the executor's link watch): ZMTP heartbeats
-drop a rank killed, frozen or cut off within the liveness bound, and the drop fails
-the executor, naming the node.  Not thread-safe but for ``link_event``, which only
-the link watch calls.
+drop a rank killed, frozen or cut off within the liveness bound, and the drop stops
+the group (it restarts across hosts, or the executor fails naming the node).  Not
+thread-safe but for ``link_event``, which only the link watch calls.
 """
 
 from __future__ import annotations
