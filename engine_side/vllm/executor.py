@@ -10,11 +10,12 @@ private 0700 directory (call kinds: :mod:`protocol.calls`).  ``execute_model`` /
 SchedulerOutput after dispatch) to every rank; everything else is a control call sealed with
 a per-run HMAC secret (:mod:`protocol.seal`; vLLM sends functions: they travel cloudpickled
 inside the seal, never as unauthenticated pickle).  Every rank answers every call, so an
-exception on any rank is raised here.  A dead rank on this host restarts the group and
-vLLM's scheduler recomputes every running request (:mod:`engine_side.vllm.restart`;
-bounded: ``deltacast_restarts`` within ``deltacast_restart_window_s``); past the bound,
-a rank on another host dying, or a malformed answer (:class:`ExecutorFailed` names the
-rank) marks the executor failed, wakes any waiting call and runs the failure callback.
+exception on any rank is raised here.  A dead or frozen rank, here or on another host,
+restarts the group and vLLM's scheduler recomputes every running request
+(:mod:`engine_side.vllm.rank_deaths`, :mod:`engine_side.vllm.restart`; bounded:
+``deltacast_restarts`` within ``deltacast_restart_window_s``); past the bound, or a
+malformed answer (:class:`ExecutorFailed` names the rank) marks the executor failed,
+wakes any waiting call and runs the failure callback.
 A message on the ROUTER from no rank, or a malformed check-in, is dropped and counted
 (``faults``).  Futures resolve in submission order.
 
@@ -40,7 +41,8 @@ to it (its AttachInfo sent sealed, ``A``) before the first step.
 Ranks on other hosts (``additional_config``: ``deltacast_nnodes`` and the rest,
 :mod:`engine_side.vllm.nodes`): the engine runs node 0's ranks; the others join over tcp
 with CURVE (``deltacast node`` on their hosts; :mod:`engine_side.vllm.remote`), take
-every call on the ROUTER, and a dropped connection fails the executor naming the node.
+every call on the ROUTER; a dropped connection stops the group (a restart, or a failure
+naming the node).
 
 Divergence: when more than one rank samples (TP > 1), each of the last pipeline
 stage's ranks checks in with a lagged hash of its sampled tokens every

@@ -3,13 +3,15 @@
 A rank on the engine's host that dies stops its whole group (the survivors are
 killed: they may wait in a collective that never ends).  One that is frozen (its link
 unheard for ``deltacast_liveness_s``: ZMTP heartbeats, answered by its I/O thread, so a
-stopped, frozen or starved process, never a long step) is killed, and dies so.  Within
-the restart bound (:class:`engine_side.vllm.restart.RestartPolicy`) and once serving,
-the engine's next
-wait for an answer restarts the group (:mod:`engine_side.vllm.restart` says how) and
-answers every call in flight; else, or for a rank on another host, or a malformed
-answer, the executor fails: :attr:`failure` says why, waiting calls raise
-:class:`ExecutorFailed`, the failure callback runs once.
+stopped, frozen or starved process, never a long step) is killed, and dies so.  A node
+whose link drops (a rank there killed, frozen or cut off) stops the group too: its
+local ranks are killed.  Within the restart bound
+(:class:`engine_side.vllm.restart.RestartPolicy`) and once serving, the engine's next
+wait for an answer restarts the group (:mod:`engine_side.vllm.restart` says how; the
+ranks on other nodes are told to exit and their nodes start them again) and answers
+every call in flight; else, or for a malformed answer, the executor fails:
+:attr:`failure` says why, waiting calls raise :class:`ExecutorFailed`, the failure
+callback runs once.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def liveness_bound(extra: dict[str, Any]) -> float:
 
 
 class ExecutorFailed(RuntimeError):
-    """A rank died past the restart bound (or on another host) or sent a malformed
+    """A rank died past the restart bound (or while starting) or sent a malformed
     answer: the executor is permanently failed."""
 
 
