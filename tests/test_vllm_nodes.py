@@ -183,18 +183,19 @@ def _await(engine: subprocess.Popen[str], log: Path, text: str, count: int = 1) 
 
 def test_a_killed_rank_restarts_the_group_across_hosts_and_no_request_is_lost(
         hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, tmp_path: Path) -> None:
-    """Rank 1 on the other host SIGKILLed mid-generation: the engine sees its link drop
-    and restarts the group (rank 0 here; ``deltacast node`` starts rank 1 again, which
-    rejoins over CURVE with the new group's secret), the scheduler recomputes, and the
-    generation ends with every token.  Then, in a second generation, rank 0 here is
-    killed: the engine's QUIT tells rank 1 that its group restarts, and its node starts
-    it again."""
+    """Rank 1 on the other host frozen (SIGSTOP) mid-generation: the engine sees its
+    link drop and restarts the group (rank 0 here), ``deltacast node`` kills the frozen
+    rank past its own liveness bound and starts it again (it rejoins over CURVE with the
+    new group's secret), the scheduler recomputes, and the generation ends with every
+    token.  Then, in a second generation, rank 0 here is SIGKILLed: the engine's QUIT
+    tells rank 1 that its group restarts, and its node starts it again.  (A remote rank
+    SIGKILLed: tests/test_vllm_ray.py.)"""
     a, b = hosts
     out = tmp_path / "restarted.json"
     engine, node = _generating(hosts, model, keys, out, "twice")
     log = out.with_suffix(".log")
     first = _rank_of(node.pid)
-    first.kill()
+    first.suspend()
     _await(engine, log, "SECOND")
     second = _rank_of(node.pid)
     _rank_of(engine.pid).kill()
@@ -206,6 +207,7 @@ def test_a_killed_rank_restarts_the_group_across_hosts_and_no_request_is_lost(
             "connection") in text, text[-3000:]
     assert "restarted the group after rank 0 died (signal 9 (SIGKILL))" in text, text[-3000:]
     assert node_err.count("its group restarts; starting ranks [1] again") == 2, node_err
+    assert "rank 1 is frozen (no heartbeat for 0.6 s); killing it" in node_err, node_err
     assert "rank 1 exited with code 75 (its group restarts)" in node_err, node_err
     assert node.returncode == 0 and second.pid != first.pid
     assert _gone(a, b)

@@ -12,13 +12,15 @@ the same path on every node.
 
 The node exits 0 when the engine stops its ranks, 1 (one line naming the rank) when a
 rank fails to start, loses the engine or is refused, 128+N on a signal; its ranks never
-outlive it.  When the engine restarts the group (a rank died, here or on another host)
+outlive it. When the engine restarts the group (a rank died, here or on another host)
 the node starts its ranks again: a rank that the engine told to (status RESTART_EXIT),
 or one that died otherwise (killed, crashed: the engine sees its link drop and restarts
 the group), stops this node's others, and the node starts them all anew; they must be
 welcomed within REJOIN_S (and reach the engine within 30 s), else they exit 1 and so
-does the node.  With ``deltacast_restarts`` 0 in the config, a rank's death ends the node
-(status 1), as it ends the engine.
+does the node. A rank frozen here is killed past the liveness bound
+(:mod:`worker_side.vllm.rank_watch`), and so is started again. With
+``deltacast_restarts`` 0 in the config, a rank's death ends the node (status 1), as it
+ends the engine.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ from protocol.cli_support import (
     CliError,
     int_in,
 )
+from worker_side.vllm.rank_watch import RankWatch
 
 JOIN_S = 10.0  # ranks given to stop after one failed, before they are killed
+LIVENESS_S = 0.6  # deltacast_liveness_s's default (the engine's): a rank unheard this long
 REJOIN_S = 120.0  # ranks started again after a restart must be welcomed within this long
 
 
@@ -135,24 +139,29 @@ def start_node(config: Any, node: int, nnodes: int, master_addr: str, master_por
                   output_rank=output_rank, curve=curve, node=node)
     extra = config.additional_config if isinstance(config.additional_config, dict) else {}
     restarts = int(extra.get("deltacast_restarts", 1)) > 0  # 0: the engine fails instead
+    watch = RankWatch(node, float(extra.get("deltacast_liveness_s", LIVENESS_S)))
     rejoin_s = 0.0
-    while True:
-        status = _generation(config, ranks, tp, {**common, "rejoin_s": rejoin_s})
-        if status != RESTART:
-            return status
-        if not restarts:
-            return EXIT_FAILED
-        print(f"deltacast node {node}: its group restarts; starting ranks {list(ranks)} "
-              "again", file=sys.stderr, flush=True)
-        rejoin_s = REJOIN_S
+    try:
+        while True:
+            status = _generation(config, ranks, tp, {**common, "rejoin_s": rejoin_s}, watch)
+            if status != RESTART:
+                return status
+            if not restarts:
+                return EXIT_FAILED
+            print(f"deltacast node {node}: its group restarts; starting ranks {list(ranks)} "
+                  "again", file=sys.stderr, flush=True)
+            rejoin_s = REJOIN_S
+    finally:
+        watch.close()
 
 
 RESTART = -1  # _supervise: start the ranks again
 
 
-def _generation(config: Any, ranks: range, tp: int, common: dict[str, Any]) -> int:
+def _generation(config: Any, ranks: range, tp: int, common: dict[str, Any],
+                watch: RankWatch) -> int:
     """Start ``ranks`` and supervise them until one exits: the node's exit code, or
-    RESTART.  Their processes are gone when it returns."""
+    RESTART.  Their processes are gone when it returns; ``watch`` kills a frozen one."""
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
     from worker_side.vllm.proc import worker_main
@@ -161,15 +170,18 @@ def _generation(config: Any, ranks: range, tp: int, common: dict[str, Any]) -> i
     lock = ctx.Lock()
     omp = OMPProcessManager(config)
     procs, deaths = [], []
+    ends = watch.endpoints(ranks)
     try:
         for local, rank in enumerate(ranks):
             reader, writer = ctx.Pipe(duplex=False)
             kwargs = dict(vllm_config=config, local_rank=local, rank=rank,
-                          is_driver=rank % tp == 0, lock=lock, death=reader, **common)
+                          is_driver=rank % tp == 0, lock=lock, death=reader,
+                          watch=ends[rank], **common)
             p = ctx.Process(target=worker_main, kwargs=kwargs, name=f"DeltaWorker-{rank}",
                             daemon=True)
             with omp.configure_omp_envs(rank=rank, local_rank=local):
                 p.start()
+            watch.watch(ends[rank], rank, p)
             reader.close()
             procs.append(p)
             deaths.append(writer)

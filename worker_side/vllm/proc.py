@@ -134,6 +134,19 @@ def _watch(monitor: zmq.Socket[bytes], endpoint: str, rank: int) -> None:
                            f"heartbeat for {HEARTBEAT_S} s)")
 
 
+_node_link: list[zmq.Socket[bytes]] = []  # held until the process exits
+
+
+def _link_to_node(watch: str) -> None:
+    """Connect to our node's liveness endpoint (:mod:`worker_side.vllm.rank_watch`: its
+    heartbeats on this link) from a context of its own that is never closed: the link
+    drops only when this process is gone (or frozen), never while it exits."""
+    sock = zmq.Context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(watch)
+    _node_link.append(sock)
+
+
 def _die(rank: int, why: str) -> None:
     print(f"deltacast rank {rank}: {why}; exiting", file=sys.stderr, flush=True)
     os._exit(1)
@@ -206,11 +219,13 @@ def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
                 endpoint: str, secret: bytes, is_driver: bool, output_rank: int,
                 lock: Any, death: Connection, hash_every: int = 0, spin_s: float = 0.0,
                 ring_dir: str | None = None, curve: tuple[bytes, bytes, bytes] | None = None,
-                node: int = 0, rejoin_s: float = 0.0) -> None:
+                node: int = 0, rejoin_s: float = 0.0, watch: str | None = None) -> None:
     """Process entry point (spawned): start the worker, then serve calls until ``Q``.
     ``curve``: (the engine's public key, ours, our secret) when the engine takes ranks
     from other nodes; ``node`` > 0: this rank runs on node ``node`` and learns ``secret``
-    from the engine's welcome."""
+    from the engine's welcome; ``rejoin_s`` > 0: started again after a restart
+    (:func:`_join`); ``watch``: our node's liveness endpoint
+    (:mod:`worker_side.vllm.rank_watch`), connected for its heartbeats only."""
     from vllm.utils.system_utils import set_process_title
 
     set_process_title(name=f"DeltaWorker_{rank}")  # "VLLM::DeltaWorker_<rank>" in ps
@@ -222,8 +237,10 @@ def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
     sock.setsockopt(zmq.LINGER, 1000)
     if curve is not None:
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
-    watch = _watch_engine(sock, endpoint, rank) if node else None
+    engine_watch = _watch_engine(sock, endpoint, rank) if node else None
     sock.connect(endpoint)
+    if watch is not None:
+        _link_to_node(watch)
     if node:
         secret, hash_every, spin_s = _join(sock, node, vllm_config, endpoint, rank, rejoin_s)
     wrapper, status = None, 0
@@ -245,8 +262,8 @@ def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
         _quitting.set()
         if wrapper is not None and not status:  # (a restart: the group's peers are gone)
             _shutdown_worker(wrapper)
-        if watch is not None:
-            watch.join(2.0)
+        if engine_watch is not None:
+            engine_watch.join(2.0)
         sock.close()
         ctx.term()
     _leave(status)
