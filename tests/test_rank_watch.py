@@ -17,21 +17,25 @@ from worker_side.vllm.rank_watch import RankWatch
 LIVENESS_S = 0.6  # the default
 
 
-def _rank(endpoint: str, seconds: float) -> None:
-    """A stand-in rank: connected to its node's watch endpoint as a rank connects, alive
-    ``seconds``, then gone as a rank goes (``os._exit``, the link still open)."""
+def _rank(endpoint: str, rank: int, seconds: float, ready: bool = True) -> None:
+    """A stand-in rank: connected to its node's watch endpoint as a rank connects, ready
+    at once (or never), alive ``seconds``, then gone as a rank goes (``os._exit``, the
+    link still open)."""
     sock = zmq.Context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, str(rank).encode())
     sock.connect(endpoint)
+    if ready:
+        sock.send(b"ready")
     time.sleep(seconds)
     os._exit(0)
 
 
-def _start(watch: RankWatch, ranks: range, seconds: float) -> list[Any]:
+def _start(watch: RankWatch, ranks: range, seconds: float, ready: bool = True) -> list[Any]:
     ctx = multiprocessing.get_context("spawn")
     procs = []
     for rank, endpoint in watch.endpoints(ranks).items():
-        p = ctx.Process(target=_rank, args=(endpoint, seconds), daemon=True)
+        p = ctx.Process(target=_rank, args=(endpoint, rank, seconds, ready), daemon=True)
         p.start()
         watch.watch(endpoint, rank, p)
         procs.append(p)
@@ -85,3 +89,19 @@ def test_close_leaves_nothing_behind() -> None:
     assert os.path.isdir(directory)
     watch.close()
     assert not os.path.exists(directory)
+
+
+def test_a_rank_that_is_not_ready_yet_is_left_to_start() -> None:
+    """A starting rank (a cold machine's imports can stall it past the bound) is not
+    taken for frozen: only a rank that said it is ready is watched."""
+    watch = RankWatch(1, LIVENESS_S)
+    try:
+        (starting,) = _start(watch, range(1, 2), 30, ready=False)
+        time.sleep(2.0)
+        os.kill(starting.pid, signal.SIGSTOP)
+        time.sleep(4 * LIVENESS_S)
+        assert starting.is_alive()
+    finally:
+        watch.close()
+        starting.kill()
+        starting.join()

@@ -148,12 +148,18 @@ class RankDeaths:
     def _link_dropped(self: Any, rank: int) -> None:
         """Local ``rank``'s link dropped: dead (its death is the monitor's), or, still
         alive after _EXITING_S, frozen: killed, so that it dies (the endpoint names the
-        group's generation: an older group's link is not this one's)."""
+        group's generation: an older group's link is not this one's).  Only while the
+        group serves: a group that starts (a cold machine's first imports can stall a
+        whole process past the bound) is left to start, as vLLM's own executor does."""
         procs = list(self.local.procs)
         if rank >= len(procs) or self.shutting_down or self.is_failed:
             return
         proc = procs[rank]
         if wait([proc.sentinel], _EXITING_S) or self.shutting_down:
+            return
+        if not self._serving or self._relaunching or self._died is not None:
+            log.warning("DeltaExecutor rank %d went unheard for %g s while its group "
+                        "starts; not taken for frozen", rank, self.liveness_s)
             return
         log.error("DeltaExecutor rank %d is frozen (no heartbeat for %g s); killing it",
                   rank, self.liveness_s)

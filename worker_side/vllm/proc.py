@@ -137,14 +137,21 @@ def _watch(monitor: zmq.Socket[bytes], endpoint: str, rank: int) -> None:
 _node_link: list[zmq.Socket[bytes]] = []  # held until the process exits
 
 
-def _link_to_node(watch: str) -> None:
+def _link_to_node(watch: str, rank: int) -> None:
     """Connect to our node's liveness endpoint (:mod:`worker_side.vllm.rank_watch`: its
     heartbeats on this link) from a context of its own that is never closed: the link
-    drops only when this process is gone (or frozen), never while it exits."""
+    drops only when this process is gone (or frozen), never while it exits.  Ready, the
+    rank says so on it (:func:`_ready_to_node`): from then on the node watches it."""
     sock = zmq.Context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, str(rank).encode())
     sock.connect(watch)
     _node_link.append(sock)
+
+
+def _ready_to_node() -> None:
+    for sock in _node_link:
+        sock.send(b"ready")
 
 
 def _die(rank: int, why: str) -> None:
@@ -240,7 +247,7 @@ def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
     engine_watch = _watch_engine(sock, endpoint, rank) if node else None
     sock.connect(endpoint)
     if watch is not None:
-        _link_to_node(watch)
+        _link_to_node(watch, rank)
     if node:
         secret, hash_every, spin_s = _join(sock, node, vllm_config, endpoint, rank, rejoin_s)
     wrapper, status = None, 0
@@ -255,6 +262,7 @@ def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
         channel = RankChannel(sock, ring_dir, rank)  # attached before READY: sees every call
         channel.spin_s = spin_s
         sock.send_multipart([READY, b"%.3f" % loaded])
+        _ready_to_node()
         server = _Server(wrapper, channel, secret, rank == output_rank, rank, hash_every)
         server.serve()
         status = RESTART_EXIT if server.restart else 0

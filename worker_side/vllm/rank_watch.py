@@ -9,7 +9,10 @@ unbound), and the node's ROUTER sends ZMTP heartbeats there (every quarter of
 ``deltacast_liveness_s``, timeout that; a rank's I/O thread answers them, so a long
 step is never taken for a freeze).  A link that drops while its rank's process is still
 alive 0.1 s later is a frozen rank: SIGKILLed, its death then restarts the group (the
-node's supervision sees it).  Not thread-safe but for the watch, which owns the monitor.
+node's supervision sees it).  Only once the rank said it is ready (one message on its
+link, its identity the rank): a cold machine's first imports can stall a starting
+process past the bound.  Not thread-safe but for the watch, which owns both sockets
+once started.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class RankWatch:
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._generation = 0
         self._watched: dict[str, tuple[int, Any]] = {}  # endpoint -> (rank, process)
+        self._ready: set[int] = set()  # this generation's ranks that said they are ready
         self._ends: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True,
@@ -53,7 +57,7 @@ class RankWatch:
         ends = {r: f"ipc://{self._dir}/g{self._generation}-{r}" for r in ranks}
         for where in ends.values():
             self._sock.bind(where)
-        self._ends, self._watched = list(ends.values()), {}
+        self._ends, self._watched, self._ready = list(ends.values()), {}, set()
         for where in old:
             self._sock.unbind(where)
         return ends
@@ -64,13 +68,23 @@ class RankWatch:
     def _watch(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
 
+        poller = zmq.Poller()
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not self._monitor.poll(_POLL_MS):
+            events = dict(poller.poll(_POLL_MS))
+            if self._sock in events:  # a rank is ready: [its identity, b"ready"]
+                ident = self._sock.recv_multipart()[0]
+                if ident.isdigit():
+                    self._ready.add(int(ident))
+            if self._monitor not in events:
                 continue
             where = recv_monitor_message(self._monitor)["endpoint"].decode(errors="replace")
             rank, proc = self._watched.get(where, (None, None))
             if proc is None or self._stop.is_set() or wait([proc.sentinel], _EXITING_S):
                 continue  # not ours, or gone (its death is the supervision's)
+            if rank not in self._ready:
+                continue  # still starting: left to start
             print(f"deltacast node {self.node}: rank {rank} is frozen (no heartbeat for "
                   f"{self.liveness_s:g} s); killing it", file=sys.stderr, flush=True)
             proc.kill()
