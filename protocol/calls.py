@@ -44,6 +44,15 @@ RESENT, PING = b"Y", b"P"  # a call again (then its frames); the newest call num
 READY, FAILED, OUTPUT, DONE, ERROR, CHECK_IN = b"R", b"F", b"O", b"K", b"E", b"H"
 RESEND = b"N"  # 8 bytes: the first call number the rank lacks
 HELLO, WELCOME, REFUSED = b"h", b"w", b"x"  # a remote rank's hello and the engine's answers
+LIVENESS_S = 0.6  # deltacast_liveness_s's default: a peer unheard this long is lost
+
+
+def heartbeat_ms(liveness_s: float) -> tuple[int, int]:
+    """ZMTP (HEARTBEAT_IVL, HEARTBEAT_TIMEOUT) in ms for a liveness bound: a heartbeat
+    every quarter of it, the link lost past it."""
+    return max(1, int(liveness_s * 250)), int(liveness_s * 1000)
+
+
 RESTART = b"restart"  # a QUIT's one frame: the group restarts (a rank on another node exits
 RESTART_EXIT = 75  # with this status, and its node starts its ranks again)
 HELLO_FIELDS = ("node", "vllm", "protocol", "config")

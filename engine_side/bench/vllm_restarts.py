@@ -164,22 +164,18 @@ def soak(model: Path, requests: list[tuple[list[int], int]], args: argparse.Name
 
 
 def summary(doc: dict[str, Any]) -> dict[str, Any]:
-    def med(key: str) -> float | None:
-        vals = [e[key] for e in doc["events"] if e.get(key) is not None]
-        return statistics.median(vals) if vals else None
+    """Median and max per phase over the faults, and detection per kind of fault."""
+    def stats(vals: list[float]) -> dict[str, float | None]:
+        return {"median": statistics.median(vals) if vals else None,
+                "max": max(vals) if vals else None}
 
-    def top(key: str) -> float | None:
-        vals = [e[key] for e in doc["events"] if e.get(key) is not None]
-        return max(vals) if vals else None
-
-    out = {k: {"median": med(k), "max": top(k)} for k in
+    events = doc["events"]
+    out = {k: stats([e[k] for e in events if e.get(k) is not None]) for k in
            ("detect_s", "stop_s", "spawn_s", "load_s", "build_s", "recompute_s",
             "next_token_s")}
-    for kind in ("kill", "freeze"):  # detection by fault
-        vals = [e["detect_s"] for e in doc["events"]
-                if e.get("kind", "kill") == kind and e.get("detect_s") is not None]
-        out[f"detect_{kind}_s"] = {"median": statistics.median(vals) if vals else None,
-                                   "max": max(vals) if vals else None}
+    for kind in ("kill", "freeze"):
+        out[f"detect_{kind}_s"] = stats([e["detect_s"] for e in events if e.get(
+            "kind", "kill") == kind and e.get("detect_s") is not None])
     return out
 
 

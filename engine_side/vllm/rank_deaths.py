@@ -31,7 +31,6 @@ from protocol import calls as wire
 from protocol.errors import ProtocolError
 
 log = logging.getLogger("deltacast.vllm.executor")
-LIVENESS_S = 0.6  # a rank unheard this long (ZMTP heartbeats every 1/4 of it) is lost
 LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -62,8 +61,8 @@ def restart_metrics() -> tuple[Any, Any]:
 
 
 def liveness_bound(extra: dict[str, Any]) -> float:
-    """``deltacast_liveness_s`` of vLLM's additional_config (default LIVENESS_S)."""
-    seconds = float(extra.get("deltacast_liveness_s", LIVENESS_S))
+    """``deltacast_liveness_s`` of vLLM's additional_config (default: ``wire.LIVENESS_S``)."""
+    seconds = float(extra.get("deltacast_liveness_s", wire.LIVENESS_S))
     if not 0.01 <= seconds <= 3600:
         raise ValueError("deltacast_liveness_s (seconds a rank may go unheard) must be "
                          f"within 0.01 and 3600, got {seconds}")
@@ -107,8 +106,9 @@ class RankDeaths:
 
     def _init_links(self: Any) -> None:
         """ZMTP heartbeats on the ROUTER's links, its monitor socket and their watch."""
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self.liveness_s * 250)))
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.liveness_s * 1000))
+        interval, timeout = wire.heartbeat_ms(self.liveness_s)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
         self._links = self._sock.get_monitor_socket(LINK_EVENTS)
         self._endpoints: dict[str, int] = {}  # the local ranks' endpoints, this group's
         self._groups = 0  # groups started (a group's endpoints carry its number)

@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from protocol.calls import LIVENESS_S
 from protocol.cli_support import (
     EXIT_FAILED,
     EXIT_NO_INPUT,
@@ -44,7 +45,6 @@ from protocol.cli_support import (
 from worker_side.vllm.rank_watch import RankWatch
 
 JOIN_S = 10.0  # ranks given to stop after one failed, before they are killed
-LIVENESS_S = 0.6  # deltacast_liveness_s's default (the engine's): a rank unheard this long
 REJOIN_S = 120.0  # ranks started again after a restart must be welcomed within this long
 
 
@@ -211,7 +211,7 @@ def _supervise(procs: list[Any], ranks: list[int]) -> int:
             p.join()
             if p.exitcode == 0:
                 continue
-            restart = p.exitcode not in (EXIT_FAILED,)  # 1: refused, failed, engine lost
+            restart = p.exitcode != EXIT_FAILED  # 1: refused, failed, engine lost
             print(f"deltacast node: rank {rank} exited with code {p.exitcode}"
                   f"{' (its group restarts)' if p.exitcode == RESTART_EXIT else ''}; "
                   f"stopping this node's other ranks", file=sys.stderr, flush=True)

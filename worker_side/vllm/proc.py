@@ -51,6 +51,7 @@ from protocol.calls import (
     EXECUTE,
     FAILED,
     HELLO,
+    LIVENESS_S,
     OUTPUT,
     QUIT,
     READY,
@@ -60,6 +61,7 @@ from protocol.calls import (
     SAMPLE,
     WELCOME,
     WELCOME_SETTINGS,
+    heartbeat_ms,
     pack_hello,
 )
 from protocol.errors import MalformedMessage
@@ -81,7 +83,7 @@ def _watch_parent(death: Connection) -> None:
     threading.Thread(target=watch, daemon=True, name="DeltaDeathPipe").start()
 
 
-HEARTBEAT_S = 0.6  # the engine unheard this long (ZMTP heartbeats every 1/4 of it) is gone
+HEARTBEAT_S = LIVENESS_S  # the engine unheard this long is gone
 _SAY_S = 10.0  # while the engine has not answered our hello, say so this often
 _REACH_S = 30.0  # started again after a restart: the engine's CURVE handshake within this
 WELCOME_S = 30.0  # connected, the engine's answer to our hello is due within this long
@@ -95,8 +97,9 @@ def _watch_engine(sock: zmq.Socket[bytes], endpoint: str, rank: int) -> threadin
     The watch (returned) ends within 0.1 s of ``_quitting``; join it before the context's
     term, which would otherwise interrupt its poll and wait for its socket forever."""
 
-    sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 250))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_S * 1000))
+    interval, timeout = heartbeat_ms(HEARTBEAT_S)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
     monitor = sock.get_monitor_socket()
 
     def watch() -> None:

@@ -26,6 +26,8 @@ from typing import Any
 
 import zmq
 
+from protocol.calls import heartbeat_ms
+
 _POLL_MS = 100
 _EXITING_S = 0.1  # a rank whose link dropped and that is still alive this long is frozen
 
@@ -39,8 +41,9 @@ class RankWatch:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(liveness_s * 250)))
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(liveness_s * 1000))
+        interval, timeout = heartbeat_ms(liveness_s)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._generation = 0
         self._watched: dict[str, tuple[int, Any]] = {}  # endpoint -> (rank, process)
@@ -92,10 +95,11 @@ class RankWatch:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(1.0)
-        if not self._thread.is_alive():
+        stopped = not self._thread.is_alive()  # (else its sockets are left to the exit)
+        if stopped:
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
         self._sock.close(linger=0)
-        if not self._thread.is_alive():
+        if stopped:
             self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
