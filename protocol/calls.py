@@ -25,6 +25,12 @@ of strings: ``node`` (its node rank), ``vllm`` (version), ``protocol`` (major) a
 then the 32-byte secret of the sealed calls (only ever over the authenticated channel)
 and the rank's settings (``hash_every`` uint32, ``spin_s`` float64, little-endian), or
 ``x`` refused with one line of text saying what differs, and the rank exits.
+
+Those ranks reach the engine through their node's **relay**: one connection per node
+(a DEALER whose identity is ``node<K>/<G>``, K the node, G its generation of ranks),
+carrying each message as one frame, :func:`pack_relayed` of ``[target, *frames]``:
+the target is a rank's identity, or ``*`` (every rank of the node) for a call the
+engine sends them all.
 """
 
 from __future__ import annotations
@@ -64,12 +70,57 @@ ANSWER_KINDS = (OUTPUT, DONE, CONTROL, ERROR)
 DOORBELL = b""
 
 CHECK_IN_PAYLOAD = struct.Struct("<qQ")  # outputs folded (int64), hash (uint64)
+RELAY_ALL = b"*"  # a relayed message's target: every rank of the node
+_RELAY_COUNT = struct.Struct("<H")
+_RELAY_FRAMES = 64  # at most this many frames in one relayed message
 
 
 def rank_of(identity: bytes, world_size: int) -> int | None:
     """The rank a DEALER identity names (ASCII decimal, no leading zero), else None."""
     rank = int(identity) if identity.isdigit() and len(identity) <= 6 else -1
     return rank if 0 <= rank < world_size and identity == b"%d" % rank else None
+
+
+def relay_identity(node: int, generation: int) -> bytes:
+    """The identity of node ``node``'s relay for its ``generation``-th ranks."""
+    return b"node%d/%d" % (node, generation)
+
+
+def relay_node(identity: bytes) -> int | None:
+    """The node a relay's identity names, else None."""
+    name, slash, generation = identity.partition(b"/")
+    if not slash or not name.startswith(b"node") or not generation.isdigit():
+        return None
+    node = name[4:]
+    return int(node) if node.isdigit() and len(node) <= 6 else None
+
+
+def pack_relayed(frames: Sequence[Any]) -> bytes:
+    """Several frames as one: their count (uint16), each one's length (uint32), then
+    the frames, little-endian."""
+    lengths = [memoryview(f).nbytes for f in frames]
+    return b"".join([struct.pack(f"<H{len(lengths)}I", len(lengths), *lengths), *frames])
+
+
+def unpack_relayed(payload: Any) -> list[memoryview]:
+    """The frames of a :func:`pack_relayed` payload (views into it): at least one, at
+    most 64; MalformedMessage if it is not one."""
+    view = memoryview(payload).cast("B")
+    if len(view) < _RELAY_COUNT.size:
+        raise MalformedMessage("a relayed message without its frame count", size=len(view))
+    (count,) = _RELAY_COUNT.unpack_from(view)
+    at = _RELAY_COUNT.size + 4 * count
+    if not 0 < count <= _RELAY_FRAMES or at > len(view):
+        raise MalformedMessage("a relayed message's frame count is wrong", size=len(view))
+    frames = []
+    for length in struct.unpack_from(f"<{count}I", view, _RELAY_COUNT.size):
+        if at + length > len(view):
+            raise MalformedMessage("a relayed frame runs past its message", size=len(view))
+        frames.append(view[at:at + length])
+        at += length
+    if at != len(view):
+        raise MalformedMessage("bytes after a relayed message's frames", size=len(view))
+    return frames
 
 
 def pack_check_in(steps: int, value: int) -> bytes:

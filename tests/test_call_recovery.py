@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -46,7 +47,7 @@ class Engine:
         self.router.bind(self.endpoint)
         self.ring = RingWriter(directory, 1 << 16, 1 << 16) if ring else None
         self.stats: Counter[str] = Counter()
-        self.resender = Retransmitter(self.router, self.stats,
+        self.resender = Retransmitter(self._to_rank, self.stats,
                                       PeerFaults(logging.getLogger("test"), "test"))
         self.resender.sent = CallLog(calls=keep)
         self.failure: str | None = None
@@ -55,6 +56,9 @@ class Engine:
         self._outbox: queue.Queue[tuple[bytes, list[bytes]]] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _to_rank(self, rank: int, frames: list[Any]) -> None:
+        self.router.send_multipart([b"%d" % rank, *frames], copy=False)
 
     @property
     def ring_dir(self) -> str | None:

@@ -85,7 +85,7 @@ def test_a_rank_that_exits_is_not_taken_for_frozen_and_generations_move_on(
 
 def test_close_leaves_nothing_behind() -> None:
     watch = RankWatch(1, LIVENESS_S)
-    directory = watch._dir  # test-only peek: the node's private directory
+    directory = watch.directory  # test-only peek: the node's private directory
     assert os.path.isdir(directory)
     watch.close()
     assert not os.path.exists(directory)

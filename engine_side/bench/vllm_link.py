@@ -15,10 +15,11 @@ lockstep (step i+1 leaves once the rank has answered step i, as a real rank's an
 gates the next step):
 
 * ours: the encoder (:class:`~engine_side.vllm.encoder.SchedulerOutputEncoder`) and the
-  executor's call to a remote rank (``[rank, call head, *frames]`` on a CURVE ROUTER),
-  received by a DEALER CURVE client running the rank's own call loop (``RankChannel``
-  and the server of :mod:`worker_side.vllm.proc`; it does not spin, as the executor
-  tells remote ranks), which answers ``K`` done;
+  executor's call to a remote node (one frame, ``pack_relayed([*, call head, *frames])``,
+  on a CURVE ROUTER), received by the node's relay (:mod:`worker_side.vllm.relay`, in a
+  process of its own as in ``deltacast node``) and handed over ipc to a DEALER running
+  the rank's own call loop (``RankChannel`` and the server of :mod:`worker_side.vllm.proc`;
+  it does not spin, as the executor tells remote ranks), which answers ``K`` done;
 * vLLM: ``MessageQueue(n_reader=1, n_local_reader=0)`` (a remote reader over TCP)
   carrying the MultiprocExecutor's ``("execute_model", (scheduler_output,), {}, 0)``;
   the reader answers on a plain TCP ZMQ socket.
@@ -41,6 +42,7 @@ import dataclasses
 import gc
 import json
 import math
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -122,8 +124,23 @@ class Sender:
         self.mq.wait_until_ready()
         from protocol.calls import READY
 
-        if _recv(self.router, "rank hello")[1:] != [READY]:
+        self.route = b""  # the relay's session, from its first message
+        if self._answer("rank hello")[1:] != [READY]:
             raise RuntimeError("vllm_link: the rank did not say ready")
+
+    def _call(self, frames: list[Any]) -> None:
+        """A call to every rank of the node, as the executor's RemoteRanks.broadcast."""
+        from protocol.calls import RELAY_ALL, pack_relayed
+
+        self.router.send_multipart([self.route, pack_relayed([RELAY_ALL, *frames])],
+                                   copy=False)
+
+    def _answer(self, what: str) -> list[bytes]:
+        from protocol.calls import unpack_relayed
+
+        route, payload = _recv(self.router, what)
+        self.route = self.route or route
+        return [bytes(f) for f in unpack_relayed(payload)]
 
     def tx(self) -> int:
         return int(Path(f"/sys/class/net/{self.dev}/statistics/tx_bytes").read_text())
@@ -139,7 +156,7 @@ class Sender:
         if path == "ours":  # ends the rank's call loop
             from protocol import calls as wire
 
-            self.router.send_multipart([b"0", wire.call_head(wire.QUIT, len(msgs) + 1, [])])
+            self._call([wire.call_head(wire.QUIT, len(msgs) + 1, [])])
         report = _json(self.ctl, "receiver report")
         return {"path": path, **spec, "steps": len(msgs), "starts": starts, "tx_bytes": tx,
                 "first_tx_bytes": self.first - tx0, **report}
@@ -159,9 +176,8 @@ class Sender:
                 code, encode = route[kind]
                 starts.append(time.monotonic_ns())
                 frames = encode(obj)  # as the executor's _broadcast sends to a remote rank
-                self.router.send_multipart([b"0", wire.call_head(code, n, frames), *frames],
-                                           copy=False)
-                answer = _recv(self.router, f"answer to call {n}")
+                self._call([wire.call_head(code, n, frames), *frames])
+                answer = self._answer(f"answer to call {n}")
                 self.first = self.first or self.tx()  # (between steps: not timed)
                 if answer[1:] != [wire.DONE]:
                     raise RuntimeError(f"vllm_link: rank answered {answer[1:2]!r}: "
@@ -250,6 +266,39 @@ class _Holder:
 
 def receiver_main(args: argparse.Namespace) -> int:
     """Connect to the sender in A, then serve its runs until it says quit."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    ctl = ctx.socket(zmq.PAIR)
+    ctl.connect(f"tcp://{args.engine}:{CTL_PORT}")
+    hello = _json(ctl, "sender hello")
+    public, secret = zmq.curve_keypair()
+    relay_ctx = multiprocessing.get_context("spawn")
+    stop, relay_stop = relay_ctx.Pipe()
+    with tempfile.TemporaryDirectory(prefix="vllm-link-") as directory:
+        relay = relay_ctx.Process(target=relay_main, args=(
+            relay_stop, directory, hello["call"], (hello["server_key"].encode(), public,
+                                                    secret)), daemon=True)
+        relay.start()
+        endpoint = stop.recv()  # the relay is up
+        try:
+            return _serve(args, ctx, ctl, hello, endpoint)
+        finally:
+            stop.send(b"")
+            relay.join(10)
+
+
+def relay_main(stop: Any, directory: str, engine: str, curve: tuple[bytes, bytes, bytes],
+               ) -> None:
+    """The node's relay, in a process of its own (as in ``deltacast node``)."""
+    from protocol.calls import LIVENESS_S
+    from worker_side.vllm.relay import Relay
+
+    with Relay(directory, 1, 1, engine, curve, range(1), LIVENESS_S) as relay:
+        stop.send(relay.endpoint)
+        stop.recv()
+
+
+def _serve(args: argparse.Namespace, ctx: zmq.Context[Any], ctl: zmq.Socket[bytes],
+           hello: dict[str, Any], endpoint: str) -> int:
     from vllm.distributed.device_communicators.shm_broadcast import Handle, MessageQueue
 
     from protocol.calls import READY
@@ -257,16 +306,9 @@ def receiver_main(args: argparse.Namespace) -> int:
     from worker_side.vllm.proc import _Server
 
     spin_s = (args.spin_ms or 0.0) / 1e3  # remote ranks do not spin (SPEC §16.1 welcome)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    ctl = ctx.socket(zmq.PAIR)
-    ctl.connect(f"tcp://{args.engine}:{CTL_PORT}")
-    hello = _json(ctl, "sender hello")
     dealer = ctx.socket(zmq.DEALER)  # as a remote rank's (worker_main), minus the hello
     dealer.setsockopt(zmq.IDENTITY, b"0")
-    public, secret = zmq.curve_keypair()
-    dealer.curve_serverkey = hello["server_key"].encode()
-    dealer.curve_publickey, dealer.curve_secretkey = public, secret
-    dealer.connect(hello["call"])
+    dealer.connect(endpoint)
     dealer.send_multipart([READY])
     mq = MessageQueue.create_from_handle(Handle(**hello["handle"]), 0)  # a remote reader
     mq.wait_until_ready()

@@ -201,7 +201,7 @@ class DeltaExecutor(RankDeaths, Executor):
             if ring_kb else None
         self.stats: Counter[str] = Counter()  # ring_calls, socket_calls, socket_replies
         self._answers = Answers(self.world_size, self.stats)  # per rank, in call order
-        self._resender = Retransmitter(self._sock, self.stats, self.faults)
+        self._resender = Retransmitter(self._to_rank, self.stats, self.faults)
         self._dist = [""]  # the group's torch.distributed init method (its files: cleanup)
         self._finalizer = weakref.finalize(self, DeltaExecutor._cleanup, self.local.procs,
                                            self.local.deaths, self._sock, self._ctx, self._dir,
@@ -361,13 +361,22 @@ class DeltaExecutor(RankDeaths, Executor):
         if self.ring is not None and self.ring.publish(call, self._calls, RING_CALL_LIMIT):
             for rank in self.ring.sleeping_ranks():  # wake who sleeps
                 self._sock.send_multipart([str(rank).encode(), wire.DOORBELL])
-            for rank in self.remote.ranks if self.remote else ():  # no ring elsewhere
-                self._sock.send_multipart([str(rank).encode(), *call], copy=False)
+            if self.remote is not None:  # no ring elsewhere: once per node, to its relay
+                self.remote.broadcast(self._sock, call)
             self.stats["ring_calls"] += 1
             return
         self.stats["socket_calls"] += 1
-        for rank in range(self.world_size):  # no ring, or too large: behind its marker
+        for rank in self.local_ranks:  # no ring, or too large: behind its marker
             self._sock.send_multipart([str(rank).encode(), *call], copy=False)
+        if self.remote is not None:
+            self.remote.broadcast(self._sock, call)
+
+    def _to_rank(self, rank: int, frames: list[Any]) -> None:
+        """``frames`` to ``rank``: on its endpoint here, or through its node's relay."""
+        if self.remote is not None and rank in self.remote.ranks:
+            self.remote.send(self._sock, rank, frames)
+        else:
+            self._sock.send_multipart([b"%d" % rank, *frames], copy=False)
 
     def _drain(self, until: Reply) -> None:
         """Resolve pending calls oldest first, up to and including ``until``."""

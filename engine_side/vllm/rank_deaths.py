@@ -283,7 +283,7 @@ class RankDeaths:
             self.ring.reset()
         self._new_secret()
         self._answers = Answers(self.world_size, self.stats)
-        self._resender = Retransmitter(self._sock, self.stats, self.faults)
+        self._resender = Retransmitter(self._to_rank, self.stats, self.faults)
         self.encoder = SchedulerOutputEncoder(self.encoder.kv_groups, self.secret,
                                               store=self.store)
         self.hashes.restart()
@@ -310,6 +310,5 @@ class RankDeaths:
             return
         self._calls += 1
         call = [wire.call_head(wire.QUIT, self._calls, [wire.RESTART]), wire.RESTART]
-        for rank in self.remote.ranks:
-            with contextlib.suppress(zmq.ZMQError):  # (gone: ROUTER_MANDATORY refuses)
-                self._sock.send_multipart([b"%d" % rank, *call])
+        with contextlib.suppress(zmq.ZMQError):  # (gone: ROUTER_MANDATORY refuses)
+            self.remote.broadcast(self._sock, call)

@@ -2,11 +2,15 @@
 
 :class:`RemoteRanks` makes the executor's ROUTER a CURVE server whose ZAP handler
 admits exactly each node's key (and one made per run for the local ranks), binds node
-k's port, checks that every message from rank r carries r's node's key, answers the
-remote ranks' hellos, and reads their connections' monitor events
-(:meth:`RemoteRanks.link_event`, from the executor's link watch): ZMTP heartbeats
-drop a rank killed, frozen or cut off within the liveness bound, and the drop stops
-the group (it restarts across hosts, or the executor fails naming the node).  Not
+k's port, and talks to node k's ranks through the one connection of that node's relay
+(``worker_side/vllm/relay.py``): each message one frame, ``pack_relayed`` of the
+rank's identity (``*``: all of the node's ranks) and its frames; a call reaches each
+node once.  It checks that a relay's messages carry its node's key and come from that
+node's ranks, answers the remote ranks' hellos, and reads the relays' monitor events
+(:meth:`RemoteRanks.link_event`, from the executor's link watch): ZMTP heartbeats drop
+a node killed, frozen or cut off within the liveness bound, its relay closes the link
+when one of its ranks dies, and the drop stops the group (it restarts across hosts,
+or the executor fails naming the node).  Not
 thread-safe but for ``link_event``, which only the link watch calls.
 """
 
@@ -21,7 +25,7 @@ import zmq
 from engine_side.vllm.nodes import LayoutError, NodeLayout, hello_mismatch
 from engine_side.zap import ZapHandler
 from protocol import calls as wire
-from protocol.errors import ProtocolError
+from protocol.errors import MalformedMessage, ProtocolError
 from protocol.faults import PeerFaults
 
 log = logging.getLogger("deltacast.vllm.executor")
@@ -55,14 +59,14 @@ class RemoteRanks:
         #: what the local ranks connect with: (the engine's key, theirs, their secret)
         self.local_curve = (public, local_public, local_secret)
         self.zap = ZapHandler(ctx, frozenset([*allowed.values(), local_public]))
-        self.keys = {rank: (local_public if node == 0 else allowed[node]).decode()
-                     for rank in range(world_size)
-                     for node in [layout.node_of(rank, world_size)]}
+        self.keys = {rank: local_public.decode() for rank in range(world_size)}
+        self._node_keys = {node: key.decode() for node, key in allowed.items()}
+        self._routes: dict[int, bytes] = {}  # node -> its relay's current session
         sock.curve_server = True
         sock.curve_publickey, sock.curve_secretkey = public, secret
         self._ports = {layout.master_port + n: n for n in range(1, layout.nnodes)}
-        self._joined: Counter[int] = Counter()  # connections up per node; one past its
-        self._failed: Counter[int] = Counter()  # ranks (an identity taken: dropped) is no loss
+        self._joined: Counter[int] = Counter()  # connections up per node; one past the
+        self._failed: Counter[int] = Counter()  # relay's (an identity taken) is no loss
 
     def bind(self, sock: zmq.Socket[bytes], vllm_config: Any) -> None:
         """Listen for each node's ranks (placed by Ray: then start them)."""
@@ -79,16 +83,49 @@ class RemoteRanks:
             self.layout.placement.launch(vllm_config, self.layout)
 
     def recv(self, sock: zmq.Socket[bytes]) -> list[bytes]:
-        """One ROUTER message; one whose CURVE key is not its rank's node's comes back
-        with an identity of no rank (the executor drops and counts it)."""
+        """One ROUTER message as ``[rank identity, *frames]``: a local rank's as it came,
+        a relay's unpacked.  One that is from no rank, or whose CURVE key is not its
+        rank's node's, comes back with an identity of no rank (the executor drops and
+        counts it); so does one from a relay session its node has left (a hello starts
+        the node's current session)."""
         parts = sock.recv_multipart(copy=False)
-        ident = parts[0].bytes
-        rank = wire.rank_of(ident, self.world_size)
-        if rank is not None and parts[-1].get("User-Id") != self.keys[rank]:
-            return [b"key of another node:" + ident, *(p.bytes for p in parts[1:])]
-        if rank is not None and rank not in self.hosts and rank in self.ranks:
-            self.hosts[rank] = str(parts[-1].get("Peer-Address"))
-        return [p.bytes for p in parts]
+        ident, key = parts[0].bytes, parts[-1].get("User-Id")
+        node = wire.relay_node(ident)
+        if node is None:
+            rank = wire.rank_of(ident, self.world_size)
+            if rank is not None and (rank in self.ranks or key != self.keys[rank]):
+                return [b"key of another node:" + ident]
+            return [p.bytes for p in parts]
+        try:
+            if not 0 < node < self.layout.nnodes or key != self._node_keys[node]:
+                raise MalformedMessage("a relay of no node, or of another node's key")
+            frames = [bytes(f) for f in wire.unpack_relayed(parts[1].buffer)] \
+                if len(parts) == 2 else []
+            rank = wire.rank_of(frames[0], self.world_size) if len(frames) > 1 else None
+            if rank is None or self.layout.node_of(rank, self.world_size) != node:
+                raise MalformedMessage("a relayed message from no rank of its node")
+        except ProtocolError:
+            return [b"not a rank's relay:" + ident]
+        if frames[1] == wire.HELLO:
+            self._routes[node] = ident
+        elif self._routes.get(node) != ident:
+            return [b"a relay session left:" + ident]
+        self.hosts[rank] = str(parts[-1].get("Peer-Address"))
+        return frames
+
+    def send(self, sock: zmq.Socket[bytes], rank: int, frames: list[Any]) -> None:
+        """``frames`` to remote rank ``rank`` through its node's relay (ZMQError if
+        the node has no session)."""
+        route = self._routes.get(self.layout.node_of(rank, self.world_size))
+        if route is None:
+            raise zmq.ZMQError(zmq.EHOSTUNREACH)
+        sock.send_multipart([route, wire.pack_relayed([b"%d" % rank, *frames])], copy=False)
+
+    def broadcast(self, sock: zmq.Socket[bytes], call: list[Any]) -> None:
+        """One copy of ``call`` to each node, for all of its ranks."""
+        payload = wire.pack_relayed([wire.RELAY_ALL, *call])
+        for route in self._routes.values():
+            sock.send_multipart([route, payload], copy=False)
 
     def welcome(self, sock: zmq.Socket[bytes], rank: int, frames: list[bytes], vllm_config: Any,
                 secret: bytes, settings: bytes, faults: PeerFaults) -> None:
@@ -104,10 +141,10 @@ class RemoteRanks:
             self.config_hash = vllm_config.compute_hash()  # (a restart's scheduler hook
         wrong = hello_mismatch(fields, node, self.config_hash)  # is not theirs)
         if wrong is not None:
-            sock.send_multipart([b"%d" % rank, wire.REFUSED, wrong.encode()])
+            self.send(sock, rank, [wire.REFUSED, wrong.encode()])
             raise RuntimeError(f"DeltaExecutor rank {rank} (node {fields['node']}, "
                                f"{self.hosts.get(rank, '?')}) differs from the engine: {wrong}")
-        sock.send_multipart([b"%d" % rank, wire.WELCOME, secret, settings])
+        self.send(sock, rank, [wire.WELCOME, secret, settings])
         log.info("DeltaExecutor: rank %d joined from node %d at %s", rank, node,
                  self.hosts.get(rank, "?"))
 
@@ -121,10 +158,10 @@ class RemoteRanks:
 
     def link_event(self, kind: int, endpoint: str) -> int | None:
         """One monitor event on a tcp endpoint: the node lost, if this event loses one.
-        A connection on node k's port that completed its CURVE handshake dropping, so
-        that fewer than its ranks' are up, loses node k.  A second session with a rank's
-        identity is dropped by the ROUTER: its disconnect leaves the node's count whole,
-        no loss.  Monitor events carry no identity, and a refused handshake also ends in
+        The connection of node k's relay (on node k's port, its CURVE handshake done)
+        dropping, so that none is up, loses node k.  A second session with the relay's
+        identity gets nothing through the ROUTER: its disconnect leaves the node's count
+        whole, no loss.  Monitor events carry no identity, and a refused handshake also ends in
         a disconnect: each failed handshake on a port accounts for that port's next
         disconnect (a node dropping at the very moment a stranger's handshake fails
         there is then missed, never a false failure)."""
@@ -139,7 +176,7 @@ class RemoteRanks:
             self._failed[node] -= 1
         elif self._joined[node]:
             self._joined[node] -= 1
-            if self._joined[node] < self.layout.per_node(self.world_size):
+            if not self._joined[node]:
                 return node
         return None
 

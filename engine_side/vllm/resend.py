@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -59,12 +60,12 @@ class CallLog:
 
 
 class Retransmitter:
-    """Calls sent again on the executor's ROUTER ``sock``: ``resend`` answers a rank's
+    """Calls sent again with ``send(rank, frames)``: ``resend`` answers a rank's
     ``N``, ``ping`` tells ranks that owe an answer the newest call number."""
 
-    def __init__(self, sock: zmq.Socket[bytes], stats: Counter[str], faults: PeerFaults,
-                 ) -> None:
-        self.sock, self.stats, self.faults = sock, stats, faults
+    def __init__(self, send: Callable[[int, list[Any]], None], stats: Counter[str],
+                 faults: PeerFaults) -> None:
+        self.send, self.stats, self.faults = send, stats, faults
         self.sent = CallLog()
         self.newest = 0
 
@@ -86,11 +87,10 @@ class Retransmitter:
             return (f"rank {rank} lacks call {first}, which is no longer kept for "
                     f"retransmission (oldest kept: {self.sent.oldest}, newest sent: "
                     f"{self.newest})")
-        ident = str(rank).encode()
         self.stats["resent_calls"] += len(calls)
         try:
             for call in calls:
-                self.sock.send_multipart([ident, wire.RESENT, *call], copy=False)
+                self.send(rank, [wire.RESENT, *call])
         except zmq.ZMQError:  # the rank is gone: its process watch reports that
             return None
         log.warning("DeltaExecutor rank %d lacked call %d: sent %d call(s) again", rank,
@@ -103,4 +103,4 @@ class Retransmitter:
         newest = wire.NUMBER.pack(self.newest)
         for rank in ranks:
             with contextlib.suppress(zmq.ZMQError):  # a rank gone: found by its watch
-                self.sock.send_multipart([str(rank).encode(), wire.PING, newest])
+                self.send(rank, [wire.PING, newest])

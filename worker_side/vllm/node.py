@@ -4,8 +4,10 @@ The engine's host is node 0 (``additional_config`` names the layout: see
 ``engine_side/vllm/nodes.py``); on node K, ``deltacast node --nnodes N --node-rank K
 --master-addr ADDR --master-port PORT --keys DIR VLLM-ARGS...`` builds the same vLLM
 config from the same vLLM arguments, starts ranks ``K*W/N .. (K+1)*W/N - 1`` (W the
-world size), and each joins the engine at ``tcp://ADDR:PORT+K`` over CURVE with this
-node's key (``workerK.key_secret`` in DIR, the engine's ``engine.key`` beside it).
+world size), and they join the engine through the node's relay
+(:mod:`worker_side.vllm.relay`: one connection to ``tcp://ADDR:PORT+K`` over CURVE with
+this node's key, ``workerK.key_secret`` in DIR, the engine's ``engine.key`` beside it;
+one per generation of ranks).
 torch.distributed meets at ``tcp://ADDR:PORT``; gloo picks its interface from
 ``GLOO_SOCKET_IFNAME`` when set (printed at start).  The model's weights must be at
 the same path on every node.
@@ -14,11 +16,12 @@ The node exits 0 when the engine stops its ranks, 1 (one line naming the rank) w
 rank fails to start, loses the engine or is refused, 128+N on a signal; its ranks never
 outlive it. When the engine restarts the group (a rank died, here or on another host)
 the node starts its ranks again: a rank that the engine told to (status RESTART_EXIT),
-or one that died otherwise (killed, crashed: the engine sees its link drop and restarts
-the group), stops this node's others, and the node starts them all anew; they must be
-welcomed within REJOIN_S (and reach the engine within 30 s), else they exit 1 and so
-does the node. A rank frozen here is killed past the liveness bound
-(:mod:`worker_side.vllm.rank_watch`), and so is started again. With
+or one that died otherwise (killed, crashed: the relay closes, the engine sees this
+node's link drop and restarts the group), stops this node's others, and the node
+starts them all anew (a new relay session); they must be welcomed within REJOIN_S (the
+relay must reach the engine within 30 s), else they exit 1 and so does the node. A
+rank frozen here is killed past the liveness bound (:mod:`worker_side.vllm.rank_watch`),
+and so is started again. With
 ``deltacast_restarts`` 0 in the config, a rank's death ends the node (status 1), as it
 ends the engine.
 """
@@ -43,6 +46,7 @@ from protocol.cli_support import (
     int_in,
 )
 from worker_side.vllm.rank_watch import RankWatch
+from worker_side.vllm.relay import Relay
 
 JOIN_S = 10.0  # ranks given to stop after one failed, before they are killed
 REJOIN_S = 120.0  # ranks started again after a restart must be welcomed within this long
@@ -135,15 +139,20 @@ def start_node(config: Any, node: int, nnodes: int, master_addr: str, master_por
           f"gloo interface {os.environ.get('GLOO_SOCKET_IFNAME') or '(gloo chooses)'}",
           file=sys.stderr, flush=True)
     set_multiprocessing_worker_envs(per_node)
-    common = dict(init_method=init_method, endpoint=endpoint, secret=b"",
-                  output_rank=output_rank, curve=curve, node=node)
+    common = dict(init_method=init_method, secret=b"", output_rank=output_rank, node=node)
     extra = config.additional_config if isinstance(config.additional_config, dict) else {}
     restarts = int(extra.get("deltacast_restarts", 1)) > 0  # 0: the engine fails instead
-    watch = RankWatch(node, float(extra.get("deltacast_liveness_s", LIVENESS_S)))
-    rejoin_s = 0.0
+    liveness_s = float(extra.get("deltacast_liveness_s", LIVENESS_S))
+    watch = RankWatch(node, liveness_s)
+    rejoin_s, generation = 0.0, 0
     try:
         while True:
-            status = _generation(config, ranks, tp, {**common, "rejoin_s": rejoin_s}, watch)
+            generation += 1
+            relay = Relay(watch.directory, node, generation, endpoint, curve, ranks,
+                          liveness_s, restarted=bool(rejoin_s))
+            with relay:
+                status = _generation(config, ranks, tp, {
+                    **common, "rejoin_s": rejoin_s, "endpoint": relay.endpoint}, watch, relay)
             if status != RESTART:
                 return status
             if not restarts:
@@ -159,9 +168,10 @@ RESTART = -1  # _supervise: start the ranks again
 
 
 def _generation(config: Any, ranks: range, tp: int, common: dict[str, Any],
-                watch: RankWatch) -> int:
+                watch: RankWatch, relay: Relay) -> int:
     """Start ``ranks`` and supervise them until one exits: the node's exit code, or
-    RESTART.  Their processes are gone when it returns; ``watch`` kills a frozen one."""
+    RESTART.  Their processes are gone when it returns; ``watch`` kills a frozen one;
+    ``relay`` is closed as soon as one exits (the engine sees this node's link drop)."""
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
     from worker_side.vllm.proc import worker_main
@@ -187,6 +197,7 @@ def _generation(config: Any, ranks: range, tp: int, common: dict[str, Any],
             deaths.append(writer)
         return _supervise(procs, list(ranks))
     finally:
+        relay.close()
         for p in procs:
             if p.is_alive():
                 p.terminate()

@@ -37,7 +37,8 @@ class RankWatch:
 
     def __init__(self, node: int, liveness_s: float) -> None:
         self.node, self.liveness_s = node, liveness_s
-        self._dir = tempfile.mkdtemp(prefix="deltacast-node-")  # 0700
+        #: the node's private directory (0700): its ranks' endpoints, the relay's
+        self.directory = tempfile.mkdtemp(prefix="deltacast-node-")
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -57,7 +58,7 @@ class RankWatch:
     def endpoints(self, ranks: range) -> dict[int, str]:
         """This generation's endpoint per rank (bound; the last generation's unbound)."""
         old, self._generation = self._ends, self._generation + 1
-        ends = {r: f"ipc://{self._dir}/g{self._generation}-{r}" for r in ranks}
+        ends = {r: f"ipc://{self.directory}/g{self._generation}-{r}" for r in ranks}
         for where in ends.values():
             self._sock.bind(where)
         self._ends, self._watched, self._ready = list(ends.values()), {}, set()
@@ -102,4 +103,4 @@ class RankWatch:
         self._sock.close(linger=0)
         if stopped:
             self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        shutil.rmtree(self.directory, ignore_errors=True)

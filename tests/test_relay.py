@@ -1,0 +1,255 @@
+"""A node's relay between the engine's ROUTER and the node's ranks (SPEC §16.1), with
+real sockets: the engine's end is :class:`RemoteRanks` over CURVE on tcp, the ranks
+are DEALERs on the relay's ipc endpoint (no vLLM needed; end to end:
+tests/test_vllm_nodes.py)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+import zmq.auth
+from hypothesis import given
+from hypothesis import strategies as st
+from zmq.utils.monitor import recv_monitor_message
+
+from engine_side.keys import write_keys
+from engine_side.vllm.nodes import NodeLayout
+from engine_side.vllm.rank_deaths import LINK_EVENTS
+from engine_side.vllm.remote import RemoteRanks
+from protocol import calls as wire
+from protocol.errors import MalformedMessage
+from worker_side.vllm.relay import Relay
+
+WORLD = 4  # ranks 0, 1 here; 2, 3 on node 1
+
+
+@given(st.lists(st.binary(max_size=300), min_size=1, max_size=64))
+def test_relayed_frames_round_trip(frames: list[bytes]) -> None:
+    assert [bytes(f) for f in wire.unpack_relayed(wire.pack_relayed(frames))] == frames
+
+
+@given(st.binary(max_size=200))
+def test_any_bytes_are_relayed_frames_or_malformed(payload: bytes) -> None:
+    try:
+        frames = wire.unpack_relayed(payload)
+    except MalformedMessage:
+        return
+    assert 0 < len(frames) <= 64 and wire.pack_relayed(frames) == payload
+
+
+def test_relay_identities_name_their_node() -> None:
+    assert wire.relay_node(wire.relay_identity(3, 12)) == 3
+    for other in (b"3", b"node3", b"node/1", b"nodex/1", b"node3/x", b""):
+        assert wire.relay_node(other) is None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Engine:
+    """The executor's ROUTER with the node layout's keys, and its monitor."""
+
+    def __init__(self, keys: Path) -> None:
+        self.layout = NodeLayout.from_config({
+            "deltacast_nnodes": 2, "deltacast_master_addr": "127.0.0.1",
+            "deltacast_master_port": _free_port() - 1, "deltacast_keys": str(keys)}, WORLD)
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.remote = RemoteRanks(self.layout, WORLD, self.ctx, self.sock)
+        self.monitor = self.sock.get_monitor_socket(LINK_EVENTS)  # as the executor's
+        self.remote.bind(self.sock, None)
+
+    def recv(self, timeout_s: float = 5.0) -> list[bytes]:
+        assert self.sock.poll(int(timeout_s * 1000)), "nothing reached the engine"
+        return self.remote.recv(self.sock)
+
+    def lost(self, timeout_s: float) -> int | None:
+        """The node a link event loses within ``timeout_s``, else None."""
+        end = time.monotonic() + timeout_s
+        while self.monitor.poll(max(1, int((end - time.monotonic()) * 1000))):
+            event = recv_monitor_message(self.monitor)
+            node = self.remote.link_event(event["event"], event["endpoint"].decode())
+            if node is not None:
+                return node
+        return None
+
+    def close(self) -> None:
+        self.remote.close()
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture()
+def keys(tmp_path: Path) -> Path:
+    write_keys(tmp_path / "keys", 1)
+    return tmp_path / "keys"
+
+
+@pytest.fixture()
+def engine(keys: Path) -> Iterator[Engine]:
+    e = Engine(keys)
+    yield e
+    e.close()
+
+
+def _node_curve(keys: Path) -> tuple[bytes, bytes, bytes]:
+    public, secret = zmq.auth.load_certificate(str(keys / "worker1.key_secret"))
+    assert secret is not None
+    return zmq.auth.load_certificate(str(keys / "engine.key"))[0], public, secret
+
+
+def _relay(tmp_path: Path, engine: Engine, curve: tuple[bytes, bytes, bytes],
+           generation: int = 1) -> Relay:
+    return Relay(str(tmp_path), 1, generation, engine.layout.channel(1), curve,
+                 range(2, 4), liveness_s=0.6)
+
+
+def _ranks(ctx: zmq.Context[Any], relay: Relay, idents: list[bytes]) -> list[zmq.Socket[bytes]]:
+    out = []
+    for ident in idents:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, ident)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(relay.endpoint)
+        out.append(sock)
+    return out
+
+
+def _got(sock: zmq.Socket[bytes]) -> list[bytes]:
+    assert sock.poll(5000), "nothing reached the rank"
+    return sock.recv_multipart()
+
+
+def _hello(rank: zmq.Socket[bytes]) -> None:
+    rank.send_multipart([wire.HELLO, wire.pack_hello(node="1", vllm="v", protocol="3",
+                                                     config="c")])
+
+
+def test_one_copy_per_node_reaches_every_rank_and_answers_come_back(
+        tmp_path: Path, keys: Path, engine: Engine) -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    with _relay(tmp_path, engine, _node_curve(keys)) as relay:
+        two, three = _ranks(ctx, relay, [b"2", b"3"])
+        for rank, ident in ((two, b"2"), (three, b"3")):
+            _hello(rank)
+            got = engine.recv()
+            assert got[:2] == [ident, wire.HELLO] and wire.parse_hello(got[2])["node"] == "1"
+        assert engine.remote.hosts[2].startswith("127.0.0.1")
+        engine.remote.send(engine.sock, 3, [wire.WELCOME, b"s" * 32, b"x"])
+        assert _got(three) == [wire.WELCOME, b"s" * 32, b"x"]
+        body = bytes(range(256)) * 40
+        call = [wire.call_head(wire.EXECUTE, 1, [body, b""]), body, b""]
+        engine.remote.broadcast(engine.sock, call)
+        assert _got(two) == call and _got(three) == call
+        assert relay.relayed == 2  # the welcome and one copy of the call, for both ranks
+        three.send_multipart([wire.OUTPUT, body, b""])
+        assert engine.recv() == [b"3", wire.OUTPUT, body, b""]
+        two.send_multipart([wire.DONE])
+        assert engine.recv() == [b"2", wire.DONE]
+        for sock in (two, three):
+            sock.close(linger=0)
+    ctx.term()
+
+
+def test_a_relayed_message_from_no_rank_of_the_node_is_from_no_rank(
+        tmp_path: Path, keys: Path, engine: Engine) -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    with _relay(tmp_path, engine, _node_curve(keys)) as relay:
+        local, stranger, two = _ranks(ctx, relay, [b"0", b"x", b"2"])
+        for sock in (local, stranger):  # rank 0 is the engine's; "x" is nobody
+            _hello(sock)
+            assert wire.rank_of(engine.recv()[0], WORLD) is None
+        two.send_multipart([wire.DONE])  # before any hello: no session of the node yet
+        assert wire.rank_of(engine.recv()[0], WORLD) is None
+        _hello(two)
+        assert engine.recv()[0] == b"2"
+        for sock in (local, stranger, two):
+            sock.close(linger=0)
+    ctx.term()
+
+
+def test_an_old_session_of_the_node_is_heard_no_more(tmp_path: Path, keys: Path,
+                                                      engine: Engine) -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    old = _relay(tmp_path, engine, _node_curve(keys), generation=1)
+    new = _relay(tmp_path, engine, _node_curve(keys), generation=2)
+    try:
+        (was,) = _ranks(ctx, old, [b"2"])
+        (now,) = _ranks(ctx, new, [b"2"])
+        _hello(was)
+        assert engine.recv()[0] == b"2"
+        _hello(now)  # the restarted generation's hello: its session is the node's now
+        assert engine.recv()[0] == b"2"
+        was.send_multipart([wire.DONE])
+        assert wire.rank_of(engine.recv()[0], WORLD) is None
+        engine.remote.send(engine.sock, 2, [wire.PING, wire.NUMBER.pack(7)])
+        assert _got(now) == [wire.PING, wire.NUMBER.pack(7)]
+        assert not was.poll(200)
+        for sock in (was, now):
+            sock.close(linger=0)
+    finally:
+        old.close()
+        new.close()
+        ctx.term()
+
+
+def test_the_engine_sees_the_node_lost_when_its_relay_closes(
+        tmp_path: Path, keys: Path, engine: Engine) -> None:
+    relay = _relay(tmp_path, engine, _node_curve(keys))
+    try:
+        assert engine.lost(1.0) is None  # the handshake: joined, nothing lost
+    finally:
+        relay.close()
+    assert engine.lost(2.0) == 1
+
+
+def test_the_relay_and_its_ranks_see_the_engine_go(tmp_path: Path, keys: Path) -> None:
+    engine = Engine(keys)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    relay = _relay(tmp_path, engine, _node_curve(keys))
+    (rank,) = _ranks(ctx, relay, [b"2"])
+    monitor = rank.get_monitor_socket()
+    try:
+        assert engine.lost(1.0) is None
+        engine.close()
+        for _ in range(40):
+            if relay.failure:
+                break
+            time.sleep(0.05)
+        assert relay.failure and relay.failure.startswith("lost the engine at tcp://127.0.0.1")
+        events = []
+        while monitor.poll(2000):
+            events.append(recv_monitor_message(monitor)["event"])
+            if zmq.EVENT_DISCONNECTED in events:
+                break
+        assert zmq.EVENT_DISCONNECTED in events  # the rank's link dropped: it exits
+    finally:
+        rank.disable_monitor()
+        monitor.close(linger=0)
+        rank.close(linger=0)
+        relay.close()
+        ctx.term()
+
+
+def test_a_key_the_engine_does_not_know_is_refused_with_a_reason(
+        tmp_path: Path, keys: Path, engine: Engine) -> None:
+    public, secret = zmq.curve_keypair()
+    with _relay(tmp_path, engine, (_node_curve(keys)[0], public, secret)) as relay:
+        for _ in range(60):
+            if relay.failure:
+                break
+            time.sleep(0.05)
+        assert relay.failure and "refused this node's CURVE key" in relay.failure
