@@ -67,7 +67,7 @@ def _engine(host: netns.Host, model: Path, out: Path, keys: Path, *extra: str
     return subprocess.Popen(
         host.run(sys.executable, str(ROOT / "tests" / "vllm_nodes_run.py"), str(model),
                  str(out), "delta", host.addr, str(PORT), str(keys), *extra),
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
 def _node(host: netns.Host, engine_host: netns.Host, model: Path, keys: Path, key_dir: Path,
@@ -89,11 +89,11 @@ def _finish(*procs: subprocess.Popen[str], timeout: float = 300) -> list[str]:
     errs = []
     for p in procs:
         try:
-            _, err = p.communicate(timeout=timeout)
+            out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             p.kill()
-            _, err = p.communicate()
-        errs.append(err or "")
+            out, err = p.communicate()
+        errs.append(err or out or "")
     return errs
 
 
@@ -144,6 +144,66 @@ def test_tp2_across_two_hosts_matches_the_default_executor_and_checks_tokens(
     assert b.tx_bytes() - sent > 100_000  # rank 1's collectives and replies crossed the link
     assert "ranks [1] of 2" in node_err and f"gloo interface {b.dev}" in node_err
     assert _gone(a, b), "a process outlived the run"
+
+
+def _links(host: netns.Host, port: int) -> int:
+    """TCP connections established from ``host`` to ``port``."""
+    out = subprocess.run(host.run("ss", "-Htn", "state", "established", f"( dport = :{port} )"),
+                         capture_output=True, text=True, check=True).stdout
+    return len(out.splitlines())
+
+
+def test_two_ranks_on_the_other_host_share_one_relay_at_tp4(
+        hosts: tuple[netns.Host, netns.Host], tmp_path_factory: pytest.TempPathFactory,
+        keys: Path, tmp_path: Path) -> None:
+    """TP=4: node 1 runs ranks 2 and 3 behind one connection to the engine (its relay
+    hands each step to both); the tokens equal vLLM's default executor's, the logprobs
+    within float32's difference between gloo's all-reduce across the hosts and vLLM's
+    shared-memory one on one host (not bit for bit: the sums run in another order)."""
+    from engine_side.bench.vllm_scenarios import build_tiny_model
+
+    a, b = hosts
+    model = build_tiny_model(tmp_path_factory.mktemp("tp4") / "tiny-llama", heads=4)
+    ref = tmp_path / "default.json"
+    subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_nodes_run.py"), str(model),
+                    str(ref), "default", "tp4"], cwd=ROOT, timeout=600, capture_output=True,
+                   env={**ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"})
+    out = tmp_path / "delta.json"
+    engine = _engine(a, model, out, keys, "tp4", "long")
+    node = _node(b, a, model, keys, keys, tensor_parallel_size=4, dtype="float32")
+    log, end = out.with_suffix(".log"), time.monotonic() + 300
+    while "WARM" not in log.read_text():
+        assert engine.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
+        time.sleep(0.2)
+    links = _links(b, PORT + 1)
+    node_err, _ = _finish(node, engine)
+    assert engine.returncode == 0 and node.returncode == 0, (log.read_text()[-3000:],
+                                                              node_err[-3000:])
+    assert links == 1, f"{links} connections from node 1 to the engine"
+    result = json.loads(out.read_text())
+    want = json.loads(ref.read_text())["short"]
+    assert [r[0] for r in result["short"]] == [w[0] for w in want]  # the tokens
+    for (_, got), (_, expected) in zip(result["short"], want, strict=True):
+        for top, top_expected in zip(got, expected, strict=True):  # logprobs, float32
+            assert [t for t, _ in top] == [t for t, _ in top_expected]
+            assert all(abs(p - q) < 1e-3 for (_, p), (_, q) in zip(top, top_expected,
+                                                                   strict=True))
+    assert result["long"] == [200] * 3
+    assert "ranks [2, 3] of 4" in node_err, node_err[-3000:]
+    assert _gone(a, b), "a process outlived the run"
+
+
+def test_a_node_builds_a_pipeline_parallel_config_with_the_executor_named(
+        model: Path) -> None:
+    """vLLM allows PP only to an executor class, and a node's arguments name it."""
+    from engine_side.vllm import DeltaExecutor
+    from worker_side.vllm.node import build_config
+
+    config = build_config([str(model), "--pipeline-parallel-size", "2", "--enforce-eager",
+                           "--distributed-executor-backend", "engine_side.vllm.DeltaExecutor"],
+                          "llm")
+    assert config.parallel_config.pipeline_parallel_size == 2
+    assert config.parallel_config.distributed_executor_backend is DeltaExecutor
 
 
 def test_a_foreign_key_and_another_config_are_refused_by_name(

@@ -9,8 +9,10 @@ the mode) a dead rank fails the engine instead of restarting its group; with ``l
 prints ``WARM`` to stderr, then generates a long batch (``hold``: the same once OUT.go
 exists; ``twice``: then prints ``SECOND`` and generates it again); with ``skew``, makes
 rank 1 sample other tokens (a sealed callable sent to every rank) and generates again,
-so the engine names rank 1 as diverged. OUT.json gets the outputs, or the error that
-ended generation and when (``time.time()``).
+so the engine names rank 1 as diverged; with ``tp4`` (before the mode), TP=4 in float32
+(ranks 2 and 3 on node 1).
+OUT.json gets the outputs, or the error that ended generation and when
+(``time.time()``).
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12, 13] * 9]
 
 
 def engine_args(model: str, backend: str, addr: str = "", port: int = 0,
-                keys: str = "", restarts: bool = True) -> dict[str, Any]:
+                keys: str = "", restarts: bool = True, tp: int = 2) -> dict[str, Any]:
     """The LLM keyword arguments; ``deltacast node`` is given the same (tests build its
     command line from them)."""
-    args: dict[str, Any] = {"model": model, "tensor_parallel_size": 2, "enforce_eager": True,
+    args: dict[str, Any] = {"model": model, "tensor_parallel_size": tp, "enforce_eager": True,
                             "max_model_len": 256, "seed": 0}
+    if tp == 4:  # in float32: its all-reduce's order (gloo across hosts, vLLM's shared
+        args["dtype"] = "float32"  # memory on one) moves logprobs by ~1e-6, not tokens
     if backend == "delta":
         args["distributed_executor_backend"] = "engine_side.vllm.DeltaExecutor"
         args["additional_config"] = {"deltacast_nnodes": 2, "deltacast_master_addr": addr,
@@ -73,7 +77,8 @@ def main() -> None:
     addr, port, keys = (rest[0], int(rest[1]), rest[2]) if len(rest) >= 3 else ("", 0, "")
     result: dict[str, Any] = {}
     try:
-        llm = LLM(**engine_args(model, backend, addr, port, keys, "norestart" not in rest))
+        llm = LLM(**engine_args(model, backend, addr, port, keys, "norestart" not in rest,
+                                4 if "tp4" in rest else 2))
         short = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
         result["short"] = _outputs(llm.generate(prompts, short))

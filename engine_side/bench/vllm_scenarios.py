@@ -30,8 +30,9 @@ WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "w
 COMMON = {"enforce_eager": True, "block_size": 32, "seed": 0}
 
 
-def build_tiny_model(path: Path) -> Path:
-    """A random 2-layer Llama (head_dim 64, bf16) and a 512-token BPE tokenizer, offline."""
+def build_tiny_model(path: Path, heads: int = 2) -> Path:
+    """A random 2-layer Llama (``heads`` heads of 64, bf16: TP up to ``heads``) and a
+    512-token BPE tokenizer, offline."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -40,8 +41,9 @@ def build_tiny_model(path: Path) -> Path:
         return path
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2,
-                         num_key_value_heads=2, num_hidden_layers=2, vocab_size=VOCAB,
+    config = LlamaConfig(hidden_size=64 * heads, intermediate_size=128 * heads,
+                         num_attention_heads=heads, num_key_value_heads=heads,
+                         num_hidden_layers=2, vocab_size=VOCAB,
                          max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
                          dtype="bfloat16")
     LlamaForCausalLM(config).bfloat16().save_pretrained(path)

@@ -9,6 +9,7 @@ group's lock is kept here: a spawned child opens it by name later.
 from __future__ import annotations
 
 import contextlib
+import copy
 import glob
 import multiprocessing
 import multiprocessing.connection
@@ -41,7 +42,10 @@ class LocalRanks:
 
         ctx = multiprocessing.get_context("spawn")
         self.lock = ctx.Lock()
-        omp = OMPProcessManager(vllm_config)
+        view = copy.copy(vllm_config)  # vLLM binds each of a host's ranks to an entry
+        view.parallel_config = copy.copy(vllm_config.parallel_config)  # of its OMP list:
+        view.parallel_config.world_size = len(ranks)  # this host's ranks (nnodes is ours)
+        omp = OMPProcessManager(view)
         for rank in ranks:
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(target=run_by_name, args=(RANK_MODULE, "worker_main"),

@@ -29,6 +29,7 @@ ends the engine.
 from __future__ import annotations
 
 import argparse
+import copy
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -103,7 +104,13 @@ def build_config(vllm_args: list[str], engine: str) -> Any:
     except SystemExit as exc:
         raise CliError("the vLLM arguments above are not valid", EXIT_USAGE) from exc
     context = UsageContext.OPENAI_API_SERVER if engine == "serve" else UsageContext.LLM_CLASS
-    return EngineArgs.from_cli_args(parsed).create_engine_config(usage_context=context)
+    engine_args = EngineArgs.from_cli_args(parsed)
+    backend = engine_args.distributed_executor_backend
+    if isinstance(backend, str) and "." in backend:  # a class by name, as the class: vLLM
+        from vllm.utils.import_utils import resolve_obj_by_qualname  # allows PP only to a
+
+        engine_args.distributed_executor_backend = resolve_obj_by_qualname(backend)  # class
+    return engine_args.create_engine_config(usage_context=context)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -178,7 +185,10 @@ def _generation(config: Any, ranks: range, tp: int, common: dict[str, Any],
 
     ctx = multiprocessing.get_context("spawn")
     lock = ctx.Lock()
-    omp = OMPProcessManager(config)
+    view = copy.copy(config)  # vLLM binds each of a host's ranks to an entry of its OMP
+    view.parallel_config = copy.copy(config.parallel_config)  # list: this host's ranks
+    view.parallel_config.world_size = len(ranks)  # (vLLM's nnodes is 1: ours is ours)
+    omp = OMPProcessManager(view)
     procs, deaths = [], []
     ends = watch.endpoints(ranks)
     try:
