@@ -13,8 +13,9 @@ the two: a warm-up generate, then a timed one; tokens/s, token ids, and the byte
 crossed between the hosts on the engine process's sockets (the step channel: calls
 and replies) and on the ranks' (collectives), read from the kernel's per-socket
 counters (``ss``).  Then faults on DeltaExecutor mid-generation: rank 1 killed
-(SIGKILL), frozen (SIGSTOP), its link cut (``ip link set down``): seconds from the
-fault until ``LLM.generate`` raised.
+(SIGKILL), frozen (SIGSTOP), its link cut (``ip link set down``), with
+``deltacast_restarts`` 0 (the group fails rather than restarts): seconds from the fault
+until ``LLM.generate`` raised.
 """
 
 from __future__ import annotations
@@ -57,14 +58,16 @@ def cli_args(args: dict[str, Any]) -> list[str]:
     return out
 
 
-def commands(backend: str, a: netns.Host, model: Path, keys: Path) -> tuple[dict[str, Any],
-                                                                             list[str]]:
-    """(the engine's LLM arguments, node 1's command line) for ``backend``."""
+def commands(backend: str, a: netns.Host, model: Path, keys: Path, restarts: bool = True,
+             ) -> tuple[dict[str, Any], list[str]]:
+    """(the engine's LLM arguments, node 1's command line) for ``backend``; without
+    ``restarts``, a dead rank fails DeltaExecutor instead of restarting its group."""
     llm = _vllm_args(model)
     if backend == "delta":
         llm["distributed_executor_backend"] = "engine_side.vllm.DeltaExecutor"
         llm["additional_config"] = {"deltacast_nnodes": 2, "deltacast_master_addr": a.addr,
-                                    "deltacast_master_port": PORT, "deltacast_keys": str(keys)}
+                                    "deltacast_master_port": PORT, "deltacast_keys": str(keys),
+                                    **({} if restarts else {"deltacast_restarts": 0})}
         node = [sys.executable, "-m", "engine_side.cli", "node", "--nnodes", "2",
                 "--node-rank", "1", "--master-addr", a.addr, "--master-port", str(PORT),
                 "--keys", str(keys), "--engine", "llm", *cli_args(llm)]
@@ -81,7 +84,7 @@ def run_once(backend: str, hosts: tuple[netns.Host, netns.Host], model: Path, ke
     import psutil
 
     a, b = hosts
-    llm, node_cmd = commands(backend, a, model, keys)
+    llm, node_cmd = commands(backend, a, model, keys, restarts=fault is None)
     tag = f"{backend}-{fault or 'run'}-{time.monotonic_ns()}"
     config, out, log = (work / f"{tag}.{x}" for x in ("config.json", "json", "log"))
     prompts = [[(7 * i + j) % 500 + 1 for j in range(8 + i % 5)] for i in range(args.prompts)]
