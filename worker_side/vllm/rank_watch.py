@@ -8,7 +8,7 @@ by the generation of ranks (an older generation's links are told apart, its endp
 unbound), and the node's ROUTER sends ZMTP heartbeats there (every quarter of
 ``deltacast_liveness_s``, timeout that; a rank's I/O thread answers them, so a long
 step is never taken for a freeze).  A link that drops while its rank's process is still
-alive 0.1 s later is a frozen rank: SIGKILLed, its death then restarts the group (the
+alive 0.03 s later is a frozen rank: SIGKILLed, its death then restarts the group (the
 node's supervision sees it).  Only once the rank said it is ready (one message on its
 link, its identity the rank): a cold machine's first imports can stall a starting
 process past the bound.  Not thread-safe but for the watch, which owns both sockets
@@ -29,7 +29,9 @@ import zmq
 from protocol.calls import heartbeat_ms
 
 _POLL_MS = 100
-_EXITING_S = 0.1  # a rank whose link dropped and that is still alive this long is frozen
+_EXITING_S = 0.03  # a rank whose link dropped and that is still alive this long is frozen
+# (its link drops only when its process is gone or frozen: an exited one's sentinel is
+# readable by the time its link's drop reaches the monitor)
 
 
 class RankWatch:

@@ -70,6 +70,11 @@ class Relay:
         self._down.setsockopt(zmq.LINGER, 0)
         self._down.bind(self.endpoint)
         self._up.connect(engine)
+        wake = f"inproc://relay-wake-{id(self)}"  # close() wakes the thread at once: the
+        self._wake = self._ctx.socket(zmq.PAIR)  # engine sees a node whose rank died
+        self._wake.bind(wake)  # without a poll period's delay
+        self._waker = self._ctx.socket(zmq.PAIR)
+        self._waker.connect(wake)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="DeltaRelay")
         self._thread.start()
@@ -77,7 +82,7 @@ class Relay:
     # ------------------------------------------------------------ the relay's thread
     def _run(self) -> None:
         poller = zmq.Poller()
-        for sock in (self._up, self._down, self._monitor):
+        for sock in (self._up, self._down, self._monitor, self._wake):
             poller.register(sock, zmq.POLLIN)
         started, joined = time.monotonic(), 0.0  # joined: when the handshake succeeded
         hello, hello_at = False, 0.0  # a hello relayed and unanswered; since (joined)
@@ -165,11 +170,12 @@ class Relay:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._waker.send(b"")
         self._thread.join(2.0)
         if self._thread.is_alive():  # (its sockets are left to the process's exit)
             return
         self._up.disable_monitor()
-        for sock in (self._monitor, self._up, self._down):
+        for sock in (self._monitor, self._up, self._down, self._wake, self._waker):
             sock.close(linger=0)
         self._ctx.term()
 
