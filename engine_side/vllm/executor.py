@@ -19,37 +19,24 @@ wakes any waiting call and runs the failure callback.
 A message on the ROUTER from no rank, or a malformed check-in, is dropped and counted
 (``faults``).  Futures resolve in submission order.
 
-Local step ring (default; ``additional_config={"deltacast_ring_kb": N}`` sizes it,
-default 32 MiB, 0 turns it off): calls go through the shared-memory ring of
-:mod:`engine_side.ring` once for all ranks instead of once per rank on the ROUTER,
-and replies come back through the ranks' reply rings (``worker_side.vllm.channel``);
-a call over ``RING_CALL_LIMIT`` (or half the ring) goes on the ROUTER behind an ON_PUB
-marker, a large reply on the rank's DEALER likewise, so each rank's replies stay in
-call order.
+Local step ring (``deltacast_ring_kb``, default 32 MiB, 0: off): a call goes once into
+the shared-memory ring of :mod:`engine_side.ring` for every local rank, replies come
+back through their reply rings; a call over ``RING_CALL_LIMIT`` (or half the ring), or a
+large reply, goes on the sockets behind an ON_PUB marker, so replies stay in call order.
+Calls are numbered and checksummed (SPEC §16): a rank that finds one missing or damaged
+gets it again from the last calls kept (:mod:`engine_side.vllm.resend`); a quiet wait
+pings the ranks that owe an answer; a rank that lacks a call no longer kept fails the
+executor, named.  Multimodal items and prompt embeds travel as zero-copy frames, or
+once through a shared-memory store (``deltacast_mm_store_mb``; ``engine_side.vllm.mm``).
 
-Calls are numbered and checksummed (SPEC §16): a rank that finds one missing or
-damaged asks for it again and gets it from the last calls kept
-(:mod:`engine_side.vllm.resend`); a quiet wait pings the ranks that owe an answer, so
-a rank that lost the newest call finds out.  A rank that lacks a call no longer kept
-fails the executor, named.
-
-Multimodal items and prompt embeds travel as zero-copy frames; with
-``additional_config={"deltacast_mm_store_mb": N}`` they go once into an N MB
-shared-memory store instead (``engine_side.vllm.mm``), and every rank attaches
-to it (its AttachInfo sent sealed, ``A``) before the first step.
-
-Ranks on other hosts (``additional_config``: ``deltacast_nnodes`` and the rest,
-:mod:`engine_side.vllm.nodes`): the engine runs node 0's ranks; the others join over tcp
-with CURVE (``deltacast node`` on their hosts; :mod:`engine_side.vllm.remote`), take
-every call on the ROUTER; a dropped connection stops the group (a restart, or a failure
-naming the node).
-
-Divergence: when more than one rank samples (TP > 1), each of the last pipeline
-stage's ranks checks in with a lagged hash of its sampled tokens every
-``token_hash_every`` model outputs (``worker_side.vllm.tokenhash``); the
-executor compares them with the output rank's as they arrive and logs, records
-(``divergent``) and calls back (``register_divergence_callback``) on a rank that
-differs.
+Ranks on other hosts (``deltacast_nnodes`` and the rest, :mod:`engine_side.vllm.nodes`):
+the engine runs node 0's ranks; each other node's reach it through that node's relay,
+one CURVE connection over tcp (:mod:`engine_side.vllm.remote`), which gets each call
+once; a dropped connection stops the group (a restart, or a failure naming the node).
+Divergence: with TP > 1, each of the last stage's ranks checks in with a lagged hash of
+its sampled tokens every ``token_hash_every`` outputs; one that differs from the output
+rank's is logged, recorded (``divergent``) and called back
+(``register_divergence_callback``).
 """
 
 from __future__ import annotations
