@@ -59,7 +59,7 @@ class RemoteRanks:
         #: what the local ranks connect with: (the engine's key, theirs, their secret)
         self.local_curve = (public, local_public, local_secret)
         self.zap = ZapHandler(ctx, frozenset([*allowed.values(), local_public]))
-        self.keys = {rank: local_public.decode() for rank in range(world_size)}
+        self._local_key = local_public.decode()  # every local rank's ZAP User-Id
         self._node_keys = {node: key.decode() for node, key in allowed.items()}
         self._routes: dict[int, bytes] = {}  # node -> its relay's current session
         sock.curve_server = True
@@ -93,7 +93,7 @@ class RemoteRanks:
         node = wire.relay_node(ident)
         if node is None:
             rank = wire.rank_of(ident, self.world_size)
-            if rank is not None and (rank in self.ranks or key != self.keys[rank]):
+            if rank is not None and (rank in self.ranks or key != self._local_key):
                 return [b"key of another node:" + ident]
             return [p.bytes for p in parts]
         try:
