@@ -62,11 +62,12 @@ def test_seeded_requests_go_on_with_the_undisturbed_random_stream(
 
 
 def test_outputs_equal_vllms_own_recompute_at_the_same_steps(run: dict[str, Any]) -> None:
-    """Where recompute changes the numerics (prefill kernels over what was decoded),
-    vLLM's default executor recomputing at the same steps gives the very same
-    outputs: tokens, text and logprobs, bit for bit."""
+    """vLLM's default executor recomputing at the same steps gives the very same
+    outputs: tokens, text and logprobs, bit for bit.  (Whether recompute changes the
+    numerics at all, prefill kernels over what was decoded, depends on the CPU: on
+    some it does, and the restarted outputs still match vLLM's own recompute, not the
+    undisturbed run.)"""
     assert run["delta"] == run["recomputed"]
-    assert run["delta"][1] != run["default"][1]  # (the recompute did change logprobs)
 
 
 def test_the_prefix_cache_is_emptied_with_the_kv(run: dict[str, Any]) -> None:
