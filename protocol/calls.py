@@ -41,10 +41,11 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from protocol.errors import MalformedMessage
+from protocol.errors import MalformedMessage, malformed
 
 # engine -> rank
 EXECUTE, SAMPLE, CONTROL, ATTACH, QUIT = b"X", b"S", b"C", b"A", b"Q"
+STEP = b"T"  # as EXECUTE, then sample_tokens with no GrammarOutput if that returned nothing
 RESENT, PING = b"Y", b"P"  # a call again (then its frames); the newest call number (8 B)
 # rank -> engine (CONTROL answers a control call with its sealed result)
 READY, FAILED, OUTPUT, DONE, ERROR, CHECK_IN = b"R", b"F", b"O", b"K", b"E", b"H"
@@ -73,6 +74,10 @@ CHECK_IN_PAYLOAD = struct.Struct("<qQ")  # outputs folded (int64), hash (uint64)
 RELAY_ALL = b"*"  # a relayed message's target: every rank of the node
 _RELAY_COUNT = struct.Struct("<H")
 _RELAY_FRAMES = 64  # at most this many frames in one relayed message
+_DEFLATED = 0x8000  # in a relayed message's count: its lengths and frames are deflated
+_INFLATED = struct.Struct("<I")  # a deflated relayed message's size, inflated
+#: frames of this many bytes in all (from .. to) cross between hosts deflated
+RELAY_DEFLATE_MIN, RELAY_DEFLATE_MAX = 4 << 10, 4 << 20
 
 
 def rank_of(identity: bytes, world_size: int) -> int | None:
@@ -97,23 +102,37 @@ def relay_node(identity: bytes) -> int | None:
 
 def pack_relayed(frames: Sequence[Any]) -> bytes:
     """Several frames as one: their count (uint16), each one's length (uint32), then
-    the frames, little-endian."""
+    the frames, little-endian; between RELAY_DEFLATE_MIN and RELAY_DEFLATE_MAX bytes of
+    frames, the lengths and frames deflated (zlib, level 1) behind their inflated size
+    (uint32) and the count's top bit, when that saves a tenth."""
     lengths = [memoryview(f).nbytes for f in frames]
-    return b"".join([struct.pack(f"<H{len(lengths)}I", len(lengths), *lengths), *frames])
+    head = struct.pack(f"<{len(lengths)}I", *lengths)
+    if RELAY_DEFLATE_MIN <= sum(lengths) <= RELAY_DEFLATE_MAX:
+        size = len(head) + sum(lengths)
+        zip_ = zlib.compressobj(1)
+        packed = b"".join([*map(zip_.compress, [head, *frames]), zip_.flush()])
+        if len(packed) < size * 0.9:
+            return b"".join([_RELAY_COUNT.pack(len(lengths) | _DEFLATED),
+                             _INFLATED.pack(size), packed])
+    return b"".join([_RELAY_COUNT.pack(len(lengths)), head, *frames])
 
 
 def unpack_relayed(payload: Any) -> list[memoryview]:
-    """The frames of a :func:`pack_relayed` payload (views into it): at least one, at
-    most 64; MalformedMessage if it is not one."""
+    """The frames of a :func:`pack_relayed` payload (views into it, or into its
+    inflated bytes): at least one, at most 64; MalformedMessage if it is not one."""
     view = memoryview(payload).cast("B")
     if len(view) < _RELAY_COUNT.size:
         raise MalformedMessage("a relayed message without its frame count", size=len(view))
     (count,) = _RELAY_COUNT.unpack_from(view)
-    at = _RELAY_COUNT.size + 4 * count
+    view = view[_RELAY_COUNT.size:]
+    if count & _DEFLATED:
+        count &= ~_DEFLATED
+        view = _inflate(view)
+    at = 4 * count
     if not 0 < count <= _RELAY_FRAMES or at > len(view):
         raise MalformedMessage("a relayed message's frame count is wrong", size=len(view))
     frames = []
-    for length in struct.unpack_from(f"<{count}I", view, _RELAY_COUNT.size):
+    for length in struct.unpack_from(f"<{count}I", view):
         if at + length > len(view):
             raise MalformedMessage("a relayed frame runs past its message", size=len(view))
         frames.append(view[at:at + length])
@@ -121,6 +140,25 @@ def unpack_relayed(payload: Any) -> list[memoryview]:
     if at != len(view):
         raise MalformedMessage("bytes after a relayed message's frames", size=len(view))
     return frames
+
+
+def _inflate(view: memoryview) -> memoryview:
+    """The lengths and frames of a deflated relayed message: exactly the size it claims,
+    at most RELAY_DEFLATE_MAX bytes of frames (MalformedMessage otherwise)."""
+    if len(view) < _INFLATED.size:
+        raise MalformedMessage("a deflated relayed message without its size", size=len(view))
+    (size,) = _INFLATED.unpack_from(view)
+    if size > RELAY_DEFLATE_MAX + 4 * _RELAY_FRAMES:
+        raise MalformedMessage("a deflated relayed message claims too much", claims=size)
+    unzip = zlib.decompressobj()
+    try:
+        body = unzip.decompress(view[_INFLATED.size:], size + 1)
+    except zlib.error as exc:
+        raise malformed("a deflated relayed message that does not inflate", exc) from exc
+    if len(body) != size or not unzip.eof or unzip.unconsumed_tail or unzip.unused_data:
+        raise MalformedMessage("a deflated relayed message is not the size it claims",
+                               claims=size, size=len(body))
+    return memoryview(body)
 
 
 def pack_check_in(steps: int, value: int) -> bytes:

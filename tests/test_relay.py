@@ -6,7 +6,9 @@ tests/test_vllm_nodes.py)."""
 from __future__ import annotations
 
 import socket
+import struct
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,18 +31,46 @@ from worker_side.vllm.relay import Relay
 WORLD = 4  # ranks 0, 1 here; 2, 3 on node 1
 
 
-@given(st.lists(st.binary(max_size=300), min_size=1, max_size=64))
+_FRAMES = st.lists(st.binary(max_size=300) | st.builds(lambda n, b: b * n, st.integers(
+    0, 9000), st.binary(min_size=1, max_size=3)), min_size=1, max_size=64)
+
+
+@given(_FRAMES)
 def test_relayed_frames_round_trip(frames: list[bytes]) -> None:
-    assert [bytes(f) for f in wire.unpack_relayed(wire.pack_relayed(frames))] == frames
+    """Exact, deflated or not; large frames that deflate well cross smaller."""
+    payload = wire.pack_relayed(frames)
+    assert [bytes(f) for f in wire.unpack_relayed(payload)] == frames
+    size = sum(map(len, frames))
+    if wire.RELAY_DEFLATE_MIN <= size <= wire.RELAY_DEFLATE_MAX and len(set(b"".join(
+            frames))) == 1:
+        assert len(payload) < size // 2
 
 
-@given(st.binary(max_size=200))
+@given(st.binary(max_size=200) | _FRAMES.map(wire.pack_relayed).flatmap(
+    lambda p: st.sampled_from([p[:k] + b"\x00" + p[k + 1:] for k in range(0, len(p), 97)])))
 def test_any_bytes_are_relayed_frames_or_malformed(payload: bytes) -> None:
     try:
         frames = wire.unpack_relayed(payload)
     except MalformedMessage:
         return
-    assert 0 < len(frames) <= 64 and wire.pack_relayed(frames) == payload
+    assert 0 < len(frames) <= 64
+    assert [bytes(f) for f in wire.unpack_relayed(wire.pack_relayed(frames))] == \
+        [bytes(f) for f in frames]
+
+
+def test_a_deflated_message_that_claims_more_or_less_than_it_inflates_to_is_malformed() -> None:
+    big = [b"*", b"x" * (1 << 16)]
+    payload = wire.pack_relayed(big)
+    count, size = struct.unpack_from("<HI", payload)
+    assert count & 0x8000 and size == 4 * 2 + 1 + (1 << 16)
+    for claim in (size - 1, size + 1, wire.RELAY_DEFLATE_MAX + 1024):
+        with pytest.raises(MalformedMessage):
+            wire.unpack_relayed(payload[:2] + struct.pack("<I", claim) + payload[6:])
+    bomb = zlib.compress(struct.pack("<2I", 1, 1 << 30) + bytes(1 << 24), 9)  # 16 MiB of 0
+    with pytest.raises(MalformedMessage):
+        wire.unpack_relayed(struct.pack("<HI", 0x8002, 8 + (1 << 30)) + bomb)
+    with pytest.raises(MalformedMessage):
+        wire.unpack_relayed(payload[:-4])  # cut short
 
 
 def test_relay_identities_name_their_node() -> None:

@@ -382,14 +382,25 @@ def test_executor_call_kinds_match_protocol_calls(spec: str) -> None:
             assert f"{calls.WELCOME_SETTINGS.size} bytes of settings" in frames
         if names == {calls.HELLO}:
             assert all(f"`{field}`" in frames for field in calls.HELLO_FIELDS)
-    assert to_ranks == {calls.EXECUTE, calls.SAMPLE, calls.CONTROL, calls.ATTACH, calls.QUIT,
-                        calls.RESENT, calls.PING, calls.WELCOME, calls.REFUSED}
+    assert to_ranks == {calls.EXECUTE, calls.STEP, calls.SAMPLE, calls.CONTROL, calls.ATTACH,
+                        calls.QUIT, calls.RESENT, calls.PING, calls.WELCOME, calls.REFUSED}
     assert to_engine == {calls.READY, calls.FAILED, calls.OUTPUT, calls.DONE, calls.CONTROL,
                          calls.ERROR, calls.CHECK_IN, calls.RESEND, calls.HELLO}
     assert calls.CALL_HEAD.size == 13 and calls.CALL_HEAD.format == "<cQI"
     assert "13-byte **head**" in spec and calls.NUMBER.format == "<Q"
     assert calls.CHECK_IN_PAYLOAD.format == "<qQ" and calls.DOORBELL == b""
     assert calls.WELCOME_SETTINGS.format == "<Id"  # hash_every uint32, spin_s float64
+
+
+def test_relay_deflate_limits_as_stated(spec: str) -> None:
+    """§16.1's deflated relayed messages: the bounds are protocol/calls.py's."""
+    from protocol import calls
+
+    text = squash(section(spec, "### 16.1", "### 16.2"))
+    assert (calls.RELAY_DEFLATE_MIN, calls.RELAY_DEFLATE_MAX) == (4 << 10, 4 << 20)
+    assert "hold 4 KiB to 4 MiB (`RELAY_DEFLATE_MIN`, `RELAY_DEFLATE_MAX`)" in text
+    assert "claims more than 4 MiB + 256 bytes" in text and calls._RELAY_FRAMES * 4 == 256
+    assert "top bit (0x8000)" in text and calls._DEFLATED == 0x8000
 
 
 def test_extension_size_limits_as_stated(spec: str) -> None:

@@ -87,3 +87,26 @@ class Reply(Future):  # type: ignore[type-arg]
         self.drain(self)
         return super().result(timeout)
 
+
+
+class Sampled(Future):  # type: ignore[type-arg]
+    """``execute_model``'s result for a step sent as one ``T`` call (SPEC §16.1), whose
+    answer ``reply`` is ``sample_tokens``': None once ``reply`` resolves (its
+    exception if it failed), so futures still resolve in submission order;
+    ``result()`` drives ``reply`` as :meth:`Reply.result` does."""
+
+    def __init__(self, reply: Reply) -> None:
+        super().__init__()
+        self.reply = reply
+        reply.add_done_callback(self._resolve)
+
+    def _resolve(self, reply: Future) -> None:  # type: ignore[type-arg]
+        error = reply.exception()
+        if error is None:
+            self.set_result(None)
+        else:
+            self.set_exception(error)
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.reply.drain(self.reply)
+        return super().result(timeout)

@@ -49,8 +49,7 @@ import time
 import weakref
 from collections import Counter, deque
 from collections.abc import Callable
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
+from concurrent.futures import Future
 from typing import Any
 
 import cloudpickle
@@ -60,16 +59,16 @@ from vllm.v1.executor.abstract import Executor, FailureCallback
 from engine_side.ring import RingWriter
 from engine_side.security import PrivateDir
 from engine_side.shm_store import ShmStore
-from engine_side.spawn import reap
 from engine_side.transport import spin_poll
-from engine_side.vllm.answers import Answers, RankFault, Reply
+from engine_side.vllm.answers import Answers, RankFault, Reply, Sampled
 from engine_side.vllm.divergence import DivergenceWatch, RankDiverged
 from engine_side.vllm.encoder import SchedulerOutputEncoder
-from engine_side.vllm.local_ranks import LocalRanks, remove_dist_files
+from engine_side.vllm.local_ranks import LocalRanks
 from engine_side.vllm.rank_deaths import ExecutorFailed, RankDeaths, liveness_bound
 from engine_side.vllm.remote import RemoteRanks, layout_for
 from engine_side.vllm.resend import Retransmitter
 from engine_side.vllm.restart import GroupDied, RestartPolicy, SchedulerHook, renew
+from engine_side.vllm.teardown import teardown
 from protocol import calls as wire
 from protocol.errors import MalformedMessage, ProtocolError
 from protocol.faults import PeerFaults
@@ -78,7 +77,6 @@ from protocol.seal import Opener, Sealer
 
 log = logging.getLogger("deltacast.vllm.executor")
 POLL_MS = 100  # how often a waiting call re-checks that every rank is alive
-JOIN_S = 10.0
 RING_POLL_MS = 1  # a blocked executor's ring check period (long steps, past the spin)
 RING_CALL_LIMIT = 1 << 20  # bigger calls use the ROUTER (bounds what the ring holds in flight)
 JOIN_LOG_S = 10.0  # while ranks on other nodes have not joined, say so this often
@@ -142,6 +140,10 @@ class DeltaExecutor(RankDeaths, Executor):
         self.store = ShmStore(int(store_mb) << 20) if store_mb else None
         self.encoder = SchedulerOutputEncoder(secret=self.secret, store=self.store)
         self._pending: deque[Reply] = deque()
+        self._sampled: Reply | None = None  # a `T` call's answer, for sample_tokens
+        cfg = self.vllm_config  # whether vLLM samples after every step that runs the model
+        self._samples = cfg.model_config.runner_type != "pooling" \
+            and not cfg.is_mm_encoder_only and cfg.ec_transfer_config is None
         self.local = LocalRanks()
         self._calls = 0
         # a dead rank restarts the group (ranks on other nodes: their nodes start them again)
@@ -190,7 +192,7 @@ class DeltaExecutor(RankDeaths, Executor):
         self._answers = Answers(self.world_size, self.stats)  # per rank, in call order
         self._resender = Retransmitter(self._to_rank, self.stats, self.faults)
         self._dist = [""]  # the group's torch.distributed init method (its files: cleanup)
-        self._finalizer = weakref.finalize(self, DeltaExecutor._cleanup, self.local.procs,
+        self._finalizer = weakref.finalize(self, teardown, self.local.procs,
                                            self.local.deaths, self._sock, self._ctx, self._dir,
                                            self.ring, self.remote, self._links,
                                            self._link_watch, self._dist)
@@ -384,8 +386,8 @@ class DeltaExecutor(RankDeaths, Executor):
                 got = self._receive(deadline)
                 if self.is_failed:
                     raise ExecutorFailed(self.failure or "DeltaExecutor has failed")
-                if not got:  # a quiet while: a rank may have lost the last call
-                    self._resender.ping(self._answers.owing())
+                if not got and time.monotonic() - self._replied >= POLL_MS / 1e3:  # quiet:
+                    self._resender.ping(self._answers.owing())  # a rank may lack the last call
                 for rank, frames in got:
                     self._answers.socket(rank, frames)
             replies = self._answers.take()
@@ -414,12 +416,24 @@ class DeltaExecutor(RankDeaths, Executor):
             scheduler_output, restored = renew(scheduler_output, self._hook.scheduler,
                                                self._unsent)
         frames = self.encoder.encode(scheduler_output, restored)  # now: it is mutated later
-        reply = self._submit(wire.EXECUTE, frames, self._output, self._model_timeout())
+        # vLLM samples next with no grammar: one call does both (SPEC §16.1, `T`)
+        step = self._samples and scheduler_output.total_num_scheduled_tokens > 0 \
+            and not scheduler_output.has_structured_output_requests
+        sent = self._submit(wire.STEP if step else wire.EXECUTE, frames, self._output,
+                            self._model_timeout())
+        reply: Future[Any] = sent
+        if step:  # the output is sample_tokens' (vLLM's step: execute gave None)
+            self._sampled, reply = sent, Sampled(sent)
         return reply if non_block else reply.result()
 
     def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
-        frames = self.encoder.encode_grammar(grammar_output)
-        reply = self._submit(wire.SAMPLE, frames, self._output, self._model_timeout())
+        reply, self._sampled = self._sampled, None
+        if reply is None:
+            frames = self.encoder.encode_grammar(grammar_output)
+            reply = self._submit(wire.SAMPLE, frames, self._output, self._model_timeout())
+        elif grammar_output is not None:
+            raise RuntimeError("DeltaExecutor: a GrammarOutput for a step that had no "
+                               "structured-output request (it was sampled without one)")
         return reply if non_block else reply.result()
 
     @staticmethod
@@ -490,27 +504,6 @@ class DeltaExecutor(RankDeaths, Executor):
         if self.store is not None:
             self.store.close()
         self.local.lock = None  # releases the named semaphore
-
-    @staticmethod
-    def _cleanup(procs: list[BaseProcess], deaths: list[Connection], sock: zmq.Socket[bytes],
-                 ctx: zmq.Context[zmq.Socket[bytes]], private: PrivateDir,
-                 ring: RingWriter | None, remote: RemoteRanks | None,
-                 links: zmq.Socket[bytes], link_watch: threading.Thread,
-                 dist: list[str]) -> None:
-        reap(procs, deaths, JOIN_S)
-        remove_dist_files(dist[0])
-        if link_watch.is_alive():  # it ends within POLL_MS once shutting down
-            link_watch.join(2 * POLL_MS / 1e3)
-        if not link_watch.is_alive():  # (else its socket is left to the process's exit)
-            sock.disable_monitor()
-            links.close(linger=0)
-        if remote is not None:
-            remote.close()
-        sock.close(linger=0)
-        ctx.term()
-        if ring is not None:
-            ring.close()
-        private.close()
 
 
 __all__ = ["DeltaExecutor", "ExecutorFailed", "RankDiverged"]

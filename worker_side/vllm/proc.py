@@ -59,6 +59,7 @@ from protocol.calls import (
     RESTART,
     RESTART_EXIT,
     SAMPLE,
+    STEP,
     WELCOME,
     WELCOME_SETTINGS,
     heartbeat_ms,
@@ -329,11 +330,14 @@ class _Server:
             self.channel.send([CHECK_IN, self.token_hash.check_in()])
 
     def _handle(self, kind: bytes, frames: list[bytes]) -> list[bytes]:
-        if kind == EXECUTE:
+        if kind in (EXECUTE, STEP):
             so = self.decoder.decode(frames)
             if self.decoder.restored:  # after the engine restarted this group
                 resume(self.wrapper.worker.model_runner, so, self.decoder.restored)
-            return self._output(self.wrapper.execute_model(so))
+            out = self.wrapper.execute_model(so)
+            if kind == STEP and out is None:  # and sample at once, with no GrammarOutput
+                out = self.wrapper.sample_tokens(None)
+            return self._output(out)
         if kind == SAMPLE:
             grammar = self.decoder.decode_grammar(frames)
             return self._output(self.wrapper.sample_tokens(grammar))

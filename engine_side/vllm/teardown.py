@@ -1,0 +1,43 @@
+"""What DeltaExecutor's finalizer closes, in order: its ranks (reaped), the group's
+torch.distributed files, the link watch and its monitor socket, the relays' ROUTER
+side, the control socket and context, the step ring and the private directory.  It runs
+once (``weakref.finalize``), at shutdown or when the executor is collected, and holds
+no reference to the executor itself."""
+
+from __future__ import annotations
+
+import threading
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+import zmq
+
+from engine_side.ring import RingWriter
+from engine_side.security import PrivateDir
+from engine_side.spawn import reap
+from engine_side.vllm.local_ranks import remove_dist_files
+from engine_side.vllm.remote import RemoteRanks
+
+JOIN_S = 10.0  # a rank's time to exit after its QUIT, before it is terminated
+WATCH_JOIN_S = 0.2  # the link watch ends within its poll period once shutting down
+
+
+def teardown(procs: list[BaseProcess], deaths: list[Connection], sock: zmq.Socket[bytes],
+             ctx: zmq.Context[zmq.Socket[bytes]], private: PrivateDir, ring: RingWriter | None,
+             remote: RemoteRanks | None, links: zmq.Socket[bytes], link_watch: threading.Thread,
+             dist: list[str]) -> None:
+    """Close everything; ``dist[0]``: the group's torch.distributed init method."""
+    reap(procs, deaths, JOIN_S)
+    remove_dist_files(dist[0])
+    if link_watch.is_alive():
+        link_watch.join(WATCH_JOIN_S)
+    if not link_watch.is_alive():  # (else its socket is left to the process's exit)
+        sock.disable_monitor()
+        links.close(linger=0)
+    if remote is not None:
+        remote.close()
+    sock.close(linger=0)
+    ctx.term()
+    if ring is not None:
+        ring.close()
+    private.close()
