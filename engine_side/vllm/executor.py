@@ -7,7 +7,8 @@ One spawned process per rank (``worker_side.vllm.proc``, started by name: vLLM's
 through ``WorkerWrapperBase``), each a DEALER on this executor's ROUTER over ipc:// in a
 private 0700 directory (call kinds: :mod:`protocol.calls`).  ``execute_model`` /
 ``sample_tokens`` send the encoder's frames (encoded synchronously: the engine mutates the
-SchedulerOutput after dispatch) to every rank; everything else is a control call sealed with
+SchedulerOutput after dispatch) to every rank, as one ``T`` call where vLLM samples next
+with no grammar; everything else is a control call sealed with
 a per-run HMAC secret (:mod:`protocol.seal`; vLLM sends functions: they travel cloudpickled
 inside the seal, never as unauthenticated pickle).  Every rank answers every call, so an
 exception on any rank is raised here.  A dead or frozen rank, here or on another host,
