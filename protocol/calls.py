@@ -4,10 +4,11 @@ doorbell, rank identities and the check-in payload.  Pure: no sockets, no model 
 An engine-side executor calls every rank (a DEALER whose identity is its rank in
 ASCII decimal) with ``[head, *frames]``; each rank answers every call once, in call
 order.  Engine → rank: ``X`` execute (a step's frames), ``T`` execute then sample
-with no grammar (a step's frames; one answer), ``S`` sample (grammar frames), ``C`` control (one sealed call), ``A`` attach (one sealed store map), ``Q``
-quit.  Rank → engine: ``R`` ready, ``F`` failed to start (text), ``O`` output frames
-(the output rank), ``K`` done (other ranks), ``C`` sealed control result, ``E`` an
-exception (text); unsolicited, ``H`` a check-in with a 16-byte payload (``steps``
+with no grammar (a step's frames; one answer), ``S`` sample (grammar frames), ``C``
+control (one sealed call), ``A`` attach (one sealed store map), ``Q`` quit.  Rank →
+engine: ``R`` ready, ``F`` failed to start (text), ``O`` output frames (the output
+rank), ``K`` done (other ranks), ``C`` sealed control result, ``E`` an exception
+(text); unsolicited, ``H`` a check-in with a 16-byte payload (``steps``
 int64, ``hash`` uint64, little-endian).  A single empty frame is a doorbell: it only
 wakes a rank that announced it sleeps (§7.6).
 
