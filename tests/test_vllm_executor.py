@@ -107,13 +107,13 @@ def test_generate_matches_default_executor(run: dict[str, Any], tp: int) -> None
 def test_the_step_ring_and_its_socket_fallbacks_keep_outputs_identical(
         run: dict[str, Any]) -> None:
     """Default: every call through the ring.  A 1 KiB ring: calls and replies over 512 B
-    go on the sockets behind markers, still in order.  No ring: sockets only."""
+    go on the sockets behind markers, still in order.  (No ring, sockets only:
+    tests/test_vllm_recovery.py.)"""
     assert run["ring_stats"]["ring_calls"] > 0 and run["ring_stats"].get("socket_calls", 0) \
         <= 2  # (at most the first step's prompts)
-    tiny, none = run["ring1_stats"], run["ring0_stats"]
+    tiny = run["ring1_stats"]
     assert tiny["ring_calls"] > 0 and tiny["socket_calls"] > 0 and tiny["socket_replies"] > 0
-    assert none.get("ring_calls", 0) == 0 and none["socket_calls"] > 0
-    assert run["delta2_ring1"] == run["delta2_ring0"] == run["default2"]
+    assert run["delta2_ring1"] == run["default2"]
 
 
 def test_async_scheduling_batch_queue_matches_default_executor(run: dict[str, Any]) -> None:

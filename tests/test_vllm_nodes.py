@@ -102,7 +102,8 @@ def _generating(hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, o
                 ) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
     """(engine, node) once the engine is in its long generate (its log says WARM;
     ``modes`` end with "long", or "hold": the engine waits for OUT.go before it, or
-    "twice"; "norestart" first: a dead rank fails the engine)."""
+    "twice"; before it, "norestart": a dead rank fails the engine, "skew": see
+    tests/vllm_nodes_run.py)."""
     a, b = hosts
     engine = _engine(a, model, out, keys, *modes)
     node = _node(b, a, model, keys, keys, restarts="norestart" not in modes)
@@ -122,6 +123,11 @@ def _gone(*hosts: netns.Host, timeout: float = 30) -> bool:
 
 def test_tp2_across_two_hosts_matches_the_default_executor_and_checks_tokens(
         hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, tmp_path: Path) -> None:
+    """Rank 1 on the other host: the outputs are the default executor's, a sealed
+    callable reaches it, and its skewed tokens are named.  Then one live session per
+    key: node 1 started again with the same key while the engine runs: the ROUTER drops
+    what the second sends (its rank's identity is taken), the second exits saying so
+    once its hello goes unanswered, and the first then generates to the end."""
     a, b = hosts
     ref = tmp_path / "default.json"
     subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_nodes_run.py"), str(model),
@@ -130,8 +136,9 @@ def test_tp2_across_two_hosts_matches_the_default_executor_and_checks_tokens(
                    timeout=600)
     out = tmp_path / "delta.json"
     sent = b.tx_bytes()
-    engine = _engine(a, model, out, keys, "skew")
-    node = _node(b, a, model, keys, keys)
+    engine, node = _generating(hosts, model, keys, out, "skew", "hold")
+    (twice_err,) = _finish(_node(b, a, model, keys, keys), timeout=120)
+    out.with_suffix(".go").touch()
     (node_err,) = _finish(node)
     _finish(engine)
     log = out.with_suffix(".log").read_text()
@@ -143,6 +150,8 @@ def test_tp2_across_two_hosts_matches_the_default_executor_and_checks_tokens(
     assert "DeltaExecutor rank 1 diverged" in log, log[-3000:]
     assert b.tx_bytes() - sent > 100_000  # rank 1's collectives and replies crossed the link
     assert "ranks [1] of 2" in node_err and f"gloo interface {b.dev}" in node_err
+    assert "node 1 is already connected (one session per key)" in twice_err, twice_err[-3000:]
+    assert "error" not in result and result["long"] == [200, 200, 200], log[-3000:]
     assert _gone(a, b), "a process outlived the run"
 
 
@@ -299,24 +308,4 @@ def test_the_remote_node_exits_when_the_engine_dies(
         p.send_signal(signal.SIGKILL)
     (node_err,) = _finish(node, timeout=60)
     assert node.returncode == 1 and "lost the engine" in node_err, node_err[-3000:]
-    assert _gone(a, b)
-
-
-def test_a_second_session_with_a_nodes_key_is_dropped_and_the_first_runs_on(
-        hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, tmp_path: Path) -> None:
-    """One live session per key: node 1 started twice (the same key, the engine
-    running): the ROUTER drops what the second sends (its rank's identity is taken),
-    the second exits saying so once its hello goes unanswered, and the first then
-    generates to the end."""
-    a, b = hosts
-    out = tmp_path / "twice.json"
-    engine, node = _generating(hosts, model, keys, out, "hold")
-    (twice_err,) = _finish(_node(b, a, model, keys, keys), timeout=120)
-    out.with_suffix(".go").touch()
-    (node_err,) = _finish(node)
-    _finish(engine)
-    result, log = json.loads(out.read_text()), out.with_suffix(".log").read_text()
-    assert "node 1 is already connected (one session per key)" in twice_err, twice_err[-3000:]
-    assert "error" not in result and result["long"] == [200, 200, 200], log[-3000:]
-    assert node.returncode == 0, node_err[-3000:]
     assert _gone(a, b)

@@ -105,11 +105,11 @@ def _engine(a: netns.Host, model: Path, out: Path, *extra: str) -> subprocess.Po
         stderr=log, text=True)
 
 
-def _generating(a: netns.Host, b: netns.Host, model: Path, out: Path,
+def _generating(a: netns.Host, b: netns.Host, model: Path, out: Path, mode: str = "long",
                 timeout: float = 400) -> tuple[subprocess.Popen[str], Path, int]:
     """(engine, its log, the rank on ``b``) once the engine is in its long generate (the
-    log says WARM)."""
-    engine = _engine(a, model, out, "long")
+    log says WARM; ``mode``: tests/vllm_nodes_run.py's)."""
+    engine = _engine(a, model, out, mode)
     log, end = out.with_suffix(".log"), time.monotonic() + timeout
     while "WARM" not in log.read_text():
         assert engine.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
@@ -150,34 +150,30 @@ def test_ranks_placed_by_ray_on_another_host_match_the_default_executor(
     assert _wait_gone(b) == [] and _wait_gone(a) == [], "a rank outlived the engine"
 
 
-def test_a_killed_ray_placed_rank_restarts_the_group_and_no_request_is_lost(
+def test_a_killed_ray_placed_rank_restarts_the_group_and_the_ranks_exit_with_the_engine(
         cluster: tuple[netns.Host, netns.Host], model: Path, tmp_path: Path) -> None:
     """The rank on the other node SIGKILLed mid-generation: the engine restarts the
     group, the Ray actor starts its rank again (as ``deltacast node`` does), and the
     generation ends with every token (tests/test_vllm_nodes.py: restarts turned off,
-    the executor fails naming the node)."""
+    the executor fails naming the node).  Then, in a second generation, the engine's
+    process tree SIGKILLed: the ranks on both nodes exit (the engine's connection lost,
+    and Ray ends the dead driver's actor)."""
+    import psutil
+
     a, b = cluster
     out = tmp_path / "killed.json"
-    engine, log, rank = _generating(a, b, model, out)
+    engine, log, rank = _generating(a, b, model, out, "twice")
     os.kill(rank, signal.SIGKILL)
-    engine.wait(timeout=400)
+    end = time.monotonic() + 400
+    while "SECOND" not in log.read_text():
+        assert engine.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
+        time.sleep(0.2)
     result, text = json.loads(out.read_text()), log.read_text()
     assert result.get("long") == [200, 200, 200] and "error" not in result, text[-3000:]
     assert (f"restarted the group after node 1 (ranks [1], host {b.addr}) dropped its "
             "connection") in text, text[-3000:]
     assert "its group restarts; starting ranks [1] again" in text, text[-3000:]
-    assert _wait_gone(b) == [] and _wait_gone(a) == [], "a rank outlived the engine"
-
-
-def test_ranks_placed_by_ray_exit_when_the_engine_dies(
-        cluster: tuple[netns.Host, netns.Host], model: Path, tmp_path: Path) -> None:
-    """The engine's process tree SIGKILLed mid-generation: the rank on the other node
-    exits (its engine's connection lost, and Ray ends the dead driver's actor)."""
-    import psutil
-
-    a, b = cluster
-    out = tmp_path / "engine-killed.json"
-    engine, log, _ = _generating(a, b, model, out)
+    assert len(_ranks(b)) == 1, _processes(b)
     for p in [*psutil.Process(engine.pid).children(recursive=True), psutil.Process(engine.pid)]:
         p.send_signal(signal.SIGKILL)
     engine.wait(timeout=60)

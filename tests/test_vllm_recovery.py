@@ -42,6 +42,8 @@ def test_every_injected_fault_was_recovered_by_sending_calls_again(run: dict[str
     faults = run[f"{name}_faults"].split(",")
     assert max(int(f.split(":")[2]) for f in faults) < run[f"{name}_calls"]  # all reached
     assert run[f"{name}_stats"].get("resent_calls", 0) >= len(faults)
+    if name == "sockets":  # no ring: every call on the sockets
+        assert run["sockets_stats"].get("ring_calls", 0) == 0 < run["sockets_stats"]["socket_calls"]
     for fault in faults:
         what, rank, number = fault.split(":")
         word = "dropped" if what == "drop" else "damaged"

@@ -7,10 +7,10 @@ DeltaExecutor with rank 1 on node 1 at ADDR, ``deltacast node`` started by the t
 It generates greedily with logprobs (the ``short`` batch); with ``norestart`` (before
 the mode) a dead rank fails the engine instead of restarting its group; with ``long``,
 prints ``WARM`` to stderr, then generates a long batch (``hold``: the same once OUT.go
-exists; ``twice``: then prints ``SECOND`` and generates it again); with ``skew``, makes
-rank 1 sample other tokens (a sealed callable sent to every rank) and generates again,
-so the engine names rank 1 as diverged; with ``tp4`` (before the mode), TP=4 in float32
-(ranks 2 and 3 on node 1).
+exists; ``twice``: then writes OUT.json, prints ``SECOND`` and generates it again);
+with ``skew`` (before the mode), makes rank 1 sample other tokens (a sealed callable
+sent to every rank) and generates again, so the engine names rank 1 as diverged; with
+``tp4`` (before the mode), TP=4 in float32 (ranks 2 and 3 on node 1).
 OUT.json gets the outputs, or the error that ended generation and when
 (``time.time()``).
 """
@@ -82,7 +82,7 @@ def main() -> None:
         short = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
         result["short"] = _outputs(llm.generate(prompts, short))
-        if rest[-1:] == ["skew"]:
+        if "skew" in rest:
             result["skewed"] = llm.collective_rpc(_skew_rank1_sampler)
             llm.generate(prompts, short)
         if rest[-1:] not in (["long"], ["hold"], ["twice"]):
@@ -94,6 +94,8 @@ def main() -> None:
         long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
         result["long"] = [len(o.outputs[0].token_ids) for o in llm.generate(prompts, long)]
         if rest[-1:] == ["twice"]:
+            with open(out, "w") as f:  # (the test may kill this process in the second)
+                json.dump(result, f)
             print("SECOND", file=sys.stderr, flush=True)
             result["long2"] = [len(o.outputs[0].token_ids)
                                for o in llm.generate(prompts, long)]
