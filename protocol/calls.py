@@ -108,8 +108,8 @@ def pack_relayed(frames: Sequence[Any]) -> bytes:
     (uint32) and the count's top bit, when that saves a tenth."""
     lengths = [memoryview(f).nbytes for f in frames]
     head = struct.pack(f"<{len(lengths)}I", *lengths)
-    if RELAY_DEFLATE_MIN <= sum(lengths) <= RELAY_DEFLATE_MAX:
-        size = len(head) + sum(lengths)
+    size = len(head) + sum(lengths)  # inflated
+    if RELAY_DEFLATE_MIN <= size - len(head) <= RELAY_DEFLATE_MAX:
         zip_ = zlib.compressobj(1)
         packed = b"".join([*map(zip_.compress, [head, *frames]), zip_.flush()])
         if len(packed) < size * 0.9:

@@ -88,7 +88,6 @@ class Reply(Future):  # type: ignore[type-arg]
         return super().result(timeout)
 
 
-
 class Sampled(Future):  # type: ignore[type-arg]
     """``execute_model``'s result for a step sent as one ``T`` call (SPEC §16.1), whose
     answer ``reply`` is ``sample_tokens``': None once ``reply`` resolves (its

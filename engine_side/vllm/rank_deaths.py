@@ -34,7 +34,7 @@ log = logging.getLogger("deltacast.vllm.executor")
 LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-_POLL_MS = 100  # how often the link watch looks at its stop flag
+LINK_POLL_MS = 100  # how often the link watch looks at its stop flag
 _EXITING_S = 0.1  # a rank whose link dropped and that is still alive this long is frozen
 REJOIN_S = 150.0  # a restarted group's ranks on other nodes are ready within this long
 
@@ -134,7 +134,7 @@ class RankDeaths:
         from zmq.utils.monitor import recv_monitor_message
 
         while not self.shutting_down:
-            if not self._links.poll(_POLL_MS):
+            if not self._links.poll(LINK_POLL_MS):
                 continue
             event = recv_monitor_message(self._links)
             where = event["endpoint"].decode(errors="replace")

@@ -16,10 +16,10 @@ from engine_side.ring import RingWriter
 from engine_side.security import PrivateDir
 from engine_side.spawn import reap
 from engine_side.vllm.local_ranks import remove_dist_files
+from engine_side.vllm.rank_deaths import LINK_POLL_MS
 from engine_side.vllm.remote import RemoteRanks
 
 JOIN_S = 10.0  # a rank's time to exit after its QUIT, before it is terminated
-WATCH_JOIN_S = 0.2  # the link watch ends within its poll period once shutting down
 
 
 def teardown(procs: list[BaseProcess], deaths: list[Connection], sock: zmq.Socket[bytes],
@@ -29,8 +29,8 @@ def teardown(procs: list[BaseProcess], deaths: list[Connection], sock: zmq.Socke
     """Close everything; ``dist[0]``: the group's torch.distributed init method."""
     reap(procs, deaths, JOIN_S)
     remove_dist_files(dist[0])
-    if link_watch.is_alive():
-        link_watch.join(WATCH_JOIN_S)
+    if link_watch.is_alive():  # it ends within its poll period once shutting down
+        link_watch.join(2 * LINK_POLL_MS / 1e3)
     if not link_watch.is_alive():  # (else its socket is left to the process's exit)
         sock.disable_monitor()
         links.close(linger=0)
