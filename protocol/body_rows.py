@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from protocol import kernels
 from protocol.columns import I64
 from protocol.errors import InvalidDelta, LocalProtocolError
 from protocol.membership import Membership, RowSet
@@ -68,17 +69,12 @@ def departures(actual: list[int], predicted: I64, signed: bool,
     """Rows of the positions where ``actual`` departs from ``predicted``: the values
     themselves (scheduled counts) or the corrections (``signed``, computed counts); and
     the same as (positions, values) lists.  None where nothing departs."""
-    expected = predicted.tolist()
-    if actual == expected:
+    at = kernels.mismatches(actual, predicted)
+    if not at:
         return None
-    if len(actual) <= 64:  # (list work beats array calls on a short schedule)
-        at = [p for p, (a, b) in enumerate(zip(actual, expected, strict=True)) if a != b]
-        values = [actual[p] - expected[p] for p in at] if signed else [actual[p] for p in at]
-    else:
-        got = np.fromiter(actual, np.int64, len(actual))
-        where = np.flatnonzero(got != predicted)
-        at = where.tolist()
-        values = (got[where] - predicted[where] if signed else got[where]).tolist()
+    values = [actual[p] for p in at]
+    if signed:
+        values = [v - int(predicted[p]) for v, p in zip(values, at, strict=True)]
     if signed:
         return Rows(keys=pack_uints(at), values=pack_sints(values)), (at, values)
     if min(values) < 0:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
+from protocol import kernels
 from protocol.errors import (
     DECODE_ERRORS,
     LocalProtocolError,
@@ -168,15 +169,16 @@ class OutputCounts:
         """(positions, deltas) packed where ``actual`` departs from the prediction, the
         offsets learnt; None when none does."""
         predicted = self.predict(handles, computed)
-        if actual == predicted.tolist():
-            return None
         if len(actual) != predicted.size:
             raise LocalProtocolError("num_output_tokens is not one entry per cached request",
                                      entries=len(actual), requests=predicted.size)
-        diff = np.fromiter(actual, np.int64, len(actual)) - predicted
-        at = np.flatnonzero(diff)
-        self.learn(handles, at, diff[at])
-        return pack_uints(at), pack_sints(diff[at])
+        found = kernels.mismatches(actual, predicted)
+        if not found:
+            return None
+        at = np.asarray(found, dtype=np.int64)
+        diff = np.asarray([actual[p] for p in found], dtype=np.int64) - predicted[at]
+        self.learn(handles, at, diff)
+        return pack_uints(at), pack_sints(diff)
 
     @staticmethod
     def read(pos: bytes, delta: bytes, n: int) -> tuple[Any, Any] | None:

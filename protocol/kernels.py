@@ -14,7 +14,7 @@ Two kinds of names:
   returns exactly what its pure-Python reference returns, or None for an input it does
   not take -- and always None without the module; the caller then runs the reference,
   which decides, errors included;
-* whole functions (``single_items``, ``singletons``): the C
+* whole functions (``single_items``, ``singletons``, ``mismatches``): the C
   kernel where it takes the input, else the ``*_py`` reference beside it.
 
 ``tests/test_kernels*.py`` hold every kernel to its reference on generated and hostile
@@ -99,6 +99,17 @@ def single_items_py(rows: Any) -> list[Any] | None:
 
 #: :func:`single_items_py`, in C when built (it takes every input)
 single_items: Callable[[Any], list[Any] | None] = _C.single_items if _C else single_items_py
+
+
+def mismatches_py(values: list[int], array: Any) -> list[int]:
+    """The positions where a list of ints departs from an int64 array as long."""
+    return [p for p, (a, b) in enumerate(zip(values, array.tolist(), strict=True)) if a != b]
+
+
+def mismatches(values: list[int], array: Any) -> list[int]:
+    """:func:`mismatches_py`, in C where taken (a list of ints as long as the array)."""
+    found = _C.mismatches(values, array) if _C is not None else None
+    return found if found is not None else mismatches_py(values, array)
 
 
 def singletons_py(items: Any) -> list[list[Any]] | None:

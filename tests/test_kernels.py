@@ -254,6 +254,8 @@ for v in [[-1, 0, 1], [-(2**63), 2**63 - 1], list(range(-600, 600))]:
     b = packing.pack_sints(v)
     out += [b.hex(), packing.unpack_sint_list(b)]
 out += [kernels.single_items([[1], [2]]), kernels.singletons([3])]
+import numpy as np
+out.append(kernels.mismatches([1, 2, 2**40], np.array([1, 3, 2**40])))
 print(repr(out))
 """
 
@@ -297,8 +299,35 @@ def test_singletons_are_fresh_one_item_lists(items: list[object]) -> None:
     assert C.singletons(tuple(items)) is None and kernels.singletons_py(tuple(items)) is None
 
 
+@needs_c
+@given(st.lists(st.integers(-(1 << 70), 1 << 70), max_size=40), st.data())
+def test_mismatches_are_the_positions_a_list_departs_from_an_array(
+        values: list[int], data: st.DataObject) -> None:
+    """Exactly the reference's positions for a list of ints beside an int64 array of its
+    length; None (the reference decides) for ints past int64, impostors, other lengths
+    or other arrays."""
+    assert C is not None
+    array = np.asarray(data.draw(st.lists(I64, min_size=len(values), max_size=len(values))),
+                       dtype=np.int64)
+    for p in data.draw(st.lists(st.integers(0, max(len(values) - 1, 0)), max_size=5)):
+        if values and -(1 << 63) <= values[p] < 1 << 63:
+            array[p] = values[p]  # some equal entries
+    wide = any(not -(1 << 63) <= v < 1 << 63 for v in values)
+    got = C.mismatches(values, array)
+    assert got is None if wide else got == kernels.mismatches_py(values, array)
+    assert kernels.mismatches(values, array) == kernels.mismatches_py(values, array)
+    assert C.mismatches([*values, 1], array) is None
+    assert C.mismatches(tuple(values), array) is None
+    assert C.mismatches(values, array.astype(np.int32)) is None
+    if values and not wide:
+        assert C.mismatches([*values[:-1], float(values[-1])], array) is None
+        assert C.mismatches([*values[:-1], True], array) is None
+
+
 def test_whole_functions_without_the_module() -> None:
     """The references the facade falls back on (the pure-Python process's answers)."""
     assert kernels.single_items_py([[1], [2]]) == [1, 2]
     assert kernels.single_items_py([[1], [2, 3]]) is None
     assert kernels.singletons_py([1, 2]) == [[1], [2]]
+    assert kernels.mismatches_py([1, 2, 3], np.array([1, 5, 3])) == [1]
+    assert kernels.mismatches_py([], np.zeros(0, dtype=np.int64)) == []
