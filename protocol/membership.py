@@ -12,7 +12,7 @@ names no finish, add or schedule edit costs a few attribute reads.
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -110,19 +110,19 @@ class Membership:
     digest change of the entries that end or start and of the steady advance, the
     handles reset (finished or added) and the adds."""
 
-    __slots__ = ("state", "schedule", "counts", "change", "reset", "adds", "keep",
+    __slots__ = ("state", "schedule", "counts", "change", "reset", "adds", "cut",
                  "appended", "kept_reset")
 
     def __init__(self, state: StateView, schedule: I64, counts: I64, change: int = 0,
-                 keep: Any = None, appended: list[int] | None = None,
+                 cut: list[int] | None = None, appended: list[int] | None = None,
                  kept_reset: list[int] | None = None) -> None:
         self.state, self.schedule, self.counts, self.change = state, schedule, counts, change
         self.reset: set[int] | frozenset[int] = _NO_HANDLES
         self.adds: list[Add] = []
         # how an edited schedule was made (None: a whole new one): the previous
-        # schedule's positions kept (a bool mask, or True: all), the handles appended,
-        # and the new positions of handles re-added in place
-        self.keep, self.appended, self.kept_reset = keep, appended, kept_reset
+        # schedule's positions dropped (sorted), the handles appended, and the new
+        # positions of handles re-added in place
+        self.cut, self.appended, self.kept_reset = cut, appended, kept_reset
 
     @property
     def added_handles(self) -> list[int]:
@@ -151,12 +151,9 @@ class Membership:
         if new is prev and not self.reset:
             return cols.computed[new] + prev_n  # type: ignore[no-any-return]
         if self.appended is not None:  # an edited schedule: the kept part, then the tail
-            kept = cols.computed[prev] + prev_n
-            if self.keep is not True:
-                kept = kept[self.keep]
             added = {a[0]: a[1].computed for a in self.adds}
-            out = np.concatenate((kept, np.array(self.computed_after(self.appended, added),
-                                                 dtype=np.int64))) if self.appended else kept
+            out = edited(cols.computed[prev] + prev_n, self.cut or [],
+                         self.computed_after(self.appended, added))
             if self.kept_reset:
                 out[self.kept_reset] = [added[h] for h in new[self.kept_reset].tolist()]
             return out  # type: ignore[no-any-return]
@@ -300,10 +297,10 @@ def _schedule(state: StateView, body: DeltaBody, fin: set[int], added: set[int],
             kept_reset.append(at)
     if not cut and not append:
         if not kept_reset:
-            return Membership(state, prev, prev_n, keep=True, appended=[], kept_reset=[])
+            return Membership(state, prev, prev_n, cut=[], appended=[], kept_reset=[])
         counts = prev_n.copy()
         counts[kept_reset] = 1
-        return Membership(state, prev, counts, keep=True, appended=[], kept_reset=kept_reset)
+        return Membership(state, prev, counts, cut=[], appended=[], kept_reset=kept_reset)
     new_part = unpack_uint_list(append) if append else []
     tail = []  # the appended handles' predicted counts
     specs_of = state.specs
@@ -317,26 +314,41 @@ def _schedule(state: StateView, body: DeltaBody, fin: set[int], added: set[int],
     if len(set(new_part)) != len(new_part):
         raise InvalidDelta("appended handles must be distinct, live and unscheduled")
     applied.dropped, applied.appended = cut, new_part
-    keep: Any = True
-    base, base_n = prev, prev_n
-    if cut:
-        keep = np.ones(prev.size, dtype=bool)
-        keep[cut] = False
-        base, base_n = prev[keep], prev_n[keep]
-    if new_part:
-        new = np.concatenate((base, np.array(new_part, dtype=np.int64)))
-        counts = np.concatenate((base_n, np.array(tail, dtype=np.int64)))
+    ordered = sorted(cut)
+    if cut or new_part:
+        new, counts = edited(prev, ordered, new_part), edited(prev_n, ordered, tail)
     else:
-        new, counts = base, base_n
+        new, counts = prev, prev_n
     if kept_reset:
         if cut:
-            ordered = sorted(cut)
             kept_reset = [at - bisect_left(ordered, at) for at in kept_reset]
         if counts is prev_n:  # an append that unpacks to nothing: prev_n is read-only
             counts = prev_n.copy()
         counts[kept_reset] = 1
     new.flags.writeable = False
-    return Membership(state, new, counts, keep=keep, appended=new_part, kept_reset=kept_reset)
+    return Membership(state, new, counts, cut=ordered, appended=new_part,
+                      kept_reset=kept_reset)
+
+
+def edited(values: I64, cut: list[int], tail: list[int]) -> I64:
+    """``values`` without the positions ``cut`` (sorted, distinct, in range), then
+    ``tail``: a fresh int64 array, copied in runs when few positions go."""
+    n, k = values.size, len(cut)
+    if k > 8:
+        keep = np.ones(n, dtype=bool)
+        keep[cut] = False
+        kept = values[keep]
+        return np.concatenate((kept, np.array(tail, dtype=np.int64))) if tail else kept
+    out = np.empty(n - k + len(tail), dtype=np.int64)
+    at = start = 0
+    for c in cut:
+        out[at:at + c - start] = values[start:c]
+        at += c - start
+        start = c + 1
+    out[at:n - k] = values[start:]
+    if tail:
+        out[n - k:] = tail
+    return out
 
 
 def _alive(state: StateView, h: int, fin: set[int], added: set[int]) -> bool:

@@ -34,7 +34,7 @@ from engine_side.vllm.mm import StoreChannel
 from engine_side.vllm.params import SpecReader, request_entry
 from engine_side.vllm.replies import IndexCache, decode_reply
 from engine_side.vllm.schema import check_schema
-from protocol import codec
+from protocol import codec, kernels
 from protocol.codec import Frame
 from protocol.errors import LocalProtocolError
 from protocol.ext import OutputCounts, StepExt, encode_ext, make_ref
@@ -144,7 +144,8 @@ class SchedulerOutputEncoder:
         groups = mirror.state.kv_groups
         ext: dict[str, Any] = {"kv_groups": groups} if mirror.seq == 0 else {}
         pos: dict[str, int] | None = None
-        cpos: list[int] | None = None
+        cpos: list[int] | None = None  # the cached rows' batch positions (None: 0, 1, ...)
+        new_at: list[int] = []  # the new requests' batch positions
         computed: list[int] | None = ccomp
         resumed = cached.resumed_req_ids
         if cids == batch and batch == mirror.batch and not so.finished_req_ids \
@@ -153,14 +154,13 @@ class SchedulerOutputEncoder:
             # the counts with the prediction here, where the arrays are at hand
             handles, state = mirror.state.schedule, mirror.state
             comp = state.cols.computed[handles] + state.nsched
-            if ccomp == comp.tolist():
+            if len(ccomp) == comp.size and not kernels.mismatches(ccomp, comp):
                 computed = None  # as predicted (the common step: no exception row)
             else:
                 comp = _ints(ccomp, len(batch), "num_computed_tokens")
         else:
             if cids != batch or resumed or new_reqs:  # (resumed: a rank predicts them last)
-                pos = self._positions(batch)
-                cpos, computed = self._placed(so, batch, pos, ext)
+                cpos, computed, new_at = self._placed(so, batch, ext)
             try:
                 handles = np.fromiter(map(mirror.ids.__getitem__, cids), np.int64, len(cids))
             except KeyError as exc:
@@ -185,7 +185,7 @@ class SchedulerOutputEncoder:
         if prefill and any(r is not None for r in prefill):
             ext["prefill"] = tuple(prefill)
         self._token_lists(cached, ext)
-        appends, replaces = self._blocks(so, groups, cpos, pos, batch)
+        appends, replaces = self._blocks(so, groups, cpos, new_at)
         dep = self.outputs.departures(handles, comp, cached.num_output_tokens) if cids else None
         if dep is not None:
             ext["out_pos"], ext["out_delta"] = dep
@@ -233,15 +233,26 @@ class SchedulerOutputEncoder:
         """The rank's ModelRunnerOutput (fresh objects), or None."""
         return decode_reply(frames, self.batches, self.seals, self._index)
 
-    def _placed(self, so: Any, batch: list[str], pos: dict[str, int], ext: dict[str, Any],
-                ) -> tuple[list[int], list[int]]:
-        """(each cached request's batch position, each row's computed count) of a step
-        whose cached requests are not the batch in order; the cached order departs when
-        it is not running-then-resumed in batch order."""
+    def _placed(self, so: Any, batch: list[str], ext: dict[str, Any],
+                ) -> tuple[list[int] | None, list[int], list[int]]:
+        """(each cached request's batch position, None where they are the batch's first
+        rows in order; each row's computed count; each new request's batch position) of
+        a step whose cached requests are not the whole batch in order.  The cached order
+        departs when it is not running-then-resumed in batch order."""
         cached, new_reqs = so.scheduled_cached_reqs, so.scheduled_new_reqs
-        cids = cached.req_ids
-        if len(cids) + len(new_reqs) != len(batch) or not all(
-                nr.req_id in pos for nr in new_reqs):
+        cids, resumed = cached.req_ids, cached.resumed_req_ids
+        m = len(cids)
+        if len(cached.num_computed_tokens) != m:
+            raise LocalProtocolError("num_computed_tokens is not one per cached request",
+                                     counts=len(cached.num_computed_tokens), requests=m)
+        if not resumed and len(batch) == m + len(new_reqs) and batch[:m] == cids \
+                and all(r == nr.req_id for r, nr in zip(batch[m:], new_reqs, strict=True)):
+            # the common shape: the cached requests, then the new ones, in batch order
+            return None, [*cached.num_computed_tokens,
+                          *(nr.num_computed_tokens for nr in new_reqs)], \
+                list(range(m, len(batch)))
+        pos = self._positions(batch)
+        if m + len(new_reqs) != len(batch) or not all(nr.req_id in pos for nr in new_reqs):
             raise LocalProtocolError("num_scheduled_tokens must name each new and cached "
                                      "request once")
         try:
@@ -249,25 +260,21 @@ class SchedulerOutputEncoder:
         except KeyError as exc:
             raise LocalProtocolError("a cached request is not scheduled",
                                      req_id=str(exc)) from None
-        if len(cached.num_computed_tokens) != len(cids):
-            raise LocalProtocolError("num_computed_tokens is not one per cached request",
-                                     counts=len(cached.num_computed_tokens), requests=len(cids))
         computed = [0] * len(batch)
         for p, c in zip(cpos, cached.num_computed_tokens, strict=True):
             computed[p] = c
-        for nr in new_reqs:
-            computed[pos[nr.req_id]] = nr.num_computed_tokens
-        resumed = cached.resumed_req_ids
+        new_at = [pos[nr.req_id] for nr in new_reqs]
+        for p, nr in zip(new_at, new_reqs, strict=True):
+            computed[p] = nr.num_computed_tokens
         predicted = sorted(cpos)
         if resumed:
             predicted = [p for p in predicted if batch[p] not in resumed] + \
                 [p for p in predicted if batch[p] in resumed]
         if cpos != predicted:
             ext["cached_order"] = pack_uints(cpos)
-        return cpos, computed
+        return cpos, computed, new_at
 
-    def _blocks(self, so: Any, groups: int, cpos: list[int] | None,
-                pos: dict[str, int] | None, batch: list[str],
+    def _blocks(self, so: Any, groups: int, cpos: list[int] | None, new_at: list[int],
                 ) -> tuple[Sequence[BlockRows | None], Sequence[BlockRows | None]]:
         """Per KV group, the rows appended (new requests' whole tables, cached requests'
         new blocks) and replaced (resumed requests' tables); a cached request whose new
@@ -281,8 +288,7 @@ class SchedulerOutputEncoder:
             return (), ()
         app: list[BlockRows] = [([], [], []) for _ in range(groups)]
         rep: list[BlockRows] = [([], [], []) for _ in range(groups)]
-        for nr in new_reqs:
-            p = pos[nr.req_id]  # type: ignore[index]
+        for nr, p in zip(new_reqs, new_at, strict=True):
             if len(nr.block_ids) != groups:
                 raise LocalProtocolError("a new request's blocks are not one list per KV "
                                          "group", req_id=nr.req_id, groups=groups)

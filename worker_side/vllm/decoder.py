@@ -50,7 +50,8 @@ class _Lists:
     changes (:meth:`SchedulerOutputDecoder._read`)."""
 
     new_pos: list[int]  # schedule position of each added handle
-    cpos: list[int] | None  # the cached requests' positions (None: the batch in order)
+    cpos: list[int] | range | None  # the cached requests' positions (None: the batch
+    # in order; a range: its first rows in order)
     new_tokens: list[list[int]]
     all_tokens: dict[int, list[int]]  # index among the cached requests -> history
     prefill: list[list[int] | None]  # per added request
@@ -211,7 +212,10 @@ class SchedulerOutputDecoder:
         if applied is STEADY and not ext.cached_order:  # the batch again, in order
             cpos = None
         else:
-            if added:
+            k = len(added)
+            if added and applied.appended[len(applied.appended) - k:] == added:
+                new_pos = list(range(n - k, n))  # (the common shape: appended last)
+            elif added:
                 inv = np.full(max(int(schedule.max()) if n else 0, max(added)) + 1, -1,
                               dtype=np.int64)
                 inv[schedule] = np.arange(n)
@@ -262,12 +266,15 @@ class SchedulerOutputDecoder:
         else:
             batch = self._batch_of(applied)
             resumed = {self.names[h] for h in applied.resumed}
-            cids = list(batch) if cpos is None else [batch[p] for p in cpos]
+            cids = list(batch) if cpos is None else batch[:len(cpos)] \
+                if type(cpos) is range else [batch[p] for p in cpos]
             tables = self._tables(applied) if applied.blocks or applied.replaced else {}
             new_blocks = [None] * len(cids)
             if tables:  # each row's index among the cached requests (-1: a new one's)
                 if cpos is None:
                     at = list(tables)
+                elif type(cpos) is range:
+                    at = [p if p < len(cpos) else -1 for p in tables]
                 else:
                     inv = np.full(len(batch), -1, dtype=np.int64)
                     inv[cpos] = np.arange(len(cpos))
@@ -283,7 +290,8 @@ class SchedulerOutputDecoder:
                                        applied.prompts, strict=True):
                 self.outputs.add(h, len(prompt) if prompt is not None else
                                  spec.embeds[1][0] if spec.embeds and spec.embeds[1] else 0)
-        chandles = sched if cpos is None else sched[cpos]
+        chandles = sched if cpos is None else sched[:len(cpos)] if type(cpos) is range \
+            else sched[cpos]
         ccomp = cols.computed[chandles]
         outputs = self.outputs.apply(chandles, ccomp, read.departures)
         nst = self._count_map(batch, applied, nsched)
@@ -355,9 +363,10 @@ class SchedulerOutputDecoder:
 
     @staticmethod
     def _cached_positions(n: int, new_pos: list[int], schedule: I64, resumed: list[int],
-                          ext: StepExt) -> list[int] | None:
+                          ext: StepExt) -> list[int] | range | None:
         """Batch positions of the cached requests in their list order (None: the whole
-        batch in order, the steady step's shape); ``resumed``: handles."""
+        batch in order, the steady step's shape; a range: the batch's first rows in
+        order); ``resumed``: handles."""
         if ext.cached_order:
             cpos = unpack_uint_list(ext.cached_order, limit=n)
             if len(cpos) + len(new_pos) != n or set(cpos) & set(new_pos) \
@@ -366,6 +375,9 @@ class SchedulerOutputDecoder:
             return cpos
         if not new_pos and not resumed:
             return None
+        m = n - len(new_pos)
+        if not resumed and new_pos == list(range(m, n)):
+            return range(m)  # (the common shape: the new requests last)
         new = set(new_pos)
         rest = [p for p in range(n) if p not in new]
         if resumed:
