@@ -1,10 +1,13 @@
 """The local step ring's shared vocabulary (SPEC §7.6): segment layout, header words,
 record format and the byte rings, read and written on an already mapped segment.
 
-Both ends use it: the engine creates the segment (a memfd) and writes the step ring
+Both ends use it: the engine creates the segment and writes the step ring
 (:mod:`engine_side.ring`), a worker attaches to it and writes its reply ring
-(:mod:`worker_side.ring`).  Creating, mapping and attaching are I/O and stay on those
-sides; this module only reads and writes bytes in a buffer it is given.
+(:mod:`worker_side.ring`); a node's relay owns a segment of its own for the ranks on
+its host (:mod:`worker_side.vllm.relay`).  :class:`OwnedRing` is the creating end both
+writers share (a memfd announced in ``DIR/ring``, as :mod:`protocol.ipc_dir` is the
+directory check both ends share); the rest reads and writes bytes in a buffer it is
+given.
 
 The segment holds:
 
@@ -34,10 +37,12 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 MAGIC = 0x676E_6952_6364  # "dcRing" (little-endian)
@@ -52,6 +57,7 @@ HEADER_WORDS = 16  # magic, version, ring bytes, ranks, reply bytes, closed, hea
 W_MAGIC, W_VERSION, W_RING, W_RANKS, W_REPLY, W_CLOSED, W_HEAD = range(7)
 _RECORD = struct.Struct("<II")
 _U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
 
 # A memory fence, not a lock: nothing here starts a thread or excludes one.  Acquiring
 # and releasing a lock is an atomic read-modify-write, i.e. a full barrier between the
@@ -224,3 +230,57 @@ class Segment:
             view.release()
         with contextlib.suppress(BufferError):  # a caller still holds a view: GC unmaps
             self.mm.close()
+
+
+class OwnedRing:
+    """The writing end of a segment it creates: a memfd (no name in /dev/shm: the kernel
+    frees it when the last process mapping it exits, even after kill -9) announced as
+    ``pid fd size`` in ``DIR/ring`` of a private 0700 directory; a reader maps
+    ``/proc/PID/fd/FD`` (:mod:`worker_side.ring`).  Writes steps, sees who sleeps."""
+
+    def __init__(self, directory: Path, ring_bytes: int = DEFAULT_RING_BYTES,
+                 reply_bytes: int = DEFAULT_REPLY_BYTES) -> None:
+        if ring_bytes < MIN_BYTES or ring_bytes % 8 or reply_bytes < MIN_BYTES or reply_bytes % 8:
+            raise ValueError(f"ring and reply sizes must be multiples of 8, at least {MIN_BYTES}")
+        layout = Layout(ring_bytes, reply_bytes)
+        self.fd = os.memfd_create("deltacast-ring", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, layout.size)
+        self.seg = Segment(mmap.mmap(self.fd, layout.size), layout)
+        self.seg.format()
+        self.path = directory / RING_FILE
+        tmp = directory / f".{RING_FILE}.{os.getpid()}"
+        tmp.write_text(f"{os.getpid()} {self.fd} {layout.size}\n")
+        tmp.chmod(0o600)
+        tmp.replace(self.path)  # atomically: a reader never reads a half-written file
+
+    def publish(self, frames: Sequence[Any], seq: int, limit: int | None = None) -> bool:
+        """Append one message; if it is too large (for the ring, or than ``limit``), an
+        ON_PUB marker for ``seq`` instead (returns False: the caller MUST then send the
+        message on its socket)."""
+        if self.seg.ring.write(MESSAGE, pack_frames(frames), limit):
+            return True
+        self.seg.ring.write(ON_PUB, [_U64.pack(seq)])
+        return False
+
+    def sleepers(self) -> bool:
+        """Whether a reader has announced it is blocking (send a doorbell; after a fence)."""
+        fence()
+        return self.seg.sleeping_any()
+
+    def sleeping_ranks(self) -> list[int]:
+        """Ranks whose reader announced it blocks (after a fence)."""
+        fence()
+        return [r for r, v in enumerate(self.seg.sleeping.cast("Q")) if v]
+
+    def close(self) -> None:
+        """Mark the segment closed (attached readers re-attach) and remove ``DIR/ring``
+        if it is still this one's.  Idempotent."""
+        if self.fd < 0:
+            return
+        self.seg.words[W_CLOSED] = 1
+        with contextlib.suppress(OSError):
+            if self.path.read_text().split()[:2] == [str(os.getpid()), str(self.fd)]:
+                self.path.unlink()
+        self.seg.close()
+        os.close(self.fd)
+        self.fd = -1

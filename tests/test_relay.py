@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ from engine_side.vllm.rank_deaths import LINK_EVENTS
 from engine_side.vllm.remote import RemoteRanks
 from protocol import calls as wire
 from protocol.errors import MalformedMessage
+from protocol.ring import RING_FILE
+from worker_side.vllm.channel import RankChannel
 from worker_side.vllm.relay import Relay
 
 WORLD = 4  # ranks 0, 1 here; 2, 3 on node 1
@@ -192,6 +195,54 @@ def test_one_copy_per_node_reaches_every_rank_and_answers_come_back(
         for sock in (two, three):
             sock.close(linger=0)
     ctx.term()
+
+
+def test_calls_reach_the_nodes_ranks_once_through_its_ring_and_replies_come_back(
+        tmp_path: Path, keys: Path, engine: Engine) -> None:
+    """With a ring, each call for every rank is written once into the node's step ring:
+    a rank already asleep is woken by its doorbell, one reading later finds the calls in
+    order, a call over half the ring comes on the ROUTER behind its marker, and
+    per-rank messages and replies keep to the ROUTER."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    relay = Relay(str(tmp_path), 1, 1, engine.layout.channel(1), _node_curve(keys),
+                  range(2, 4), liveness_s=0.6, ring_bytes=64 << 10)
+    two, three = _ranks(ctx, relay, [b"2", b"3"])
+    channels = [RankChannel(sock, str(tmp_path), rank, ring_replies=False)
+                for sock, rank in ((two, 2), (three, 3))]
+    got: list[tuple[bytes, list[bytes]]] = []
+    try:
+        _hello(two)
+        assert engine.recv()[:2] == [b"2", wire.HELLO]
+        asleep = threading.Thread(target=lambda: got.append(channels[1].next_call()))
+        asleep.start()  # rank 3 waits for its first call (it does not spin: it sleeps)
+        for _ in range(100):
+            if channels[1].ring is not None and channels[1].ring.seg.sleeping_any():
+                break
+            time.sleep(0.01)
+        calls = []
+        for number, body in enumerate((b"a" * 100, bytes(range(256)) * 160, b"c"), 1):
+            call = [wire.call_head(wire.EXECUTE, number, [body]), body]
+            calls.append(call)
+            engine.remote.broadcast(engine.sock, call)
+        asleep.join(5.0)
+        assert got == [(wire.EXECUTE, [calls[0][1]])]  # woken by its doorbell
+        for number, call in enumerate(calls, 1):
+            if number > 1:
+                assert channels[1].next_call() == (wire.EXECUTE, [call[1]])
+            assert channels[0].next_call() == (wire.EXECUTE, [call[1]])
+        assert (relay.ring_calls, relay.socket_calls) == (2, 1)  # 40 KiB: over half the ring
+        engine.remote.send(engine.sock, 3, [wire.WELCOME, b"s" * 32, b"x"])
+        assert _got(three) == [wire.WELCOME, b"s" * 32, b"x"]
+        channels[1].reply([wire.OUTPUT, b"out"])
+        assert engine.recv() == [b"3", wire.OUTPUT, b"out"]
+    finally:
+        for channel in channels:
+            channel.close()
+        for sock in (two, three):
+            sock.close(linger=0)
+        relay.close()
+        ctx.term()
+    assert not (tmp_path / RING_FILE).exists()  # the relay removes its ring's file
 
 
 def test_a_relayed_message_from_no_rank_of_the_node_is_from_no_rank(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -189,6 +190,8 @@ def test_two_ranks_on_the_other_host_share_one_relay_at_tp4(
     assert engine.returncode == 0 and node.returncode == 0, (log.read_text()[-3000:],
                                                               node_err[-3000:])
     assert links == 1, f"{links} connections from node 1 to the engine"
+    ringed = re.search(r"calls to every rank: (\d+) through the node's ring", node_err)
+    assert ringed and int(ringed[1]) > 100, node_err[-3000:]  # one copy for both ranks
     result = json.loads(out.read_text())
     want = json.loads(ref.read_text())["short"]
     assert [r[0] for r in result["short"]] == [w[0] for w in want]  # the tokens

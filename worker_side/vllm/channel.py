@@ -1,10 +1,11 @@
-"""A DeltaExecutor rank's end of its calls: the DEALER, plus the local step ring.
+"""A DeltaExecutor rank's end of its calls: the DEALER, plus a step ring.
 
-With a ring (:mod:`protocol.ring`, the executor's default), calls arrive as ring
-records ``[head, *frames]`` and replies leave through this rank's reply ring; a call
-too large for the ring comes on the DEALER behind an ON_PUB marker, a reply too
-large for the reply ring leaves on the DEALER behind an ON_PUB marker in the reply
-ring (the executor keeps each rank's replies in order).  Unsolicited messages
+With a ring (:mod:`protocol.ring`: the executor's on its host, by default, or the
+relay's on another node), calls arrive as ring records ``[head, *frames]``; a call too
+large for the ring comes on the DEALER behind an ON_PUB marker.  With the executor's
+ring, replies leave through this rank's reply ring, one too large for it on the
+DEALER behind an ON_PUB marker in the reply ring (the executor keeps each rank's
+replies in order); with a relay's (``ring_replies`` False), on the DEALER.  Unsolicited messages
 (ready, failed, check-ins, requests for calls again) always use the DEALER.  An
 empty frame on the DEALER is a doorbell: it only wakes a rank that announced it
 sleeps.  Without a ring: every call and reply on the DEALER.
@@ -60,9 +61,11 @@ def _injections(rank: int) -> dict[int, str]:
 class RankChannel:
     """``next_call()`` → ``(kind, frames)``; ``reply(frames)``; ``send(frames)``."""
 
-    def __init__(self, sock: zmq.Socket[bytes], ring_dir: str | None, rank: int) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], ring_dir: str | None, rank: int,
+                 ring_replies: bool = True) -> None:
         self.sock = sock
         self.rank = rank
+        self.ring_replies = ring_replies
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         self.ring = RingReader(Path(ring_dir), rank) if ring_dir else None
@@ -102,7 +105,7 @@ class RankChannel:
     def reply(self, frames: list[Any]) -> None:
         """One call's reply (in call order)."""
         self._answered = time.monotonic()
-        if self.ring is None:
+        if self.ring is None or not self.ring_replies:
             self.sock.send_multipart(frames)
             return
         if not self.ring.reply(*pack_frames(frames)):

@@ -7,7 +7,8 @@ config from the same vLLM arguments, starts ranks ``K*W/N .. (K+1)*W/N - 1`` (W 
 world size), and they join the engine through the node's relay
 (:mod:`worker_side.vllm.relay`: one connection to ``tcp://ADDR:PORT+K`` over CURVE with
 this node's key, ``workerK.key_secret`` in DIR, the engine's ``engine.key`` beside it;
-one per generation of ranks).
+one per generation of ranks), which writes each call once into the node's step ring
+(``deltacast_ring_kb`` of the config, as on the engine's host; 0: over ipc).
 torch.distributed meets at ``tcp://ADDR:PORT``; gloo picks its interface from
 ``GLOO_SOCKET_IFNAME`` when set (printed at start).  The model's weights must be at
 the same path on every node.
@@ -150,16 +151,21 @@ def start_node(config: Any, node: int, nnodes: int, master_addr: str, master_por
     extra = config.additional_config if isinstance(config.additional_config, dict) else {}
     restarts = int(extra.get("deltacast_restarts", 1)) > 0  # 0: the engine fails instead
     liveness_s = float(extra.get("deltacast_liveness_s", LIVENESS_S))
+    ring_bytes = int(extra.get("deltacast_ring_kb", 32 << 10)) << 10  # as the engine's ring
     watch = RankWatch(node, liveness_s)
     rejoin_s, generation = 0.0, 0
     try:
         while True:
             generation += 1
             relay = Relay(watch.directory, node, generation, endpoint, curve, ranks,
-                          liveness_s, restarted=bool(rejoin_s))
+                          liveness_s, restarted=bool(rejoin_s), ring_bytes=ring_bytes)
             with relay:
                 status = _generation(config, ranks, tp, {
-                    **common, "rejoin_s": rejoin_s, "endpoint": relay.endpoint}, watch, relay)
+                    **common, "rejoin_s": rejoin_s, "endpoint": relay.endpoint,
+                    "ring_dir": watch.directory if ring_bytes else None}, watch, relay)
+            print(f"deltacast node {node}: relayed {relay.relayed} messages from the engine; "
+                  f"calls to every rank: {relay.ring_calls} through the node's ring, "
+                  f"{relay.socket_calls} on ipc", file=sys.stderr, flush=True)
             if status != RESTART:
                 return status
             if not restarts:

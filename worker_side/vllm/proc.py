@@ -17,7 +17,8 @@ lost or damaged is asked for again: :mod:`worker_side.vllm.channel`):
 
 With the executor's local step ring (its default), the same calls arrive once
 through the ring and replies leave through the rank's reply ring
-(:mod:`worker_side.vllm.channel`); ready, failed and check-ins stay on the DEALER.
+(:mod:`worker_side.vllm.channel`); ready, failed and check-ins stay on the DEALER.  A
+rank on another node reads its calls from its relay's ring and replies on the DEALER.
 
 Rank → engine: ``R`` ready, ``F`` failed to start (text), ``O`` reply frames
 (output rank), ``K`` done (other ranks), ``C`` sealed control result (label
@@ -244,7 +245,8 @@ def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
         except Exception:
             sock.send_multipart([FAILED, traceback.format_exc().encode()])
             return
-        channel = RankChannel(sock, ring_dir, rank)  # attached before READY: sees every call
+        # attached before READY: sees every call (a node's ring: replies on the DEALER)
+        channel = RankChannel(sock, ring_dir, rank, ring_replies=not node)
         channel.spin_s = spin_s
         sock.send_multipart([READY, b"%.3f" % loaded])
         _ready_to_node()

@@ -2,12 +2,18 @@
 
 The engine sends a node one copy of each message, one frame
 (:func:`protocol.calls.pack_relayed` of ``[target, *frames]``, the target a rank's
-identity or ``*``: every rank here); the relay hands each rank its frames on an ipc
-ROUTER in the node's private directory, and sends what a rank says back as one frame,
-``pack_relayed([its identity, *frames])``.  Its DEALER's identity names the node and
-its generation of ranks (``node<K>/<G>``): the ranks of a restart come in a session of
-their own.  The relay neither reads nor keeps what it carries: calls stay numbered and
-checksummed end to end, and a rank asks the engine for a lost one as it would without.
+identity or ``*``: every rank here).  A call for every rank goes once into the node's
+own step ring (``ring_bytes`` > 0; :class:`protocol.ring.OwnedRing` in the node's
+private directory, read by each rank as a local rank reads the engine's), with a
+doorbell on the ipc ROUTER for each rank that announced it sleeps; one over
+RING_CALL_LIMIT or half the ring goes to each rank on that ROUTER behind an ON_PUB
+marker.  Per-rank messages, and every message without a ring, go on the ROUTER.  The
+relay sends what a rank says back (its replies too: the ring's reply regions go
+unused) as one frame, ``pack_relayed([its identity, *frames])``.  Its DEALER's
+identity names the node and its generation of ranks (``node<K>/<G>``): the ranks of a
+restart come in a session of their own.  The relay keeps nothing it carries and reads
+no more than a call's number (for the marker): calls stay numbered and checksummed end
+to end, and a rank asks the engine for a lost one as it would without.
 
 Its link to the engine sends ZMTP heartbeats (every quarter of ``liveness_s``, lost
 past it).  When the engine refuses the node's key, the handshake fails, the link drops
@@ -26,11 +32,14 @@ import contextlib
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
 
 from protocol.calls import (
+    CALL_HEAD,
+    DOORBELL,
     HELLO,
     RELAY_ALL,
     heartbeat_ms,
@@ -39,10 +48,12 @@ from protocol.calls import (
     unpack_relayed,
 )
 from protocol.errors import MalformedMessage
+from protocol.ring import MIN_BYTES, OwnedRing
 
 REACH_S = 30.0  # a restarted generation's handshake with the engine is due within this long
 WELCOME_S = 30.0  # after the handshake, a hello's answer is due within this long
 _POLL_MS = 100
+RING_CALL_LIMIT = 1 << 20  # bigger calls go on the ipc ROUTER (as the engine's ring)
 
 
 class Relay:
@@ -50,12 +61,15 @@ class Relay:
 
     def __init__(self, directory: str, node: int, generation: int, engine: str,
                  curve: tuple[bytes, bytes, bytes], ranks: range, liveness_s: float,
-                 restarted: bool = False) -> None:
+                 restarted: bool = False, ring_bytes: int = 0) -> None:
         self.node, self.engine, self.restarted = node, engine, restarted
         self.endpoint = f"ipc://{directory}/relay{generation}"
         self.failure: str | None = None
         self.relayed = 0  # messages taken from the engine
+        self.ring_calls = self.socket_calls = 0  # calls for every rank, by the way taken
         self._ranks = [b"%d" % r for r in ranks]
+        #: the node's step ring (DIR/ring; None: every call on the ipc ROUTER)
+        self.ring = OwnedRing(Path(directory), ring_bytes, MIN_BYTES) if ring_bytes else None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._up = self._ctx.socket(zmq.DEALER)
         self._up.setsockopt(zmq.LINGER, 0)
@@ -125,9 +139,28 @@ class Relay:
                       f"engine ({exc})", file=sys.stderr, flush=True)
                 continue
             self.relayed += 1
+            if target == RELAY_ALL and self._ring_write(frames):
+                continue
             for rank in self._ranks if target == RELAY_ALL else [bytes(target)]:
                 with contextlib.suppress(zmq.ZMQError):  # (a rank not here: dropped)
                     self._down.send_multipart([rank, *frames], copy=False)
+
+    def _ring_write(self, frames: list[Any]) -> bool:
+        """A call for every rank into the ring, its sleepers woken: True; False when it
+        goes on the ROUTER (no ring; or too large: behind its marker, its place kept)."""
+        ring = self.ring
+        if ring is None:
+            return False
+        head = frames[0] if frames else b""
+        number = CALL_HEAD.unpack(head)[1] if len(head) == CALL_HEAD.size else 0
+        if not ring.publish(frames, number, RING_CALL_LIMIT):
+            self.socket_calls += 1
+            return False
+        self.ring_calls += 1
+        for rank in ring.sleeping_ranks():
+            with contextlib.suppress(zmq.ZMQError):
+                self._down.send_multipart([b"%d" % rank, DOORBELL])
+        return True
 
     def _to_engine(self) -> bool:
         """Relay what ranks said; True if one said hello."""
@@ -178,6 +211,8 @@ class Relay:
         for sock in (self._monitor, self._up, self._down, self._wake, self._waker):
             sock.close(linger=0)
         self._ctx.term()
+        if self.ring is not None:
+            self.ring.close()
 
     def __enter__(self) -> Relay:
         return self
