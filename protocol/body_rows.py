@@ -75,7 +75,6 @@ def departures(actual: list[int], predicted: I64, signed: bool,
     values = [actual[p] for p in at]
     if signed:
         values = [v - int(predicted[p]) for v, p in zip(values, at, strict=True)]
-    if signed:
         return Rows(keys=pack_uints(at), values=pack_sints(values)), (at, values)
     if min(values) < 0:
         raise LocalProtocolError("a scheduled count is negative")

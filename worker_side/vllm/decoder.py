@@ -193,11 +193,10 @@ class SchedulerOutputDecoder:
         if applied.added:
             pos = self.state.cols.pos  # type: ignore[union-attr]
             changed += [int(pos[h]) for h in applied.added if 0 <= pos[h] < kept]
-        values = nsched.tolist() if changed or kept < len(batch) else ()
         for p in changed:
-            nst[batch[p]] = values[p]
-        for p in range(kept, len(batch)):
-            nst[batch[p]] = values[p]
+            nst[batch[p]] = int(nsched[p])
+        if kept < len(batch):
+            nst.update(zip(batch[kept:], nsched[kept:].tolist(), strict=True))
         return nst
 
     def _added_specs(self, applied: Applied) -> list[Spec]:
