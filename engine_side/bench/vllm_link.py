@@ -17,9 +17,10 @@ gates the next step):
 * ours: the encoder (:class:`~engine_side.vllm.encoder.SchedulerOutputEncoder`) and the
   executor's call to a remote node (one frame, ``pack_relayed([*, call head, *frames])``,
   on a CURVE ROUTER), received by the node's relay (:mod:`worker_side.vllm.relay`, in a
-  process of its own as in ``deltacast node``) and handed over ipc to a DEALER running
-  the rank's own call loop (``RankChannel`` and the server of :mod:`worker_side.vllm.proc`;
-  it does not spin, as the executor tells remote ranks), which answers ``K`` done;
+  process of its own as in ``deltacast node``) and handed through the node's step ring
+  (a doorbell on ipc) to the rank's own call loop (``RankChannel`` and the server of
+  :mod:`worker_side.vllm.proc`; it does not spin, as the executor tells remote ranks),
+  which answers ``K`` done on its DEALER;
 * vLLM: ``MessageQueue(n_reader=1, n_local_reader=0)`` (a remote reader over TCP)
   carrying the MultiprocExecutor's ``("execute_model", (scheduler_output,), {}, 0)``;
   the reader answers on a plain TCP ZMQ socket.
@@ -280,7 +281,7 @@ def receiver_main(args: argparse.Namespace) -> int:
         relay.start()
         endpoint = stop.recv()  # the relay is up
         try:
-            return _serve(args, ctx, ctl, hello, endpoint)
+            return _serve(args, ctx, ctl, hello, endpoint, directory)
         finally:
             stop.send(b"")
             relay.join(10)
@@ -288,17 +289,20 @@ def receiver_main(args: argparse.Namespace) -> int:
 
 def relay_main(stop: Any, directory: str, engine: str, curve: tuple[bytes, bytes, bytes],
                ) -> None:
-    """The node's relay, in a process of its own (as in ``deltacast node``)."""
+    """The node's relay, in a process of its own, with the node's step ring (as in
+    ``deltacast node``, by default)."""
     from protocol.calls import LIVENESS_S
+    from protocol.ring import DEFAULT_RING_BYTES
     from worker_side.vllm.relay import Relay
 
-    with Relay(directory, 1, 1, engine, curve, range(1), LIVENESS_S) as relay:
+    with Relay(directory, 1, 1, engine, curve, range(1), LIVENESS_S,
+               ring_bytes=DEFAULT_RING_BYTES) as relay:
         stop.send(relay.endpoint)
         stop.recv()
 
 
 def _serve(args: argparse.Namespace, ctx: zmq.Context[Any], ctl: zmq.Socket[bytes],
-           hello: dict[str, Any], endpoint: str) -> int:
+           hello: dict[str, Any], endpoint: str, directory: str) -> int:
     from vllm.distributed.device_communicators.shm_broadcast import Handle, MessageQueue
 
     from protocol.calls import READY
@@ -319,7 +323,7 @@ def _serve(args: argparse.Namespace, ctx: zmq.Context[Any], ctl: zmq.Socket[byte
         holder = _Holder(expected)
         ctl.send_json({"op": "ready"})
         if cmd["path"] == "ours":
-            channel = RankChannel(dealer, None, 0)
+            channel = RankChannel(dealer, directory, 0, ring_replies=False)  # the node's ring
             channel.spin_s = spin_s
             _Server(holder, channel, key, False, 0, 0).serve()  # until the QUIT call
         else:
