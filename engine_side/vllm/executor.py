@@ -136,6 +136,9 @@ class DeltaExecutor(RankDeaths, Executor):
         self._new_secret()
         store_mb = extra.get("deltacast_mm_store_mb", 0)
         self.spin_s = float(extra.get("deltacast_spin_ms", self.spin_ms)) / 1e3
+        # ranks on other nodes: no spin by default (it takes a core from the model where
+        # ranks share a host's cores: tried, dropped); a host with cores to spare may
+        self.node_spin_s = float(extra.get("deltacast_node_spin_ms", 0)) / 1e3
         self.liveness_s = liveness_bound(extra)
         self._replied = 0.0  # monotonic time of the last message from a rank
         self.store = ShmStore(int(store_mb) << 20) if store_mb else None
@@ -236,8 +239,8 @@ class DeltaExecutor(RankDeaths, Executor):
                             "K` on node K joins at %s)", missing, self.remote.waiting_for())
             for rank, (kind, *rest) in got:
                 if kind == wire.HELLO and self.remote and rank in self.remote.ranks:
-                    # no spin across a link: it takes a core from the model (tried, dropped)
-                    settings = wire.WELCOME_SETTINGS.pack(self._hash_every(rank), 0.0)
+                    settings = wire.WELCOME_SETTINGS.pack(self._hash_every(rank),
+                                                          self.node_spin_s)
                     self.remote.welcome(self._sock, rank, rest, self.vllm_config, self.secret,
                                         settings, self.faults)
                 elif kind == wire.FAILED:
