@@ -70,6 +70,9 @@ NUMBER = struct.Struct("<Q")
 #: the kinds of a rank's answer to a call
 ANSWER_KINDS = (OUTPUT, DONE, CONTROL, ERROR)
 DOORBELL = b""
+#: a call over this many bytes goes on the socket behind its ring marker (the engine's
+#: ring and a node's alike: it bounds what a ring holds in flight)
+RING_CALL_LIMIT = 1 << 20
 
 CHECK_IN_PAYLOAD = struct.Struct("<qQ")  # outputs folded (int64), hash (uint64)
 RELAY_ALL = b"*"  # a relayed message's target: every rank of the node

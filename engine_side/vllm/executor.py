@@ -22,8 +22,9 @@ A message on the ROUTER from no rank, or a malformed check-in, is dropped and co
 
 Local step ring (``deltacast_ring_kb``, default 32 MiB, 0: off): a call goes once into
 the shared-memory ring of :mod:`engine_side.ring` for every local rank, replies come
-back through their reply rings; a call over ``RING_CALL_LIMIT`` (or half the ring), or a
-large reply, goes on the sockets behind an ON_PUB marker, so replies stay in call order.
+back through their reply rings; a call over ``RING_CALL_LIMIT`` (:mod:`protocol.calls`;
+or half the ring), or a large reply, goes on the sockets behind an ON_PUB marker, so
+replies stay in call order.
 Calls are numbered and checksummed (SPEC §16): a rank that finds one missing or damaged
 gets it again from the last calls kept (:mod:`engine_side.vllm.resend`); a quiet wait
 pings the ranks that owe an answer; a rank that lacks a call no longer kept fails the
@@ -79,7 +80,6 @@ from protocol.seal import Opener, Sealer
 log = logging.getLogger("deltacast.vllm.executor")
 POLL_MS = 100  # how often a waiting call re-checks that every rank is alive
 RING_POLL_MS = 1  # a blocked executor's ring check period (long steps, past the spin)
-RING_CALL_LIMIT = 1 << 20  # bigger calls use the ROUTER (bounds what the ring holds in flight)
 JOIN_LOG_S = 10.0  # while ranks on other nodes have not joined, say so this often
 
 
@@ -351,7 +351,7 @@ class DeltaExecutor(RankDeaths, Executor):
         self._calls += 1
         call = [wire.call_head(kind, self._calls, frames), *frames]
         self._resender.record(self._calls, call)  # kept for a rank that loses it
-        if self.ring is not None and self.ring.publish(call, self._calls, RING_CALL_LIMIT):
+        if self.ring is not None and self.ring.publish(call, self._calls, wire.RING_CALL_LIMIT):
             for rank in self.ring.sleeping_ranks():  # wake who sleeps
                 self._sock.send_multipart([str(rank).encode(), wire.DOORBELL])
             if self.remote is not None:  # no ring elsewhere: once per node, to its relay

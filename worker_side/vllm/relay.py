@@ -42,6 +42,7 @@ from protocol.calls import (
     DOORBELL,
     HELLO,
     RELAY_ALL,
+    RING_CALL_LIMIT,
     heartbeat_ms,
     pack_relayed,
     relay_identity,
@@ -53,7 +54,6 @@ from protocol.ring import MIN_BYTES, OwnedRing
 REACH_S = 30.0  # a restarted generation's handshake with the engine is due within this long
 WELCOME_S = 30.0  # after the handshake, a hello's answer is due within this long
 _POLL_MS = 100
-RING_CALL_LIMIT = 1 << 20  # bigger calls go on the ipc ROUTER (as the engine's ring)
 
 
 class Relay:
