@@ -321,11 +321,13 @@ def _serve(args: argparse.Namespace, ctx: zmq.Context[Any], ctl: zmq.Socket[byte
         expected = stream(cmd["workload"], cmd["running"], cmd["steps_arg"]) \
             if cmd["check"] else None
         holder = _Holder(expected)
+        if cmd["path"] == "ours":  # attached to the node's ring before "ready": sees call 1
+            channel = RankChannel(dealer, directory, 0, ring_replies=False)
+            channel.spin_s = spin_s
         ctl.send_json({"op": "ready"})
         if cmd["path"] == "ours":
-            channel = RankChannel(dealer, directory, 0, ring_replies=False)  # the node's ring
-            channel.spin_s = spin_s
             _Server(holder, channel, key, False, 0, 0).serve()  # until the QUIT call
+            channel.close()
         else:
             for _ in range(cmd["n"]):
                 message = mq.dequeue(timeout=WAIT_MS / 1e3)
