@@ -74,7 +74,7 @@ from engine_side.vllm.teardown import teardown
 from protocol import calls as wire
 from protocol.errors import MalformedMessage, ProtocolError
 from protocol.faults import PeerFaults
-from protocol.ring import MAX_RANKS
+from protocol.ring import DEFAULT_RING_BYTES, MAX_RANKS
 from protocol.seal import Opener, Sealer
 
 log = logging.getLogger("deltacast.vllm.executor")
@@ -188,7 +188,7 @@ class DeltaExecutor(RankDeaths, Executor):
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         # every rank needs a reply ring: beyond MAX_RANKS ranks, sockets only
-        ring_kb = int(extra.get("deltacast_ring_kb", 32 << 10)) \
+        ring_kb = int(extra.get("deltacast_ring_kb", DEFAULT_RING_BYTES >> 10)) \
             if len(self.local_ranks) <= MAX_RANKS else 0
         self.ring = RingWriter(self._dir.path, ring_kb << 10, min(4 << 20, ring_kb << 10)) \
             if ring_kb else None

@@ -47,6 +47,7 @@ from protocol.cli_support import (
     CliError,
     int_in,
 )
+from protocol.ring import DEFAULT_RING_BYTES
 from worker_side.vllm.rank_watch import RankWatch
 from worker_side.vllm.relay import Relay
 
@@ -151,7 +152,8 @@ def start_node(config: Any, node: int, nnodes: int, master_addr: str, master_por
     extra = config.additional_config if isinstance(config.additional_config, dict) else {}
     restarts = int(extra.get("deltacast_restarts", 1)) > 0  # 0: the engine fails instead
     liveness_s = float(extra.get("deltacast_liveness_s", LIVENESS_S))
-    ring_bytes = int(extra.get("deltacast_ring_kb", 32 << 10)) << 10  # as the engine's ring
+    # the node's step ring, sized as the engine's
+    ring_bytes = int(extra.get("deltacast_ring_kb", DEFAULT_RING_BYTES >> 10)) << 10
     watch = RankWatch(node, liveness_s)
     rejoin_s, generation = 0.0, 0
     try:
