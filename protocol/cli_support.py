@@ -11,7 +11,9 @@ sides share only :mod:`protocol` (no sockets, threads or clock in this module):
 * SIGINT and SIGTERM are handled alike (:func:`install_signal_handlers`): the first
   one raises :class:`Interrupted` in the main thread, ``finally`` blocks clean up
   (further signals are ignored meanwhile, and :func:`deferred_signals` holds one
-  back until a cleanup section is done), then one line and exit 128 + signal;
+  back until a cleanup section is done), then one line and exit 128 + signal; an
+  :class:`Interrupted` that lands where Python cannot raise (a ``__del__`` or weakref
+  callback, which only prints "Exception ignored") is delivered again;
 * anything else is a bug: ``PROG: internal error: ... (traceback in PATH)``, the
   traceback written to a log file, exit :data:`EXIT_INTERNAL`;
 * ``--debug`` also prints the traceback of any failure; ``-v`` makes the logs
@@ -241,19 +243,43 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     raise Interrupted(signum)
 
 
+def _on_unraisable(unraisable: sys.UnraisableHookArgs) -> None:
+    """An Interrupted raised inside a finalizer or weakref callback is swallowed there:
+    raise it again at the main thread's next call (a one-shot profile function, whose
+    exception Python raises in the profiled frame), outside this hook."""
+    exc = unraisable.exc_value
+    if not (isinstance(exc, Interrupted) and _state.raised):
+        sys.__unraisablehook__(unraisable)
+        return
+    before = sys.getprofile()
+
+    def raise_at_next_call(frame: FrameType, event: str, arg: object) -> None:
+        if frame.f_code is _on_unraisable.__code__:
+            return  # this hook's own calls and return
+        sys.setprofile(before)
+        raise Interrupted(exc.signum)
+
+    sys.setprofile(raise_at_next_call)
+
+
 def install_signal_handlers() -> dict[int, object]:
     """SIGINT and SIGTERM raise :class:`Interrupted` (once); returns the previous handlers
     (main thread only; elsewhere nothing is installed)."""
     _state.raised, _state.pending, _state.shield = False, None, 0
     try:
-        return {sig: signal.signal(sig, _on_signal) for sig in HANDLED_SIGNALS}
+        previous: dict[int, object] = {
+            sig: signal.signal(sig, _on_signal) for sig in HANDLED_SIGNALS}
     except ValueError:  # not the main thread
         return {}
+    sys.unraisablehook = _on_unraisable
+    return previous
 
 
 def restore_signal_handlers(previous: dict[int, object]) -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler)  # type: ignore[arg-type]
+    if previous and sys.unraisablehook is _on_unraisable:
+        sys.unraisablehook = sys.__unraisablehook__
 
 
 @contextlib.contextmanager

@@ -143,3 +143,28 @@ def test_the_stall_example_of_the_help_shows_resyncs() -> None:
     summary = json.loads(proc.stdout)
     assert summary["stalls"] >= 1 and summary["resyncs"] >= 1, summary
     assert summary["requests_done"] == 128 and summary["mismatched"] == 0
+
+
+class _SignalsWhenCollected:
+    """A finalizer that receives the signal: Python only prints what it raises there."""
+
+    def __del__(self) -> None:
+        signal.raise_signal(signal.SIGTERM)
+
+
+def test_a_signal_swallowed_by_a_finalizer_still_stops_the_command() -> None:
+    from protocol.cli_support import guarded
+
+    steps = []
+
+    def body() -> int:
+        _SignalsWhenCollected()  # collected at once: the signal lands in its __del__
+        for step in range(100_000):  # a command's main loop, which must be stopped
+            steps.append(step)
+        return 0
+
+    status = guarded("deltacast", body, debug=lambda: False)
+    assert status == 128 + signal.SIGTERM
+    assert len(steps) < 100_000
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert sys.unraisablehook is sys.__unraisablehook__
