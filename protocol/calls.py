@@ -69,6 +69,24 @@ CALL_HEAD = struct.Struct("<cQI")  # kind, number, CRC-32 of the other frames
 NUMBER = struct.Struct("<Q")
 #: the kinds of a rank's answer to a call
 ANSWER_KINDS = (OUTPUT, DONE, CONTROL, ERROR)
+#: the calls a rank other than the output rank may answer late, several in one ``K``
+STEP_KINDS = (EXECUTE, STEP, SAMPLE)
+DONE_MAX = 64  # such a rank answers at least every this many step calls
+_DONE_COUNT = struct.Struct("<I")
+
+
+def done_answer(count: int) -> list[bytes]:
+    """``K`` answering ``count`` calls (>= 1)."""
+    return [DONE] if count == 1 else [DONE, _DONE_COUNT.pack(count)]
+
+
+def done_count(answer: Sequence[bytes]) -> int | None:
+    """How many calls a ``K`` answer answers; None if it is malformed."""
+    if len(answer) == 1:
+        return 1
+    if len(answer) != 2 or len(answer[1]) != _DONE_COUNT.size:
+        return None
+    return _DONE_COUNT.unpack(answer[1])[0] or None
 DOORBELL = b""
 #: a call over this many bytes goes on the socket behind its ring marker (the engine's
 #: ring and a node's alike: it bounds what a ring holds in flight)

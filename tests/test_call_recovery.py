@@ -52,6 +52,7 @@ class Engine:
         self.resender.sent = CallLog(calls=keep)
         self.failure: str | None = None
         self.answered = 0  # calls the rank answered
+        self.answers = 0  # in how many messages
         self.sent = 0
         self._outbox: queue.Queue[tuple[bytes, list[bytes]]] = queue.Queue()
         self._stop = threading.Event()
@@ -91,8 +92,10 @@ class Engine:
                 _, kind, *rest = self.router.recv_multipart()
                 if kind == wire.RESEND:
                     self.failure = self.resender.resend(0, rest) or self.failure
-                elif kind == wire.DONE:
-                    self.answered += 1
+                elif kind in (wire.DONE, wire.CONTROL):
+                    self.answers += 1
+                    self.answered += wire.done_count([kind, *rest]) or 0 \
+                        if kind == wire.DONE else 1
             elif self.answered < self.sent:
                 self.resender.ping([0])
 
@@ -197,3 +200,29 @@ def test_any_faults_leave_the_calls_exact(tmp_path_factory: pytest.TempPathFacto
         finally:
             engine.close()
     assert got == _calls(10)
+
+
+def test_a_rank_not_the_output_rank_answers_step_calls_in_bulk(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its K answers to step calls go DONE_MAX at a time, and before its next other
+    answer: every call up to a control call is answered when that call is."""
+    monkeypatch.setenv(INJECT_ENV, "")
+    sock = engine.connect()
+    channel = RankChannel(sock, engine.ring_dir, 0, ring_replies=False)
+    steps = 2 * wire.DONE_MAX + 22
+    calls = [(wire.EXECUTE, [b"x"])] * steps + [(wire.CONTROL, [b"c"])] + [(wire.STEP, [b"t"])] * 3
+    try:
+        for kind, frames in calls:
+            engine.send(kind, frames)
+            got, _ = channel.next_call()
+            assert got == kind
+            channel.reply([wire.CONTROL, b"result"] if kind == wire.CONTROL else [wire.DONE],
+                          may_wait=kind in wire.STEP_KINDS)
+        deadline = time.monotonic() + 30
+        while engine.answered < steps + 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        channel.close()
+        sock.close(linger=0)
+    assert engine.answered == steps + 1  # the last three are held until a next answer
+    assert engine.answers == 4  # K(64), K(64), K(22), the control call's result

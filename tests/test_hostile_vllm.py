@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections import Counter
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -152,20 +153,33 @@ def test_a_malformed_answer_fails_the_executor_naming_the_rank() -> None:
         ex._receive = lambda deadline: list(enumerate(answers))
         return ex, called
 
+    every = SimpleNamespace(deadline=None, needed=(0, 1))  # a call both ranks answer
+
     reply = [calls.OUTPUT, with_nested_field(_reply_seeds(_vllm_pair()[1], ["a"])[0][0])]
     ex, called = executor([[calls.DONE], reply])  # type: ignore[list-item]
     with pytest.raises(ExecutorFailed, match="rank 1 sent a malformed answer"):
-        ex._output(ex._gather(None))
+        ex._output(ex._gather(every))
     assert ex.is_failed and called == [1] and ex.faults.by_peer == Counter({"rank 1": 1})
     ex, called = executor([[b"?"], [calls.DONE]])  # not an answer at all
     with pytest.raises(ExecutorFailed, match="rank 0"):
-        ex._gather(None)
+        ex._gather(every)
     sealer = Sealer(SECRET, b"result:0")  # rank 0's result sent as rank 1's
     ex, called = executor([[calls.CONTROL, sealer.seal({"result": 1})],
                            [calls.CONTROL, sealer.seal({"result": 2})]])
     with pytest.raises(ExecutorFailed, match="rank 1 .*MAC"):
-        ex._results(ex._gather(None))
+        ex._results(ex._gather(every))
     assert called == [1]
+    # a step call resolves on its output rank (1) alone; rank 0's E comes after it
+    ex, called = executor([])
+    arrivals = iter([[(1, [calls.OUTPUT, b"1"])],
+                     [(0, [calls.ERROR, b"boom"]), (1, [calls.OUTPUT, b"2"])]])
+    ex._receive = lambda deadline: next(arrivals)
+    step = SimpleNamespace(deadline=None, needed=(1,))
+    assert ex._gather(step) == [None, [calls.OUTPUT, b"1"]]
+    with pytest.raises(ExecutorFailed, match="rank 0 failed a step its output rank had "
+                                             "answered: boom"):
+        ex._gather(step)
+    assert ex.is_failed and called == [1]
     assert calls.rank_of(b"1", 2) == 1
     assert [calls.rank_of(i, 2) for i in (b"2", b"01", b"-1", b"x", b"", b"1" * 9)] == [None] * 6
 

@@ -1,29 +1,33 @@
-"""The DeltaExecutor's answers from its ranks, kept in call order (SPEC §16).
+"""The DeltaExecutor's answers from its ranks, kept in call order (SPEC §16.1).
 
-Every rank answers every call exactly once, in call order, through its reply ring or
-its DEALER; an ON_PUB marker in the reply ring keeps the place of an answer too large
-for it, which comes on the DEALER.  :class:`Answers` files them per rank and hands
-out one answer per rank once every rank's next one is in.  A record or an answer
-that is not one is that rank's fault, raised as :class:`RankFault` naming the rank:
-its answers are out of step with the calls, so the executor fails.
+Every rank answers every call once, in call order, through its reply ring or its
+DEALER; an ON_PUB marker in the reply ring keeps the place of an answer too large for
+it, which comes on the DEALER.  A rank other than the output rank may answer step
+calls late and several at once (``K`` with a count): a step call resolves on its output
+rank's answer, and the others' answers to it settle as they come.  :class:`Answers`
+files them per rank and hands out a call's answers once the ranks it needs have
+answered.  A record or an answer that is not one is that rank's fault, raised as
+:class:`RankFault` naming the rank: its answers are out of step with the calls, so the
+executor fails; so does an ``E`` that settles a step call already resolved.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from protocol.calls import ANSWER_KINDS
+from protocol.calls import ANSWER_KINDS, DONE, ERROR, done_count
 from protocol.errors import MalformedMessage, ProtocolError, malformed
 from protocol.ring import MESSAGE, unpack_frames
 
 
 class RankFault(Exception):
-    """``rank`` sent a malformed answer (``error``, a ProtocolError)."""
+    """``rank`` sent a malformed answer (``error``, a ProtocolError), or failed a step
+    call that had already resolved (``error`` the rank's exception text)."""
 
-    def __init__(self, rank: int, error: ProtocolError) -> None:
+    def __init__(self, rank: int, error: ProtocolError | str) -> None:
         super().__init__(f"rank {rank}: {error}")
         self.rank, self.error = rank, error
 
@@ -34,6 +38,8 @@ class Answers:
 
     def __init__(self, world_size: int, stats: Counter[str]) -> None:
         self.boxes: list[deque[list[bytes] | None]] = [deque() for _ in range(world_size)]
+        self.owed = [0] * world_size  # step calls resolved before this rank answered them
+        self.late = [0] * world_size  # of those, answers coming on the DEALER
         self.stats = stats
 
     def ring_record(self, rank: int, kind: int, payload: bytes) -> None:
@@ -43,32 +49,72 @@ class Answers:
         except ValueError as exc:
             raise RankFault(rank, malformed("a reply ring record that is not an answer",
                                             exc)) from exc
-        self.boxes[rank].append(answer)
+        self._file(rank, answer)
 
     def socket(self, rank: int, frames: list[bytes]) -> None:
-        """An answer on ``rank``'s DEALER: into the place its marker kept, else at the end."""
+        """An answer on ``rank``'s DEALER: for a settled call whose place a marker kept,
+        into a place kept in its box, else as the next answer."""
+        if len(frames) > 1 and frames[0] == DONE and (self.late[rank] or None in self.boxes[rank]):
+            raise RankFault(rank, MalformedMessage("a K answering several calls in the "
+                                                   "place of one"))
+        if self.late[rank]:
+            self.late[rank] -= 1
+            self.stats["socket_replies"] += 1
+            self._settle(rank, frames)
+            return
         box = self.boxes[rank]
         for i, held in enumerate(box):
             if held is None:
                 box[i] = frames
                 self.stats["socket_replies"] += 1
                 return
-        box.append(frames)
+        self._file(rank, frames)
+
+    def _file(self, rank: int, answer: list[bytes] | None) -> None:
+        count = done_count(answer) if answer and answer[0] == DONE else 1
+        if count is None:
+            raise RankFault(rank, MalformedMessage("a K answer's count is not a uint32 > 0"))
+        settled = min(count, self.owed[rank])
+        for _ in range(settled):
+            self.owed[rank] -= 1
+            if answer is None:
+                self.late[rank] += 1
+            else:
+                self._settle(rank, answer)
+        self.boxes[rank].extend([answer] * (count - settled))
+
+    def _settle(self, rank: int, answer: list[bytes]) -> None:
+        if answer[:1] == [ERROR]:
+            raise RankFault(rank, b"".join(answer[1:]).decode(errors="replace"))
+        if answer[:1] != [DONE]:
+            raise RankFault(rank, MalformedMessage("not the answer to a step call",
+                                                   kind=answer[0][:8] if answer else b""))
 
     def owing(self) -> list[int]:
         """The ranks whose next answer is not in (nor announced by a marker)."""
         return [rank for rank, box in enumerate(self.boxes) if not box]
 
-    def waiting(self) -> bool:
-        """Whether some rank's next answer is not in yet."""
-        return any(not box or box[0] is None for box in self.boxes)
+    def waiting(self, needed: Sequence[int]) -> bool:
+        """Whether a rank in ``needed`` lacks its answer to the next call."""
+        return any(not self.boxes[r] or self.boxes[r][0] is None for r in needed)
 
-    def take(self) -> list[list[bytes]]:
-        """Every rank's next answer (call :meth:`waiting` first); RankFault for the first
-        rank whose answer is not one."""
-        replies: list[list[bytes]] = [box.popleft() for box in self.boxes]  # type: ignore[misc]
+    def take(self, needed: Sequence[int]) -> list[list[bytes] | None]:
+        """Every rank's answer to the next call, None where a rank outside ``needed`` has
+        not answered it yet (call :meth:`waiting` first); RankFault for the first rank
+        whose answer is not one."""
+        replies: list[list[bytes] | None] = []
+        for rank, box in enumerate(self.boxes):
+            if box and (box[0] is not None or rank in needed):
+                replies.append(box.popleft())
+            else:  # settled when it comes
+                if box:
+                    box.popleft()
+                    self.late[rank] += 1
+                else:
+                    self.owed[rank] += 1
+                replies.append(None)
         for rank, frames in enumerate(replies):
-            if not frames or frames[0] not in ANSWER_KINDS:
+            if frames is not None and (not frames or frames[0] not in ANSWER_KINDS):
                 raise RankFault(rank, MalformedMessage("not an answer to a call",
                                                        kind=frames[0][:8] if frames else b""))
         return replies
@@ -79,9 +125,10 @@ class Reply(Future):  # type: ignore[type-arg]
     order) and this one."""
 
     def __init__(self, drain: Callable[[Reply], None], convert: Callable[[list[Any]], Any],
-                 deadline: float | None) -> None:
+                 deadline: float | None, needed: Sequence[int]) -> None:
         super().__init__()
         self.drain, self.convert, self.deadline = drain, convert, deadline
+        self.needed = needed  # the ranks whose answers it waits for
 
     def result(self, timeout: float | None = None) -> Any:
         self.drain(self)

@@ -11,8 +11,9 @@ SchedulerOutput after dispatch) to every rank, as one ``T`` call where vLLM samp
 with no grammar; everything else is a control call sealed with
 a per-run HMAC secret (:mod:`protocol.seal`; vLLM sends functions: they travel cloudpickled
 inside the seal, never as unauthenticated pickle).  Every rank answers every call, so an
-exception on any rank is raised here.  A dead or frozen rank, here or on another host,
-restarts the group and vLLM's scheduler recomputes every running request
+exception on any rank is raised here (a step call resolves on its output rank's answer:
+the others' come later, :mod:`engine_side.vllm.answers`).  A dead or frozen rank, here
+or on another host, restarts the group and vLLM's scheduler recomputes every running request
 (:mod:`engine_side.vllm.rank_deaths`, :mod:`engine_side.vllm.restart`; bounded:
 ``deltacast_restarts`` within ``deltacast_restart_window_s``); past the bound, or a
 malformed answer (:class:`ExecutorFailed` names the rank) marks the executor failed,
@@ -128,6 +129,7 @@ class DeltaExecutor(RankDeaths, Executor):
                              "host: it cannot serve ranks on other nodes (leave it unset)")
         self.output_rank = self.world_size - self.parallel_config.tensor_parallel_size \
             * self.parallel_config.prefill_context_parallel_size
+        self._all_ranks = tuple(range(self.world_size))
         samplers = range(self.output_rank, self.world_size)  # the last PP stage
         #: malformed messages: from no rank (by identity; dropped) or a rank ("rank N")
         self.faults = PeerFaults(log, "DeltaExecutor dropped a malformed message")
@@ -342,7 +344,8 @@ class DeltaExecutor(RankDeaths, Executor):
             if not self.local.dead():
                 raise
         deadline = None if timeout is None else time.monotonic() + timeout
-        reply = Reply(self._drain, convert, deadline)
+        needed = (self.output_rank,) if kind in wire.STEP_KINDS else self._all_ranks
+        reply = Reply(self._drain, convert, deadline, needed)
         self._pending.append(reply)
         return reply
 
@@ -376,29 +379,30 @@ class DeltaExecutor(RankDeaths, Executor):
         while not until.done():
             call = self._pending.popleft()
             try:
-                call.set_result(call.convert(self._gather(call.deadline)))
+                call.set_result(call.convert(self._gather(call)))
             except GroupDied as died:
                 self._pending.appendleft(call)
                 self._restart(died)
             except Exception as exc:
                 call.set_exception(exc)
 
-    def _gather(self, deadline: float | None) -> list[list[bytes]]:
-        """One reply per rank; raises the first rank's exception after reading all."""
+    def _gather(self, call: Reply) -> list[Any]:
+        """One answer per rank (None: one not needed and not in yet); raises the first
+        rank's exception after reading all."""
         try:
-            while self._answers.waiting():
-                got = self._receive(deadline)
+            while self._answers.waiting(call.needed):
+                got = self._receive(call.deadline)
                 if self.is_failed:
                     raise ExecutorFailed(self.failure or "DeltaExecutor has failed")
                 if not got and time.monotonic() - self._replied >= POLL_MS / 1e3:  # quiet:
                     self._resender.ping(self._answers.owing())  # a rank may lack the last call
                 for rank, frames in got:
                     self._answers.socket(rank, frames)
-            replies = self._answers.take()
+            replies = self._answers.take(call.needed)
         except RankFault as fault:
             raise self._rank_fault(fault.rank, fault.error) from fault
         errors = [(r, b"".join(f[1:]).decode(errors="replace")) for r, f in enumerate(replies)
-                  if f[0] == wire.ERROR]
+                  if f is not None and f[0] == wire.ERROR]
         if errors:
             raise RuntimeError("; ".join(f"rank {r}: {msg}" for r, msg in errors))
         return replies

@@ -192,13 +192,17 @@ class RankDeaths:
         if callback is not None:
             callback()
 
-    def _rank_fault(self: Any, rank: int, error: ProtocolError | KeyError) -> ExecutorFailed:
-        """``rank`` answered with a malformed message (``error``): its fault, and fatal
-        (call order is lost); logged, counted, the executor failed.  Raise the result."""
+    def _rank_fault(self: Any, rank: int, error: ProtocolError | KeyError | str
+                    ) -> ExecutorFailed:
+        """``rank`` answered with a malformed message (``error``), or failed a step call
+        that had resolved (``error`` its text): its fault, and fatal (call order is lost,
+        or its peers went on without it); logged, counted, the executor failed.  Raise
+        the result."""
         self.faults.count(f"rank {rank}")
-        log.error("DeltaExecutor rank %d sent a malformed answer (%s); the executor has "
-                  "failed", rank, error)
-        self.failure = f"DeltaExecutor failed: rank {rank} sent a malformed answer: {error}"
+        what = f"failed a step its output rank had answered: {error}" \
+            if isinstance(error, str) else f"sent a malformed answer: {error}"
+        self.failure = f"DeltaExecutor failed: rank {rank} {what}"
+        log.error("%s", self.failure)
         self._fail()
         return ExecutorFailed(self.failure)
 

@@ -34,7 +34,17 @@ from typing import Any
 
 import zmq
 
-from protocol.calls import CALL_HEAD, DOORBELL, NUMBER, PING, RESEND, RESENT, parse_call
+from protocol.calls import (
+    CALL_HEAD,
+    DONE_MAX,
+    DOORBELL,
+    NUMBER,
+    PING,
+    RESEND,
+    RESENT,
+    done_answer,
+    parse_call,
+)
 from protocol.errors import MalformedMessage
 from protocol.ring import MESSAGE, ON_PUB, pack_frames, unpack_frames
 from worker_side.ring import RingError, RingReader
@@ -74,6 +84,7 @@ class RankChannel:
         self._resent: deque[list[bytes]] = deque()  # calls sent again, in order
         self.spin_s = 0.0
         self._answered = 0.0  # monotonic time of the last reply: the spin runs from it
+        self._owed = 0  # K answers held back (``reply(may_wait=True)``)
         self.expected = 1  # the next call number to hand out
         self.newest = 0  # the newest call number a ping named
         self._held: list[bytes] | None = None  # a later call that came first
@@ -102,9 +113,22 @@ class RankChannel:
             self._asked = 0.0
             return kind, call[1:]  # type: ignore[index]
 
-    def reply(self, frames: list[Any]) -> None:
-        """One call's reply (in call order)."""
+    def reply(self, frames: list[Any], *, may_wait: bool = False) -> None:
+        """One call's answer (in call order).  ``may_wait``: a ``K`` to a step call from a
+        rank that is not the output rank, which goes with the next answer, or DONE_MAX
+        of them in one (SPEC §16.1)."""
         self._answered = time.monotonic()
+        if may_wait:
+            self._owed += 1
+            if self._owed < DONE_MAX:
+                return
+            frames, self._owed = done_answer(self._owed), 0
+        elif self._owed:
+            self._answer(done_answer(self._owed))
+            self._owed = 0
+        self._answer(frames)
+
+    def _answer(self, frames: list[Any]) -> None:
         if self.ring is None or not self.ring_replies:
             self.sock.send_multipart(frames)
             return

@@ -21,7 +21,8 @@ through the ring and replies leave through the rank's reply ring
 rank on another node reads its calls from its relay's ring and replies on the DEALER.
 
 Rank → engine: ``R`` ready, ``F`` failed to start (text), ``O`` reply frames
-(output rank), ``K`` done (other ranks), ``C`` sealed control result (label
+(output rank), ``K`` done (other ranks: to step calls held back, up to DONE_MAX in one,
+until their next other answer), ``C`` sealed control result (label
 ``b"result:<rank>"``), ``E`` an exception (text).  Every rank answers every call, so
 an exception on ANY rank reaches the engine.  Unsolicited: ``H`` check-in,
 ``(outputs folded, token hash)`` (:mod:`worker_side.vllm.tokenhash`), sent by a
@@ -61,6 +62,7 @@ from protocol.calls import (
     RESTART_EXIT,
     SAMPLE,
     STEP,
+    STEP_KINDS,
     WELCOME,
     WELCOME_SETTINGS,
     heartbeat_ms,
@@ -319,7 +321,7 @@ class _Server:
             except Exception as exc:
                 traceback.print_exc()
                 reply = [ERROR, f"{type(exc).__name__}: {exc}".encode()]
-            self.channel.reply(reply)
+            self.channel.reply(reply, may_wait=reply == [DONE] and kind in STEP_KINDS)
             self._fold()
 
     def _fold(self) -> None:
