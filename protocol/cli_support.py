@@ -227,6 +227,7 @@ class _SignalState:
     raised = False  # an Interrupted is unwinding: later signals are ignored
     pending: int | None = None  # a signal held back by deferred_signals
     shield = 0
+    unraisable: Callable[[sys.UnraisableHookArgs], object] = sys.__unraisablehook__
 
 
 _state = _SignalState()
@@ -249,7 +250,7 @@ def _on_unraisable(unraisable: sys.UnraisableHookArgs) -> None:
     exception Python raises in the profiled frame), outside this hook."""
     exc = unraisable.exc_value
     if not (isinstance(exc, Interrupted) and _state.raised):
-        sys.__unraisablehook__(unraisable)
+        _state.unraisable(unraisable)  # whoever handled them before
         return
     before = sys.getprofile()
 
@@ -271,7 +272,8 @@ def install_signal_handlers() -> dict[int, object]:
             sig: signal.signal(sig, _on_signal) for sig in HANDLED_SIGNALS}
     except ValueError:  # not the main thread
         return {}
-    sys.unraisablehook = _on_unraisable
+    if sys.unraisablehook is not _on_unraisable:
+        _state.unraisable, sys.unraisablehook = sys.unraisablehook, _on_unraisable
     return previous
 
 
@@ -279,7 +281,7 @@ def restore_signal_handlers(previous: dict[int, object]) -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler)  # type: ignore[arg-type]
     if previous and sys.unraisablehook is _on_unraisable:
-        sys.unraisablehook = sys.__unraisablehook__
+        sys.unraisablehook = _state.unraisable
 
 
 @contextlib.contextmanager
