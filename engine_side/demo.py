@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "gap and resyncs from a snapshot (the summary's 'resyncs'). The "
                             "default ring holds every step of a demo-sized stall; to see "
                             "resyncs shrink it: --stall 10 --stall-seconds 2.5 --ring-kb 1 "
-                            "--requests 128")
+                            "--requests 256")
     chaos.add_argument("--stall-seconds", type=float_in(0, 60, exclusive=True), default=1.5,
                        help="how long a --stall lasts (seconds)")
     net = parser.add_argument_group("endpoint and security")

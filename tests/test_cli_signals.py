@@ -132,7 +132,7 @@ def test_after_kill_9_the_workers_leave_and_the_next_engine_sweeps(tmpdir_short:
 def test_the_stall_example_of_the_help_shows_resyncs() -> None:
     """``demo --help`` says a stall past the step ring resyncs, and gives a command that
     shows it; the run still completes with every rank agreeing."""
-    example = "--stall 10 --stall-seconds 2.5 --ring-kb 1 --requests 128"
+    example = "--stall 10 --stall-seconds 2.5 --ring-kb 1 --requests 256"
     page = subprocess.run([sys.executable, "-m", "engine_side.cli", "demo", "--help"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert example in " ".join(page.stdout.split())
@@ -142,7 +142,7 @@ def test_the_stall_example_of_the_help_shows_resyncs() -> None:
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["stalls"] >= 1 and summary["resyncs"] >= 1, summary
-    assert summary["requests_done"] == 128 and summary["mismatched"] == 0
+    assert summary["requests_done"] == 256 and summary["mismatched"] == 0
 
 
 class _SignalsWhenCollected:

@@ -20,7 +20,8 @@ gates the next step):
   process of its own as in ``deltacast node``) and handed through the node's step ring
   (a doorbell on ipc) to the rank's own call loop (``RankChannel`` and the server of
   :mod:`worker_side.vllm.proc`; it does not spin, as the executor tells remote ranks),
-  which answers ``K`` done on its DEALER;
+  which answers each call on its DEALER as an output rank does (an empty reply: its
+  model returns nothing; other ranks answer step calls 64 at a time, SPEC §16.1);
 * vLLM: ``MessageQueue(n_reader=1, n_local_reader=0)`` (a remote reader over TCP)
   carrying the MultiprocExecutor's ``("execute_model", (scheduler_output,), {}, 0)``;
   the reader answers on a plain TCP ZMQ socket.
@@ -180,7 +181,7 @@ class Sender:
                 self._call([wire.call_head(code, n, frames), *frames])
                 answer = self._answer(f"answer to call {n}")
                 self.first = self.first or self.tx()  # (between steps: not timed)
-                if answer[1:] != [wire.DONE]:
+                if answer[1:2] != [wire.OUTPUT]:
                     raise RuntimeError(f"vllm_link: rank answered {answer[1:2]!r}: "
                                        f"{b''.join(answer[2:]).decode(errors='replace')}")
             return starts
@@ -326,7 +327,7 @@ def _serve(args: argparse.Namespace, ctx: zmq.Context[Any], ctl: zmq.Socket[byte
             channel.spin_s = spin_s
         ctl.send_json({"op": "ready"})
         if cmd["path"] == "ours":
-            _Server(holder, channel, key, False, 0, 0).serve()  # until the QUIT call
+            _Server(holder, channel, key, True, 0, 0).serve()  # until the QUIT call
             channel.close()
         else:
             for _ in range(cmd["n"]):
