@@ -74,10 +74,10 @@ class Answers:
         count = done_count(answer) if answer and answer[0] == DONE else 1
         if count is None:
             raise RankFault(rank, MalformedMessage("a K answer's count is not a uint32 > 0"))
-        settled = min(count, self.owed[rank])
-        for _ in range(settled):
-            self.owed[rank] -= 1
-            if answer is None:
+        settled = min(count, self.owed[rank])  # answers to calls already resolved
+        if settled:
+            self.owed[rank] -= settled
+            if answer is None:  # a marker (count 1): its answer settles on the DEALER
                 self.late[rank] += 1
             else:
                 self._settle(rank, answer)
@@ -106,13 +106,13 @@ class Answers:
         for rank, box in enumerate(self.boxes):
             if box and (box[0] is not None or rank in needed):
                 replies.append(box.popleft())
-            else:  # settled when it comes
-                if box:
-                    box.popleft()
-                    self.late[rank] += 1
-                else:
-                    self.owed[rank] += 1
-                replies.append(None)
+                continue
+            if box:  # a marker: the answer settles when it comes on the DEALER
+                box.popleft()
+                self.late[rank] += 1
+            else:  # not in yet: settled when it comes
+                self.owed[rank] += 1
+            replies.append(None)
         for rank, frames in enumerate(replies):
             if frames is not None and (not frames or frames[0] not in ANSWER_KINDS):
                 raise RankFault(rank, MalformedMessage("not an answer to a call",
