@@ -45,9 +45,19 @@ class RequestDiffer:
     def diff(self, request: ExecuteModelRequest) -> Delta:
         """The step's Delta, applied to the mirror; LocalProtocolError (mirror unchanged)
         for an inconsistent request."""
+        return self.step(self.changes(request))
+
+    def changes(self, request: ExecuteModelRequest) -> dict[str, Any]:
+        """What ``request`` changed: the :meth:`EngineMirror.step` arguments (the mirror
+        unchanged); hand them to :meth:`step` before the mirror moves otherwise."""
         if self._seq != self.mirror.seq:
             self.specs.clear()
-        delta, applied = self.mirror.step(**request_changes(self, request))
+        return request_changes(self, request)
+
+    def step(self, changes: dict[str, Any]) -> Delta:
+        """The Delta of :meth:`changes`' result, applied to the mirror (what an engine
+        that knows its changes calls: ``mirror.step``), keeping the specs remembered."""
+        delta, applied = self.mirror.step(**changes)
         self._seq = self.mirror.seq
         for h in applied.finished:
             self.specs.pop(h, None)

@@ -1,11 +1,13 @@
 """Replay a stream of full requests through every format, step by step, side by side.
 
-Formats (the bench's names): ``deltacast`` (:class:`RequestDiffer` diff + codec;
-decode = decode + a replica's apply + :func:`rebuild_request`, checked equal to the
-engine's request untimed), ``msgspec_full`` (the full request in msgspec, no deltas;
-arrays as zero-copy frames), ``pickle_v1`` (vLLM v1 SchedulerOutput RPC tuple,
-real classes when vLLM is importable, else the stand-in -- labelled), ``pickle``
-(the full request pickled: the old v0 path).  Every step is measured in every
+Formats (the bench's names): ``deltacast`` (encode = ``EngineMirror.step`` of the
+step's changes + codec, the changes found untimed by :class:`RequestDiffer` as an
+engine's scheduler knows them; decode = decode + a replica's apply; the request
+rebuilt by :func:`rebuild_request` and checked equal to the engine's, untimed),
+``msgspec_full`` (the full request in msgspec, no deltas; arrays as zero-copy
+frames), ``pickle_v1`` (vLLM v1 SchedulerOutput RPC tuple, real classes when vLLM is
+importable, else the stand-in -- labelled), ``pickle`` (the full request pickled: the
+old v0 path).  Every step is measured in every
 format, interleaved, so machine noise hits all formats alike.
 """
 
@@ -77,10 +79,15 @@ class _Deltacast:
         return rebuild_request(data, last.body, applied, self.specs)
 
     def step(self, req: ExecuteModelRequest) -> StepRecord:
-        # timed: the engine's diff and encode, the worker's decode and apply (its replica
-        # then holds the step, as pickle_v1's worker holds the unpickled SchedulerOutput);
-        # untimed: the whole request rebuilt and compared with the engine's
-        (delta, frames), enc_us = _timed(lambda: (d := self.differ.diff(req), codec.encode(d)))
+        # untimed: what the step changed, found by comparing the whole request with the
+        # mirror (an engine knows its changes, as vLLM's scheduler output is them; the
+        # pickle lanes' conversions are untimed likewise); timed: the mirror's step and
+        # the encode, the worker's decode and apply (its replica then holds the step, as
+        # pickle_v1's worker holds the unpickled SchedulerOutput); untimed: the whole
+        # request rebuilt and compared with the engine's
+        changes = self.differ.changes(req)
+        (delta, frames), enc_us = _timed(lambda: (d := self.differ.step(changes),
+                                                  codec.encode(d)))
         events, dec_us = _timed(lambda: self.replica.receive(codec.decode(frames), 0.0))
         got = self._rebuilt(events)
         if got is None:
