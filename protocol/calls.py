@@ -87,7 +87,6 @@ def done_count(answer: Sequence[bytes]) -> int | None:
     if len(answer) != 2 or len(answer[1]) != _DONE_COUNT.size:
         return None
     return _DONE_COUNT.unpack(answer[1])[0] or None
-DOORBELL = b""
 #: a call over this many bytes goes on the socket behind its ring marker (the engine's
 #: ring and a node's alike: it bounds what a ring holds in flight)
 RING_CALL_LIMIT = 1 << 20

@@ -18,7 +18,9 @@ The segment holds:
   exactly as a PUB subscriber past its high-water mark.
 * a **reply ring** per rank (one writer: that rank's worker; one reader: the engine).
 * per rank, a ``sleeping`` word: a worker that stops spinning sets it before it
-  blocks on its SUB socket; a writer that sees it set sends a doorbell on PUB.
+  blocks on its SUB socket; a writer that sees it set sends a doorbell on PUB (the
+  vLLM channel's ranks: one byte into the rank's FIFO ``DIR/bell.RANK`` instead,
+  :meth:`OwnedRing.wake`, a wake-up with no socket's I/O threads between the ends).
 
 Ordering.  The writer copies a record, then (after a memory fence) publishes the
 new head; a reader reads the head, fences, then copies.  After copying, the reader
@@ -36,8 +38,10 @@ Not thread-safe: each end is used by one thread.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
+import stat
 import struct
 import threading
 from collections.abc import Sequence
@@ -48,6 +52,7 @@ from typing import Any
 MAGIC = 0x676E_6952_6364  # "dcRing" (little-endian)
 VERSION = 1
 RING_FILE = "ring"
+BELL_FILE = "bell.{}"  # DIR/bell.RANK: rank RANK's doorbell, a FIFO (the vLLM channel)
 MAX_RANKS = 64
 DEFAULT_RING_BYTES = 32 << 20
 DEFAULT_REPLY_BYTES = 256 << 10
@@ -248,6 +253,7 @@ class OwnedRing:
         self.seg = Segment(mmap.mmap(self.fd, layout.size), layout)
         self.seg.format()
         self.path = directory / RING_FILE
+        self._bells: dict[int, int] = {}  # rank -> write end of its doorbell FIFO
         tmp = directory / f".{RING_FILE}.{os.getpid()}"
         tmp.write_text(f"{os.getpid()} {self.fd} {layout.size}\n")
         tmp.chmod(0o600)
@@ -272,6 +278,25 @@ class OwnedRing:
         fence()
         return [r for r, v in enumerate(self.seg.sleeping.cast("Q")) if v]
 
+    def wake(self) -> None:
+        """Ring the doorbell of each rank that announced it blocks: one byte into its FIFO
+        ``DIR/bell.RANK`` (:func:`open_bell`).  A rank whose FIFO is missing or has no
+        reader (gone, or not yet there) is skipped: it re-checks the ring on its own."""
+        for rank in self.sleeping_ranks():
+            for _ in range(2):  # a cached end whose FIFO lost its reader: open it again
+                fd = self._bells.get(rank)
+                try:
+                    if fd is None:
+                        fd = self._bells[rank] = _open_fifo(
+                            self.path.parent / BELL_FILE.format(rank), os.O_WRONLY)
+                    os.write(fd, b"\0")
+                    break
+                except BlockingIOError:  # full: the rank has bells it has not read
+                    break
+                except OSError:
+                    if fd is not None:
+                        os.close(self._bells.pop(rank))
+
     def close(self) -> None:
         """Mark the segment closed (attached readers re-attach) and remove ``DIR/ring``
         if it is still this one's.  Idempotent."""
@@ -284,3 +309,32 @@ class OwnedRing:
         self.seg.close()
         os.close(self.fd)
         self.fd = -1
+        for fd in self._bells.values():
+            os.close(fd)
+        self._bells.clear()
+
+
+def _open_fifo(path: Path, mode: int) -> int:
+    """``path`` opened non-blocking (no symlink followed); OSError unless it is a FIFO."""
+    fd = os.open(path, mode | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{path} is not a FIFO")
+    return fd
+
+
+def open_bell(directory: Path, rank: int) -> int:
+    """A rank's end of its doorbell: the FIFO ``DIR/bell.RANK``, made (0600) if missing,
+    open for reading and writing, so it never reads end-of-file and polls readable only
+    while a bell is unread (:func:`drain_bell`).  OSError if the path is not a FIFO."""
+    path = directory / BELL_FILE.format(rank)
+    with contextlib.suppress(FileExistsError):
+        os.mkfifo(path, 0o600)
+    return _open_fifo(path, os.O_RDWR)
+
+
+def drain_bell(fd: int) -> None:
+    """Read every unread bell (each only woke the rank)."""
+    with contextlib.suppress(BlockingIOError):
+        while os.read(fd, 4096):
+            pass

@@ -4,6 +4,8 @@ markers, reply rings, doorbells, re-attachment."""
 
 from __future__ import annotations
 
+import os
+import select
 import shutil
 import tempfile
 import threading
@@ -16,7 +18,7 @@ import pytest
 from engine_side.ring import RingWriter
 from protocol.messages import AnyMessage, Delta, DeltaBody, Heartbeat
 from protocol.replies import StepResult
-from protocol.ring import MESSAGE, ON_PUB, pack_frames, unpack_frames
+from protocol.ring import MESSAGE, ON_PUB, drain_bell, open_bell, pack_frames, unpack_frames
 from worker_side.ring import RingError, RingReader
 
 
@@ -104,6 +106,43 @@ def test_replies_per_rank_and_the_sleeping_flag(writer: RingWriter, tmp_path: Pa
     assert not writer.sleepers()
     assert writer.publish([b"tiny"], 9, limit=64) and not writer.publish([bytes(100)], 10, 64)
     assert [k for k, _ in r0.read()] == [MESSAGE, MESSAGE, ON_PUB]
+
+
+def _rung(bell: int) -> bool:
+    """Whether the doorbell ``bell`` has an unread byte (read it)."""
+    if not select.select([bell], [], [], 0)[0]:
+        return False
+    drain_bell(bell)
+    return not select.select([bell], [], [], 0)[0]
+
+
+def test_the_doorbell_fifo_wakes_exactly_the_ranks_that_sleep(writer: RingWriter,
+                                                                  tmp_path: Path) -> None:
+    """wake() rings the FIFO of each rank whose sleeping word is set and no other; a rank
+    whose FIFO is gone or lost its reader is skipped, and one that opens it again (a
+    restarted rank) is rung again; a bell path that is not a FIFO is refused."""
+    readers = {r: RingReader(tmp_path, r) for r in (0, 2, 5)}
+    bells = {r: open_bell(tmp_path, r) for r in (0, 2)}  # rank 5 makes none
+    try:
+        writer.wake()  # nobody sleeps
+        assert not any(_rung(b) for b in bells.values())
+        readers[2].sleep(True)
+        readers[5].sleep(True)
+        writer.wake()
+        assert (_rung(bells[0]), _rung(bells[2])) == (False, True)
+        os.close(bells.pop(2))  # rank 2 exits: its FIFO has no reader
+        writer.wake()  # (skipped, no error)
+        bells[2] = open_bell(tmp_path, 2)  # its successor opens the same FIFO
+        writer.wake()
+        assert _rung(bells[2]) and not _rung(bells[0])
+        (tmp_path / "bell.7").write_bytes(b"")
+        with pytest.raises(OSError, match="not a FIFO"):
+            open_bell(tmp_path, 7)
+    finally:
+        for bell in bells.values():
+            os.close(bell)
+        for reader in readers.values():
+            reader.close()
 
 
 def test_a_restarted_engine_makes_readers_stale_and_bad_ranks_are_refused(

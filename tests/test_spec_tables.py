@@ -388,7 +388,7 @@ def test_executor_call_kinds_match_protocol_calls(spec: str) -> None:
                          calls.ERROR, calls.CHECK_IN, calls.RESEND, calls.HELLO}
     assert calls.CALL_HEAD.size == 13 and calls.CALL_HEAD.format == "<cQI"
     assert "13-byte **head**" in spec and calls.NUMBER.format == "<Q"
-    assert calls.CHECK_IN_PAYLOAD.format == "<qQ" and calls.DOORBELL == b""
+    assert calls.CHECK_IN_PAYLOAD.format == "<qQ"
     assert calls.WELCOME_SETTINGS.format == "<Id"  # hash_every uint32, spin_s float64
 
 

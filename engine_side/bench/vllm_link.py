@@ -18,8 +18,9 @@ gates the next step):
   executor's call to a remote node (one frame, ``pack_relayed([*, call head, *frames])``,
   on a CURVE ROUTER), received by the node's relay (:mod:`worker_side.vllm.relay`, in a
   process of its own as in ``deltacast node``) and handed through the node's step ring
-  (a doorbell on ipc) to the rank's own call loop (``RankChannel`` and the server of
-  :mod:`worker_side.vllm.proc`; it does not spin, as the executor tells remote ranks),
+  (the rank woken by its doorbell FIFO) to the rank's own call loop (``RankChannel``
+  and the server of :mod:`worker_side.vllm.proc`; it does not spin, as the executor
+  tells remote ranks),
   which answers each call on its DEALER as an output rank does (an empty reply: its
   model returns nothing; other ranks answer step calls 64 at a time, SPEC §16.1);
 * vLLM: ``MessageQueue(n_reader=1, n_local_reader=0)`` (a remote reader over TCP)

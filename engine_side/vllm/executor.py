@@ -355,8 +355,7 @@ class DeltaExecutor(RankDeaths, Executor):
         call = [wire.call_head(kind, self._calls, frames), *frames]
         self._resender.record(self._calls, call)  # kept for a rank that loses it
         if self.ring is not None and self.ring.publish(call, self._calls, wire.RING_CALL_LIMIT):
-            for rank in self.ring.sleeping_ranks():  # wake who sleeps
-                self._sock.send_multipart([str(rank).encode(), wire.DOORBELL])
+            self.ring.wake()  # who sleeps
             if self.remote is not None:  # no ring elsewhere: once per node, to its relay
                 self.remote.broadcast(self._sock, call)
             self.stats["ring_calls"] += 1

@@ -5,10 +5,12 @@ relay's on another node), calls arrive as ring records ``[head, *frames]``; a ca
 large for the ring comes on the DEALER behind an ON_PUB marker.  With the executor's
 ring, replies leave through this rank's reply ring, one too large for it on the
 DEALER behind an ON_PUB marker in the reply ring (the executor keeps each rank's
-replies in order); with a relay's (``ring_replies`` False), on the DEALER.  Unsolicited messages
-(ready, failed, check-ins, requests for calls again) always use the DEALER.  An
-empty frame on the DEALER is a doorbell: it only wakes a rank that announced it
-sleeps.  Without a ring: every call and reply on the DEALER.
+replies in order); with a relay's (``ring_replies`` False), on the DEALER.  Unsolicited
+messages (ready, failed, check-ins, requests for calls again) always use the DEALER.
+A rank that stops spinning sleeps on its DEALER and its doorbell, the FIFO
+``DIR/bell.RANK`` (:func:`protocol.ring.open_bell`), which the ring's writer rings
+when it finds the rank's ``sleeping`` word set.  Without a ring: every call and reply
+on the DEALER.
 
 Calls are numbered (:mod:`protocol.calls`): :meth:`RankChannel.next_call` hands them
 out in number order, each intact, exactly once.  A call that is missing (a later one
@@ -37,7 +39,6 @@ import zmq
 from protocol.calls import (
     CALL_HEAD,
     DONE_MAX,
-    DOORBELL,
     NUMBER,
     PING,
     RESEND,
@@ -46,7 +47,7 @@ from protocol.calls import (
     parse_call,
 )
 from protocol.errors import MalformedMessage
-from protocol.ring import MESSAGE, ON_PUB, pack_frames, unpack_frames
+from protocol.ring import MESSAGE, ON_PUB, drain_bell, open_bell, pack_frames, unpack_frames
 from worker_side.ring import RingError, RingReader
 from worker_side.transport import spin_poll
 
@@ -79,6 +80,15 @@ class RankChannel:
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         self.ring = RingReader(Path(ring_dir), rank) if ring_dir else None
+        self._bell = -1  # our doorbell's fd (with a ring)
+        if ring_dir:
+            try:
+                self._bell = open_bell(Path(ring_dir), rank)
+            except OSError as exc:
+                self.close()
+                raise RingError(f"cannot open rank {rank}'s doorbell in {ring_dir}: "
+                                f"{exc}") from exc
+            self._poller.register(self._bell, zmq.POLLIN)
         self._calls: deque[tuple[int, bytes]] = deque()
         self._stash: deque[list[bytes]] = deque()  # DEALER calls read while waiting
         self._resent: deque[list[bytes]] = deque()  # calls sent again, in order
@@ -144,6 +154,10 @@ class RankChannel:
         if self.ring is not None:
             self.ring.close()
             self.ring = None
+        if self._bell >= 0:
+            self._poller.unregister(self._bell)
+            os.close(self._bell)
+            self._bell = -1
 
     # -- which call next ---------------------------------------------------------------
     def _take(self) -> list[bytes] | None:
@@ -222,23 +236,25 @@ class RankChannel:
     def _spin(self, ready: Callable[[], bool] | None = None) -> bool:
         """Spin (sched_yield) while steps flow; True once ``ready()`` or the DEALER is."""
         left = self.spin_s - (time.monotonic() - self._answered)
-        return bool(spin_poll(self._poller, left, ready)) or (ready is not None and ready())
+        woke = spin_poll(self._poller, left, ready)
+        if woke and self._bell >= 0:
+            drain_bell(self._bell)  # (a bell rung just after we stopped sleeping)
+        return bool(woke) or (ready is not None and ready())
 
     def _wait(self) -> None:
-        """Until the ring has records: spin, then sleep on the DEALER (doorbells wake us)."""
+        """Until the ring has records: spin, then sleep on the DEALER and the doorbell."""
         ring = self.ring
         assert ring is not None
         if not self._spin(ring.pending) and not ring.pending():
-            if not ring.sleep(True):  # nothing came while we announced it
-                self.sock.poll(_BLOCK_MS, zmq.POLLIN)
+            # (nothing came while we announced it: sleep; read the bell that woke us)
+            if not ring.sleep(True) and self._poller.poll(_BLOCK_MS):
+                drain_bell(self._bell)
             ring.sleep(False)
         self._stash_dealer()
 
     def _file(self, frames: list[bytes]) -> bool:
         """File a DEALER message that is not a call in its place: True if it was one of
-        those (doorbell, ping, resent call)."""
-        if frames == [DOORBELL]:
-            return True
+        those (ping, resent call)."""
         if frames[0] == PING:
             if len(frames) == 2 and len(frames[1]) == NUMBER.size:
                 self.newest = max(self.newest, NUMBER.unpack(frames[1])[0])

@@ -4,8 +4,8 @@ The engine sends a node one copy of each message, one frame
 (:func:`protocol.calls.pack_relayed` of ``[target, *frames]``, the target a rank's
 identity or ``*``: every rank here).  A call for every rank goes once into the node's
 own step ring (``ring_bytes`` > 0; :class:`protocol.ring.OwnedRing` in the node's
-private directory, read by each rank as a local rank reads the engine's), with a
-doorbell on the ipc ROUTER for each rank that announced it sleeps; one over
+private directory, read by each rank as a local rank reads the engine's), ringing
+the doorbell of each rank that announced it sleeps (its FIFO); one over
 RING_CALL_LIMIT or half the ring goes to each rank on that ROUTER behind an ON_PUB
 marker.  Per-rank messages, and every message without a ring, go on the ROUTER.  The
 relay sends what a rank says back (its replies too: the ring's reply regions go
@@ -39,7 +39,6 @@ import zmq
 
 from protocol.calls import (
     CALL_HEAD,
-    DOORBELL,
     HELLO,
     RELAY_ALL,
     RING_CALL_LIMIT,
@@ -157,9 +156,7 @@ class Relay:
             self.socket_calls += 1
             return False
         self.ring_calls += 1
-        for rank in ring.sleeping_ranks():
-            with contextlib.suppress(zmq.ZMQError):
-                self._down.send_multipart([b"%d" % rank, DOORBELL])
+        ring.wake()
         return True
 
     def _to_engine(self) -> bool:
