@@ -253,6 +253,10 @@ def from_report(report: dict[str, Any]) -> Fields:
             "notes": ["pickle_v1 is built from vLLM's own SchedulerOutput classes."
                       if labels and all(x.endswith("(vllm)") for x in labels) else
                       f"pickle_v1: {', '.join(labels) or 'unlabelled'}.",
+                      "deltacast's µs: EngineMirror.step of what the step changed and the "
+                      "encode, then the decode and a replica's apply; what changed is found "
+                      "untimed (an engine knows it, as vLLM's SchedulerOutput is it), as the "
+                      "pickle formats' objects are built untimed.",
                       "msgspec_full is the whole request in msgspec, without deltas; per-field "
                       "splits, percentiles and plots are in docs/report/report.md."],
             "raw": {"headline": report["headline"], "command": report.get("command")}}
