@@ -280,22 +280,19 @@ class OwnedRing:
 
     def wake(self) -> None:
         """Ring the doorbell of each rank that announced it blocks: one byte into its FIFO
-        ``DIR/bell.RANK`` (:func:`open_bell`).  A rank whose FIFO is missing or has no
-        reader (gone, or not yet there) is skipped: it re-checks the ring on its own."""
+        ``DIR/bell.RANK`` (:func:`open_bell`).  The writer holds each FIFO open for
+        reading too, so a write never meets a FIFO without a reader (no EPIPE, no
+        SIGPIPE) when its rank is gone; a FIFO not made yet, or full, is skipped."""
         for rank in self.sleeping_ranks():
-            for _ in range(2):  # a cached end whose FIFO lost its reader: open it again
-                fd = self._bells.get(rank)
+            fd = self._bells.get(rank)
+            if fd is None:
                 try:
-                    if fd is None:
-                        fd = self._bells[rank] = _open_fifo(
-                            self.path.parent / BELL_FILE.format(rank), os.O_WRONLY)
-                    os.write(fd, b"\0")
-                    break
-                except BlockingIOError:  # full: the rank has bells it has not read
-                    break
+                    fd = self._bells[rank] = _open_fifo(
+                        self.path.parent / BELL_FILE.format(rank), os.O_RDWR)
                 except OSError:
-                    if fd is not None:
-                        os.close(self._bells.pop(rank))
+                    continue  # (the rank re-checks the ring on its own)
+            with contextlib.suppress(BlockingIOError):  # full: bells it has not read
+                os.write(fd, b"\0")
 
     def close(self) -> None:
         """Mark the segment closed (attached readers re-attach) and remove ``DIR/ring``
