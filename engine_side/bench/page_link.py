@@ -68,12 +68,12 @@ def from_link(doc: dict[str, Any]) -> Fields:
     return {"name": "vllm_link", "title": "Across two hosts: step latency, deltacast's "
                                           "channel against vLLM's MessageQueue",
             "what": "Synthetic vLLM steps (steady decode and churn at 256 and 4096 running "
-                    "requests) from an engine in one network namespace to one rank in "
-                    "another over a veth pair at 1 Gbit/s: deltacast's encoder, CURVE "
-                    "ROUTER → the node's relay (a process of its own) → the node's step "
-                    "ring (the rank woken by its doorbell FIFO), and decoder, against vLLM's MessageQueue with a remote "
-                    "(TCP) reader carrying the pickled execute_model RPC; per-step latency "
-                    "until the rank holds the step (median, p99 µs) and bytes on the wire.",
+                    "requests) from an engine in one network namespace to one rank in another over "
+                    "a veth pair at 1 Gbit/s: deltacast's encoder, CURVE ROUTER → the node's relay "
+                    "(a process of its own) → the node's step ring (the rank woken by its doorbell "
+                    "FIFO), and decoder, against vLLM's MessageQueue with a remote (TCP) reader "
+                    "carrying the pickled execute_model RPC; per-step latency until the rank holds "
+                    "the step (median, p99 µs) and bytes on the wire.",
             "columns": ["workload", "running", "steps", "ours median µs", "vLLM median µs",
                         "median ÷ vLLM", "ours p99 µs", "vLLM p99 µs", "p99 ÷ vLLM",
                         "ours B/step", "vLLM B/step", "× fewer B", "slower on"],
