@@ -283,6 +283,8 @@ class OwnedRing:
         ``DIR/bell.RANK`` (:func:`open_bell`).  The writer holds each FIFO open for
         reading too, so a write never meets a FIFO without a reader (no EPIPE, no
         SIGPIPE) when its rank is gone; a FIFO not made yet, or full, is skipped."""
+        if not self.sleepers():  # (every step while the ranks spin: one memcmp)
+            return
         for rank in self.sleeping_ranks():
             fd = self._bells.get(rank)
             if fd is None:
