@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -22,6 +21,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
+from shm_leftovers import removing_shm  # noqa: E402
 from vllm_nodes_run import engine_args  # noqa: E402
 
 from engine_side.bench import netns  # noqa: E402
@@ -117,18 +117,6 @@ def _generating(hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, o
     return engine, node
 
 
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
-
-
-def _remove_shm(names: set[str]) -> None:
-    """Remove these /dev/shm entries (what a process killed with its resource tracker,
-    or vLLM's own default executor, left behind on this one machine)."""
-    for name in names:
-        with contextlib.suppress(OSError):
-            os.unlink(f"/dev/shm/{name}")
-
-
 def _node_dirs() -> set[Path]:
     return set(Path(tempfile.gettempdir()).glob("deltacast-node-*"))
 
@@ -193,13 +181,12 @@ def test_two_ranks_on_the_other_host_share_one_relay_at_tp4(
     a, b = hosts
     model = build_tiny_model(tmp_path_factory.mktemp("tp4") / "tiny-llama", heads=4)
     ref = tmp_path / "default.json"
-    shm = _shm()
-    subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_nodes_run.py"), str(model),
-                    str(ref), "default", "tp4"], cwd=ROOT, timeout=600, capture_output=True,
-                   env={**ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"})
     # vLLM's default executor at TP=4 leaves its CPU all-reduce segments (named by its
     # own file store, vllm_dist_*) behind when it exits
-    _remove_shm({n for n in _shm() - shm if n.startswith("vllm_dist_")})
+    with removing_shm("vllm_dist_"):
+        subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_nodes_run.py"), str(model),
+                        str(ref), "default", "tp4"], cwd=ROOT, timeout=600,
+                       capture_output=True, env={**ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"})
     out = tmp_path / "delta.json"
     engine = _engine(a, model, out, keys, "tp4", "long")
     node = _node(b, a, model, keys, keys, tensor_parallel_size=4, dtype="float32")
@@ -328,15 +315,16 @@ def test_the_remote_node_exits_when_the_engine_dies(
 
     a, b = hosts
     out = tmp_path / "engine-killed.json"
-    shm, dirs = _shm(), _node_dirs()
-    engine, node = _generating(hosts, model, keys, out, "long")
-    assert _node_dirs() - dirs  # the node's private directory, while it runs
-    for p in [*psutil.Process(engine.pid).children(recursive=True), psutil.Process(engine.pid)]:
-        p.send_signal(signal.SIGKILL)
-    (node_err,) = _finish(node, timeout=60)
-    assert node.returncode == 1 and "lost the engine" in node_err, node_err[-3000:]
-    assert _gone(a, b)
-    assert _node_dirs() == dirs  # the node removed its directory (ring, bells, sockets)
-    # what the engine's host left in /dev/shm went with its processes' resource tracker
-    # (SIGKILLed too: on a real host it all goes with the host); here, remove it
-    _remove_shm({n for n in _shm() - shm if n.startswith(("psm_", "sem.mp-"))})
+    dirs = _node_dirs()
+    # the engine's host leaves vLLM's TP queue and semaphores (its resource tracker is
+    # SIGKILLed too)
+    with removing_shm("psm_", "sem.mp-"):
+        engine, node = _generating(hosts, model, keys, out, "long")
+        assert _node_dirs() - dirs  # the node's private directory, while it runs
+        for p in [*psutil.Process(engine.pid).children(recursive=True),
+                  psutil.Process(engine.pid)]:
+            p.send_signal(signal.SIGKILL)
+        (node_err,) = _finish(node, timeout=60)
+        assert node.returncode == 1 and "lost the engine" in node_err, node_err[-3000:]
+        assert _gone(a, b)
+        assert _node_dirs() == dirs  # the node removed its directory (ring, bells, sockets)

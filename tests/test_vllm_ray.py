@@ -6,7 +6,6 @@ vLLM, Ray or network namespaces.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -20,6 +19,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'deltacast[ray]')")
+
+from shm_leftovers import removing_shm  # noqa: E402
 
 from engine_side.bench import netns  # noqa: E402
 
@@ -163,26 +164,23 @@ def test_a_killed_ray_placed_rank_restarts_the_group_and_the_ranks_exit_with_the
 
     a, b = cluster
     out = tmp_path / "killed.json"
-    shm = set(os.listdir("/dev/shm"))
-    engine, log, rank = _generating(a, b, model, out, "twice")
-    os.kill(rank, signal.SIGKILL)
-    end = time.monotonic() + 400
-    while "SECOND" not in log.read_text():
-        assert engine.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
-        time.sleep(0.2)
-    result, text = json.loads(out.read_text()), log.read_text()
-    assert result.get("long") == [200, 200, 200] and "error" not in result, text[-3000:]
-    assert (f"restarted the group after node 1 (ranks [1], host {b.addr}) dropped its "
-            "connection") in text, text[-3000:]
-    assert "its group restarts; starting ranks [1] again" in text, text[-3000:]
-    assert len(_ranks(b)) == 1, _processes(b)
-    for p in [*psutil.Process(engine.pid).children(recursive=True), psutil.Process(engine.pid)]:
-        p.send_signal(signal.SIGKILL)
-    engine.wait(timeout=60)
-    assert _wait_gone(b) == [] and _wait_gone(a) == [], "a rank outlived the engine"
-    # vLLM's TP broadcast queues and semaphores went with their processes' resource
-    # tracker (SIGKILLed too: on a real host they all go with the host); here, remove them
-    for name in set(os.listdir("/dev/shm")) - shm:
-        if name.startswith(("psm_", "sem.mp-")):
-            with contextlib.suppress(OSError):
-                os.unlink(f"/dev/shm/{name}")
+    # the engine's host, SIGKILLed below with its resource tracker, leaves vLLM's TP
+    # queues and semaphores
+    with removing_shm("psm_", "sem.mp-"):
+        engine, log, rank = _generating(a, b, model, out, "twice")
+        os.kill(rank, signal.SIGKILL)
+        end = time.monotonic() + 400
+        while "SECOND" not in log.read_text():
+            assert engine.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
+            time.sleep(0.2)
+        result, text = json.loads(out.read_text()), log.read_text()
+        assert result.get("long") == [200, 200, 200] and "error" not in result, text[-3000:]
+        assert (f"restarted the group after node 1 (ranks [1], host {b.addr}) dropped its "
+                "connection") in text, text[-3000:]
+        assert "its group restarts; starting ranks [1] again" in text, text[-3000:]
+        assert len(_ranks(b)) == 1, _processes(b)
+        for p in [*psutil.Process(engine.pid).children(recursive=True),
+                  psutil.Process(engine.pid)]:
+            p.send_signal(signal.SIGKILL)
+        engine.wait(timeout=60)
+        assert _wait_gone(b) == [] and _wait_gone(a) == [], "a rank outlived the engine"

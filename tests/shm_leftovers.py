@@ -1,0 +1,25 @@
+"""Removing what a test's processes leave in /dev/shm on this one machine: vLLM's
+segments and semaphores from a process SIGKILLed with its resource tracker (on a real
+host they go with the host), or from vLLM's own default executor."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+SHM = "/dev/shm"
+
+
+@contextlib.contextmanager
+def removing_shm(*prefixes: str) -> Iterator[None]:
+    """Remove the /dev/shm entries named with one of ``prefixes`` that appear while the
+    block runs (whether it passes or fails)."""
+    before = set(os.listdir(SHM))
+    try:
+        yield
+    finally:
+        for name in set(os.listdir(SHM)) - before:
+            if name.startswith(prefixes):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(SHM, name))
