@@ -171,7 +171,8 @@ def test_a_killed_ray_placed_rank_restarts_the_group_and_the_ranks_exit_with_the
         os.kill(rank, signal.SIGKILL)
         end = time.monotonic() + 400
         while "SECOND" not in log.read_text():
-            assert engine.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
+            assert engine.poll() is None and time.monotonic() < end, \
+                (out.read_text() if out.exists() else "") + log.read_text()[-3000:]
             time.sleep(0.2)
         result, text = json.loads(out.read_text()), log.read_text()
         assert result.get("long") == [200, 200, 200] and "error" not in result, text[-3000:]

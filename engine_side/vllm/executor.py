@@ -399,10 +399,13 @@ class DeltaExecutor(RankDeaths, Executor):
                     self._answers.socket(rank, frames)
             replies = self._answers.take(call.needed)
         except RankFault as fault:
+            if isinstance(fault.error, str):  # a failed step: a peer's death's, maybe
+                self._death_behind([(fault.rank, fault.error)])
             raise self._rank_fault(fault.rank, fault.error) from fault
         errors = [(r, b"".join(f[1:]).decode(errors="replace")) for r, f in enumerate(replies)
                   if f is not None and f[0] == wire.ERROR]
         if errors:
+            self._death_behind(errors)  # a peer's death broke the step: GroupDied
             raise RuntimeError("; ".join(f"rank {r}: {msg}" for r, msg in errors))
         return replies
 

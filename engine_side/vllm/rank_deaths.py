@@ -218,6 +218,23 @@ class RankDeaths:
             self.is_failed = True
             raise ExecutorFailed(self.failure or f"DeltaExecutor failed: rank(s) {dead} died")
 
+    def _death_behind(self: Any, errors: list[tuple[int, str]]) -> None:
+        """Ranks answered a step with ``errors``.  One whose peer died fails its next
+        collective at once (gloo sees the peer's socket reset) and may answer before
+        the death is noticed (a node's link within the liveness bound): wait that long
+        for the group's death and raise it (GroupDied, so the restart answers the call,
+        or past the restart bound ExecutorFailed naming the dead rank or node); none:
+        return (the errors are the ranks' own)."""
+        until = time.monotonic() + 2 * self.liveness_s + 0.5
+        while self._serving and not self._relaunching and time.monotonic() < until:
+            if self.is_failed:  # the death, past the restart bound
+                raise ExecutorFailed(self.failure or "DeltaExecutor has failed")
+            if self._died is not None:
+                log.warning("DeltaExecutor: rank(s) %s failed a step as the group died: %s",
+                            [r for r, _ in errors], "; ".join(m[:200] for _, m in errors))
+                raise self._died
+            time.sleep(0.01)
+
     def _restart(self: Any, died: GroupDied) -> None:
         """Restart the stopped group, have the scheduler recompute, and answer every
         call in flight: model calls with empty outputs (the scheduler drops them: their
