@@ -151,6 +151,7 @@ def test_a_malformed_answer_fails_the_executor_naming_the_rank() -> None:
         ex.encoder = _vllm_pair()[0]
         ex._open_result = [Opener(SECRET, b"result:%d" % r) for r in range(2)]
         ex._receive = lambda deadline: list(enumerate(answers))
+        ex.liveness_s, ex._serving, ex._relaunching, ex._died = 0.01, False, False, None
         return ex, called
 
     every = SimpleNamespace(deadline=None, needed=(0, 1))  # a call both ranks answer
@@ -180,6 +181,25 @@ def test_a_malformed_answer_fails_the_executor_naming_the_rank() -> None:
                                              "answered: boom"):
         ex._gather(step)
     assert ex.is_failed and called == [1]
+    # serving, the same E while its peer's death is noticed: that death, not the E
+    # (GroupDied: the drain restarts the group; the executor is not failed)
+    from engine_side.vllm.restart import GroupDied
+
+    for died in (None, GroupDied(1, -9)):
+        ex, called = executor([])
+        arrivals = iter([[(1, [calls.OUTPUT, b"1"])],
+                         [(0, [calls.ERROR, b"boom"]), (1, [calls.OUTPUT, b"2"])]])
+        ex._receive = lambda deadline, arrivals=arrivals: next(arrivals)
+        ex._serving, ex._died = True, died
+        ex._gather(step)
+        if died is None:  # none within the bound: the E is rank 0's own
+            with pytest.raises(ExecutorFailed, match="rank 0 failed a step"):
+                ex._gather(step)
+            assert ex.is_failed
+        else:
+            with pytest.raises(GroupDied, match="rank 1 died"):
+                ex._gather(step)
+            assert not ex.is_failed and called == []
     assert calls.rank_of(b"1", 2) == 1
     assert [calls.rank_of(i, 2) for i in (b"2", b"01", b"-1", b"x", b"", b"1" * 9)] == [None] * 6
 
