@@ -137,6 +137,7 @@ def test_a_malformed_answer_fails_the_executor_naming_the_rank() -> None:
     fails the executor cleanly -- ExecutorFailed naming the rank, failed, called back."""
     from engine_side.vllm.answers import Answers
     from engine_side.vllm.executor import DeltaExecutor, ExecutorFailed
+    from engine_side.vllm.restart import RestartPolicy
     from protocol import calls
     from protocol.faults import PeerFaults
     from protocol.seal import Opener, Sealer
@@ -152,6 +153,7 @@ def test_a_malformed_answer_fails_the_executor_naming_the_rank() -> None:
         ex._open_result = [Opener(SECRET, b"result:%d" % r) for r in range(2)]
         ex._receive = lambda deadline: list(enumerate(answers))
         ex.liveness_s, ex._serving, ex._relaunching, ex._died = 0.01, False, False, None
+        ex.restarts, ex.local = RestartPolicy(), SimpleNamespace(dead=list)
         return ex, called
 
     every = SimpleNamespace(deadline=None, needed=(0, 1))  # a call both ranks answer

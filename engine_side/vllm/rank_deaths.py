@@ -226,14 +226,14 @@ class RankDeaths:
         or past the restart bound ExecutorFailed naming the dead rank or node); none:
         return (the errors are the ranks' own)."""
         until = time.monotonic() + 2 * self.liveness_s + 0.5
-        while self._serving and not self._relaunching and time.monotonic() < until:
-            if self.is_failed:  # the death, past the restart bound
-                raise ExecutorFailed(self.failure or "DeltaExecutor has failed")
-            if self._died is not None:
-                log.warning("DeltaExecutor: rank(s) %s failed a step as the group died: %s",
-                            [r for r, _ in errors], "; ".join(m[:200] for _, m in errors))
-                raise self._died
-            time.sleep(0.01)
+        try:
+            while self._serving and not self._relaunching and time.monotonic() < until:
+                self._check_alive()  # the death: GroupDied, or ExecutorFailed
+                time.sleep(0.01)
+        except GroupDied:
+            log.warning("DeltaExecutor: rank(s) %s failed a step as the group died: %s",
+                        [r for r, _ in errors], "; ".join(m[:200] for _, m in errors))
+            raise
 
     def _restart(self: Any, died: GroupDied) -> None:
         """Restart the stopped group, have the scheduler recompute, and answer every
