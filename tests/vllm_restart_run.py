@@ -110,6 +110,11 @@ def _rounds(llm: Any, fault: Callable[[int], dict[str, Any]] | None) -> list[Any
     return outs
 
 
+def _rings() -> set[str]:
+    """The shared-memory segments vLLM's broadcast queues name in /dev/shm."""
+    return {p for p in os.listdir("/dev/shm") if p.startswith("psm_")}
+
+
 def main(model: str, path: str) -> None:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     out: dict[str, Any] = {}
@@ -121,6 +126,7 @@ def main(model: str, path: str) -> None:
     out["recomputed"] = _rounds(llm, lambda rank: {"after": recompute(llm)})
     _close(llm)
 
+    rings = _rings()
     llm = _engine(model, restarts=3)
     ex = _executor(llm)
     called: list[int] = []
@@ -133,6 +139,7 @@ def main(model: str, path: str) -> None:
     out["restarts"], out["callback_calls"] = ex.restarts.count, len(called)
     out["recoveries_sync"] = ex.recoveries
     out["dist"] = ex._dist[0]
+    out["rings_left"] = sorted(_rings() - rings)  # /dev/shm names made since, 4 groups on
     _close(llm)
     out["pids"].append([p for p in ex.local.pids()])
 

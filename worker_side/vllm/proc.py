@@ -204,10 +204,27 @@ def _start_worker(vllm_config: Any, local_rank: int, rank: int, init_method: str
         "shared_worker_lock": lock}
     wrapper.init_worker(all_kwargs)
     wrapper.init_device()  # collective: every rank must already be started
+    _unlink_group_rings()
     wrapper.load_model()
     current_platform.update_block_size_for_backend(vllm_config)
     enable_envs_cache()
     return wrapper
+
+
+def _unlink_group_rings() -> None:
+    """Unlink the names of the shared-memory rings this rank made for vLLM's groups (the
+    TP group's broadcast queue, ~24 MB): once the groups are up every local reader has
+    mapped its ring, and the memory goes with the last process that maps it.  So a
+    group killed in a restart leaves no ``/dev/shm/psm_*`` behind (the names would stay
+    until the engine's resource tracker exits: /dev/shm filling up restart after
+    restart).  ``unlink`` also tells the resource tracker to forget the name."""
+    from vllm.distributed import parallel_state
+
+    for ref in list(parallel_state._groups.values()):  # every GroupCoordinator made
+        ring = getattr(getattr(ref(), "mq_broadcaster", None), "buffer", None)
+        if ring is not None and ring.is_creator:
+            ring.shared_memory.unlink()
+            ring.is_creator = False  # (its __del__ would unlink the name again)
 
 
 def worker_main(vllm_config: Any, local_rank: int, rank: int, init_method: str,
