@@ -71,7 +71,9 @@ def u64(values: Any) -> U64:
 
 def total(terms: U64) -> int:
     """Sum of terms mod 2**64."""
-    return int(terms.sum(dtype=np.uint64)) if terms.size else 0
+    if terms.size <= SMALL:
+        return sum(terms.tolist()) & MASK
+    return int(terms.sum(dtype=np.uint64))
 
 
 # -- specs ---------------------------------------------------------------------------
