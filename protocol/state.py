@@ -57,6 +57,18 @@ Rows_ = tuple[list[int], list[int], list[int], list[int], list[int]]  # the same
 _Rows = tuple[list[int], list[int]] | None  # count exceptions: positions, values
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
+_ONES = _EMPTY
+
+
+def _ones(n: int) -> I64:
+    """n ones (read-only: a view of one array, grown as needed)."""
+    global _ONES
+    if _ONES.size < n:
+        _ONES = np.ones(max(n, 2 * _ONES.size, 64), dtype=np.int64)
+        _ONES.flags.writeable = False
+    return _ONES[:n]
+
+
 #: rows up to this many are written one by one; more, by vector scatters
 FEW_ROWS = 16
 #: what applying a body that names nothing did (shared: read, never written)
@@ -344,14 +356,15 @@ class ReplicaState:
                 if keys.size and (int(keys.max()) >= new.size or not all_distinct(keys)):
                     raise InvalidDelta("token rows must be distinct schedule positions")
             else:  # every position, in order
-                keys = np.arange(new.size)
+                keys = None
+            n = new.size if keys is None else keys.size
             counts = unpack_uints(rows.counts) if rows.counts else None
-            if (keys.size if counts is None else int(counts.sum())) != flat.size or (
-                    counts is not None and counts.size != keys.size):
+            if (n if counts is None else int(counts.sum())) != flat.size or (
+                    counts is not None and counts.size != n):
                 raise InvalidDelta("token rows do not fit the schedule")
             if counts is None:
-                counts = np.ones(keys.size, dtype=np.int64)
-            hs, starts = new[keys], length[keys]
+                counts = _ones(n)
+            hs, starts = (new, length) if keys is None else (new[keys], length[keys])
             sums = dg.token_sums(hs, starts, counts, flat)
             d += dg.total(sums)
             tokens = (hs, starts, counts, flat, sums)
