@@ -159,7 +159,8 @@ class ReplicaState:
         sched, nsched = self.schedule, self.nsched
         if len(counts) != sched.size or counts != self.schedule_counts():
             return False
-        return computed is None or computed == (self.cols.computed[sched] + nsched).tolist()
+        return computed is None or (len(computed) == sched.size and not kernels.mismatches(
+            computed, self.cols.computed[sched] + nsched))
 
     def schedule_counts(self) -> list[int]:
         """The scheduled counts as a list (remembered while they are the same array)."""
