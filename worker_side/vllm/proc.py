@@ -220,10 +220,12 @@ def _unlink_group_rings() -> None:
     restart).  ``unlink`` also tells the resource tracker to forget the name."""
     from vllm.distributed import parallel_state
 
-    for ref in list(parallel_state._groups.values()):  # every GroupCoordinator made
+    groups = getattr(parallel_state, "_groups", {})  # every GroupCoordinator made (weak)
+    for ref in list(groups.values()):
         ring = getattr(getattr(ref(), "mq_broadcaster", None), "buffer", None)
-        if ring is not None and ring.is_creator:
-            ring.shared_memory.unlink()
+        if ring is not None and getattr(ring, "is_creator", False):
+            with contextlib.suppress(OSError):  # (a name already gone: nothing to do)
+                ring.shared_memory.unlink()
             ring.is_creator = False  # (its __del__ would unlink the name again)
 
 
