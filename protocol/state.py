@@ -57,18 +57,6 @@ Rows_ = tuple[list[int], list[int], list[int], list[int], list[int]]  # the same
 _Rows = tuple[list[int], list[int]] | None  # count exceptions: positions, values
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
-_ONES = _EMPTY
-
-
-def _ones(n: int) -> I64:
-    """n ones (read-only: a view of one array, grown as needed)."""
-    global _ONES
-    if _ONES.size < n:
-        _ONES = np.ones(max(n, 2 * _ONES.size, 64), dtype=np.int64)
-        _ONES.flags.writeable = False
-    return _ONES[:n]
-
-
 #: rows up to this many are written one by one; more, by vector scatters
 FEW_ROWS = 16
 #: what applying a body that names nothing did (shared: read, never written)
@@ -364,7 +352,7 @@ class ReplicaState:
                     counts is not None and counts.size != n):
                 raise InvalidDelta("token rows do not fit the schedule")
             if counts is None:
-                counts = _ones(n)
+                counts = np.ones(n, dtype=np.int64)
             hs, starts = (new, length) if keys is None else (new[keys], length[keys])
             sums = dg.token_sums(hs, starts, counts, flat)
             d += dg.total(sums)
