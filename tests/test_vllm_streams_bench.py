@@ -29,7 +29,8 @@ def _path(steps: int, nbytes: int, vbytes: int, us: float, vus: float, bus: floa
           ) -> dict[str, Any]:
     return {"steps": steps, "bytes": nbytes, "vllm_bytes": vbytes, "us": us * steps,
             "vllm_us": vus * steps, "bare_us": bus * steps, "median_us": us,
-            "median_vllm_us": vus, "median_bare_us": bus}
+            "median_vllm_us": vus, "median_bare_us": bus, "floor_us": bus / 4 * steps,
+            "median_floor_us": bus / 4}
 
 
 def _stream(us: float = 10.0, join_us: float = 10.0, vus: float = 20.0, nbytes: int = 100,
@@ -83,13 +84,22 @@ def test_targets_judge_each_limit_against_vllm_and_report_bare_pickle() -> None:
 def test_render_has_one_row_per_stream_and_the_totals() -> None:
     text = render(_doc())
     for name in ("decode", "online64", "prefix", "synthetic-256", "synthetic-churn-16"):
-        # the request, step-kind, reply and request-field tables
-        assert text.count(f"| {name} |") == 4, name
-    assert text.count("| **all recorded** |") == 2  # the request and reply tables
+        # the request, step-kind, reply, floor and request-field tables
+        assert text.count(f"| {name} |") == 5, name
+    assert text.count("| **all recorded** |") == 3  # the request, reply and floor tables
+    # the floor: a quarter of bare pickle's step (ours 10 µs against its 2.5)
+    assert "| decode | 2.5 | 0.25 | 0.25 | 4.00 |" in text
     assert "| synthetic-churn-16 | 10 | 30.0 | 1.50 | 3.00 | 0 | – | – | – |" in kinds(_doc())
     assert "**16.7×**" in text and "**not met**" in text and "| reported |" in text
     assert "header 40%" in text and "added.prompt 60%" in text
     assert "C kernels" in text and "Exactness" not in text
+    old = _doc()  # a document from before the floor was measured renders without it
+    for w in [*old["workloads"].values(), *old["synthetic"].values()]:
+        for part in ("request", "reply", "join_leave", "same_batch"):
+            del w[part]["floor_us"], w[part]["median_floor_us"]
+    old["total"] = {path: {k: v for k, v in t.items() if k != "floor_us"}
+                    for path, t in old["total"].items()}
+    assert "Python floor" not in render(old) and "Python floor" in text
 
 
 def test_the_page_converter_reads_the_document() -> None:
@@ -106,6 +116,8 @@ def test_the_page_converter_reads_the_document() -> None:
     assert rows["online64"][-1] == "median, summed, join/leave, same-batch"
     assert rows["decode"][-1] == page_tables.NONE
     assert rows["all recorded"][4] == pytest.approx(16.7)
+    floor = env["columns"].index("floor ÷ bare")  # a quarter of bare pickle's step
+    assert rows["decode"][floor] == rows["all recorded"][floor] == pytest.approx(0.25)
     assert [t["target"] for t in env["targets"]] == [t["target"] + (
         "" if t["bare"] is None else f" (bare pickle: {page_tables.cell(t['bare'])})")
         for t in targets(doc)]
@@ -181,7 +193,8 @@ def test_replay_of_golden_streams_is_exact_and_adds_up(
         assert w["join_leave"]["steps"] + w["same_batch"]["steps"] == w["steps"]
         assert w["join_leave"]["steps"] == stats["churn_steps"] > 0, name
         assert w["reply"]["steps"] == w["steps"]
-        assert all(w["request"][k] > 0 for k in ("us", "vllm_us", "bare_us"))
+        assert all(w["request"][k] > 0 for k in ("us", "vllm_us", "bare_us", "floor_us"))
+        assert w["reply"]["floor_us"] == 0  # the floor builds SchedulerOutputs only
     total = doc["total"]["request"]
     assert total["bytes"] == sum(w["request"]["bytes"] for w in doc["workloads"].values())
     churn = doc["synthetic"]["churn-8"]
@@ -258,7 +271,7 @@ def test_every_scenario_builds_its_requests() -> None:
 def test_replay_passes_take_each_steps_median(monkeypatch: pytest.MonkeyPatch) -> None:
     """With passes, each step's µs on every path is the median of its passes (the passes
     here report known figures); bytes are one pass's, each pass starts the rotation of
-    the three paths one further on, and a pass count below one is refused."""
+    the four paths one further on, and a pass count below one is refused."""
     from engine_side.bench import vllm_replay
     from engine_side.bench.vllm_replay import replay, synthetic_decode
 
@@ -270,10 +283,10 @@ def test_replay_passes_take_each_steps_median(monkeypatch: pytest.MonkeyPatch) -
         steps = real(msgs, rotate, fields)
         k = len(rotations)
         rotations.append(rotate)
-        for i, step in enumerate(steps):  # pass k: µs (10k + i, 100k + i, 1000k + i)
+        for i, step in enumerate(steps):  # pass k: µs (10k + i, ..., 10000k + i)
             for acc in step.figures.values():
-                acc[2], acc[3], acc[4] = (10.0 * k + i) / 1e6, (100.0 * k + i) / 1e6, \
-                    (1000.0 * k + i) / 1e6
+                acc[2], acc[3], acc[4], acc[5] = (10.0 * k + i) / 1e6, (100.0 * k + i) / 1e6, \
+                    (1000.0 * k + i) / 1e6, (10000.0 * k + i) / 1e6
         return steps
 
     monkeypatch.setattr(vllm_replay, "_one_pass", scripted)
@@ -286,6 +299,7 @@ def test_replay_passes_take_each_steps_median(monkeypatch: pytest.MonkeyPatch) -
     assert three["request"]["us"] == pytest.approx(sum(20.0 + i for i in range(8)))
     assert three["request"]["vllm_us"] == pytest.approx(sum(200.0 + i for i in range(8)))
     assert three["request"]["bare_us"] == pytest.approx(sum(2000.0 + i for i in range(8)))
+    assert three["request"]["floor_us"] == pytest.approx(sum(20000.0 + i for i in range(8)))
     assert three["request"]["median_us"] == pytest.approx(20.0 + 3.5)
     with pytest.raises(ValueError, match="passes"):
         replay(messages, passes=0)
@@ -293,8 +307,8 @@ def test_replay_passes_take_each_steps_median(monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.vllm
 @needs_vllm
-def test_replay_times_every_message_on_all_three_paths(monkeypatch: pytest.MonkeyPatch,
-                                                       ) -> None:
+def test_replay_times_every_message_on_all_four_paths(monkeypatch: pytest.MonkeyPatch,
+                                                      ) -> None:
     from engine_side.bench import vllm_replay
     from engine_side.bench.vllm_replay import replay, synthetic_decode
 
@@ -310,13 +324,47 @@ def test_replay_times_every_message_on_all_three_paths(monkeypatch: pytest.Monke
         log.append("ours")
         return real_ours(route, obj)
 
+    def floor(kind: str, obj: Any) -> float:
+        log.append("floor")
+        return real_floor(kind, obj)
+
+    real_floor = vllm_replay.python_floor
     monkeypatch.setattr(vllm_replay, "pickled", pickled)
     monkeypatch.setattr(vllm_replay, "_ours", ours)
+    monkeypatch.setattr(vllm_replay, "python_floor", floor)
     replay(messages)
-    assert len(log) == 3 * len(messages)
+    assert len(log) == 4 * len(messages)
     for i in range(len(messages)):
-        assert sorted(log[3 * i:3 * i + 3]) == ["bare", "ours", "vllm"]
-    assert len({tuple(log[3 * i:3 * i + 3]) for i in range(3)}) == 3  # the order rotates
+        assert sorted(log[4 * i:4 * i + 4]) == ["bare", "floor", "ours", "vllm"]
+    assert len({tuple(log[4 * i:4 * i + 4]) for i in range(4)}) == 4  # the order rotates
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("name", RECORDED)
+def test_the_floor_builds_each_step_again_in_fresh_containers(name: str) -> None:
+    """The floor is a fair one: the object it builds equals the recorded step exactly,
+    and shares none of its lists, dicts or sets (a rank's runner keeps and edits them)."""
+    from vllm_equal import differences
+
+    from engine_side.bench.vllm_replay import load_stream, rebuilt_in_python
+
+    steps = [o for k, o in load_stream(GOLDEN / f"{name}.dcobj") if k == "execute_model"]
+    assert steps
+    for so in steps:
+        got = rebuilt_in_python(so)
+        assert differences(so, got) == []
+        c, d = so.scheduled_cached_reqs, got.scheduled_cached_reqs
+        pairs = [(so.num_scheduled_tokens, got.num_scheduled_tokens),
+                 (so.finished_req_ids, got.finished_req_ids), (c.req_ids, d.req_ids),
+                 (c.num_computed_tokens, d.num_computed_tokens),
+                 *((a, b) for x, y in zip(c.new_block_ids, d.new_block_ids, strict=True)
+                   if x is not None for a, b in zip(x, y, strict=True)),
+                 *((a, b) for x, y in zip(so.scheduled_new_reqs, got.scheduled_new_reqs,
+                                          strict=True) for a, b in zip(x.block_ids,
+                                                                       y.block_ids,
+                                                                       strict=True))]
+        assert not any(a is b for a, b in pairs)
 
 
 @pytest.mark.vllm

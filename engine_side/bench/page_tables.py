@@ -298,8 +298,9 @@ def from_streams(doc: dict[str, Any]) -> Fields:
     from engine_side.bench.vllm_table import streams
     from engine_side.bench.vllm_table import targets as stream_targets
 
-    def median(p: dict[str, Any], of: str = "vllm") -> float | None:
-        return _div(p["median_us"], p[f"median_{of}_us"]) if p["steps"] else None
+    def median(p: dict[str, Any], of: str = "vllm", top: str = "") -> float | None:
+        mine = p[f"median_{top}_us" if top else "median_us"]
+        return _div(mine, p[f"median_{of}_us"]) if p["steps"] else None
 
     table = []
     for name, w in streams(doc):
@@ -312,7 +313,9 @@ def from_streams(doc: dict[str, Any]) -> Fields:
         reply = _div(w["reply"]["vllm_bytes"], w["reply"]["bytes"])
         table.append([name, w["steps"], round(req["bytes"] / steps, 1),
                       round(req["vllm_bytes"] / steps, 1), _r(fewer, 1), _r(req["median_us"], 1),
-                      _r(req["median_vllm_us"], 1), _r(med), _r(bare), _r(summed),
+                      _r(req["median_vllm_us"], 1), _r(med), _r(bare),
+                      _r(median(req, "bare", "floor") if "median_floor_us" in req else None),
+                      _r(summed),
                       join["steps"], _r(join_r), _r(same_r), _r(reply, 1),
                       _slower(("median", med), ("summed", summed), ("join/leave", join_r),
                               ("same-batch", same_r))])
@@ -323,6 +326,7 @@ def from_streams(doc: dict[str, Any]) -> Fields:
     reply_t = doc["total"]["reply"]
     table.append(["all recorded", steps, round(t["bytes"] / steps, 1),
                   round(t["vllm_bytes"] / steps, 1), _r(fewer, 1), None, None, None, None,
+                  _r(_div(t["floor_us"], t["bare_us"])) if "floor_us" in t else None,
                   _r(summed), join_steps, None, None,
                   _r(_div(reply_t["vllm_bytes"], reply_t["bytes"]), 1),
                   _slower(("summed", summed))])
@@ -330,7 +334,7 @@ def from_streams(doc: dict[str, Any]) -> Fields:
     checks = [w["check"] for _, w in streams(doc) if "check" in w]
     notes = ["vLLM = its MessageQueue serializer of the same message (what a vLLM executor "
              "pays per message), bare = bare pickle.dumps + loads of it; each step's µs is "
-             f"the median of {meta.get('passes', 1)} replays, the three paths taking turns "
+             f"the median of {meta.get('passes', 1)} replays, the paths taking turns "
              "at going first.",
              "µs = encode + decode of the request path (execute_model + sample_tokens) per "
              "step; median = ratio of the median steps, summed = ratio of the sums over all "
@@ -339,6 +343,10 @@ def from_streams(doc: dict[str, Any]) -> Fields:
              "synthetic-N: N requests in steady decode, all of them joining in the first of "
              "its steps; synthetic-churn-N: one request finishes and one joins every step (a "
              "stateful channel's worst case).",
+             "floor = the step's SchedulerOutput built in Python from its own lists with "
+             "fresh containers, nothing decoded (vllm_replay.rebuilt_in_python): the least a "
+             "Python rank does to hand its runner a plain object; floor ÷ bare is its "
+             "median step against bare pickle's (all recorded: summed).",
              "Targets are judged against vLLM's serializer; the ratio against bare pickle "
              "follows each in brackets."]
     if checks:
@@ -361,8 +369,9 @@ def from_streams(doc: dict[str, Any]) -> Fields:
                     "step.",
             "columns": ["stream", "steps", "B/step", "vLLM B/step", "× fewer B",
                         "median µs", "vLLM median µs", "median ÷ vLLM", "median ÷ bare",
-                        "summed ÷ vLLM", "join/leave steps", "join/leave median ÷ vLLM",
-                        "same-batch median ÷ vLLM", "× fewer reply B", SLOWER],
+                        "floor ÷ bare", "summed ÷ vLLM", "join/leave steps",
+                        "join/leave median ÷ vLLM", "same-batch median ÷ vLLM",
+                        "× fewer reply B", SLOWER],
             "rows": table, "targets": targets, "notes": notes, "raw": doc}
 
 

@@ -8,8 +8,11 @@ runner) and, in the same loop, through vLLM's own message -- the MultiprocExecut
 tuple ``(method, (obj,), {}, 0)`` or the reply ``(SUCCESS, output)`` -- serialized as
 vLLM's ``MessageQueue`` does (:func:`vllm_serialize`, :func:`vllm_deserialize`) and by
 bare ``pickle.dumps`` + ``pickle.loads`` (protocol 5: the stricter yardstick, which
-omits the Pickler and the dispatch-table copy vLLM makes per message).  The three are
-timed in an order rotated per message, so none always pays for first touching a step's
+omits the Pickler and the dispatch-table copy vLLM makes per message).  Beside them,
+the **floor**: a step's SchedulerOutput built in Python from the original's own lists
+with fresh containers (:func:`rebuilt_in_python`), the least any Python rank does to hand
+its runner a plain object, with nothing decoded and no state kept.  The four are timed
+in an order rotated per message, so none always pays for first touching a step's
 objects.
 
 A **step** opens at each ``execute_model``: the request path is its message plus the
@@ -21,6 +24,7 @@ With ``passes`` > 1 each step's µs is its median over the passes.
 
 from __future__ import annotations
 
+import copy
 import copyreg
 import functools
 import gc
@@ -34,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 REQUEST, REPLY = ("execute_model", "sample_tokens"), ("reply", "sample_reply")
-PATHS = ("ours", "vllm", "bare")  # deltacast; vLLM's serializer; bare pickle
+PATHS = ("ours", "vllm", "bare", "floor")  # deltacast; vLLM's serializer; bare pickle;
+# the Python floor
 _RPC = {"execute_model": "execute_model", "sample_tokens": "sample_tokens"}
 
 
@@ -106,6 +111,67 @@ def pickled(kind: str, obj: Any, bare: bool = False) -> tuple[int, float]:
     vllm_deserialize(sent)
     took = time.perf_counter() - t0
     return sum(memoryview(b).nbytes for b in sent), took
+
+
+def python_floor(kind: str, obj: Any) -> float:
+    """Seconds :func:`rebuilt_in_python` takes for ``obj`` (an ``execute_model``
+    record); 0.0 for other kinds."""
+    if kind != "execute_model":
+        return 0.0
+    t0 = time.perf_counter()
+    rebuilt_in_python(obj)
+    return time.perf_counter() - t0
+
+
+def rebuilt_in_python(so: Any) -> Any:
+    """``so`` (a SchedulerOutput) built again in Python as a rank must hand it over: every
+    container fresh (lists, dicts, sets, block tuples), the sampling parameters
+    shallow-copied, the rest (strings, multimodal items, connector objects) shared."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    new = [NewRequestData(
+        req_id=r.req_id, prompt_token_ids=None if r.prompt_token_ids is None
+        else list(r.prompt_token_ids), mm_features=list(r.mm_features),
+        sampling_params=copy.copy(r.sampling_params), pooling_params=r.pooling_params,
+        block_ids=tuple([list(b) for b in r.block_ids]),
+        num_computed_tokens=r.num_computed_tokens, lora_request=r.lora_request,
+        prompt_embeds=r.prompt_embeds, prompt_is_token_ids=None
+        if r.prompt_is_token_ids is None else list(r.prompt_is_token_ids),
+        prefill_token_ids=None if r.prefill_token_ids is None else list(r.prefill_token_ids),
+        replay_start=r.replay_start) for r in so.scheduled_new_reqs]
+    c = so.scheduled_cached_reqs
+    return SchedulerOutput(
+        scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData(
+            req_ids=list(c.req_ids), resumed_req_ids=set(c.resumed_req_ids),
+            new_token_ids=[list(t) for t in c.new_token_ids],
+            all_token_ids={k: list(v) for k, v in c.all_token_ids.items()},
+            new_block_ids=[None if b is None else tuple([list(g) for g in b])
+                           for b in c.new_block_ids],
+            num_computed_tokens=list(c.num_computed_tokens),
+            num_output_tokens=list(c.num_output_tokens)),
+        num_scheduled_tokens=dict(so.num_scheduled_tokens),
+        total_num_scheduled_tokens=so.total_num_scheduled_tokens,
+        scheduled_spec_decode_tokens={k: list(v) for k, v in
+                                      so.scheduled_spec_decode_tokens.items()},
+        scheduled_encoder_inputs={k: list(v) for k, v in so.scheduled_encoder_inputs.items()},
+        num_common_prefix_blocks=list(so.num_common_prefix_blocks),
+        finished_req_ids=set(so.finished_req_ids),
+        free_encoder_mm_hashes=list(so.free_encoder_mm_hashes),
+        scheduled_encoder_input_stats=so.scheduled_encoder_input_stats,
+        preempted_req_ids=None if so.preempted_req_ids is None else set(so.preempted_req_ids),
+        has_structured_output_requests=so.has_structured_output_requests,
+        pending_structured_output_tokens=so.pending_structured_output_tokens,
+        num_invalid_spec_tokens=None if so.num_invalid_spec_tokens is None
+        else dict(so.num_invalid_spec_tokens),
+        kv_connector_metadata=so.kv_connector_metadata, has_sync_kv_loads=so.has_sync_kv_loads,
+        aux_output_connector_metadata=so.aux_output_connector_metadata,
+        ec_connector_metadata=so.ec_connector_metadata,
+        ec_manager_metadata=so.ec_manager_metadata,
+        new_block_ids_to_zero=None if so.new_block_ids_to_zero is None
+        else list(so.new_block_ids_to_zero),
+        kv_cache_block_copies=None if so.kv_cache_block_copies is None
+        else list(so.kv_cache_block_copies),
+        num_spec_tokens_to_schedule=so.num_spec_tokens_to_schedule)
 
 
 def load_stream(path: Path) -> list[tuple[str, Any]]:
@@ -197,14 +263,16 @@ def joins_or_leaves(so: Any) -> bool:
 
 
 class _Step:
-    """One step's figures: per path (request, reply) [ours B, vLLM B, ours s, vLLM s, bare s]."""
+    """One step's figures: per path (request, reply) [ours B, vLLM B, ours s, vLLM s, bare s,
+    floor s]."""
 
     __slots__ = ("running", "churn", "figures")
 
     def __init__(self, so: Any) -> None:
         self.running = len(so.num_scheduled_tokens)
         self.churn = joins_or_leaves(so)
-        self.figures = {"request": [0, 0, 0.0, 0.0, 0.0], "reply": [0, 0, 0.0, 0.0, 0.0]}
+        self.figures = {"request": [0, 0, 0.0, 0.0, 0.0, 0.0],
+                        "reply": [0, 0, 0.0, 0.0, 0.0, 0.0]}
 
 
 def _route(enc: Any, dec: Any) -> dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
@@ -232,7 +300,7 @@ def _ours(route: tuple[Callable[[Any], Any], Callable[[Any], Any]], obj: Any,
 
 def _one_pass(messages: list[tuple[str, Any]], rotate: int,
               fields: Callable[[str, list[Any]], None] | None) -> list[_Step]:
-    """One replay: per step, each path's figures (the order of the three rotates per
+    """One replay: per step, each path's figures (the order of the four rotates per
     message, starting at ``rotate``); ``fields`` sees our frames of request messages."""
     from engine_side.vllm.encoder import SchedulerOutputEncoder
     from worker_side.vllm.decoder import SchedulerOutputDecoder
@@ -246,9 +314,11 @@ def _one_pass(messages: list[tuple[str, Any]], rotate: int,
         if kind == "execute_model":
             steps.append(_Step(obj))
         got: dict[str, tuple[int, float]] = {}
-        for k in range(3):
-            path = PATHS[(i + rotate + k) % 3]
-            if path == "ours":
+        for k in range(len(PATHS)):
+            path = PATHS[(i + rotate + k) % len(PATHS)]
+            if path == "floor":
+                got[path] = (0, python_floor(kind, obj))
+            elif path == "ours":
                 size, took, sent = _ours(route[kind], obj)
                 got[path] = (size, took)
                 if fields is not None and kind in REQUEST:
@@ -262,13 +332,14 @@ def _one_pass(messages: list[tuple[str, Any]], rotate: int,
             acc[2] += got["ours"][1]
             acc[3] += got["vllm"][1]
             acc[4] += got["bare"][1]
+            acc[5] += got["floor"][1]
     gc.unfreeze()
     return steps
 
 
 def replay(messages: list[tuple[str, Any]], passes: int = 1,
            fields: Counter[str] | None = None) -> dict[str, Any]:
-    """Per-step bytes and µs of the three paths, summarised (:func:`summarise`); each
+    """Per-step bytes and µs of the four paths, summarised (:func:`summarise`); each
     step's µs the median of ``passes`` replays (bytes are the same in every pass).
     ``fields``: filled with our request bytes per wire field (first pass)."""
     if passes < 1:
@@ -278,21 +349,21 @@ def replay(messages: list[tuple[str, Any]], passes: int = 1,
         if fields is not None:
             fields.update(request_fields(kind, frames))
 
-    runs = [_one_pass(messages, k % 3, count if k == 0 and fields is not None else None)
+    runs = [_one_pass(messages, k % len(PATHS), count if k == 0 and fields is not None else None)
             for k in range(passes)]
     steps = runs[0]
     for i, step in enumerate(steps):
         for path, acc in step.figures.items():
-            for col in (2, 3, 4):
+            for col in (2, 3, 4, 5):
                 acc[col] = statistics.median(run[i].figures[path][col] for run in runs)
     return summarise(steps) | {"passes": passes}
 
 
 def _path(steps: list[_Step], path: str) -> dict[str, Any]:
-    cols: list[Any] = list(zip(*(s.figures[path] for s in steps), strict=True)) or [[0]] * 5
+    cols: list[Any] = list(zip(*(s.figures[path] for s in steps), strict=True)) or [[0]] * 6
     out: dict[str, Any] = {"steps": len(steps), "bytes": int(sum(cols[0])),
                            "vllm_bytes": int(sum(cols[1]))}
-    for col, name in ((2, "us"), (3, "vllm_us"), (4, "bare_us")):
+    for col, name in ((2, "us"), (3, "vllm_us"), (4, "bare_us"), (5, "floor_us")):
         out[name] = sum(cols[col]) * 1e6
         out[f"median_{name}"] = statistics.median(cols[col]) * 1e6 if steps else 0.0
     return out

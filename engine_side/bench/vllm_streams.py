@@ -13,7 +13,7 @@ tiny model (built there if missing), one progress line per scenario on stderr;
 streams already in the cache are reused unless ``--fresh``.  Then every recorded
 workload, and the synthetic streams (steady decode at 256 and 4096 requests,
 continuous batching at 16 and 256), is replayed through deltacast's encoder and
-decoder, vLLM's MessageQueue serializer and bare pickle
+decoder, vLLM's MessageQueue serializer, bare pickle and the Python floor
 (:func:`engine_side.bench.vllm_replay.replay`, ``--passes`` replays per stream) and
 the tables and the targets (``engine_side/bench/vllm_table.py``) are printed.
 
@@ -37,8 +37,8 @@ The document (``--json``)::
                summary and stats), check (with --check)}
     synthetic  {"256", "4096", "churn-16", "churn-256": replay summary + request_fields,
                check (with --check)}
-    total      {request, reply: bytes, vllm_bytes, us, vllm_us, bare_us summed over
-               the recorded workloads}
+    total      {request, reply: bytes, vllm_bytes, us, vllm_us, bare_us, floor_us
+               summed over the recorded workloads}
 """
 
 from __future__ import annotations
@@ -72,9 +72,10 @@ DEFAULT_CACHE = Path("out/objstreams")
 SYNTHETIC = (256, 4096)  # steady decode at N requests
 CHURN = (16, 256)  # continuous batching at N requests
 SYNTHETIC_STEPS = 20
-TOTALS = ("bytes", "vllm_bytes", "us", "vllm_us", "bare_us")
+TOTALS = ("bytes", "vllm_bytes", "us", "vllm_us", "bare_us", "floor_us")
 VLLM_SERIALIZER = "vLLM's MessageQueue serializer"
 BARE = "bare pickle.dumps + loads"
+FLOOR = "the step's SchedulerOutput built in Python from its own lists, fresh containers"
 Messages = list[tuple[str, Any]]
 
 
@@ -224,7 +225,7 @@ def meta(passes: int, check: bool) -> dict[str, Any]:
             "command": command(), "load": os.getloadavg()[0], "passes": passes,
             "check": check,
             "kernels": _native(), "vllm": machine()["vllm"],
-            "baselines": {"vllm": VLLM_SERIALIZER, "bare": BARE}}
+            "baselines": {"vllm": VLLM_SERIALIZER, "bare": BARE, "floor": FLOOR}}
 
 
 # ---------------------------------------------------------------- one scenario, live

@@ -97,6 +97,28 @@ def kinds(doc: dict[str, Any]) -> str:
     return "\n".join(head + rows)
 
 
+def floor(doc: dict[str, Any]) -> str:
+    """Request-path medians against the Python floor: the step's SchedulerOutput built
+    in Python from its own lists (``vllm_replay.rebuilt_in_python``), what a Python rank
+    does at least; empty for documents without it."""
+    rows = []
+    for name, w in streams(doc):
+        p = w["request"]
+        if "median_floor_us" not in p or not p["steps"]:
+            continue
+        rows.append(f"| {name} | {_n(p['median_floor_us'])} | "
+                    f"{_r(_div(p['median_floor_us'], p['median_bare_us']))} | "
+                    f"{_r(_div(p['floor_us'], p['bare_us']))} | "
+                    f"{_r(_div(p['median_us'], p['median_floor_us']))} |")
+    t = doc["total"]["request"]
+    if rows and "floor_us" in t:
+        rows.append(f"| **all recorded** | | | **{_r(_div(t['floor_us'], t['bare_us']))}** | "
+                    f"{_r(_div(t['us'], t['floor_us']))} (summed) |")
+    return "\n".join(["| stream | floor median µs | floor ÷ bare (median) | "
+                      "floor ÷ bare (summed) | ours ÷ floor (median) |",
+                      "| --- | ---: | ---: | ---: | ---: |", *rows]) if rows else ""
+
+
 def fields(doc: dict[str, Any], shown: int = FIELDS_SHOWN) -> str:
     """Per stream, its largest request-path wire fields (exact bytes, summed over it)."""
     rows = []
@@ -185,6 +207,9 @@ def render(doc: dict[str, Any]) -> str:
              "Request path by step kind (medians):", kinds(doc),
              "Reply path (the two ModelRunnerOutput replies):", table(doc, "reply"),
              "Targets:", "\n".join(verdicts),
+             *(("The Python floor: the step's SchedulerOutput built in Python from its own "
+                "lists, fresh containers, nothing decoded (request path):", below)
+               if (below := floor(doc)) else ()),
              "Where our request bytes go:", fields(doc)]
     if checked:
         found = sum(c["differences"] for c in checked)
