@@ -42,7 +42,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from protocol.errors import MalformedMessage, malformed
+from protocol.errors import LocalProtocolError, MalformedMessage, malformed
 
 # engine -> rank
 EXECUTE, SAMPLE, CONTROL, ATTACH, QUIT = b"X", b"S", b"C", b"A", b"Q"
@@ -94,7 +94,9 @@ RING_CALL_LIMIT = 1 << 20
 CHECK_IN_PAYLOAD = struct.Struct("<qQ")  # outputs folded (int64), hash (uint64)
 RELAY_ALL = b"*"  # a relayed message's target: every rank of the node
 _RELAY_COUNT = struct.Struct("<H")
-_RELAY_FRAMES = 64  # at most this many frames in one relayed message
+#: at most this many frames in one relayed message (the count's 15 bits: its top bit
+#: marks a deflated message); a step's or an answer's tensors are a frame each
+RELAY_FRAMES = 0x7FFF
 _DEFLATED = 0x8000  # in a relayed message's count: its lengths and frames are deflated
 _INFLATED = struct.Struct("<I")  # a deflated relayed message's size, inflated
 #: frames of this many bytes in all (from .. to) cross between hosts deflated
@@ -125,7 +127,11 @@ def pack_relayed(frames: Sequence[Any]) -> bytes:
     """Several frames as one: their count (uint16), each one's length (uint32), then
     the frames, little-endian; between RELAY_DEFLATE_MIN and RELAY_DEFLATE_MAX bytes of
     frames, the lengths and frames deflated (zlib, level 1) behind their inflated size
-    (uint32) and the count's top bit, when that saves a tenth."""
+    (uint32) and the count's top bit, when that saves a tenth.  LocalProtocolError for
+    more than RELAY_FRAMES frames."""
+    if len(frames) > RELAY_FRAMES:
+        raise LocalProtocolError("too many frames to relay", frames=len(frames),
+                                 limit=RELAY_FRAMES)
     lengths = [memoryview(f).nbytes for f in frames]
     head = struct.pack(f"<{len(lengths)}I", *lengths)
     size = len(head) + sum(lengths)  # inflated
@@ -140,7 +146,7 @@ def pack_relayed(frames: Sequence[Any]) -> bytes:
 
 def unpack_relayed(payload: Any) -> list[memoryview]:
     """The frames of a :func:`pack_relayed` payload (views into it, or into its
-    inflated bytes): at least one, at most 64; MalformedMessage if it is not one."""
+    inflated bytes): at least one, at most RELAY_FRAMES; MalformedMessage if it is not one."""
     view = memoryview(payload).cast("B")
     if len(view) < _RELAY_COUNT.size:
         raise MalformedMessage("a relayed message without its frame count", size=len(view))
@@ -150,7 +156,7 @@ def unpack_relayed(payload: Any) -> list[memoryview]:
         count &= ~_DEFLATED
         view = _inflate(view)
     at = 4 * count
-    if not 0 < count <= _RELAY_FRAMES or at > len(view):
+    if not 0 < count <= RELAY_FRAMES or at > len(view):
         raise MalformedMessage("a relayed message's frame count is wrong", size=len(view))
     frames = []
     for length in struct.unpack_from(f"<{count}I", view):
@@ -169,7 +175,7 @@ def _inflate(view: memoryview) -> memoryview:
     if len(view) < _INFLATED.size:
         raise MalformedMessage("a deflated relayed message without its size", size=len(view))
     (size,) = _INFLATED.unpack_from(view)
-    if size > RELAY_DEFLATE_MAX + 4 * _RELAY_FRAMES:
+    if size > RELAY_DEFLATE_MAX + 4 * RELAY_FRAMES:
         raise MalformedMessage("a deflated relayed message claims too much", claims=size)
     unzip = zlib.decompressobj()
     try:

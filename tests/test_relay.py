@@ -26,7 +26,7 @@ from engine_side.vllm.nodes import NodeLayout
 from engine_side.vllm.rank_deaths import LINK_EVENTS
 from engine_side.vllm.remote import RemoteRanks
 from protocol import calls as wire
-from protocol.errors import MalformedMessage
+from protocol.errors import LocalProtocolError, MalformedMessage
 from protocol.ring import RING_FILE
 from worker_side.vllm.channel import RankChannel
 from worker_side.vllm.relay import Relay
@@ -56,7 +56,7 @@ def test_any_bytes_are_relayed_frames_or_malformed(payload: bytes) -> None:
         frames = wire.unpack_relayed(payload)
     except MalformedMessage:
         return
-    assert 0 < len(frames) <= 64
+    assert 0 < len(frames) <= wire.RELAY_FRAMES
     assert [bytes(f) for f in wire.unpack_relayed(wire.pack_relayed(frames))] == \
         [bytes(f) for f in frames]
 
@@ -194,6 +194,33 @@ def test_one_copy_per_node_reaches_every_rank_and_answers_come_back(
         assert engine.recv() == [b"2", wire.DONE]
         for sock in (two, three):
             sock.close(linger=0)
+    ctx.term()
+
+
+@pytest.mark.parametrize("count", [300, wire.RELAY_FRAMES - 2])
+def test_calls_and_answers_of_many_frames_cross_the_relay(
+        tmp_path: Path, keys: Path, engine: Engine, count: int) -> None:
+    """A step whose joining requests carry many tensors (a frame each: 40 images of two
+    tensors make 81 frames), and an answer with a tensor per request (a pooling model's
+    at batch 300), cross between hosts whole, up to the most a relayed message holds."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    with _relay(tmp_path, engine, _node_curve(keys)) as relay:
+        (two,) = _ranks(ctx, relay, [b"2"])
+        _hello(two)
+        assert engine.recv()[:2] == [b"2", wire.HELLO]
+        body = [b"%d" % k * (k % 7) for k in range(count)]
+        call = [wire.call_head(wire.EXECUTE, 1, body), *body]
+        engine.remote.broadcast(engine.sock, call)
+        assert _got(two) == call
+        two.send_multipart([wire.OUTPUT, *body])
+        assert engine.recv() == [b"2", wire.OUTPUT, *body]
+        if count == wire.RELAY_FRAMES - 2:  # the rank's identity and one more: too many
+            two.send_multipart([wire.OUTPUT, *body, b"x"])
+            rank, kind, text = engine.recv()
+            assert (rank, kind) == (b"2", wire.ERROR) and b"too many frames" in text
+            with pytest.raises(LocalProtocolError, match="too many frames"):
+                engine.remote.broadcast(engine.sock, [*call, b"x"])
+        two.close(linger=0)
     ctx.term()
 
 

@@ -9,7 +9,8 @@ the doorbell of each rank that announced it sleeps (its FIFO); one over
 RING_CALL_LIMIT or half the ring goes to each rank on that ROUTER behind an ON_PUB
 marker.  Per-rank messages, and every message without a ring, go on the ROUTER.  The
 relay sends what a rank says back (its replies too: the ring's reply regions go
-unused) as one frame, ``pack_relayed([its identity, *frames])``.  Its DEALER's
+unused) as one frame, ``pack_relayed([its identity, *frames])``; an answer of more
+frames than one relayed message holds goes as an ``E`` of the rank saying so.  Its DEALER's
 identity names the node and its generation of ranks (``node<K>/<G>``): the ranks of a
 restart come in a session of their own.  The relay keeps nothing it carries and reads
 no more than a call's number (for the marker): calls stay numbered and checksummed end
@@ -39,6 +40,7 @@ import zmq
 
 from protocol.calls import (
     CALL_HEAD,
+    ERROR,
     HELLO,
     RELAY_ALL,
     RING_CALL_LIMIT,
@@ -47,7 +49,7 @@ from protocol.calls import (
     relay_identity,
     unpack_relayed,
 )
-from protocol.errors import MalformedMessage
+from protocol.errors import LocalProtocolError, MalformedMessage
 from protocol.ring import MIN_BYTES, OwnedRing
 
 REACH_S = 30.0  # a restarted generation's handshake with the engine is due within this long
@@ -168,7 +170,16 @@ class Relay:
             except zmq.Again:
                 return hello
             hello = hello or (len(parts) > 1 and parts[1].bytes[:1] == HELLO)
-            self._up.send(pack_relayed([p.buffer for p in parts]), copy=False)
+            try:
+                payload = pack_relayed([p.buffer for p in parts])
+            except LocalProtocolError as exc:  # its answer cannot cross: an E in its place
+                rank = parts[0].bytes.decode(errors="replace")
+                print(f"deltacast node {self.node}: rank {rank} answered with more than a "
+                      f"relayed message holds ({exc})",
+                      file=sys.stderr, flush=True)
+                payload = pack_relayed([parts[0].buffer, ERROR,
+                                        f"{type(exc).__name__}: {exc}".encode()])
+            self._up.send(payload, copy=False)
 
     def _link_event(self, joined: float) -> float:
         from zmq.utils.monitor import recv_monitor_message
