@@ -4,7 +4,8 @@ tests/vllm_restart_run.py runs a real vLLM (CPU) at TP=2 with greedy requests (l
 a chunk-prefilled prompt, prefix caching): DeltaExecutor loses rank 1 while a prompt
 is in prefill and rank 0 mid-decode (SIGKILL), then runs a round on the prefix cache
 the restarts emptied; with async scheduling it loses a rank mid-decode, has one frozen
-(SIGSTOP: killed past the liveness bound), and past its restart bound it fails.  The
+(SIGSTOP: killed past the liveness bound), has one hang in a step (stopped past the step
+timeout), and past its restart bound it fails.  The
 same steps run on vLLM's default executor undisturbed, and on vLLM's default executor
 recomputing at those steps itself (its scheduler's
 ``reset_prefix_cache(reset_running_requests=True)``).
@@ -91,7 +92,7 @@ def test_the_group_restarts_as_new_processes_and_leaves_nothing(run: dict[str, A
 
 
 def test_async_scheduling_with_two_batches_in_flight(run: dict[str, Any]) -> None:
-    assert run["async_batches"] == 2 and run["async_restarts"] == 2
+    assert run["async_batches"] == 2 and run["async_restarts"] == 3
     assert _ids(run["async"]) == _ids(run["default"][0])
     assert _max_logprob_gap(run["async"], run["default"][0]) < 0.05
 
@@ -107,9 +108,21 @@ def test_a_frozen_rank_is_killed_past_the_liveness_bound_and_the_group_restarts(
     assert [r["cause"] for r in run["recoveries"]].count(run["recoveries"][1]["cause"]) == 1
 
 
+def test_a_rank_hung_in_a_step_stops_the_group_past_the_step_timeout(
+        run: dict[str, Any]) -> None:
+    """Rank 1 blocks in a step for good, its process and links alive (no heartbeat is
+    missed): past vLLM's step timeout the group is stopped and restarts, and no request
+    is lost (vLLM's own executor fails the engine there)."""
+    assert _ids(run["hung"]) == _ids(run["default"][0])
+    assert _max_logprob_gap(run["hung"], run["default"][0]) < 0.05
+    assert run["recoveries"][2]["cause"] == (
+        "no answer to a step within 5 s (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS): a rank hangs "
+        "in a kernel or a collective")
+
+
 def test_a_group_that_keeps_dying_fails_with_a_clear_message(run: dict[str, Any]) -> None:
     assert run["past_bound"].startswith("ExecutorFailed")
-    assert run["failure"] == ("DeltaExecutor failed: rank 0 died (signal 9 (SIGKILL)); 2 "
+    assert run["failure"] == ("DeltaExecutor failed: rank 0 died (signal 9 (SIGKILL)); 3 "
                               "restart(s) within 600 s already (deltacast_restarts, "
                               "deltacast_restart_window_s)")
     assert run["callback_calls_past_bound"] == 1

@@ -16,8 +16,9 @@ caching on) for three rounds at TP=2:
   (``seeded``: against the default executor's undisturbed seeded round).
 
 Then DeltaExecutor with async scheduling (two batches in flight) loses a rank mid-decode,
-then has a rank frozen (SIGSTOP: past the liveness bound it is killed) and, allowed
-two restarts, fails on the third death.  Outputs, pids, restarts and what
+then has a rank frozen (SIGSTOP: past the liveness bound it is killed), then one hung in
+a step with its process alive (past the step timeout the group stops) and, allowed
+three restarts, fails on the fourth.  Outputs, pids, restarts and what
 failed go to OUT.json for the test to judge.
 """
 
@@ -82,6 +83,24 @@ def kill(llm: Any, rank: int) -> Callable[[], None]:
     return run
 
 
+def _stall_next_step(wrapper: Any, rank: int) -> None:
+    """(On every rank, by a control call) rank ``rank`` blocks in its next model step for
+    good, its process and I/O thread alive: a deadlocked kernel."""
+    import threading
+
+    if wrapper.worker.rank == rank:
+        wrapper.execute_model = lambda *args, **kwargs: threading.Event().wait()
+
+
+def hang(llm: Any, rank: int, timeout_s: float) -> Callable[[], None]:
+    """Have DeltaExecutor's ``rank`` hang in its next step, the step timeout ``timeout_s``."""
+    def run() -> None:
+        ex = _executor(llm)
+        ex._model_timeout = lambda: timeout_s
+        ex.collective_rpc(_stall_next_step, args=(rank,))
+    return run
+
+
 def freeze(llm: Any, rank: int) -> Callable[[], None]:
     """SIGSTOP DeltaExecutor's ``rank``: it stays alive, its link unheard."""
     return lambda: os.kill(_executor(llm).local.procs[rank].pid, signal.SIGSTOP)
@@ -143,7 +162,7 @@ def main(model: str, path: str) -> None:
     _close(llm)
     out["pids"].append([p for p in ex.local.pids()])
 
-    llm = _engine(model, restarts=2, async_on=True)
+    llm = _engine(model, restarts=3, async_on=True)
     ex = _executor(llm)
     out["async_batches"] = ex.max_concurrent_batches
     out["pids"].append(ex.local.pids())
@@ -151,10 +170,12 @@ def main(model: str, path: str) -> None:
     out["async"] = _generate(llm)
     at_step(llm, 8, before=freeze(llm, 0))
     out["frozen"] = _generate(llm)
+    at_step(llm, 6, before=hang(llm, 1, 5.0))
+    out["hung"] = _generate(llm)
     out["async_restarts"] = ex.restarts.count
     out["pids"].append(ex.local.pids())
     ex.register_failure_callback(lambda: called.append(2))
-    at_step(llm, 5, before=kill(llm, 0))  # past the bound (two restarts): the executor fails
+    at_step(llm, 5, before=kill(llm, 0))  # past the bound (three restarts): it fails
     try:
         _generate(llm)
         out["past_bound"] = "returned"

@@ -125,10 +125,11 @@ class Reply(Future):  # type: ignore[type-arg]
     order) and this one."""
 
     def __init__(self, drain: Callable[[Reply], None], convert: Callable[[list[Any]], Any],
-                 deadline: float | None, needed: Sequence[int]) -> None:
+                 deadline: float | None, needed: Sequence[int], step: bool = False) -> None:
         super().__init__()
         self.drain, self.convert, self.deadline = drain, convert, deadline
         self.needed = needed  # the ranks whose answers it waits for
+        self.step = step  # a model step (its deadline: vLLM's step timeout)
 
     def result(self, timeout: float | None = None) -> Any:
         self.drain(self)

@@ -158,7 +158,7 @@ class DeltaExecutor(RankDeaths, Executor):
         self._built: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []  # replayed
         self._serving = False  # the first step is sent: the group is built
         self._died: GroupDied | None = None  # the group is stopped, the restart due
-        self._lost: tuple[int, str] | None = None  # a node's link dropped: (rank, why)
+        self._lost: tuple[int, str] | None = None  # stopped, no rank died: (rank, why)
         self._relaunching = False  # a death now fails the restart
         self._restarted = threading.Event()
         self._unsent: set[str] = set()  # requests the restarted group has not seen
@@ -269,14 +269,13 @@ class DeltaExecutor(RankDeaths, Executor):
             self.failure_callback = callback
 
     # ------------------------------------------------------------ transport
-    def _receive(self, deadline: float | None) -> list[tuple[int, list[bytes]]]:
+    def _receive(self, call: Reply | None) -> list[tuple[int, list[bytes]]]:
         """ROUTER messages available within POLL_MS, as (rank, frames), after filing the
-        reply rings' records into the inboxes; raises if a rank died."""
+        reply rings' records into the inboxes; raises if a rank died or ``call`` is late."""
         if not self._arrived():
             self._check_alive()
-            if deadline is not None and time.monotonic() > deadline:
-                self.is_failed = True  # a late reply would answer the wrong call
-                raise TimeoutError("DeltaExecutor call timed out; the executor has failed")
+            if call is not None and call.deadline is not None and time.monotonic() > call.deadline:
+                self._overdue(call)  # (RankDeaths: the group stops to restart, or it fails)
             return []
         ring, got = self.ring, []
         while self._sock.poll(0, zmq.POLLIN):
@@ -345,7 +344,7 @@ class DeltaExecutor(RankDeaths, Executor):
                 raise
         deadline = None if timeout is None else time.monotonic() + timeout
         needed = (self.output_rank,) if kind in wire.STEP_KINDS else self._all_ranks
-        reply = Reply(self._drain, convert, deadline, needed)
+        reply = Reply(self._drain, convert, deadline, needed, kind in wire.STEP_KINDS)
         self._pending.append(reply)
         return reply
 
@@ -390,7 +389,7 @@ class DeltaExecutor(RankDeaths, Executor):
         rank's exception after reading all."""
         try:
             while self._answers.waiting(call.needed):
-                got = self._receive(call.deadline)
+                got = self._receive(call)
                 if self.is_failed:
                     raise ExecutorFailed(self.failure or "DeltaExecutor has failed")
                 if not got and time.monotonic() - self._replied >= POLL_MS / 1e3:  # quiet:

@@ -5,7 +5,9 @@ killed: they may wait in a collective that never ends).  One that is frozen (its
 unheard for ``deltacast_liveness_s``: ZMTP heartbeats, answered by its I/O thread, so a
 stopped, frozen or starved process, never a long step) is killed, and dies so.  A node
 whose link drops (a rank there killed, frozen or cut off) stops the group too: its
-local ranks are killed.  Within the restart bound
+local ranks are killed; so does a model step unanswered past vLLM's step timeout
+(``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``) while every link is heard: a rank hung in a
+kernel or a collective.  Within the restart bound
 (:class:`engine_side.vllm.restart.RestartPolicy`) and once serving, the engine's next
 wait for an answer restarts the group (:mod:`engine_side.vllm.restart` says how; the
 ranks on other nodes are told to exit and their nodes start them again) and answers
@@ -79,7 +81,7 @@ class RankDeaths:
     docstring.  Methods take ``self: Any``: the executor's state is made in its module."""
 
     _died: GroupDied | None  # the group is stopped, the restart due
-    _lost: tuple[int, str] | None  # a node's link dropped: (its first rank, why)
+    _lost: tuple[int, str] | None  # the group stops, no rank died: (the rank named, why)
     failure_callback: Callable[[], None] | None
 
     def _monitor(self: Any) -> None:
@@ -184,6 +186,25 @@ class RankDeaths:
         log.error(self.failure)
         self.local.kill()  # the local shards are useless without it
         self._fail()
+
+    def _overdue(self: Any, call: Any) -> None:
+        """``call``'s answers are past its deadline while every link is heard: a rank
+        hangs inside it (a deadlocked kernel or collective).  A model step once serving,
+        within the restart bound: the group stops as for a lost node (the monitor
+        restarts it, and the restart answers the step); else TimeoutError, the executor
+        failed (a late answer would answer the wrong call)."""
+        if self._died is not None or self._lost is not None or self._relaunching:
+            return  # the group is stopping already
+        if call.step and self._serving and self.restarts.limit and not self.is_failed:
+            # (which rank hangs is not known: the others wait for it in a collective)
+            self._lost = (self.output_rank, f"no answer to a step within "
+                          f"{self._model_timeout():g} s (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS): "
+                          "a rank hangs in a kernel or a collective")
+            log.error("DeltaExecutor: %s; stopping the group", self._lost[1])
+            self.local.kill()
+            return
+        self.is_failed = True
+        raise TimeoutError("DeltaExecutor call timed out; the executor has failed")
 
     def _fail(self: Any) -> None:
         """Mark the executor failed and run the failure callback (once)."""
