@@ -114,3 +114,30 @@ def test_free_ports_are_consecutive_and_bindable() -> None:
     finally:
         for s in held:
             s.close()
+
+
+def test_a_rank_that_does_not_exit_after_the_engines_restart_is_stopped() -> None:
+    """The node's supervision (``deltacast node``) of real processes: a rank hung in a
+    step never reads the engine's restart; JOIN_S after the relay passed it on, the node
+    stops its ranks and starts them again.  Ranks that exit cleanly end it with 0."""
+    import multiprocessing
+    import time
+
+    from worker_side.vllm import node
+
+    ctx = multiprocessing.get_context("spawn")
+    hung = ctx.Process(target=time.sleep, args=(60,), daemon=True)
+    done = ctx.Process(target=time.sleep, args=(0,), daemon=True)
+    hung.start()
+    done.start()
+    try:
+        assert node._supervise([done], [3], lambda: None) == 0
+        told = [None, None, time.monotonic() - node.JOIN_S - 1]  # said, past JOIN_S
+        started = time.monotonic()
+        assert node._supervise([hung], [2], lambda: told.pop(0) if len(told) > 1
+                               else told[0]) == node.RESTART
+        assert hung.is_alive() and time.monotonic() - started < 5  # (its caller kills it)
+    finally:
+        hung.kill()
+        hung.join()
+        done.join()

@@ -224,6 +224,30 @@ def test_calls_and_answers_of_many_frames_cross_the_relay(
     ctx.term()
 
 
+def test_the_relay_notes_when_the_engine_restarts_the_group(
+        tmp_path: Path, keys: Path, engine: Engine) -> None:
+    """The node's supervision stops a rank that does not exit after the engine's restart
+    (a rank hung in a step never reads it): the relay notes when it passed that on."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    with _relay(tmp_path, engine, _node_curve(keys)) as relay:
+        (two,) = _ranks(ctx, relay, [b"2"])
+        _hello(two)
+        assert engine.recv()[:2] == [b"2", wire.HELLO]
+        for number, call in enumerate(([wire.RESTART], [], [wire.RESTART, b""]), 1):
+            engine.remote.broadcast(engine.sock, [wire.call_head(wire.QUIT if number > 1
+                                                                 else wire.EXECUTE, number,
+                                                                 call), *call])
+            _got(two)
+        assert relay.told_restart is None  # an execute, a plain quit, a quit of two frames
+        before = time.monotonic()
+        engine.remote.broadcast(engine.sock, [wire.call_head(wire.QUIT, 4, [wire.RESTART]),
+                                              wire.RESTART])
+        assert _got(two)[1:] == [wire.RESTART]
+        assert relay.told_restart is not None and relay.told_restart >= before
+        two.close(linger=0)
+    ctx.term()
+
+
 def test_calls_reach_the_nodes_ranks_once_through_its_ring_and_replies_come_back(
         tmp_path: Path, keys: Path, engine: Engine) -> None:
     """With a ring, each call for every rank is written once into the node's step ring:

@@ -30,6 +30,7 @@ from engine_side.bench.vllm_nodes import cli_args  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parent.parent
 PORT = 29611  # each namespace has its own ports
+HUNG_S = 10  # vLLM's step timeout where a rank hangs (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
@@ -66,7 +67,8 @@ def _engine(host: netns.Host, model: Path, out: Path, keys: Path, *extra: str
     log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 (the process holds it)
     env = {**ENV, "GLOO_SOCKET_IFNAME": host.dev, "VLLM_CPU_OMP_THREADS_BIND": "0|1",
            # (skew: LLM.collective_rpc hands a function to vLLM's engine-core process)
-           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1" if "skew" in extra else "0"}
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1" if {"skew", "hang"} & set(extra) else "0",
+           **({"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(HUNG_S)} if "hang" in extra else {})}
     return subprocess.Popen(
         host.run(sys.executable, str(ROOT / "tests" / "vllm_nodes_run.py"), str(model),
                  str(out), "delta", host.addr, str(PORT), str(keys), *extra),
@@ -269,11 +271,14 @@ def test_a_killed_rank_restarts_the_group_across_hosts_and_no_request_is_lost(
     rank past its own liveness bound and starts it again (it rejoins over CURVE with the
     new group's secret), the scheduler recomputes, and the generation ends with every
     token.  Then, in a second generation, rank 0 here is SIGKILLed: the engine's QUIT
-    tells rank 1 that its group restarts, and its node starts it again.  (A remote rank
-    SIGKILLed: tests/test_vllm_ray.py.)"""
+    tells rank 1 that its group restarts, and its node starts it again.  In a third,
+    rank 1 hangs in a step, its process and links alive: past vLLM's step timeout the
+    engine stops the group, rank 1 never reads the QUIT, and its node stops it 10 s
+    after passing that on and starts it again.  (A remote rank SIGKILLed:
+    tests/test_vllm_ray.py.)"""
     a, b = hosts
     out = tmp_path / "restarted.json"
-    engine, node = _generating(hosts, model, keys, out, "twice")
+    engine, node = _generating(hosts, model, keys, out, "hang", "twice")
     log = out.with_suffix(".log")
     first = _rank_of(node.pid)
     first.suspend()
@@ -284,10 +289,14 @@ def test_a_killed_rank_restarts_the_group_across_hosts_and_no_request_is_lost(
     _finish(engine)
     result, text = json.loads(out.read_text()), log.read_text()
     assert result.get("long") == result.get("long2") == [200, 200, 200], text[-3000:]
+    assert result.get("stalled") == [False, True] and result.get("long3") == [200] * 3
+    assert (f"restarted the group after no answer to a step within {HUNG_S} s "
+            "(VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)") in text, text[-3000:]
+    assert "rank(s) [1] did not exit 10 s after the engine restarted the group" in node_err
     assert (f"restarted the group after node 1 (ranks [1], host {b.addr}) dropped its "
             "connection") in text, text[-3000:]
     assert "restarted the group after rank 0 died (signal 9 (SIGKILL))" in text, text[-3000:]
-    assert node_err.count("its group restarts; starting ranks [1] again") == 2, node_err
+    assert node_err.count("its group restarts; starting ranks [1] again") == 3, node_err
     assert "rank 1 is frozen (no heartbeat for 0.6 s); killing it" in node_err, node_err
     assert "rank 1 exited with code 75 (its group restarts)" in node_err, node_err
     assert node.returncode == 0 and second.pid != first.pid

@@ -10,6 +10,8 @@ prints ``WARM`` to stderr, then generates a long batch (``hold``: the same once 
 exists; ``twice``: then writes OUT.json, prints ``SECOND`` and generates it again);
 with ``skew`` (before the mode), makes rank 1 sample other tokens (a sealed callable
 sent to every rank) and generates again, so the engine names rank 1 as diverged; with
+``hang`` (before ``twice``), then makes rank 1 hang in its next step and generates the
+long batch a third time (the test sets vLLM's step timeout); with
 ``tp4`` (before the mode), TP=4 in float32 (ranks 2 and 3 on node 1).
 OUT.json gets the outputs, or the error that ended generation and when
 (``time.time()``).
@@ -63,6 +65,17 @@ def _skew_rank1_sampler(worker: Any) -> bool:
     return True
 
 
+def _stall_rank1(wrapper: Any) -> bool:
+    """Test-only fault: global rank 1 blocks in its next model step for good, its process
+    and links alive (a deadlocked kernel)."""
+    import threading
+
+    if wrapper.global_rank != 1:
+        return False
+    wrapper.execute_model = lambda *args, **kwargs: threading.Event().wait()
+    return True
+
+
 def _outputs(outs: list[Any]) -> list[Any]:
     return [[list(o.outputs[0].token_ids),
              [sorted((k, v.logprob) for k, v in lp.items()) for lp in o.outputs[0].logprobs]]
@@ -99,6 +112,10 @@ def main() -> None:
             print("SECOND", file=sys.stderr, flush=True)
             result["long2"] = [len(o.outputs[0].token_ids)
                                for o in llm.generate(prompts, long)]
+            if "hang" in rest:
+                result["stalled"] = llm.collective_rpc(_stall_rank1)
+                result["long3"] = [len(o.outputs[0].token_ids)
+                                   for o in llm.generate(prompts, long)]
     except Exception as exc:  # what the test judges: the message and when
         result["error"], result["error_at"] = f"{type(exc).__name__}: {exc}", time.time()
     finally:

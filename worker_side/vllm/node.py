@@ -19,8 +19,10 @@ outlive it. When the engine restarts the group (a rank died, here or on another 
 the node starts its ranks again: a rank that the engine told to (status RESTART_EXIT),
 or one that died otherwise (killed, crashed: the relay closes, the engine sees this
 node's link drop and restarts the group), stops this node's others, and the node
-starts them all anew (a new relay session); they must be welcomed within REJOIN_S (the
-relay must reach the engine within 30 s), else they exit 1 and so does the node. A
+starts them all anew (a new relay session); so does a rank that has not exited JOIN_S
+after the relay passed on the engine's restart (hung in a step, it never reads it).
+They must be welcomed within REJOIN_S (the relay must reach the engine within 30 s),
+else they exit 1 and so does the node. A
 rank frozen here is killed past the liveness bound (:mod:`worker_side.vllm.rank_watch`),
 and so is started again. With
 ``deltacast_restarts`` 0 in the config, a rank's death ends the node (status 1), as it
@@ -36,6 +38,8 @@ import multiprocessing.connection
 import os
 import socket
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +55,8 @@ from protocol.ring import DEFAULT_RING_BYTES
 from worker_side.vllm.rank_watch import RankWatch
 from worker_side.vllm.relay import Relay
 
-JOIN_S = 10.0  # ranks given to stop after one failed, before they are killed
+JOIN_S = 10.0  # ranks given to stop after one failed, or after the engine's restart
+_SUPERVISE_S = 0.5  # how often the supervision looks at what the relay was told
 REJOIN_S = 120.0  # ranks started again after a restart must be welcomed within this long
 
 
@@ -213,7 +218,7 @@ def _generation(config: Any, ranks: range, tp: int, common: dict[str, Any],
             reader.close()
             procs.append(p)
             deaths.append(writer)
-        return _supervise(procs, list(ranks))
+        return _supervise(procs, list(ranks), lambda: relay.told_restart)
     finally:
         relay.close()
         for p in procs:
@@ -228,14 +233,23 @@ def _generation(config: Any, ranks: range, tp: int, common: dict[str, Any],
             w.close()
 
 
-def _supervise(procs: list[Any], ranks: list[int]) -> int:
+def _supervise(procs: list[Any], ranks: list[int],
+               told_restart: Callable[[], float | None]) -> int:
     """Until every rank has exited: 0 if all did cleanly; RESTART when one was told to
-    restart or died of a signal or a crash; else EXIT_FAILED (named)."""
+    restart or died of a signal or a crash, or when one has not exited JOIN_S after the
+    engine told them all to restart (``told_restart``: when; a rank hung in a step, whose
+    group the engine stopped, never reads it); else EXIT_FAILED (named)."""
     from protocol.calls import RESTART_EXIT
 
     left = {p.sentinel: (rank, p) for rank, p in zip(ranks, procs, strict=True)}
     while left:
-        for sentinel in multiprocessing.connection.wait(list(left)):
+        told = told_restart()
+        if told is not None and time.monotonic() - told > JOIN_S:
+            print(f"deltacast node: rank(s) {sorted(r for r, _ in left.values())} did not "
+                  f"exit {JOIN_S:g} s after the engine restarted the group (hung in a "
+                  "step); stopping them", file=sys.stderr, flush=True)
+            return RESTART
+        for sentinel in multiprocessing.connection.wait(list(left), _SUPERVISE_S):
             rank, p = left.pop(sentinel)  # type: ignore[call-overload]
             p.join()
             if p.exitcode == 0:

@@ -13,8 +13,10 @@ unused) as one frame, ``pack_relayed([its identity, *frames])``; an answer of mo
 frames than one relayed message holds goes as an ``E`` of the rank saying so.  Its DEALER's
 identity names the node and its generation of ranks (``node<K>/<G>``): the ranks of a
 restart come in a session of their own.  The relay keeps nothing it carries and reads
-no more than a call's number (for the marker): calls stay numbered and checksummed end
-to end, and a rank asks the engine for a lost one as it would without.
+no more than a call's number (for the marker) and whether it is the engine's ``Q``
+telling every rank the group restarts (:attr:`Relay.told_restart`: the node stops a
+rank that does not exit after it): calls stay numbered and checksummed end to end, and
+a rank asks the engine for a lost one as it would without.
 
 Its link to the engine sends ZMTP heartbeats (every quarter of ``liveness_s``, lost
 past it).  When the engine refuses the node's key, the handshake fails, the link drops
@@ -42,7 +44,9 @@ from protocol.calls import (
     CALL_HEAD,
     ERROR,
     HELLO,
+    QUIT,
     RELAY_ALL,
+    RESTART,
     RING_CALL_LIMIT,
     heartbeat_ms,
     pack_relayed,
@@ -68,6 +72,8 @@ class Relay:
         self.failure: str | None = None
         self.relayed = 0  # messages taken from the engine
         self.ring_calls = self.socket_calls = 0  # calls for every rank, by the way taken
+        #: when the engine told every rank here that the group restarts (monotonic s)
+        self.told_restart: float | None = None
         self._ranks = [b"%d" % r for r in ranks]
         #: the node's step ring (DIR/ring; None: every call on the ipc ROUTER)
         self.ring = OwnedRing(Path(directory), ring_bytes, MIN_BYTES) if ring_bytes else None
@@ -140,6 +146,9 @@ class Relay:
                       f"engine ({exc})", file=sys.stderr, flush=True)
                 continue
             self.relayed += 1
+            if target == RELAY_ALL and frames[0][:1] == QUIT and len(frames) == 2 \
+                    and frames[1] == RESTART:  # (a rank hung in a step never reads it)
+                self.told_restart = time.monotonic()
             if target == RELAY_ALL and self._ring_write(frames):
                 continue
             for rank in self._ranks if target == RELAY_ALL else [bytes(target)]:
