@@ -71,6 +71,19 @@ def test_a_late_call_fails_the_executor_otherwise(step: bool, serving: bool,
     assert ex.is_failed and ex.local.kills == 0 and ex._lost is None
 
 
+def test_a_late_control_call_fails_the_executor_while_the_group_restarts() -> None:
+    """A control call replayed by a restart (a warm-up's dummy batch) that times out
+    fails the executor: only a step waits for a restart already under way."""
+    ex = _executor()
+    ex._relaunching = True
+    with pytest.raises(TimeoutError, match="timed out"):
+        ex._receive(_late(False))
+    assert ex.is_failed and ex.local.kills == 0
+    ex = _executor()
+    ex._relaunching = True
+    assert ex._receive(_late(True)) == [] and not ex.is_failed and ex.local.kills == 0
+
+
 def test_a_call_within_its_deadline_waits() -> None:
     ex = _executor()
     reply = Reply(lambda _: None, lambda r: r, time.monotonic() + 60, (0,), True)

@@ -193,9 +193,9 @@ class RankDeaths:
         within the restart bound: the group stops as for a lost node (the monitor
         restarts it, and the restart answers the step); else TimeoutError, the executor
         failed (a late answer would answer the wrong call)."""
-        if self._died is not None or self._lost is not None or self._relaunching:
-            return  # the group is stopping already
         if call.step and self._serving and self.restarts.limit and not self.is_failed:
+            if self._died is not None or self._lost is not None or self._relaunching:
+                return  # the group is stopping already: its restart answers the step
             # (which rank hangs is not known: the others wait for it in a collective)
             self._lost = (self.output_rank, f"no answer to a step within "
                           f"{self._model_timeout():g} s (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS): "
