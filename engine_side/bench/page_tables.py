@@ -298,9 +298,8 @@ def from_streams(doc: dict[str, Any]) -> Fields:
     from engine_side.bench.vllm_table import streams
     from engine_side.bench.vllm_table import targets as stream_targets
 
-    def median(p: dict[str, Any], of: str = "vllm", top: str = "") -> float | None:
-        mine = p[f"median_{top}_us" if top else "median_us"]
-        return _div(mine, p[f"median_{of}_us"]) if p["steps"] else None
+    def median(p: dict[str, Any], of: str = "vllm") -> float | None:
+        return _div(p["median_us"], p[f"median_{of}_us"]) if p["steps"] else None
 
     table = []
     for name, w in streams(doc):
@@ -314,7 +313,7 @@ def from_streams(doc: dict[str, Any]) -> Fields:
         table.append([name, w["steps"], round(req["bytes"] / steps, 1),
                       round(req["vllm_bytes"] / steps, 1), _r(fewer, 1), _r(req["median_us"], 1),
                       _r(req["median_vllm_us"], 1), _r(med), _r(bare),
-                      _r(median(req, "bare", "floor") if "median_floor_us" in req else None),
+                      _r(_div(req.get("median_floor_us"), req["median_bare_us"])),
                       _r(summed),
                       join["steps"], _r(join_r), _r(same_r), _r(reply, 1),
                       _slower(("median", med), ("summed", summed), ("join/leave", join_r),

@@ -178,14 +178,19 @@ class RankDeaths:
         why = (f"{self.remote.describe(node)} dropped its connection: killed, frozen, or "
                f"cut off (no heartbeat for {self.liveness_s:g} s)")
         if self._serving and self.restarts.limit:
-            # the monitor's cause for the local death that follows: the node's first rank
-            self._lost = (node * self.remote.layout.per_node(self.world_size), why)
-            self.local.kill()
+            self._stop_group(node * self.remote.layout.per_node(self.world_size), why)
             return
         self.failure = f"DeltaExecutor failed: {why}"
         log.error(self.failure)
         self.local.kill()  # the local shards are useless without it
         self._fail()
+
+    def _stop_group(self: Any, rank: int, why: str) -> None:
+        """Stop the group although no rank died: the local ranks are killed, and the
+        monitor's cause for their deaths is ``why`` (naming ``rank``): it restarts the
+        group, or fails past the bound."""
+        self._lost = (rank, why)
+        self.local.kill()
 
     def _overdue(self: Any, call: Any) -> None:
         """``call``'s answers are past its deadline while every link is heard: a rank
@@ -197,11 +202,11 @@ class RankDeaths:
             if self._died is not None or self._lost is not None or self._relaunching:
                 return  # the group is stopping already: its restart answers the step
             # (which rank hangs is not known: the others wait for it in a collective)
-            self._lost = (self.output_rank, f"no answer to a step within "
-                          f"{self._model_timeout():g} s (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS): "
-                          "a rank hangs in a kernel or a collective")
-            log.error("DeltaExecutor: %s; stopping the group", self._lost[1])
-            self.local.kill()
+            why = (f"no answer to a step within {self._model_timeout():g} s "
+                   "(VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS): a rank hangs in a kernel or a "
+                   "collective")
+            log.error("DeltaExecutor: %s; stopping the group", why)
+            self._stop_group(self.output_rank, why)
             return
         self.is_failed = True
         raise TimeoutError("DeltaExecutor call timed out; the executor has failed")
