@@ -26,11 +26,15 @@ RECORDED = ("main", "golden16")  # real vLLM runs, no classes beyond vLLM's
 
 
 def _path(steps: int, nbytes: int, vbytes: int, us: float, vus: float, bus: float,
-          ) -> dict[str, Any]:
+          minimal: bool = True) -> dict[str, Any]:
+    """One path's figures; the floor a quarter of bare pickle's, the minimal stateful channel (with
+    ``minimal``) 0.9 of vLLM's serializer's."""
     return {"steps": steps, "bytes": nbytes, "vllm_bytes": vbytes, "us": us * steps,
             "vllm_us": vus * steps, "bare_us": bus * steps, "median_us": us,
             "median_vllm_us": vus, "median_bare_us": bus, "floor_us": bus / 4 * steps,
-            "median_floor_us": bus / 4}
+            "median_floor_us": bus / 4} | ({"minimal_us": 0.9 * vus * steps,
+                                            "median_minimal_us": 0.9 * vus,
+                                            "minimal_bytes": 2 * nbytes} if minimal else {})
 
 
 def _stream(us: float = 10.0, join_us: float = 10.0, vus: float = 20.0, nbytes: int = 100,
@@ -40,7 +44,7 @@ def _stream(us: float = 10.0, join_us: float = 10.0, vus: float = 20.0, nbytes: 
     same = steps - join
     return {"steps": steps, "max_running": 8, "median_running": 6, "passes": 1,
             "request": _path(steps, nbytes, vbytes, us, vus, vus / 2),
-            "reply": _path(steps, nbytes // 2, vbytes, us, vus, vus / 2),
+            "reply": _path(steps, nbytes // 2, vbytes, us, vus, vus / 2, minimal=False),
             "join_leave": _path(join, 0, 0, join_us, vus, vus / 2),
             "same_batch": _path(same, 0, 0, us, vus, vus / 2),
             "request_fields": {"header": 40 * steps, "added.prompt": 60 * steps}}
@@ -74,6 +78,9 @@ def test_targets_judge_each_limit_against_vllm_and_report_bare_pickle() -> None:
     assert fewer["value"] == pytest.approx(16.667) and fewer["met"] is True
     same = got["online64: same-batch steps' median µs ÷ vLLM (8 steps)"]
     assert same["met"] is None and same["value"] == 1.25 and same["bare"] == 2.5
+    # the minimal stateful channel's figure beside every timed target (0.9 of vLLM's everywhere)
+    assert {t["minimal"] for k, t in got.items() if "bytes" not in k} == {0.9}
+    assert fewer["minimal"] is None
     doc = _doc()  # a faster run meets the summed target
     for w in doc["workloads"].values():
         w["request"]["us"] = 5.0 * w["steps"]
@@ -100,6 +107,16 @@ def test_render_has_one_row_per_stream_and_the_totals() -> None:
     old["total"] = {path: {k: v for k, v in t.items() if k != "floor_us"}
                     for path, t in old["total"].items()}
     assert "Python floor" not in render(old) and "Python floor" in text
+    # the minimal channel beside each target: 0.9; without its figures, "–"
+    assert "| online64: join/leave steps' median µs ÷ vLLM (2 steps) | 1.75 | 3.5 | 0.9 |" \
+        in text
+    for w in [*old["workloads"].values(), *old["synthetic"].values()]:
+        for part in ("request", "join_leave", "same_batch"):
+            del w[part]["minimal_us"], w[part]["median_minimal_us"], w[part]["minimal_bytes"]
+    old["total"] = vllm_streams.totals(old["workloads"])
+    assert "minimal_us" not in old["total"]["request"]
+    assert "| online64: join/leave steps' median µs ÷ vLLM (2 steps) | 1.75 | 3.5 | – |" \
+        in render(old)
 
 
 def test_the_page_converter_reads_the_document() -> None:
@@ -118,9 +135,11 @@ def test_the_page_converter_reads_the_document() -> None:
     assert rows["all recorded"][4] == pytest.approx(16.7)
     floor = env["columns"].index("floor ÷ bare")  # a quarter of bare pickle's step
     assert rows["decode"][floor] == rows["all recorded"][floor] == pytest.approx(0.25)
-    assert [t["target"] for t in env["targets"]] == [t["target"] + (
-        "" if t["bare"] is None else f" (bare pickle: {page_tables.cell(t['bare'])})")
-        for t in targets(doc)]
+    minimal = env["columns"].index("minimal ÷ vLLM")  # 0.9 of vLLM's serializer's step
+    assert rows["decode"][minimal] == rows["all recorded"][minimal] == pytest.approx(0.9)
+    named = {t["target"]: t for t in env["targets"]}
+    assert "online64: median µs ÷ vLLM (bare pickle: 2.5; minimal stateful channel: 0.9)" in named
+    assert "all recorded: × fewer request bytes" in named  # no bracket without figures
     assert env["raw"] is doc
 
 
@@ -193,7 +212,8 @@ def test_replay_of_golden_streams_is_exact_and_adds_up(
         assert w["join_leave"]["steps"] + w["same_batch"]["steps"] == w["steps"]
         assert w["join_leave"]["steps"] == stats["churn_steps"] > 0, name
         assert w["reply"]["steps"] == w["steps"]
-        assert all(w["request"][k] > 0 for k in ("us", "vllm_us", "bare_us", "floor_us"))
+        assert all(w["request"][k] > 0 for k in ("us", "vllm_us", "bare_us", "floor_us",
+                                                   "minimal_us", "minimal_bytes"))
         assert w["reply"]["floor_us"] == 0  # the floor builds SchedulerOutputs only
     total = doc["total"]["request"]
     assert total["bytes"] == sum(w["request"]["bytes"] for w in doc["workloads"].values())
@@ -271,7 +291,7 @@ def test_every_scenario_builds_its_requests() -> None:
 def test_replay_passes_take_each_steps_median(monkeypatch: pytest.MonkeyPatch) -> None:
     """With passes, each step's µs on every path is the median of its passes (the passes
     here report known figures); bytes are one pass's, each pass starts the rotation of
-    the four paths one further on, and a pass count below one is refused."""
+    the five paths one further on, and a pass count below one is refused."""
     from engine_side.bench import vllm_replay
     from engine_side.bench.vllm_replay import replay, synthetic_decode
 
@@ -280,14 +300,13 @@ def test_replay_passes_take_each_steps_median(monkeypatch: pytest.MonkeyPatch) -
     rotations: list[int] = []
 
     def scripted(msgs: Any, rotate: int, fields: Any) -> Any:
-        steps = real(msgs, rotate, fields)
+        steps, carried = real(msgs, rotate, fields)
         k = len(rotations)
         rotations.append(rotate)
-        for i, step in enumerate(steps):  # pass k: µs (10k + i, ..., 10000k + i)
+        for i, step in enumerate(steps):  # pass k: µs (10k + i, ..., 100000k + i)
             for acc in step.figures.values():
-                acc[2], acc[3], acc[4], acc[5] = (10.0 * k + i) / 1e6, (100.0 * k + i) / 1e6, \
-                    (1000.0 * k + i) / 1e6, (10000.0 * k + i) / 1e6
-        return steps
+                acc[2:7] = [(10.0 ** e * k + i) / 1e6 for e in range(1, 6)]
+        return steps, carried
 
     monkeypatch.setattr(vllm_replay, "_one_pass", scripted)
     one = replay(messages)
@@ -300,6 +319,8 @@ def test_replay_passes_take_each_steps_median(monkeypatch: pytest.MonkeyPatch) -
     assert three["request"]["vllm_us"] == pytest.approx(sum(200.0 + i for i in range(8)))
     assert three["request"]["bare_us"] == pytest.approx(sum(2000.0 + i for i in range(8)))
     assert three["request"]["floor_us"] == pytest.approx(sum(20000.0 + i for i in range(8)))
+    assert three["request"]["minimal_us"] == pytest.approx(sum(200000.0 + i for i in range(8)))
+    assert "minimal_us" not in three["reply"]  # the minimal channel carries execute_model only
     assert three["request"]["median_us"] == pytest.approx(20.0 + 3.5)
     with pytest.raises(ValueError, match="passes"):
         replay(messages, passes=0)
@@ -307,7 +328,7 @@ def test_replay_passes_take_each_steps_median(monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.vllm
 @needs_vllm
-def test_replay_times_every_message_on_all_four_paths(monkeypatch: pytest.MonkeyPatch,
+def test_replay_times_every_message_on_all_five_paths(monkeypatch: pytest.MonkeyPatch,
                                                       ) -> None:
     from engine_side.bench import vllm_replay
     from engine_side.bench.vllm_replay import replay, synthetic_decode
@@ -328,15 +349,20 @@ def test_replay_times_every_message_on_all_four_paths(monkeypatch: pytest.Monkey
         log.append("floor")
         return real_floor(kind, obj)
 
-    real_floor = vllm_replay.python_floor
+    def minimal(kind: str, obj: Any, pair: Any) -> Any:
+        log.append("minimal")
+        return real_minimal(kind, obj, pair)
+
+    real_floor, real_minimal = vllm_replay.python_floor, vllm_replay.minimal_step
     monkeypatch.setattr(vllm_replay, "pickled", pickled)
     monkeypatch.setattr(vllm_replay, "_ours", ours)
     monkeypatch.setattr(vllm_replay, "python_floor", floor)
+    monkeypatch.setattr(vllm_replay, "minimal_step", minimal)
     replay(messages)
-    assert len(log) == 4 * len(messages)
+    assert len(log) == 5 * len(messages)
     for i in range(len(messages)):
-        assert sorted(log[4 * i:4 * i + 4]) == ["bare", "floor", "ours", "vllm"]
-    assert len({tuple(log[4 * i:4 * i + 4]) for i in range(4)}) == 4  # the order rotates
+        assert sorted(log[5 * i:5 * i + 5]) == ["bare", "floor", "minimal", "ours", "vllm"]
+    assert len({tuple(log[5 * i:5 * i + 5]) for i in range(5)}) == 5  # the order rotates
 
 
 @pytest.mark.vllm

@@ -314,6 +314,7 @@ def from_streams(doc: dict[str, Any]) -> Fields:
                       round(req["vllm_bytes"] / steps, 1), _r(fewer, 1), _r(req["median_us"], 1),
                       _r(req["median_vllm_us"], 1), _r(med), _r(bare),
                       _r(_div(req.get("median_floor_us"), req["median_bare_us"])),
+                      _r(_div(req.get("median_minimal_us"), req["median_vllm_us"])),
                       _r(summed),
                       join["steps"], _r(join_r), _r(same_r), _r(reply, 1),
                       _slower(("median", med), ("summed", summed), ("join/leave", join_r),
@@ -326,6 +327,7 @@ def from_streams(doc: dict[str, Any]) -> Fields:
     table.append(["all recorded", steps, round(t["bytes"] / steps, 1),
                   round(t["vllm_bytes"] / steps, 1), _r(fewer, 1), None, None, None, None,
                   _r(_div(t["floor_us"], t["bare_us"])) if "floor_us" in t else None,
+                  _r(_div(t["minimal_us"], t["vllm_us"])) if "minimal_us" in t else None,
                   _r(summed), join_steps, None, None,
                   _r(_div(reply_t["vllm_bytes"], reply_t["bytes"]), 1),
                   _slower(("summed", summed))])
@@ -346,8 +348,14 @@ def from_streams(doc: dict[str, Any]) -> Fields:
              "fresh containers, nothing decoded (vllm_replay.rebuilt_in_python): the least a "
              "Python rank does to hand its runner a plain object; floor ÷ bare is its "
              "median step against bare pickle's (all recorded: summed).",
-             "Targets are judged against vLLM's serializer; the ratio against bare pickle "
-             "follows each in brackets."]
+             "minimal = a minimal stateful channel (engine_side/bench/minimal_stateful.py, "
+             "execute_model only): handles and last step's counts in plain lists on each "
+             "end, a msgspec body of what departs from prediction, and nothing else: no "
+             "digest, no typed errors, no resync, no multimodal or grammar. It does a subset "
+             "of deltacast's work; minimal ÷ vLLM is its median step against vLLM's "
+             "serializer's (all recorded: summed), and beside each target below.",
+             "Targets are judged against vLLM's serializer; the ratios against bare pickle "
+             "and of the minimal stateful channel follow each in brackets."]
     if checks:
         notes.append(f"{len(checks)} streams checked: {sum(c['records'] for c in checks):,} "
                      "messages decoded and compared with the originals, "
@@ -355,9 +363,8 @@ def from_streams(doc: dict[str, Any]) -> Fields:
     if "kernels" in meta:
         notes.append("The protocol's C kernels were in use." if meta["kernels"] else
                      "The protocol ran its pure-Python kernels.")
-    targets = [_target(t["target"] + ("" if t["bare"] is None else
-                                      f" (bare pickle: {_cell(t['bare'])})"),
-                       t["value"], t["limit"], t["met"]) for t in stream_targets(doc)]
+    targets = [_target(t["target"] + _beside(t), t["value"], t["limit"], t["met"])
+               for t in stream_targets(doc)]
     recorded = len(doc["workloads"])
     return {"name": "vllm_streams", "title": "vLLM streams",
             "what": f"vLLM's own per-step messages, recorded from real vLLM CPU runs of "
@@ -368,10 +375,18 @@ def from_streams(doc: dict[str, Any]) -> Fields:
                     "step.",
             "columns": ["stream", "steps", "B/step", "vLLM B/step", "× fewer B",
                         "median µs", "vLLM median µs", "median ÷ vLLM", "median ÷ bare",
-                        "floor ÷ bare", "summed ÷ vLLM", "join/leave steps",
+                        "floor ÷ bare", "minimal ÷ vLLM", "summed ÷ vLLM", "join/leave steps",
                         "join/leave median ÷ vLLM", "same-batch median ÷ vLLM",
                         "× fewer reply B", SLOWER],
             "rows": table, "targets": targets, "notes": notes, "raw": doc}
+
+
+def _beside(target: dict[str, Any]) -> str:
+    """A stream target's bare-pickle and minimal-channel ratios, in brackets."""
+    parts = [f"{label}: {_cell(target[key])}" for key, label in
+             (("bare", "bare pickle"), ("minimal", "minimal stateful channel"))
+             if target.get(key) is not None]
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 # ---------------------------------------------------------------- TP=2 throughput

@@ -11,9 +11,11 @@ bare ``pickle.dumps`` + ``pickle.loads`` (protocol 5: the stricter yardstick, wh
 omits the Pickler and the dispatch-table copy vLLM makes per message).  Beside them,
 the **floor**: a step's SchedulerOutput built in Python from the original's own lists
 with fresh containers (:func:`rebuilt_in_python`), the least any Python rank does to hand
-its runner a plain object, with nothing decoded and no state kept.  The four are timed
-in an order rotated per message, so none always pays for first touching a step's
-objects.
+its runner a plain object, with nothing decoded and no state kept; and a **minimal
+stateful channel** that does a subset of deltacast's work with plain lists
+(:mod:`.minimal_stateful`: msgspec body, handles and departures from prediction, no
+digest, no checks), on ``execute_model`` only.  The five are timed in an order rotated
+per message, so none always pays for first touching a step's objects.
 
 A **step** opens at each ``execute_model``: the request path is its message plus the
 ``sample_tokens`` message, the reply path their replies; µs are encode + decode
@@ -38,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 REQUEST, REPLY = ("execute_model", "sample_tokens"), ("reply", "sample_reply")
-PATHS = ("ours", "vllm", "bare", "floor")  # deltacast; vLLM's serializer; bare pickle;
-# the Python floor
+PATHS = ("ours", "vllm", "bare", "floor", "minimal")  # deltacast; vLLM's serializer; bare
+# pickle; the Python floor; the minimal stateful channel
 _RPC = {"execute_model": "execute_model", "sample_tokens": "sample_tokens"}
 
 
@@ -121,6 +123,17 @@ def python_floor(kind: str, obj: Any) -> float:
     t0 = time.perf_counter()
     rebuilt_in_python(obj)
     return time.perf_counter() - t0
+
+
+def minimal_step(kind: str, obj: Any, pair: Any) -> tuple[int, float]:
+    """(bytes, seconds) of ``obj`` (an ``execute_model`` record) through the stateful
+    minimal stateful channel's encoder and decoder ``pair``; (0, 0.0) for other kinds."""
+    if kind != "execute_model":
+        return 0, 0.0
+    t0 = time.perf_counter()
+    data = pair[0].encode(obj)
+    pair[1].decode(data)
+    return len(data), time.perf_counter() - t0
 
 
 def rebuilt_in_python(so: Any) -> Any:
@@ -264,15 +277,15 @@ def joins_or_leaves(so: Any) -> bool:
 
 class _Step:
     """One step's figures: per path (request, reply) [ours B, vLLM B, ours s, vLLM s, bare s,
-    floor s]."""
+    floor s, minimal s, minimal B]."""
 
     __slots__ = ("running", "churn", "figures")
 
     def __init__(self, so: Any) -> None:
         self.running = len(so.num_scheduled_tokens)
         self.churn = joins_or_leaves(so)
-        self.figures = {"request": [0, 0, 0.0, 0.0, 0.0, 0.0],
-                        "reply": [0, 0, 0.0, 0.0, 0.0, 0.0]}
+        self.figures = {"request": [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0],
+                        "reply": [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0]}
 
 
 def _route(enc: Any, dec: Any) -> dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
@@ -299,16 +312,19 @@ def _ours(route: tuple[Callable[[Any], Any], Callable[[Any], Any]], obj: Any,
 
 
 def _one_pass(messages: list[tuple[str, Any]], rotate: int,
-              fields: Callable[[str, list[Any]], None] | None) -> list[_Step]:
-    """One replay: per step, each path's figures (the order of the four rotates per
-    message, starting at ``rotate``); ``fields`` sees our frames of request messages."""
+              fields: Callable[[str, list[Any]], None] | None) -> tuple[list[_Step], bool]:
+    """One replay: per step, each path's figures (the order of the five rotates per
+    message, starting at ``rotate``), and whether the minimal channel carried every step (from
+    the first it does not carry on, its figures are 0); ``fields`` sees our frames of
+    request messages."""
+    from engine_side.bench.minimal_stateful import MinimalDecoder, MinimalEncoder, Unsupported
     from engine_side.vllm.encoder import SchedulerOutputEncoder
     from worker_side.vllm.decoder import SchedulerOutputDecoder
 
     gc.collect()
     gc.freeze()
-    enc, dec = SchedulerOutputEncoder(), SchedulerOutputDecoder()
-    route = _route(enc, dec)
+    route = _route(SchedulerOutputEncoder(), SchedulerOutputDecoder())
+    minimal: tuple[MinimalEncoder, MinimalDecoder] | None = (MinimalEncoder(), MinimalDecoder())
     steps: list[_Step] = []
     for i, (kind, obj) in enumerate(messages):
         if kind == "execute_model":
@@ -318,6 +334,11 @@ def _one_pass(messages: list[tuple[str, Any]], rotate: int,
             path = PATHS[(i + rotate + k) % len(PATHS)]
             if path == "floor":
                 got[path] = (0, python_floor(kind, obj))
+            elif path == "minimal":
+                try:
+                    got[path] = minimal_step(kind, obj, minimal) if minimal else (0, 0.0)
+                except Unsupported:
+                    minimal, got[path] = None, (0, 0.0)
             elif path == "ours":
                 size, took, sent = _ours(route[kind], obj)
                 got[path] = (size, took)
@@ -333,8 +354,10 @@ def _one_pass(messages: list[tuple[str, Any]], rotate: int,
             acc[3] += got["vllm"][1]
             acc[4] += got["bare"][1]
             acc[5] += got["floor"][1]
+            acc[6] += got["minimal"][1]
+            acc[7] += got["minimal"][0]
     gc.unfreeze()
-    return steps
+    return steps, minimal is not None
 
 
 def replay(messages: list[tuple[str, Any]], passes: int = 1,
@@ -349,34 +372,40 @@ def replay(messages: list[tuple[str, Any]], passes: int = 1,
         if fields is not None:
             fields.update(request_fields(kind, frames))
 
-    runs = [_one_pass(messages, k % len(PATHS), count if k == 0 and fields is not None else None)
+    done = [_one_pass(messages, k % len(PATHS), count if k == 0 and fields is not None else None)
             for k in range(passes)]
+    runs = [steps for steps, _ in done]
     steps = runs[0]
     for i, step in enumerate(steps):
         for path, acc in step.figures.items():
-            for col in (2, 3, 4, 5):
+            for col in (2, 3, 4, 5, 6):
                 acc[col] = statistics.median(run[i].figures[path][col] for run in runs)
-    return summarise(steps) | {"passes": passes}
+    return summarise(steps, minimal=all(carried for _, carried in done)) | {"passes": passes}
 
 
-def _path(steps: list[_Step], path: str) -> dict[str, Any]:
-    cols: list[Any] = list(zip(*(s.figures[path] for s in steps), strict=True)) or [[0]] * 6
+def _path(steps: list[_Step], path: str, minimal: bool) -> dict[str, Any]:
+    cols: list[Any] = list(zip(*(s.figures[path] for s in steps), strict=True)) or [[0]] * 8
     out: dict[str, Any] = {"steps": len(steps), "bytes": int(sum(cols[0])),
                            "vllm_bytes": int(sum(cols[1]))}
-    for col, name in ((2, "us"), (3, "vllm_us"), (4, "bare_us"), (5, "floor_us")):
+    named = [(2, "us"), (3, "vllm_us"), (4, "bare_us"), (5, "floor_us")]
+    if minimal and path == "request":
+        named.append((6, "minimal_us"))
+        out["minimal_bytes"] = int(sum(cols[7]))
+    for col, name in named:
         out[name] = sum(cols[col]) * 1e6
         out[f"median_{name}"] = statistics.median(cols[col]) * 1e6 if steps else 0.0
     return out
 
 
-def summarise(steps: list[_Step]) -> dict[str, Any]:
-    """Sums and medians of each path, over all steps, the join/leave ones and the others."""
+def summarise(steps: list[_Step], minimal: bool = True) -> dict[str, Any]:
+    """Sums and medians of each path, over all steps, the join/leave ones and the others
+    (the minimal channel's with ``minimal``: it carried every step)."""
     running = [s.running for s in steps]
     return {"steps": len(steps), "max_running": max(running, default=0),
             "median_running": statistics.median(running) if running else 0,
-            "request": _path(steps, "request"), "reply": _path(steps, "reply"),
-            "join_leave": _path([s for s in steps if s.churn], "request"),
-            "same_batch": _path([s for s in steps if not s.churn], "request")}
+            "request": _path(steps, "request", minimal), "reply": _path(steps, "reply", minimal),
+            "join_leave": _path([s for s in steps if s.churn], "request", minimal),
+            "same_batch": _path([s for s in steps if not s.churn], "request", minimal)}
 
 
 def request_fields(kind: str, frames: list[Any]) -> dict[str, int]:

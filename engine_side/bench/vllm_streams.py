@@ -13,8 +13,8 @@ tiny model (built there if missing), one progress line per scenario on stderr;
 streams already in the cache are reused unless ``--fresh``.  Then every recorded
 workload, and the synthetic streams (steady decode at 256 and 4096 requests,
 continuous batching at 16 and 256), is replayed through deltacast's encoder and
-decoder, vLLM's MessageQueue serializer, bare pickle and the Python floor
-(:func:`engine_side.bench.vllm_replay.replay`, ``--passes`` replays per stream) and
+decoder, vLLM's MessageQueue serializer, bare pickle, the Python floor and a minimal
+stateful channel (:func:`engine_side.bench.vllm_replay.replay`, ``--passes`` replays per stream) and
 the tables and the targets (``engine_side/bench/vllm_table.py``) are printed.
 
 One scenario live, in this process (the adapter's integration tests run this):
@@ -37,7 +37,8 @@ The document (``--json``)::
                summary and stats), check (with --check)}
     synthetic  {"256", "4096", "churn-16", "churn-256": replay summary + request_fields,
                check (with --check)}
-    total      {request, reply: bytes, vllm_bytes, us, vllm_us, bare_us, floor_us
+    total      {request, reply: bytes, vllm_bytes, us, vllm_us, bare_us, floor_us, and
+               (request, where the minimal channel carried every stream) minimal_us, minimal_bytes,
                summed over the recorded workloads}
 """
 
@@ -72,10 +73,13 @@ DEFAULT_CACHE = Path("out/objstreams")
 SYNTHETIC = (256, 4096)  # steady decode at N requests
 CHURN = (16, 256)  # continuous batching at N requests
 SYNTHETIC_STEPS = 20
-TOTALS = ("bytes", "vllm_bytes", "us", "vllm_us", "bare_us", "floor_us")
+TOTALS = ("bytes", "vllm_bytes", "us", "vllm_us", "bare_us", "floor_us", "minimal_us",
+          "minimal_bytes")
 VLLM_SERIALIZER = "vLLM's MessageQueue serializer"
 BARE = "bare pickle.dumps + loads"
 FLOOR = "the step's SchedulerOutput built in Python from its own lists, fresh containers"
+MINIMAL = ("a minimal stateful channel (minimal_stateful: plain lists, handles, departures "
+           "from prediction, a msgspec body; no digest, no checks)")
 Messages = list[tuple[str, Any]]
 
 
@@ -197,7 +201,8 @@ def replay_all(paths: dict[str, Path], passes: int = 1, check: bool = False,
 
 def totals(workloads: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Each path's bytes and µs summed over ``workloads``."""
-    return {path: {k: sum(w[path][k] for w in workloads.values()) for k in TOTALS}
+    return {path: {k: sum(w[path][k] for w in workloads.values()) for k in TOTALS
+                   if all(k in w[path] for w in workloads.values())}
             for path in ("request", "reply")}
 
 
@@ -225,7 +230,8 @@ def meta(passes: int, check: bool) -> dict[str, Any]:
             "command": command(), "load": os.getloadavg()[0], "passes": passes,
             "check": check,
             "kernels": _native(), "vllm": machine()["vllm"],
-            "baselines": {"vllm": VLLM_SERIALIZER, "bare": BARE, "floor": FLOOR}}
+            "baselines": {"vllm": VLLM_SERIALIZER, "bare": BARE, "floor": FLOOR,
+                          "minimal": MINIMAL}}
 
 
 # ---------------------------------------------------------------- one scenario, live

@@ -136,12 +136,22 @@ def fields(doc: dict[str, Any], shown: int = FIELDS_SHOWN) -> str:
 
 # ---------------------------------------------------------------- targets
 def _verdict(name: str, value: float | None, bare: float | None, limit: str,
-             met: bool | None) -> dict[str, Any]:
+             met: bool | None, minimal: float | None = None) -> dict[str, Any]:
     """One target: ``value`` against vLLM's serializer, ``bare`` the same against bare
-    pickle (reported); ``met`` None: a figure reported beside the targets."""
+    pickle and ``minimal`` the minimal stateful channel's against vLLM's serializer (both
+    reported);
+    ``met`` None: a figure reported beside the targets."""
     return {"target": name, "value": None if value is None else round(value, 3),
-            "bare": None if bare is None else round(bare, 3), "limit": limit,
+            "bare": None if bare is None else round(bare, 3),
+            "minimal": None if minimal is None else round(minimal, 3), "limit": limit,
             "met": None if met is None or value is None else bool(met)}
+
+
+def _minimal(p: dict[str, Any]) -> float | None:
+    """The minimal stateful channel's median step ÷ vLLM's serializer's (None: not measured)."""
+    if "median_minimal_us" not in p or not p["steps"]:
+        return None
+    return _div(p["median_minimal_us"], p["median_vllm_us"])
 
 
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -154,23 +164,26 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         r = _median(w["request"])
         out.append(_verdict(f"{name}: median µs ÷ vLLM", r, _median(w["request"], "bare"),
-                            f"≤ {MEDIAN_LIMIT:g}", r is not None and r <= MEDIAN_LIMIT))
+                            f"≤ {MEDIAN_LIMIT:g}", r is not None and r <= MEDIAN_LIMIT,
+                            _minimal(w["request"])))
     for name, w in doc["workloads"].items():
         k = w["join_leave"]
         if k["steps"]:
             r = _median(k)
             out.append(_verdict(f"{name}: join/leave steps' median µs ÷ vLLM ({k['steps']} "
                                 f"steps)", r, _median(k, "bare"), f"≤ {JOIN_LIMIT:g}",
-                                r is not None and r <= JOIN_LIMIT))
+                                r is not None and r <= JOIN_LIMIT, _minimal(k)))
     t = doc["total"]["request"]
     r = _div(t["us"], t["vllm_us"])
     out.append(_verdict("all recorded: summed µs ÷ vLLM", r, _div(t["us"], t["bare_us"]),
-                        f"≤ {SUMMED_LIMIT:g}", r is not None and r <= SUMMED_LIMIT))
+                        f"≤ {SUMMED_LIMIT:g}", r is not None and r <= SUMMED_LIMIT,
+                        _div(t["minimal_us"], t["vllm_us"]) if "minimal_us" in t else None))
     for name, w in every:
         if name.startswith(f"synthetic-{CHURN}"):
             r = _median(w["request"])
             out.append(_verdict(f"{name}: median µs ÷ vLLM", r, _median(w["request"], "bare"),
-                                f"≤ {MEDIAN_LIMIT:g}", r is not None and r <= MEDIAN_LIMIT))
+                                f"≤ {MEDIAN_LIMIT:g}", r is not None and r <= MEDIAN_LIMIT,
+                                _minimal(w["request"])))
     x = _div(t["vllm_bytes"], t["bytes"])
     out.append(_verdict("all recorded: × fewer request bytes", x, None,
                         f"≥ {BYTES_TARGET:g}×", x is not None and x >= BYTES_TARGET))
@@ -178,7 +191,7 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         k = w["same_batch"]
         if k["steps"]:
             out.append(_verdict(f"{name}: same-batch steps' median µs ÷ vLLM ({k['steps']} "
-                                "steps)", _median(k), _median(k, "bare"), "–", None))
+                                "steps)", _median(k), _median(k, "bare"), "–", None, _minimal(k)))
     return out
 
 
@@ -192,10 +205,11 @@ def _value(v: float | None) -> str:
 
 def render(doc: dict[str, Any]) -> str:
     meta = doc.get("meta", {})
-    verdicts = ["| target | value (÷ vLLM) | ÷ bare pickle | limit | |",
-                "| --- | ---: | ---: | ---: | --- |"] + [
-        f"| {t['target']} | {_value(t['value'])} | {_value(t['bare'])} | {t['limit']} | "
-        f"{_status(t['met'])} |" for t in targets(doc)]
+    verdicts = ["| target | value (÷ vLLM) | ÷ bare pickle | minimal ÷ vLLM | limit | |",
+                "| --- | ---: | ---: | ---: | ---: | --- |"] + [
+        f"| {t['target']} | {_value(t['value'])} | {_value(t['bare'])} | "
+        f"{_value(t.get('minimal'))} | {t['limit']} | {_status(t['met'])} |"
+        for t in targets(doc)]
     kernels = {True: "C kernels", False: "pure Python kernels"}.get(meta.get("kernels"), "?")
     checked = [w["check"] for _, w in streams(doc) if "check" in w]
     parts = [f"Run {meta.get('date', '?')} at commit `{meta.get('commit', '?')}` "
