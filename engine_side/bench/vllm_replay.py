@@ -126,8 +126,8 @@ def python_floor(kind: str, obj: Any) -> float:
 
 
 def minimal_step(kind: str, obj: Any, pair: Any) -> tuple[int, float]:
-    """(bytes, seconds) of ``obj`` (an ``execute_model`` record) through the stateful
-    minimal stateful channel's encoder and decoder ``pair``; (0, 0.0) for other kinds."""
+    """(bytes, seconds) of ``obj`` (an ``execute_model`` record) through the minimal
+    stateful channel's encoder and decoder ``pair``; (0, 0.0) for other kinds."""
     if kind != "execute_model":
         return 0, 0.0
     t0 = time.perf_counter()

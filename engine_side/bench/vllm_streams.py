@@ -14,8 +14,8 @@ streams already in the cache are reused unless ``--fresh``.  Then every recorded
 workload, and the synthetic streams (steady decode at 256 and 4096 requests,
 continuous batching at 16 and 256), is replayed through deltacast's encoder and
 decoder, vLLM's MessageQueue serializer, bare pickle, the Python floor and a minimal
-stateful channel (:func:`engine_side.bench.vllm_replay.replay`, ``--passes`` replays per stream) and
-the tables and the targets (``engine_side/bench/vllm_table.py``) are printed.
+stateful channel (:func:`engine_side.bench.vllm_replay.replay`, ``--passes`` replays
+per stream) and the tables and the targets (``engine_side/bench/vllm_table.py``) are printed.
 
 One scenario live, in this process (the adapter's integration tests run this):
 ``--scenario NAME [--model DIR] [--out STATS.json] [--record FILE.dcrec] [--check]``
@@ -38,8 +38,8 @@ The document (``--json``)::
     synthetic  {"256", "4096", "churn-16", "churn-256": replay summary + request_fields,
                check (with --check)}
     total      {request, reply: bytes, vllm_bytes, us, vllm_us, bare_us, floor_us, and
-               (request, where the minimal channel carried every stream) minimal_us, minimal_bytes,
-               summed over the recorded workloads}
+               (request, where the minimal channel carried every stream) minimal_us,
+               minimal_bytes, summed over the recorded workloads}
 """
 
 from __future__ import annotations

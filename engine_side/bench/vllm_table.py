@@ -139,8 +139,7 @@ def _verdict(name: str, value: float | None, bare: float | None, limit: str,
              met: bool | None, minimal: float | None = None) -> dict[str, Any]:
     """One target: ``value`` against vLLM's serializer, ``bare`` the same against bare
     pickle and ``minimal`` the minimal stateful channel's against vLLM's serializer (both
-    reported);
-    ``met`` None: a figure reported beside the targets."""
+    reported); ``met`` None: a figure reported beside the targets."""
     return {"target": name, "value": None if value is None else round(value, 3),
             "bare": None if bare is None else round(bare, 3),
             "minimal": None if minimal is None else round(minimal, 3), "limit": limit,
