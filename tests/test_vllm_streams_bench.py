@@ -34,7 +34,9 @@ def _path(steps: int, nbytes: int, vbytes: int, us: float, vus: float, bus: floa
             "median_vllm_us": vus, "median_bare_us": bus, "floor_us": bus / 4 * steps,
             "median_floor_us": bus / 4} | ({"minimal_us": 0.9 * vus * steps,
                                             "median_minimal_us": 0.9 * vus,
-                                            "minimal_bytes": 2 * nbytes} if minimal else {})
+                                            "minimal_bytes": 2 * nbytes,
+                                            "digested_us": 1.2 * vus * steps,
+                                            "median_digested_us": 1.2 * vus} if minimal else {})
 
 
 def _stream(us: float = 10.0, join_us: float = 10.0, vus: float = 20.0, nbytes: int = 100,
@@ -80,7 +82,8 @@ def test_targets_judge_each_limit_against_vllm_and_report_bare_pickle() -> None:
     assert same["met"] is None and same["value"] == 1.25 and same["bare"] == 2.5
     # the minimal stateful channel's figure beside every timed target (0.9 of vLLM's everywhere)
     assert {t["minimal"] for k, t in got.items() if "bytes" not in k} == {0.9}
-    assert fewer["minimal"] is None
+    assert {t["digested"] for k, t in got.items() if "bytes" not in k} == {1.2}
+    assert fewer["minimal"] is None and fewer["digested"] is None
     doc = _doc()  # a faster run meets the summed target
     for w in doc["workloads"].values():
         w["request"]["us"] = 5.0 * w["steps"]
@@ -108,14 +111,16 @@ def test_render_has_one_row_per_stream_and_the_totals() -> None:
                     for path, t in old["total"].items()}
     assert "Python floor" not in render(old) and "Python floor" in text
     # the minimal channel beside each target: 0.9; without its figures, "–"
-    assert "| online64: join/leave steps' median µs ÷ vLLM (2 steps) | 1.75 | 3.5 | 0.9 |" \
+    assert "| online64: join/leave steps' median µs ÷ vLLM (2 steps) | 1.75 | 3.5 | 0.9 | 1.2 |" \
         in text
     for w in [*old["workloads"].values(), *old["synthetic"].values()]:
         for part in ("request", "join_leave", "same_batch"):
-            del w[part]["minimal_us"], w[part]["median_minimal_us"], w[part]["minimal_bytes"]
+            for key in ("minimal_us", "median_minimal_us", "minimal_bytes", "digested_us",
+                        "median_digested_us"):
+                del w[part][key]
     old["total"] = vllm_streams.totals(old["workloads"])
     assert "minimal_us" not in old["total"]["request"]
-    assert "| online64: join/leave steps' median µs ÷ vLLM (2 steps) | 1.75 | 3.5 | – |" \
+    assert "| online64: join/leave steps' median µs ÷ vLLM (2 steps) | 1.75 | 3.5 | – | – |" \
         in render(old)
 
 
@@ -137,8 +142,11 @@ def test_the_page_converter_reads_the_document() -> None:
     assert rows["decode"][floor] == rows["all recorded"][floor] == pytest.approx(0.25)
     minimal = env["columns"].index("minimal ÷ vLLM")  # 0.9 of vLLM's serializer's step
     assert rows["decode"][minimal] == rows["all recorded"][minimal] == pytest.approx(0.9)
+    digested = env["columns"].index("+ digest ÷ vLLM")
+    assert rows["decode"][digested] == rows["all recorded"][digested] == pytest.approx(1.2)
     named = {t["target"]: t for t in env["targets"]}
-    assert "online64: median µs ÷ vLLM (bare pickle: 2.5; minimal stateful channel: 0.9)" in named
+    assert ("online64: median µs ÷ vLLM (bare pickle: 2.5; minimal stateful channel: 0.9; "
+            "with a digest: 1.2)") in named
     assert "all recorded: × fewer request bytes" in named  # no bracket without figures
     assert env["raw"] is doc
 
@@ -213,7 +221,8 @@ def test_replay_of_golden_streams_is_exact_and_adds_up(
         assert w["join_leave"]["steps"] == stats["churn_steps"] > 0, name
         assert w["reply"]["steps"] == w["steps"]
         assert all(w["request"][k] > 0 for k in ("us", "vllm_us", "bare_us", "floor_us",
-                                                   "minimal_us", "minimal_bytes"))
+                                                   "minimal_us", "minimal_bytes",
+                                                   "digested_us"))
         assert w["reply"]["floor_us"] == 0  # the floor builds SchedulerOutputs only
     total = doc["total"]["request"]
     assert total["bytes"] == sum(w["request"]["bytes"] for w in doc["workloads"].values())
@@ -291,7 +300,7 @@ def test_every_scenario_builds_its_requests() -> None:
 def test_replay_passes_take_each_steps_median(monkeypatch: pytest.MonkeyPatch) -> None:
     """With passes, each step's µs on every path is the median of its passes (the passes
     here report known figures); bytes are one pass's, each pass starts the rotation of
-    the five paths one further on, and a pass count below one is refused."""
+    the six paths one further on, and a pass count below one is refused."""
     from engine_side.bench import vllm_replay
     from engine_side.bench.vllm_replay import replay, synthetic_decode
 
@@ -303,9 +312,10 @@ def test_replay_passes_take_each_steps_median(monkeypatch: pytest.MonkeyPatch) -
         steps, carried = real(msgs, rotate, fields)
         k = len(rotations)
         rotations.append(rotate)
-        for i, step in enumerate(steps):  # pass k: µs (10k + i, ..., 100000k + i)
+        for i, step in enumerate(steps):  # pass k: µs (10k + i, ..., 1000000k + i)
             for acc in step.figures.values():
                 acc[2:7] = [(10.0 ** e * k + i) / 1e6 for e in range(1, 6)]
+                acc[8] = (1e6 * k + i) / 1e6
         return steps, carried
 
     monkeypatch.setattr(vllm_replay, "_one_pass", scripted)
@@ -320,6 +330,7 @@ def test_replay_passes_take_each_steps_median(monkeypatch: pytest.MonkeyPatch) -
     assert three["request"]["bare_us"] == pytest.approx(sum(2000.0 + i for i in range(8)))
     assert three["request"]["floor_us"] == pytest.approx(sum(20000.0 + i for i in range(8)))
     assert three["request"]["minimal_us"] == pytest.approx(sum(200000.0 + i for i in range(8)))
+    assert three["request"]["digested_us"] == pytest.approx(sum(2e6 + i for i in range(8)))
     assert "minimal_us" not in three["reply"]  # the minimal channel carries execute_model only
     assert three["request"]["median_us"] == pytest.approx(20.0 + 3.5)
     with pytest.raises(ValueError, match="passes"):
@@ -328,7 +339,7 @@ def test_replay_passes_take_each_steps_median(monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.vllm
 @needs_vllm
-def test_replay_times_every_message_on_all_five_paths(monkeypatch: pytest.MonkeyPatch,
+def test_replay_times_every_message_on_all_six_paths(monkeypatch: pytest.MonkeyPatch,
                                                       ) -> None:
     from engine_side.bench import vllm_replay
     from engine_side.bench.vllm_replay import replay, synthetic_decode
@@ -350,7 +361,7 @@ def test_replay_times_every_message_on_all_five_paths(monkeypatch: pytest.Monkey
         return real_floor(kind, obj)
 
     def minimal(kind: str, obj: Any, pair: Any) -> Any:
-        log.append("minimal")
+        log.append("digested" if pair[0].digest else "minimal")
         return real_minimal(kind, obj, pair)
 
     real_floor, real_minimal = vllm_replay.python_floor, vllm_replay.minimal_step
@@ -359,10 +370,11 @@ def test_replay_times_every_message_on_all_five_paths(monkeypatch: pytest.Monkey
     monkeypatch.setattr(vllm_replay, "python_floor", floor)
     monkeypatch.setattr(vllm_replay, "minimal_step", minimal)
     replay(messages)
-    assert len(log) == 5 * len(messages)
+    assert len(log) == 6 * len(messages)
     for i in range(len(messages)):
-        assert sorted(log[5 * i:5 * i + 5]) == ["bare", "floor", "minimal", "ours", "vllm"]
-    assert len({tuple(log[5 * i:5 * i + 5]) for i in range(5)}) == 5  # the order rotates
+        assert sorted(log[6 * i:6 * i + 6]) == ["bare", "digested", "floor", "minimal", "ours",
+                                                "vllm"]
+    assert len({tuple(log[6 * i:6 * i + 6]) for i in range(6)}) == 6  # the order rotates
 
 
 @pytest.mark.vllm

@@ -8,6 +8,10 @@ plain ``SchedulerOutput``.  Unlike deltacast it does nothing else: its body is o
 struct (encoded and decoded in C), its state is dicts and lists, and it keeps no digest,
 checks nothing a peer sends (a malformed body may raise anything or build a wrong step),
 has no resync and no multimodal, pooling, LoRA or connector support (:class:`Unsupported`).
+With ``digest``, both ends also keep a state digest built from deltacast's digest terms
+(each request's spec hash, computed counts keyed by handle, block rows, the schedule term)
+and updated by what each step changes; the rank refuses a step whose digest differs
+(:class:`DigestMismatch`): what the one state machine would cost if it kept plain lists.
 So it shows what a stateful Python channel that does no more than this pays per step at
 the batch sizes servers run (its plain lists lose to deltacast's numpy columns at
 thousands of requests).  Exact on the recorded streams (``tests/test_minimal_stateful.py``).
@@ -19,6 +23,9 @@ import copy
 from typing import Any
 
 import msgspec
+import numpy as np
+
+from protocol import digest as dg
 
 #: SchedulerOutput fields that are rarely set, sent in one msgpack map when they are
 RARE = ("scheduled_spec_decode_tokens", "scheduled_encoder_inputs", "num_common_prefix_blocks",
@@ -33,6 +40,10 @@ OBJECTS = ("scheduled_encoder_input_stats", "kv_connector_metadata",
 
 class Unsupported(Exception):
     """A step with a feature the minimal channel does not carry."""
+
+
+class DigestMismatch(Exception):
+    """The rank's state digest differs from the engine's."""
 
 
 class _New(msgspec.Struct, array_like=True):
@@ -61,16 +72,67 @@ class _Body(msgspec.Struct, array_like=True, omit_defaults=True):
     count_order: list[int] | None = None  # the dict's handles, when not cached + new
     resumed: list[int] = []
     rare: bytes = b""
+    digest: int = 0  # with ``digest``: the state digest after the step
 
 
 _ENCODE = msgspec.msgpack.Encoder()
 _BODY = msgspec.msgpack.Decoder(_Body)
 
 
-class MinimalEncoder:
-    """Engine side: SchedulerOutput → bytes."""
+class _Digest:
+    """A state digest kept as deltacast keeps its own: a sum of terms, each updated by
+    what a step changes (a steady step: one addition)."""
 
     def __init__(self) -> None:
+        self.terms = 0  # spec and block terms of the live requests
+        self.spec: dict[int, int] = {}
+        self.rows: dict[int, list[tuple[int, int]]] = {}  # per group (length, term sum)
+        self.computed = self.advance = self.schedule = 0
+
+    def step(self, b: _Body, hs: list[int], computed: list[int], counts: list[int],
+             was: list[int]) -> int:
+        """The digest after a step whose body is ``b``: ``hs``, the cached handles;
+        ``computed``, every scheduled request's count (cached, then new); ``was``, the
+        predictions the body's computed departures replace."""
+        for h in b.finished:
+            self.terms -= self.spec.pop(h) + sum(t for _, t in self.rows.pop(h))
+        for n in b.new:
+            self.spec[n.handle] = dg.spec_term(n.handle, n.params)
+            self.rows[n.handle] = [(0, 0)] * len(n.blocks)
+            self.terms += self.spec[n.handle] + self._append([n.handle], [n.blocks])
+        if b.blocks_at:
+            self.terms += self._append([hs[i] for i in b.blocks_at], b.blocks)
+        if b.order is not None or b.counts is not None or b.new or b.count_order:
+            order = np.array(b.count_order or hs + [n.handle for n in b.new], dtype=np.int64)
+            scheduled = np.array(counts, dtype=np.int64)
+            self.advance = dg.keyed_sum(order, scheduled)
+            self.schedule = dg.schedule_term(order, scheduled)
+            self.computed = dg.keyed_sum(order, np.array(computed, dtype=np.int64))
+        else:  # the schedule again: each count advances, departures corrected
+            self.computed += self.advance + sum(
+                (v - p) * dg.handle_key(hs[i])
+                for i, v, p in zip(b.computed_at, b.computed_to, was, strict=True))
+        return (self.terms + self.computed + self.schedule) & dg.MASK
+
+    def _append(self, hs: list[int], blocks: list[list[list[int]]]) -> int:
+        """Blocks appended to handles ``hs`` (per handle, per group): their terms."""
+        added = 0
+        for g in range(len(blocks[0])):
+            ids = [b[g] for b in blocks]
+            sums = dg.block_row_terms(hs, g, [self.rows[h][g][0] for h in hs],
+                                      list(map(len, ids)), [v for row in ids for v in row])
+            for h, row, t in zip(hs, ids, sums, strict=True):
+                length, total = self.rows[h][g]
+                self.rows[h][g] = (length + len(row), (total + t) & dg.MASK)
+            added += sum(sums)
+        return added
+
+
+class MinimalEncoder:
+    """Engine side: SchedulerOutput → bytes (``digest``: with the state digest)."""
+
+    def __init__(self, digest: bool = False) -> None:
+        self.digest = _Digest() if digest else None
         self.handles: dict[str, int] = {}
         self.free: list[int] = []
         self.order: list[int] = []  # last step's scheduled handles, dict order
@@ -122,19 +184,23 @@ class MinimalEncoder:
         rare = _rare(so, c)
         if rare:
             b.rare = _ENCODE.encode(rare)
+        start = computed + [r.num_computed_tokens for r in so.scheduled_new_reqs]
+        if self.digest is not None:
+            b.digest = self.digest.step(b, hs, start, counts,
+                                        [self.predicted[i] for i in b.computed_at])
         # the next step's predictions (a reordered dict: none, the next step sends all)
         self.order = [] if b.count_order else hs + [n.handle for n in b.new]
         self.counts = counts
-        start = computed + [r.num_computed_tokens for r in so.scheduled_new_reqs]
         self.predicted = [s + n for s, n in zip(start, counts, strict=True)]
         self.outputs = outputs + [0] * len(b.new)
         return _ENCODE.encode(b)
 
 
 class MinimalDecoder:
-    """Rank side: bytes → a plain SchedulerOutput."""
+    """Rank side: bytes → a plain SchedulerOutput (``digest``: checked)."""
 
-    def __init__(self) -> None:
+    def __init__(self, digest: bool = False) -> None:
+        self.digest = _Digest() if digest else None
         self.ids: dict[int, str] = {}
         self.params: dict[bytes, Any] = {}
         self.order: list[int] = []
@@ -155,10 +221,12 @@ class MinimalDecoder:
                 req_id=n.req_id, prompt_token_ids=n.prompt, mm_features=[],
                 sampling_params=self._params(bytes(n.params)), pooling_params=None,
                 block_ids=tuple(n.blocks), num_computed_tokens=n.computed, lora_request=None))
+        was: list[int] = []
         if b.order is not None:
             hs, computed, outputs = b.order, b.computed or [], b.outputs or []
         else:
             hs = self.order
+            was = [self.predicted[i] for i in b.computed_at]
             computed = _with(self.predicted, b.computed_at, b.computed_to)
             outputs = _with([n + 1 for n in self.outputs], b.outputs_at, b.outputs_to)
         blocks: list[Any] = [None] * len(hs)
@@ -184,9 +252,11 @@ class MinimalDecoder:
             finished_req_ids=finished,
             free_encoder_mm_hashes=rare.pop("free_encoder_mm_hashes", []),
             preempted_req_ids=None if preempted is None else set(preempted), **rare)
+        start = computed + [n.computed for n in b.new]
+        if self.digest is not None and self.digest.step(b, hs, start, counts, was) != b.digest:
+            raise DigestMismatch(f"state digest {b.digest:#x} expected")
         self.order = [] if b.count_order else hs + [n.handle for n in b.new]
-        self.predicted = [s + n for s, n in zip(computed + [n.computed for n in b.new], counts,
-                                                      strict=True)]
+        self.predicted = [s + n for s, n in zip(start, counts, strict=True)]
         self.counts, self.outputs = counts, outputs + [0] * len(b.new)
         return so
 

@@ -315,6 +315,7 @@ def from_streams(doc: dict[str, Any]) -> Fields:
                       _r(req["median_vllm_us"], 1), _r(med), _r(bare),
                       _r(_div(req.get("median_floor_us"), req["median_bare_us"])),
                       _r(_div(req.get("median_minimal_us"), req["median_vllm_us"])),
+                      _r(_div(req.get("median_digested_us"), req["median_vllm_us"])),
                       _r(summed),
                       join["steps"], _r(join_r), _r(same_r), _r(reply, 1),
                       _slower(("median", med), ("summed", summed), ("join/leave", join_r),
@@ -328,6 +329,7 @@ def from_streams(doc: dict[str, Any]) -> Fields:
                   round(t["vllm_bytes"] / steps, 1), _r(fewer, 1), None, None, None, None,
                   _r(_div(t["floor_us"], t["bare_us"])) if "floor_us" in t else None,
                   _r(_div(t["minimal_us"], t["vllm_us"])) if "minimal_us" in t else None,
+                  _r(_div(t["digested_us"], t["vllm_us"])) if "digested_us" in t else None,
                   _r(summed), join_steps, None, None,
                   _r(_div(reply_t["vllm_bytes"], reply_t["bytes"]), 1),
                   _slower(("summed", summed))])
@@ -353,9 +355,14 @@ def from_streams(doc: dict[str, Any]) -> Fields:
              "end, a msgspec body of what departs from prediction, and nothing else: no "
              "digest, no typed errors, no resync, no multimodal or grammar. It does a subset "
              "of deltacast's work; minimal ÷ vLLM is its median step against vLLM's "
-             "serializer's (all recorded: summed), and beside each target below.",
+             "serializer's (all recorded: summed), and beside each target below. "
+             "+ digest: the same channel keeping a state digest on both ends from "
+             "deltacast's digest terms (spec hashes, computed counts by handle, block rows, "
+             "the schedule term), updated by what each step changes, as a plain-list "
+             "rewrite of the state machine would.",
              "Targets are judged against vLLM's serializer; the ratios against bare pickle "
-             "and of the minimal stateful channel follow each in brackets."]
+             "and of the minimal stateful channel (without and with a digest) follow each "
+             "in brackets."]
     if checks:
         notes.append(f"{len(checks)} streams checked: {sum(c['records'] for c in checks):,} "
                      "messages decoded and compared with the originals, "
@@ -375,7 +382,8 @@ def from_streams(doc: dict[str, Any]) -> Fields:
                     "step.",
             "columns": ["stream", "steps", "B/step", "vLLM B/step", "× fewer B",
                         "median µs", "vLLM median µs", "median ÷ vLLM", "median ÷ bare",
-                        "floor ÷ bare", "minimal ÷ vLLM", "summed ÷ vLLM", "join/leave steps",
+                        "floor ÷ bare", "minimal ÷ vLLM", "+ digest ÷ vLLM", "summed ÷ vLLM",
+                        "join/leave steps",
                         "join/leave median ÷ vLLM", "same-batch median ÷ vLLM",
                         "× fewer reply B", SLOWER],
             "rows": table, "targets": targets, "notes": notes, "raw": doc}
@@ -384,7 +392,8 @@ def from_streams(doc: dict[str, Any]) -> Fields:
 def _beside(target: dict[str, Any]) -> str:
     """A stream target's bare-pickle and minimal-channel ratios, in brackets."""
     parts = [f"{label}: {_cell(target[key])}" for key, label in
-             (("bare", "bare pickle"), ("minimal", "minimal stateful channel"))
+             (("bare", "bare pickle"), ("minimal", "minimal stateful channel"),
+              ("digested", "with a digest"))
              if target.get(key) is not None]
     return f" ({'; '.join(parts)})" if parts else ""
 

@@ -14,8 +14,9 @@ with fresh containers (:func:`rebuilt_in_python`), the least any Python rank doe
 its runner a plain object, with nothing decoded and no state kept; and a **minimal
 stateful channel** that does a subset of deltacast's work with plain lists
 (:mod:`.minimal_stateful`: msgspec body, handles and departures from prediction, no
-digest, no checks), on ``execute_model`` only.  The five are timed in an order rotated
-per message, so none always pays for first touching a step's objects.
+digest, no checks), on ``execute_model`` only, also timed keeping a state digest from
+deltacast's digest terms (``digested``).  The six are timed in an order rotated per
+message, so none always pays for first touching a step's objects.
 
 A **step** opens at each ``execute_model``: the request path is its message plus the
 ``sample_tokens`` message, the reply path their replies; µs are encode + decode
@@ -40,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 REQUEST, REPLY = ("execute_model", "sample_tokens"), ("reply", "sample_reply")
-PATHS = ("ours", "vllm", "bare", "floor", "minimal")  # deltacast; vLLM's serializer; bare
-# pickle; the Python floor; the minimal stateful channel
+PATHS = ("ours", "vllm", "bare", "floor", "minimal", "digested")  # deltacast; vLLM's
+# serializer; bare pickle; the Python floor; the minimal stateful channel, without and with
+# a state digest
 _RPC = {"execute_model": "execute_model", "sample_tokens": "sample_tokens"}
 
 
@@ -277,15 +279,15 @@ def joins_or_leaves(so: Any) -> bool:
 
 class _Step:
     """One step's figures: per path (request, reply) [ours B, vLLM B, ours s, vLLM s, bare s,
-    floor s, minimal s, minimal B]."""
+    floor s, minimal s, minimal B, digested s]."""
 
     __slots__ = ("running", "churn", "figures")
 
     def __init__(self, so: Any) -> None:
         self.running = len(so.num_scheduled_tokens)
         self.churn = joins_or_leaves(so)
-        self.figures = {"request": [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0],
-                        "reply": [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0]}
+        self.figures = {"request": [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0],
+                        "reply": [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0]}
 
 
 def _route(enc: Any, dec: Any) -> dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
@@ -313,7 +315,7 @@ def _ours(route: tuple[Callable[[Any], Any], Callable[[Any], Any]], obj: Any,
 
 def _one_pass(messages: list[tuple[str, Any]], rotate: int,
               fields: Callable[[str, list[Any]], None] | None) -> tuple[list[_Step], bool]:
-    """One replay: per step, each path's figures (the order of the five rotates per
+    """One replay: per step, each path's figures (the order of the six rotates per
     message, starting at ``rotate``), and whether the minimal channel carried every step (from
     the first it does not carry on, its figures are 0); ``fields`` sees our frames of
     request messages."""
@@ -324,7 +326,9 @@ def _one_pass(messages: list[tuple[str, Any]], rotate: int,
     gc.collect()
     gc.freeze()
     route = _route(SchedulerOutputEncoder(), SchedulerOutputDecoder())
-    minimal: tuple[MinimalEncoder, MinimalDecoder] | None = (MinimalEncoder(), MinimalDecoder())
+    minimal: dict[str, tuple[MinimalEncoder, MinimalDecoder]] | None = {
+        "minimal": (MinimalEncoder(), MinimalDecoder()),
+        "digested": (MinimalEncoder(digest=True), MinimalDecoder(digest=True))}
     steps: list[_Step] = []
     for i, (kind, obj) in enumerate(messages):
         if kind == "execute_model":
@@ -334,9 +338,9 @@ def _one_pass(messages: list[tuple[str, Any]], rotate: int,
             path = PATHS[(i + rotate + k) % len(PATHS)]
             if path == "floor":
                 got[path] = (0, python_floor(kind, obj))
-            elif path == "minimal":
+            elif path in ("minimal", "digested"):
                 try:
-                    got[path] = minimal_step(kind, obj, minimal) if minimal else (0, 0.0)
+                    got[path] = minimal_step(kind, obj, minimal[path]) if minimal else (0, 0.0)
                 except Unsupported:
                     minimal, got[path] = None, (0, 0.0)
             elif path == "ours":
@@ -356,6 +360,7 @@ def _one_pass(messages: list[tuple[str, Any]], rotate: int,
             acc[5] += got["floor"][1]
             acc[6] += got["minimal"][1]
             acc[7] += got["minimal"][0]
+            acc[8] += got["digested"][1]
     gc.unfreeze()
     return steps, minimal is not None
 
@@ -378,18 +383,18 @@ def replay(messages: list[tuple[str, Any]], passes: int = 1,
     steps = runs[0]
     for i, step in enumerate(steps):
         for path, acc in step.figures.items():
-            for col in (2, 3, 4, 5, 6):
+            for col in (2, 3, 4, 5, 6, 8):
                 acc[col] = statistics.median(run[i].figures[path][col] for run in runs)
     return summarise(steps, minimal=all(carried for _, carried in done)) | {"passes": passes}
 
 
 def _path(steps: list[_Step], path: str, minimal: bool) -> dict[str, Any]:
-    cols: list[Any] = list(zip(*(s.figures[path] for s in steps), strict=True)) or [[0]] * 8
+    cols: list[Any] = list(zip(*(s.figures[path] for s in steps), strict=True)) or [[0]] * 9
     out: dict[str, Any] = {"steps": len(steps), "bytes": int(sum(cols[0])),
                            "vllm_bytes": int(sum(cols[1]))}
     named = [(2, "us"), (3, "vllm_us"), (4, "bare_us"), (5, "floor_us")]
     if minimal and path == "request":
-        named.append((6, "minimal_us"))
+        named += [(6, "minimal_us"), (8, "digested_us")]
         out["minimal_bytes"] = int(sum(cols[7]))
     for col, name in named:
         out[name] = sum(cols[col]) * 1e6

@@ -39,7 +39,7 @@ The document (``--json``)::
                check (with --check)}
     total      {request, reply: bytes, vllm_bytes, us, vllm_us, bare_us, floor_us, and
                (request, where the minimal channel carried every stream) minimal_us,
-               minimal_bytes, summed over the recorded workloads}
+               minimal_bytes, digested_us, summed over the recorded workloads}
 """
 
 from __future__ import annotations
@@ -74,12 +74,13 @@ SYNTHETIC = (256, 4096)  # steady decode at N requests
 CHURN = (16, 256)  # continuous batching at N requests
 SYNTHETIC_STEPS = 20
 TOTALS = ("bytes", "vllm_bytes", "us", "vllm_us", "bare_us", "floor_us", "minimal_us",
-          "minimal_bytes")
+          "minimal_bytes", "digested_us")
 VLLM_SERIALIZER = "vLLM's MessageQueue serializer"
 BARE = "bare pickle.dumps + loads"
 FLOOR = "the step's SchedulerOutput built in Python from its own lists, fresh containers"
 MINIMAL = ("a minimal stateful channel (minimal_stateful: plain lists, handles, departures "
            "from prediction, a msgspec body; no digest, no checks)")
+DIGESTED = "the minimal stateful channel keeping a state digest of deltacast's terms"
 Messages = list[tuple[str, Any]]
 
 
@@ -231,7 +232,7 @@ def meta(passes: int, check: bool) -> dict[str, Any]:
             "check": check,
             "kernels": _native(), "vllm": machine()["vllm"],
             "baselines": {"vllm": VLLM_SERIALIZER, "bare": BARE, "floor": FLOOR,
-                          "minimal": MINIMAL}}
+                          "minimal": MINIMAL, "digested": DIGESTED}}
 
 
 # ---------------------------------------------------------------- one scenario, live

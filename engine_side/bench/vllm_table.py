@@ -136,21 +136,27 @@ def fields(doc: dict[str, Any], shown: int = FIELDS_SHOWN) -> str:
 
 # ---------------------------------------------------------------- targets
 def _verdict(name: str, value: float | None, bare: float | None, limit: str,
-             met: bool | None, minimal: float | None = None) -> dict[str, Any]:
+             met: bool | None, minimal: tuple[float | None, float | None] = (None, None),
+             ) -> dict[str, Any]:
     """One target: ``value`` against vLLM's serializer, ``bare`` the same against bare
-    pickle and ``minimal`` the minimal stateful channel's against vLLM's serializer (both
-    reported); ``met`` None: a figure reported beside the targets."""
+    pickle and ``minimal`` the minimal stateful channel's without and with a state digest
+    against vLLM's serializer (all reported); ``met`` None: a figure reported beside the
+    targets."""
     return {"target": name, "value": None if value is None else round(value, 3),
             "bare": None if bare is None else round(bare, 3),
-            "minimal": None if minimal is None else round(minimal, 3), "limit": limit,
+            **{k: None if v is None else round(v, 3)
+               for k, v in zip(("minimal", "digested"), minimal, strict=True)},
+            "limit": limit,
             "met": None if met is None or value is None else bool(met)}
 
 
-def _minimal(p: dict[str, Any]) -> float | None:
-    """The minimal stateful channel's median step ÷ vLLM's serializer's (None: not measured)."""
-    if "median_minimal_us" not in p or not p["steps"]:
-        return None
-    return _div(p["median_minimal_us"], p["median_vllm_us"])
+def _minimal(p: dict[str, Any]) -> tuple[float | None, float | None]:
+    """The minimal stateful channel's median step ÷ vLLM's serializer's, without and with
+    a state digest (None: not measured)."""
+    def ratio(key: str) -> float | None:
+        return _div(p[key], p["median_vllm_us"]) if key in p and p["steps"] else None
+
+    return ratio("median_minimal_us"), ratio("median_digested_us")
 
 
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -176,7 +182,8 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     r = _div(t["us"], t["vllm_us"])
     out.append(_verdict("all recorded: summed µs ÷ vLLM", r, _div(t["us"], t["bare_us"]),
                         f"≤ {SUMMED_LIMIT:g}", r is not None and r <= SUMMED_LIMIT,
-                        _div(t["minimal_us"], t["vllm_us"]) if "minimal_us" in t else None))
+                        (_div(t["minimal_us"], t["vllm_us"]) if "minimal_us" in t else None,
+                         _div(t["digested_us"], t["vllm_us"]) if "digested_us" in t else None)))
     for name, w in every:
         if name.startswith(f"synthetic-{CHURN}"):
             r = _median(w["request"])
@@ -204,11 +211,12 @@ def _value(v: float | None) -> str:
 
 def render(doc: dict[str, Any]) -> str:
     meta = doc.get("meta", {})
-    verdicts = ["| target | value (÷ vLLM) | ÷ bare pickle | minimal ÷ vLLM | limit | |",
-                "| --- | ---: | ---: | ---: | ---: | --- |"] + [
+    verdicts = ["| target | value (÷ vLLM) | ÷ bare pickle | minimal ÷ vLLM | "
+                "minimal + digest ÷ vLLM | limit | |",
+                "| --- | ---: | ---: | ---: | ---: | ---: | --- |"] + [
         f"| {t['target']} | {_value(t['value'])} | {_value(t['bare'])} | "
-        f"{_value(t.get('minimal'))} | {t['limit']} | {_status(t['met'])} |"
-        for t in targets(doc)]
+        f"{_value(t.get('minimal'))} | {_value(t.get('digested'))} | {t['limit']} | "
+        f"{_status(t['met'])} |" for t in targets(doc)]
     kernels = {True: "C kernels", False: "pure Python kernels"}.get(meta.get("kernels"), "?")
     checked = [w["check"] for _, w in streams(doc) if "check" in w]
     parts = [f"Run {meta.get('date', '?')} at commit `{meta.get('commit', '?')}` "
