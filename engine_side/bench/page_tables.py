@@ -295,7 +295,7 @@ def _repo_path(path: Path) -> str:
 # ---------------------------------------------------------------- vLLM streams
 def from_streams(doc: dict[str, Any]) -> Fields:
     """``python -m engine_side.bench.vllm_streams`` document → one line per stream."""
-    from engine_side.bench.vllm_table import streams
+    from engine_side.bench.vllm_table import minimal_ratios, streams
     from engine_side.bench.vllm_table import targets as stream_targets
 
     def median(p: dict[str, Any], of: str = "vllm") -> float | None:
@@ -314,8 +314,7 @@ def from_streams(doc: dict[str, Any]) -> Fields:
                       round(req["vllm_bytes"] / steps, 1), _r(fewer, 1), _r(req["median_us"], 1),
                       _r(req["median_vllm_us"], 1), _r(med), _r(bare),
                       _r(_div(req.get("median_floor_us"), req["median_bare_us"])),
-                      _r(_div(req.get("median_minimal_us"), req["median_vllm_us"])),
-                      _r(_div(req.get("median_digested_us"), req["median_vllm_us"])),
+                      *map(_r, minimal_ratios(req)),
                       _r(summed),
                       join["steps"], _r(join_r), _r(same_r), _r(reply, 1),
                       _slower(("median", med), ("summed", summed), ("join/leave", join_r),
@@ -328,8 +327,7 @@ def from_streams(doc: dict[str, Any]) -> Fields:
     table.append(["all recorded", steps, round(t["bytes"] / steps, 1),
                   round(t["vllm_bytes"] / steps, 1), _r(fewer, 1), None, None, None, None,
                   _r(_div(t["floor_us"], t["bare_us"])) if "floor_us" in t else None,
-                  _r(_div(t["minimal_us"], t["vllm_us"])) if "minimal_us" in t else None,
-                  _r(_div(t["digested_us"], t["vllm_us"])) if "digested_us" in t else None,
+                  *map(_r, minimal_ratios(t, summed=True)),
                   _r(summed), join_steps, None, None,
                   _r(_div(reply_t["vllm_bytes"], reply_t["bytes"]), 1),
                   _slower(("summed", summed))])

@@ -150,13 +150,20 @@ def _verdict(name: str, value: float | None, bare: float | None, limit: str,
             "met": None if met is None or value is None else bool(met)}
 
 
-def _minimal(p: dict[str, Any]) -> tuple[float | None, float | None]:
-    """The minimal stateful channel's median step ÷ vLLM's serializer's, without and with
-    a state digest (None: not measured)."""
-    def ratio(key: str) -> float | None:
-        return _div(p[key], p["median_vllm_us"]) if key in p and p["steps"] else None
+def minimal_ratios(p: dict[str, Any], summed: bool = False,
+                   ) -> tuple[float | None, float | None]:
+    """The minimal stateful channel's median step (``summed``: its sum over ``p``, a
+    document's totals) ÷ vLLM's serializer's, without and with a state digest (None:
+    not measured)."""
+    at = "" if summed else "median_"
 
-    return ratio("median_minimal_us"), ratio("median_digested_us")
+    def ratio(path: str) -> float | None:
+        key = f"{at}{path}_us"
+        if key not in p or not (summed or p["steps"]):
+            return None
+        return _div(p[key], p[f"{at}vllm_us"])
+
+    return ratio("minimal"), ratio("digested")
 
 
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -170,26 +177,25 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         r = _median(w["request"])
         out.append(_verdict(f"{name}: median µs ÷ vLLM", r, _median(w["request"], "bare"),
                             f"≤ {MEDIAN_LIMIT:g}", r is not None and r <= MEDIAN_LIMIT,
-                            _minimal(w["request"])))
+                            minimal_ratios(w["request"])))
     for name, w in doc["workloads"].items():
         k = w["join_leave"]
         if k["steps"]:
             r = _median(k)
             out.append(_verdict(f"{name}: join/leave steps' median µs ÷ vLLM ({k['steps']} "
                                 f"steps)", r, _median(k, "bare"), f"≤ {JOIN_LIMIT:g}",
-                                r is not None and r <= JOIN_LIMIT, _minimal(k)))
+                                r is not None and r <= JOIN_LIMIT, minimal_ratios(k)))
     t = doc["total"]["request"]
     r = _div(t["us"], t["vllm_us"])
     out.append(_verdict("all recorded: summed µs ÷ vLLM", r, _div(t["us"], t["bare_us"]),
                         f"≤ {SUMMED_LIMIT:g}", r is not None and r <= SUMMED_LIMIT,
-                        (_div(t["minimal_us"], t["vllm_us"]) if "minimal_us" in t else None,
-                         _div(t["digested_us"], t["vllm_us"]) if "digested_us" in t else None)))
+                        minimal_ratios(t, summed=True)))
     for name, w in every:
         if name.startswith(f"synthetic-{CHURN}"):
             r = _median(w["request"])
             out.append(_verdict(f"{name}: median µs ÷ vLLM", r, _median(w["request"], "bare"),
                                 f"≤ {MEDIAN_LIMIT:g}", r is not None and r <= MEDIAN_LIMIT,
-                                _minimal(w["request"])))
+                                minimal_ratios(w["request"])))
     x = _div(t["vllm_bytes"], t["bytes"])
     out.append(_verdict("all recorded: × fewer request bytes", x, None,
                         f"≥ {BYTES_TARGET:g}×", x is not None and x >= BYTES_TARGET))
@@ -197,7 +203,8 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         k = w["same_batch"]
         if k["steps"]:
             out.append(_verdict(f"{name}: same-batch steps' median µs ÷ vLLM ({k['steps']} "
-                                "steps)", _median(k), _median(k, "bare"), "–", None, _minimal(k)))
+                                "steps)", _median(k), _median(k, "bare"), "–", None,
+                                minimal_ratios(k)))
     return out
 
 
