@@ -1,4 +1,5 @@
-"""Shared pytest setup: import path and Hypothesis profiles.
+"""Shared pytest setup: import path, Hypothesis profiles, and a report of what the run
+leaves in /dev/shm.
 
 Profile "ci" is selected when the environment variable ``CI`` is ``true``
 (as in ``CI=true bash .ci/run``); otherwise "default".  Override with
@@ -11,6 +12,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,3 +40,38 @@ else:
         suppress_health_check=[HealthCheck.too_slow],
     )
     settings.load_profile("ci" if os.environ.get("CI", "").lower() == "true" else "default")
+
+
+# -- what the run leaves in /dev/shm ---------------------------------------------------
+# Reported, not failed on: the entries still there at the end of the run (rings, stores,
+# semaphores), each with the test after which it was first seen, so that a leak that
+# shows up only now and then can be traced to the test that makes it.
+_SHM = Path("/dev/shm")
+
+
+def _shm_names() -> set[str]:
+    try:
+        return set(os.listdir(_SHM))
+    except OSError:  # (no /dev/shm: nothing to report)
+        return set()
+
+
+_shm_at_start = _shm_names()
+_shm_seen = set(_shm_at_start)
+_shm_first_seen: dict[str, str] = {}
+
+
+def pytest_runtest_logfinish(nodeid: str, location: object) -> None:
+    global _shm_seen
+    now = _shm_names()
+    for name in now - _shm_seen:
+        _shm_first_seen.setdefault(name, nodeid)
+    _shm_seen = now
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    left = sorted(_shm_names() - _shm_at_start)
+    if left:
+        terminalreporter.section(f"left in {_SHM} by this run")
+        for name in left:
+            terminalreporter.line(f"{name}  (first seen after {_shm_first_seen.get(name, '?')})")
