@@ -44,8 +44,9 @@ else:
 
 # -- what the run leaves in /dev/shm ---------------------------------------------------
 # Reported, not failed on: the entries still there at the end of the run (rings, stores,
-# semaphores), each with the test after which it was first seen, so that a leak that
-# shows up only now and then can be traced to the test that makes it.
+# semaphores), each with the test after which it last appeared (a name removed and made
+# again belongs to the later test), so that a leak that shows up only now and then can
+# be traced to the test that makes it.
 _SHM = Path("/dev/shm")
 
 
@@ -58,14 +59,14 @@ def _shm_names() -> set[str]:
 
 _shm_at_start = _shm_names()
 _shm_seen = set(_shm_at_start)
-_shm_first_seen: dict[str, str] = {}
+_shm_appeared_after: dict[str, str] = {}
 
 
 def pytest_runtest_logfinish(nodeid: str, location: object) -> None:
     global _shm_seen
     now = _shm_names()
     for name in now - _shm_seen:
-        _shm_first_seen.setdefault(name, nodeid)
+        _shm_appeared_after[name] = nodeid
     _shm_seen = now
 
 
@@ -74,4 +75,4 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if left:
         terminalreporter.section(f"left in {_SHM} by this run")
         for name in left:
-            terminalreporter.line(f"{name}  (first seen after {_shm_first_seen.get(name, '?')})")
+            terminalreporter.line(f"{name}  (appeared after {_shm_appeared_after.get(name, '?')})")
