@@ -31,7 +31,6 @@ from engine_side.mirror import EngineMirror
 from engine_side.results import SampledTokens
 from engine_side.scheduler import Scheduler
 from engine_side.session import DEFAULT_ACK_SPIN, EngineSession, WorkersLost
-from engine_side.stale_dirs import LockedTempDir
 from engine_side.supervisor import Supervisor, WorkersFailing
 from protocol.cli_support import (
     EXIT_ENDPOINT,
@@ -50,6 +49,7 @@ from protocol.messages import TOKEN_MODE_ENGINE
 from protocol.params import SamplingSpec
 from protocol.request import IntArray
 from protocol.ring import DEFAULT_RING_BYTES
+from protocol.stale_dirs import LockedTempDir
 from worker_side.waiting import DEFAULT_SPIN_MS
 
 if TYPE_CHECKING:  # zmq is imported only when a run starts

@@ -31,8 +31,8 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
-from engine_side.stale_dirs import sweep_stale_dirs
 from protocol.ipc_dir import EndpointError, open_private_dir
+from protocol.stale_dirs import sweep_stale_dirs
 
 log = logging.getLogger("deltacast.security")
 
@@ -121,7 +121,7 @@ class PrivateDir:
             and private); None makes a fresh one under $XDG_RUNTIME_DIR or /tmp.
 
     Directories that dead engines left behind are removed first
-    (:func:`engine_side.stale_dirs.sweep_stale_dirs`: a ``kill -9`` frees the lock).
+    (:func:`protocol.stale_dirs.sweep_stale_dirs`: a ``kill -9`` frees the lock).
 
     Raises EndpointInUse if another engine holds the lock, EndpointError if the
     directory is not private (a symlink, a file, another user's, not 0700:

@@ -1,5 +1,5 @@
-"""Shared pytest setup: import path, Hypothesis profiles, and a report of what the run
-leaves in /dev/shm.
+"""Shared pytest setup: import path, Hypothesis profiles, a report of what the run
+leaves in /dev/shm, and the check that a node leaves no private directory.
 
 Profile "ci" is selected when the environment variable ``CI`` is ``true``
 (as in ``CI=true bash .ci/run``); otherwise "default".  Override with
@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,3 +81,27 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.section(f"left in {_SHM} by this run")
         for name in left:
             terminalreporter.line(f"{name}  (appeared after {_shm_appeared_after.get(name, '?')})")
+
+
+# -- a node's private directory goes with it ------------------------------------------
+def _node_dirs() -> set[Path]:
+    import tempfile
+
+    return set(Path(tempfile.gettempdir()).glob("dc-node-*"))
+
+
+@pytest.fixture()
+def no_node_dir_left() -> Iterator[None]:
+    """Fails a test after which a ``deltacast node`` (or a Ray node's actor) left its
+    private directory (its ranks' endpoints, its relay's, its ring) behind, however the
+    node ended (10 s allowed for the last of its ranks to exit)."""
+    before = _node_dirs()
+    yield
+    end = time.monotonic() + 10
+    while _node_dirs() - before and time.monotonic() < end:
+        time.sleep(0.2)
+    left = sorted(_node_dirs() - before)
+    for path in left:  # (not the next test's)
+        shutil.rmtree(path, ignore_errors=True)
+    assert not left, f"a node left its private directory: {[str(p) for p in left]}"
+

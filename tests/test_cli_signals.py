@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_side.stale_dirs import sweep_stale_dirs
+from protocol.stale_dirs import sweep_stale_dirs
 
 REPO = Path(__file__).resolve().parent.parent
 JOINED = "workers joined"

@@ -1,4 +1,4 @@
-"""engine_side.stale_dirs: only run directories proven dead are removed."""
+"""protocol.stale_dirs: only run directories proven dead are removed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine_side.security import PrivateDir
-from engine_side.stale_dirs import LockedTempDir, remove_if_dead, sweep_stale_dirs
+from protocol.stale_dirs import LockedTempDir, remove_if_dead, sweep_stale_dirs
 
 
 def _run_dir(base: Path, name: str, lock: str | None = "12345\n") -> Path:

@@ -27,7 +27,8 @@ from vllm_nodes_run import engine_args  # noqa: E402
 from engine_side.bench import netns  # noqa: E402
 from engine_side.bench.vllm_nodes import cli_args  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900),
+              pytest.mark.usefixtures("no_node_dir_left")]
 ROOT = Path(__file__).resolve().parent.parent
 PORT = 29611  # each namespace has its own ports
 HUNG_S = 10  # vLLM's step timeout where a rank hangs (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)
@@ -120,7 +121,7 @@ def _generating(hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, o
 
 
 def _node_dirs() -> set[Path]:
-    return set(Path(tempfile.gettempdir()).glob("deltacast-node-*"))
+    return set(Path(tempfile.gettempdir()).glob("dc-node-*"))
 
 
 def _gone(*hosts: netns.Host, timeout: float = 30) -> bool:

@@ -44,10 +44,10 @@ from engine_side.liveness import LivenessView
 from engine_side.mirror import EngineMirror
 from engine_side.security import free_tcp_endpoint
 from engine_side.session import DEFAULT_ACK_SPIN, EngineSession, WorkersLost
-from engine_side.stale_dirs import LockedTempDir
 from engine_side.workloads import Workload
 from protocol.cli_support import float_in, int_in
 from protocol.ring import DEFAULT_RING_BYTES
+from protocol.stale_dirs import LockedTempDir
 from worker_side.waiting import DEFAULT_SPIN_MS
 
 SCENARIO = "steady_decode"

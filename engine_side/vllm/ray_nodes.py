@@ -33,6 +33,7 @@ from engine_side.vllm.nodes import LayoutError, NodeLayout
 
 log = logging.getLogger("deltacast.vllm.executor")
 PLACE_S = 60.0  # the placement group must be placed within this long
+RUN_END_S = 5.0  # at release, what a node whose ranks quit gets to return
 ACTOR = ("worker_side.vllm.ray_node", "RayNode")
 
 
@@ -81,6 +82,7 @@ class RayNodes:
         strategy = str(extra.get("deltacast_ray_strategy", "PACK"))
         self.group = placement_group([{"CPU": cpus}] * world_size, strategy=strategy)
         self.actors: list[Any] = []
+        self.runs: list[Any] = []  # each actor's RayNode.run (its node's exit code)
         if not self.group.wait(timeout_seconds=PLACE_S):
             self.release()
             raise LayoutError(f"Ray could not place {world_size} bundles of {cpus:g} CPU "
@@ -141,15 +143,21 @@ class RayNodes:
         assert layout.curve is not None
         for k, (actor, (_, addr)) in enumerate(zip(self.actors, self.nodes[1:],
                                                       strict=True), start=1):
-            actor.run.remote(config, k, layout.nnodes, layout.master_addr,  # its exit: the
-                             layout.master_port, layout.curve[0], addr)  # link watch sees it
+            self.runs.append(actor.run.remote(  # its exit: the link watch sees it
+                config, k, layout.nnodes, layout.master_addr, layout.master_port,
+                layout.curve[0], addr))
             log.info("DeltaExecutor: node %d's ranks start on Ray node %s", k, addr)
 
     def release(self) -> None:
-        """Kill the actors (their ranks exit with them) and remove the group."""
+        """Kill the actors (their ranks exit with them) and remove the group; first, up
+        to RUN_END_S, let the nodes whose ranks have quit return (removing their private
+        directories: an actor killed after its ranks exited leaves its directory)."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if self.runs:
+            ray.wait(self.runs, num_returns=len(self.runs), timeout=RUN_END_S)
+            self.runs = []
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []

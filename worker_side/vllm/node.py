@@ -52,6 +52,7 @@ from protocol.cli_support import (
     int_in,
 )
 from protocol.ring import DEFAULT_RING_BYTES
+from protocol.stale_dirs import sweep_stale_dirs
 from worker_side.vllm.rank_watch import RankWatch
 from worker_side.vllm.relay import Relay
 
@@ -152,6 +153,9 @@ def start_node(config: Any, node: int, nnodes: int, master_addr: str, master_por
           f"engine {endpoint}; torch.distributed tcp://{master_addr}:{master_port}, "
           f"gloo interface {os.environ.get('GLOO_SOCKET_IFNAME') or '(gloo chooses)'}",
           file=sys.stderr, flush=True)
+    for left in sweep_stale_dirs():  # (what killed nodes and engines left on this host)
+        print(f"deltacast node {node}: removed {left} (its owner is dead)", file=sys.stderr,
+              flush=True)
     set_multiprocessing_worker_envs(per_node)
     common = dict(init_method=init_method, secret=b"", output_rank=output_rank, node=node)
     extra = config.additional_config if isinstance(config.additional_config, dict) else {}

@@ -17,9 +17,7 @@ once started.
 
 from __future__ import annotations
 
-import shutil
 import sys
-import tempfile
 import threading
 from multiprocessing.connection import wait
 from typing import Any
@@ -27,6 +25,7 @@ from typing import Any
 import zmq
 
 from protocol.calls import heartbeat_ms
+from protocol.stale_dirs import LockedTempDir
 
 _POLL_MS = 100
 _EXITING_S = 0.03  # a rank whose link dropped and that is still alive this long is frozen
@@ -39,8 +38,10 @@ class RankWatch:
 
     def __init__(self, node: int, liveness_s: float) -> None:
         self.node, self.liveness_s = node, liveness_s
-        #: the node's private directory (0700): its ranks' endpoints, the relay's
-        self.directory = tempfile.mkdtemp(prefix="deltacast-node-")
+        # the node's private directory (0700, locked: a sweep removes it once its node
+        # is dead, protocol.stale_dirs): its ranks' endpoints, the relay's, its ring
+        self._dir = LockedTempDir("node")
+        self.directory = str(self._dir.path)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -107,4 +108,4 @@ class RankWatch:
         self._sock.close(linger=0)
         if stopped:
             self._ctx.term()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self._dir.close()

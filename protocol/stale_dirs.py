@@ -1,11 +1,14 @@
-"""Run directories that outlive their engine, and their removal once proven dead.
+"""Run directories that outlive their owner, and their removal once proven dead.
 
 An engine's private ipc directory (``dc-*`` under $XDG_RUNTIME_DIR or the temp dir,
-:class:`engine_side.security.PrivateDir`) and the demo's key directory
-(``dc-keys-*``, :class:`LockedTempDir`) each hold a ``lock`` file that their owner
-flocks for its whole life and writes its pid into once locked.  A clean exit removes
-the directory; a ``kill -9`` leaves it behind, but the kernel drops the flock with
-the process.  So a directory is *proven dead* when
+:class:`engine_side.security.PrivateDir`), a node's (``dc-node-*``: its ranks' and
+relay's endpoints and its ring, :mod:`worker_side.vllm.rank_watch`) and the demo's key
+directory (``dc-keys-*``) each hold a ``lock`` file that their owner flocks for its
+whole life and writes its pid into once locked (:class:`LockedTempDir`).  A clean exit
+removes the directory; a ``kill -9`` (or Ray ending an actor and its children) leaves it
+behind, but the kernel drops the flock with the process.  Every engine and every node
+sweeps at its start, so what one left on a host goes when the next starts there.  A
+directory is *proven dead* when
 
 * it is a real directory (not a symlink) owned by this user, named ``dc-*``,
 * its ``lock`` is a regular file (opened without following a symlink) holding a pid
@@ -55,7 +58,7 @@ def sweep_stale_dirs(bases: list[Path] | None = None) -> list[Path]:
             if remove_if_dead(base / name):
                 removed.append(base / name)
     if removed:
-        log.info("removed %d run director%s of dead engines: %s", len(removed),
+        log.info("removed %d run director%s of dead owners: %s", len(removed),
                  "y" if len(removed) == 1 else "ies", ", ".join(map(str, removed)))
     return removed
 
