@@ -8,7 +8,9 @@ from __future__ import annotations
 import importlib.util
 import random
 import signal
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -23,10 +25,18 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 @pytest.fixture(scope="module")
 def runner() -> Iterator[fuzz.Runner]:
     old = signal.signal(signal.SIGALRM, fuzz._alarm)
+    before = _scratch()
+    runner = fuzz.Runner(1234, vllm=HAS_VLLM)
     try:
-        yield fuzz.Runner(1234, vllm=HAS_VLLM)
+        yield runner
     finally:
+        runner.close()
         signal.signal(signal.SIGALRM, old)
+    assert _scratch() == before, "the fuzzer left its scratch directory"
+
+
+def _scratch() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("dc-fuzz-*"))
 
 
 def test_a_small_campaign_gives_only_typed_errors_and_keeps_refused_states(

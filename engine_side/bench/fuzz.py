@@ -100,7 +100,13 @@ class Runner:
         self.seals = fc.seal_seeds()
         self.vllm = fc.vllm_chains() if vllm else []
         self.tallies = {t: Tally() for t in TARGETS}
-        self._tmp = Path(tempfile.mkdtemp(prefix="dc-fuzz-")) / "r.rec"
+        # the recording target's scratch file (removed with the fuzzer, or at exit)
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="dc-fuzz-")
+        self._tmp = Path(self._tmpdir.name) / "r.rec"
+
+    def close(self) -> None:
+        """Remove the scratch directory (else removed when the runner is collected)."""
+        self._tmpdir.cleanup()
 
     # -- one case ------------------------------------------------------------------------
     def case(self, target: str, frames: list[bytes], seed: list[bytes], how: str,
@@ -353,7 +359,10 @@ def shard_main(args: argparse.Namespace) -> int:
     progress_file = Path(args.out + ".progress")
     runner = Runner(args.seed, vllm=not args.no_vllm)
     started = time.monotonic()
-    runner.run(args.cases, lambda n: _touch(progress_file, n))
+    try:
+        runner.run(args.cases, lambda n: _touch(progress_file, n))
+    finally:
+        runner.close()
     seconds = time.monotonic() - started
     if cov is not None:
         cov.stop()
@@ -375,7 +384,12 @@ def _has_vllm() -> bool:
 def run_campaign(cases: int, jobs: int, shard_cases: int, coverage: bool, hang_s: float,
                  seed: int) -> dict[str, Any]:
     """Shards of ``shard_cases``, alternately C and pure Python, ``jobs`` at a time."""
-    work = Path(tempfile.mkdtemp(prefix="dc-fuzz-"))
+    with tempfile.TemporaryDirectory(prefix="dc-fuzz-") as tmp:
+        return _campaign(Path(tmp), cases, jobs, shard_cases, coverage, hang_s, seed)
+
+
+def _campaign(work: Path, cases: int, jobs: int, shard_cases: int, coverage: bool,
+              hang_s: float, seed: int) -> dict[str, Any]:
     n = max(2, -(-cases // shard_cases))
     queue = [(i, i % 2 == 1) for i in range(n)]
     running: dict[int, tuple[subprocess.Popen[bytes], Path, bool]] = {}
