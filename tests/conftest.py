@@ -1,5 +1,6 @@
 """Shared pytest setup: import path, Hypothesis profiles, a report of what the run
-leaves in /dev/shm, and the check that a node leaves no private directory.
+leaves in /dev/shm, the check that a node leaves no private directory, and the tiny
+model and default-executor reference that the tests across hosts share.
 
 Profile "ci" is selected when the environment variable ``CI`` is ``true``
 (as in ``CI=true bash .ci/run``); otherwise "default".  Override with
@@ -105,3 +106,32 @@ def no_node_dir_left() -> Iterator[None]:
         shutil.rmtree(path, ignore_errors=True)
     assert not left, f"a node left its private directory: {[str(p) for p in left]}"
 
+
+# -- what the executors across hosts must match ---------------------------------------
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama (2 heads: TP up to 2) of the tests that share a reference."""
+    from engine_side.bench.vllm_scenarios import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def default_tp2_reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
+                          ) -> dict[str, Any]:
+    """vLLM's default executor at TP=2 on one host, on tests/vllm_nodes_run.py's
+    requests: what DeltaExecutor's ranks across hosts (headless or placed by Ray) must
+    give (run once a session)."""
+    import json
+    import subprocess
+
+    out = tmp_path_factory.mktemp("default-tp2") / "default.json"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "vllm_nodes_run.py"),
+                           str(tiny_model), str(out), "default"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert out.exists(), proc.stderr[-3000:]
+    reference: dict[str, Any] = json.loads(out.read_text())
+    return reference

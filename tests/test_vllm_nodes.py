@@ -46,10 +46,8 @@ def hosts() -> Iterator[tuple[netns.Host, netns.Host]]:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine_side.bench.vllm_scenarios import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("vllm-nodes") / "tiny-llama")
+def model(tiny_model: Path) -> Path:
+    return tiny_model
 
 
 def _keys(directory: Path) -> Path:
@@ -132,18 +130,14 @@ def _gone(*hosts: netns.Host, timeout: float = 30) -> bool:
 
 
 def test_tp2_across_two_hosts_matches_the_default_executor_and_checks_tokens(
-        hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, tmp_path: Path) -> None:
+        hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, tmp_path: Path,
+        default_tp2_reference: dict[str, Any]) -> None:
     """Rank 1 on the other host: the outputs are the default executor's, a sealed
     callable reaches it, and its skewed tokens are named.  Then one live session per
     key: node 1 started again with the same key while the engine runs: the ROUTER drops
     what the second sends (its rank's identity is taken), the second exits saying so
     once its hello goes unanswered, and the first then generates to the end."""
     a, b = hosts
-    ref = tmp_path / "default.json"
-    subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_nodes_run.py"), str(model),
-                    str(ref), "default"], cwd=ROOT, env={**ENV, "VLLM_CPU_OMP_THREADS_BIND":
-                                                         "0|1"}, capture_output=True,
-                   timeout=600)
     out = tmp_path / "delta.json"
     sent = b.tx_bytes()
     engine, node = _generating(hosts, model, keys, out, "skew", "hold")
@@ -154,7 +148,7 @@ def test_tp2_across_two_hosts_matches_the_default_executor_and_checks_tokens(
     log = out.with_suffix(".log").read_text()
     assert engine.returncode == 0 and node.returncode == 0, (log[-3000:], node_err[-3000:])
     result = json.loads(out.read_text())
-    assert result["short"] == json.loads(ref.read_text())["short"]
+    assert result["short"] == default_tp2_reference["short"]
     # a sealed callable reached the remote rank, and its skewed tokens were noticed
     assert result["skewed"] == [False, True]
     assert "DeltaExecutor rank 1 diverged" in log, log[-3000:]

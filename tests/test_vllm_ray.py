@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -60,10 +61,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[netns.Ho
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine_side.bench.vllm_scenarios import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("vllm-ray") / "tiny-llama")
+def model(tiny_model: Path) -> Path:
+    return tiny_model
 
 
 def _ranks(host: netns.Host) -> list[int]:
@@ -133,13 +132,9 @@ def _wait_gone(host: netns.Host, timeout: float = 30) -> list[int]:
 
 
 def test_ranks_placed_by_ray_on_another_host_match_the_default_executor(
-        cluster: tuple[netns.Host, netns.Host], model: Path, tmp_path: Path) -> None:
+        cluster: tuple[netns.Host, netns.Host], model: Path, tmp_path: Path,
+        default_tp2_reference: dict[str, Any]) -> None:
     a, b = cluster
-    ref = tmp_path / "default.json"
-    subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_nodes_run.py"), str(model),
-                    str(ref), "default"], cwd=ROOT,
-                   env={**ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, capture_output=True,
-                   timeout=600)
     out = tmp_path / "ray.json"
     sent = b.tx_bytes()
     engine = _engine(a, model, out)
@@ -147,7 +142,7 @@ def test_ranks_placed_by_ray_on_another_host_match_the_default_executor(
     log = out.with_suffix(".log").read_text()
     result = json.loads(out.read_text())
     assert engine.returncode == 0 and "short" in result, log[-3000:]
-    assert result["short"] == json.loads(ref.read_text())["short"]
+    assert result["short"] == default_tp2_reference["short"]
     # the actor on B started rank 1 there, gloo on the interface holding B's Ray address
     assert "ranks [1] of 2" in log and f"gloo interface {b.dev}" in log, log[-3000:]
     assert b.tx_bytes() - sent > 100_000  # rank 1's collectives and replies crossed the link
