@@ -50,7 +50,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _serve_args(model: Path, port: int) -> list[str]:
     args = [sys.executable, str(ROOT / "tests" / "vllm_cli.py"), "serve", str(model),
             "--host", "127.0.0.1", "--port", str(port),
-            "--distributed-executor-backend", DELTA]
+            "--distributed-executor-backend", DELTA, "--shutdown-timeout", "30"]
     for key, value in ENGINE.items():
         flag = "--" + key.replace("_", "-")
         args += [flag] if value is True else [flag, str(value)]
@@ -73,6 +73,7 @@ def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
 
     port = int(free_tcp_endpoint().rsplit(":", 1)[1])
     log = tmp_path_factory.mktemp("vllm-serve-log") / "serve.log"
+    dirs = _run_dirs()
     with open(log, "wb") as sink:
         metrics = tmp_path_factory.mktemp("vllm-serve-metrics")  # vLLM's multiprocess mode
         proc = subprocess.Popen(_serve_args(model, port), cwd=ROOT,  # (its log unbuffered)
@@ -80,9 +81,17 @@ def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
                                      "PROMETHEUS_MULTIPROC_DIR": str(metrics)}, stdout=sink,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        yield {"proc": proc, "url": f"http://127.0.0.1:{port}", "log": log}
+        yield {"proc": proc, "url": f"http://127.0.0.1:{port}", "log": log, "dirs": dirs}
     finally:
         _stop(proc)
+
+
+def _run_dirs() -> set[Path]:
+    """The engines' private directories (engine_side.security.PrivateDir) here."""
+    import tempfile
+
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return {p for p in Path(base).glob("dc-*") if (p / "lock").exists()}
 
 
 def _wait_healthy(server: dict[str, Any]) -> None:
@@ -192,3 +201,16 @@ def test_an_open_stream_carries_on_when_the_rank_is_killed(served: dict[str, Any
         metrics = r.read().decode()
     assert 'deltacast_rank_restarts_total{rank="0"} 1.0' in metrics
     assert "deltacast_restart_seconds_count 1.0" in metrics
+
+
+def test_a_server_stopped_by_sigterm_leaves_no_run_directory(served: dict[str, Any],
+                                                             server: dict[str, Any]) -> None:
+    """SIGTERM to the server's session, vLLM draining (``--shutdown-timeout``): the
+    executor's shutdown runs to its end and removes the run's private directory, though
+    vLLM's engine core restores SIGTERM's default action before it and the API server
+    sends one as it drains."""
+    made = _run_dirs() - server["dirs"]
+    assert made, "the server's run directory was not found"
+    _stop(server["proc"])
+    assert server["proc"].returncode is not None
+    assert not [d for d in made if d.exists()], (made, server["log"].read_text()[-3000:])

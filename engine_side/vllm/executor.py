@@ -71,7 +71,7 @@ from engine_side.vllm.rank_deaths import ExecutorFailed, RankDeaths, liveness_bo
 from engine_side.vllm.remote import RemoteRanks, layout_for
 from engine_side.vllm.resend import Retransmitter
 from engine_side.vllm.restart import GroupDied, RestartPolicy, SchedulerHook, renew
-from engine_side.vllm.teardown import teardown
+from engine_side.vllm.teardown import sigterm_deferred, teardown
 from protocol import calls as wire
 from protocol.errors import MalformedMessage, ProtocolError
 from protocol.faults import PeerFaults
@@ -502,17 +502,19 @@ class DeltaExecutor(RankDeaths, Executor):
 
     # ------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
-        """Ask every rank to quit, then join; terminate and kill stragglers."""
+        """Ask every rank to quit, then join; terminate and kill stragglers; remove the
+        run's files (a SIGTERM meanwhile is delivered after: ``sigterm_deferred``)."""
         if getattr(self, "shutting_down", True):
             return
         self.shutting_down = True
-        if any(p.is_alive() for p in self.local.procs) or self.remote is not None:
-            with contextlib.suppress(zmq.ZMQError):  # a rank never connected
-                self._broadcast(wire.QUIT, [])
-        self._finalizer()
-        if self.store is not None:
-            self.store.close()
-        self.local.lock = None  # releases the named semaphore
+        with sigterm_deferred():
+            if any(p.is_alive() for p in self.local.procs) or self.remote is not None:
+                with contextlib.suppress(zmq.ZMQError):  # a rank never connected
+                    self._broadcast(wire.QUIT, [])
+            self._finalizer()
+            if self.store is not None:
+                self.store.close()
+            self.local.lock = None  # releases the named semaphore
 
 
 __all__ = ["DeltaExecutor", "ExecutorFailed", "RankDiverged"]

@@ -2,11 +2,15 @@
 torch.distributed files, the link watch and its monitor socket, the relays' ROUTER
 side, the control socket and context, the step ring and the private directory.  It runs
 once (``weakref.finalize``), at shutdown or when the executor is collected, and holds
-no reference to the executor itself."""
+no reference to the executor itself; :func:`sigterm_deferred` keeps a SIGTERM from
+cutting the shutdown short."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
@@ -41,3 +45,23 @@ def teardown(procs: list[BaseProcess], deaths: list[Connection], sock: zmq.Socke
     if ring is not None:
         ring.close()
     private.close()
+
+
+@contextlib.contextmanager
+def sigterm_deferred() -> Iterator[None]:
+    """SIGTERM held for the block and delivered when it ends (in the main thread; in
+    another the block runs as it is).  vLLM's engine core restores SIGTERM's default
+    action before it shuts its executor down, and ``vllm serve`` sends one as it starts
+    to drain (``--shutdown-timeout`` > 0): it would end the teardown half way and leave
+    the run's directory.  vLLM's SIGKILL past its timeout still ends it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    old = signal.signal(signal.SIGTERM, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
+        if held:
+            signal.raise_signal(signal.SIGTERM)
