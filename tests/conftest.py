@@ -85,23 +85,19 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 
 # -- a node's private directory goes with it ------------------------------------------
-def _node_dirs() -> set[Path]:
-    import tempfile
-
-    return set(Path(tempfile.gettempdir()).glob("dc-node-*"))
-
-
 @pytest.fixture()
 def no_node_dir_left() -> Iterator[None]:
     """Fails a test after which a ``deltacast node`` (or a Ray node's actor) left its
     private directory (its ranks' endpoints, its relay's, its ring) behind, however the
     node ended (10 s allowed for the last of its ranks to exit)."""
-    before = _node_dirs()
+    from shm_leftovers import node_dirs
+
+    before = node_dirs()
     yield
     end = time.monotonic() + 10
-    while _node_dirs() - before and time.monotonic() < end:
+    while node_dirs() - before and time.monotonic() < end:
         time.sleep(0.2)
-    left = sorted(_node_dirs() - before)
+    left = sorted(node_dirs() - before)
     for path in left:  # (not the next test's)
         shutil.rmtree(path, ignore_errors=True)
     assert not left, f"a node left its private directory: {[str(p) for p in left]}"

@@ -1,12 +1,17 @@
 """Removing what a test's processes leave in /dev/shm on this one machine: vLLM's
 segments and semaphores from a process SIGKILLed with its resource tracker (on a real
-host they go with the host), or from vLLM's own default executor."""
+host they go with the host), or from vLLM's own default executor; and finding the
+private directories nodes make in the temp dir."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
+
+from protocol.stale_dirs import PREFIX
 
 SHM = "/dev/shm"
 
@@ -23,3 +28,8 @@ def removing_shm(*prefixes: str) -> Iterator[None]:
             if name.startswith(prefixes):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(SHM, name))
+
+
+def node_dirs() -> set[Path]:
+    """The nodes' private directories (``worker_side.vllm.rank_watch``) in the temp dir."""
+    return set(Path(tempfile.gettempdir()).glob(f"{PREFIX}node-*"))

@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
-from shm_leftovers import removing_shm  # noqa: E402
+from shm_leftovers import node_dirs, removing_shm  # noqa: E402
 from vllm_nodes_run import engine_args  # noqa: E402
 
 from engine_side.bench import netns  # noqa: E402
@@ -116,10 +115,6 @@ def _generating(hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path, o
         assert engine.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
         time.sleep(0.2)
     return engine, node
-
-
-def _node_dirs() -> set[Path]:
-    return set(Path(tempfile.gettempdir()).glob("dc-node-*"))
 
 
 def _gone(*hosts: netns.Host, timeout: float = 30) -> bool:
@@ -319,16 +314,16 @@ def test_the_remote_node_exits_when_the_engine_dies(
 
     a, b = hosts
     out = tmp_path / "engine-killed.json"
-    dirs = _node_dirs()
+    dirs = node_dirs()
     # the engine's host leaves vLLM's TP queue and semaphores (its resource tracker is
     # SIGKILLed too)
     with removing_shm("psm_", "sem.mp-"):
         engine, node = _generating(hosts, model, keys, out, "long")
-        assert _node_dirs() - dirs  # the node's private directory, while it runs
+        assert node_dirs() - dirs  # the node's private directory, while it runs
         for p in [*psutil.Process(engine.pid).children(recursive=True),
                   psutil.Process(engine.pid)]:
             p.send_signal(signal.SIGKILL)
         (node_err,) = _finish(node, timeout=60)
         assert node.returncode == 1 and "lost the engine" in node_err, node_err[-3000:]
         assert _gone(a, b)
-        assert _node_dirs() == dirs  # the node removed its directory (ring, bells, sockets)
+        assert node_dirs() == dirs  # the node removed its directory (ring, bells, sockets)
