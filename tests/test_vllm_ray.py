@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed")
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'deltacast[ray]')")
 
-from shm_leftovers import removing_shm  # noqa: E402
+from shm_leftovers import node_dirs, removing_shm  # noqa: E402
 
 from engine_side.bench import netns  # noqa: E402
 from protocol.stale_dirs import sweep_stale_dirs  # noqa: E402
@@ -161,6 +161,7 @@ def test_a_killed_ray_placed_rank_restarts_the_group_and_the_ranks_exit_with_the
 
     a, b = cluster
     out = tmp_path / "killed.json"
+    dirs = node_dirs()
     # the engine's host, SIGKILLed below with its resource tracker, leaves vLLM's TP
     # queues and semaphores
     with removing_shm("psm_", "sem.mp-"):
@@ -182,7 +183,11 @@ def test_a_killed_ray_placed_rank_restarts_the_group_and_the_ranks_exit_with_the
             p.send_signal(signal.SIGKILL)
         engine.wait(timeout=60)
         assert _wait_gone(b) == [] and _wait_gone(a) == [], "a rank outlived the engine"
-    # Ray ended the actor with its ranks (SIGKILL): its node's private directory is left
-    # to the sweep the next node or engine on that host makes at its start, which finds
-    # its lock free (tests/conftest.py: then nothing is left)
-    sweep_stale_dirs()
+    # Ray ends the dead driver's actor with its ranks (SIGKILL), some seconds after the
+    # ranks: its node's private directory is left to the sweep the next node or engine on
+    # that host makes at its start, which removes it once its lock is free (an actor
+    # still alive holds it; tests/conftest.py: then nothing is left)
+    end = time.monotonic() + 60
+    while node_dirs() - dirs and time.monotonic() < end:
+        sweep_stale_dirs()
+        time.sleep(0.5)
