@@ -1,7 +1,7 @@
 """Removing what a test's processes leave in /dev/shm on this one machine: vLLM's
 segments and semaphores from a process SIGKILLed with its resource tracker (on a real
 host they go with the host), or from vLLM's own default executor; and finding the
-private directories nodes make in the temp dir."""
+private directories engines and nodes make."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from protocol.stale_dirs import PREFIX
+from protocol.stale_dirs import LOCK_NAME, PREFIX, run_dir_bases
 
 SHM = "/dev/shm"
 
@@ -33,3 +33,9 @@ def removing_shm(*prefixes: str) -> Iterator[None]:
 def node_dirs() -> set[Path]:
     """The nodes' private directories (``worker_side.vllm.rank_watch``) in the temp dir."""
     return set(Path(tempfile.gettempdir()).glob(f"{PREFIX}node-*"))
+
+
+def run_dirs() -> set[Path]:
+    """The engines' locked private directories (``engine_side.security.PrivateDir``)."""
+    return {p for base in run_dir_bases() for p in base.glob(f"{PREFIX}*")
+            if (p / LOCK_NAME).exists()}

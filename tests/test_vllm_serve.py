@@ -28,6 +28,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed")
 openai = pytest.importorskip("openai", reason="the openai client is not installed")
 
+from shm_leftovers import run_dirs  # noqa: E402
 from vllm_serve_run import DELTA, ENGINE, MAX_TOKENS, PROMPTS  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # engines start slowly on busy cores
@@ -73,7 +74,7 @@ def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
 
     port = int(free_tcp_endpoint().rsplit(":", 1)[1])
     log = tmp_path_factory.mktemp("vllm-serve-log") / "serve.log"
-    dirs = _run_dirs()
+    dirs = run_dirs()
     with open(log, "wb") as sink:
         metrics = tmp_path_factory.mktemp("vllm-serve-metrics")  # vLLM's multiprocess mode
         proc = subprocess.Popen(_serve_args(model, port), cwd=ROOT,  # (its log unbuffered)
@@ -84,14 +85,6 @@ def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
         yield {"proc": proc, "url": f"http://127.0.0.1:{port}", "log": log, "dirs": dirs}
     finally:
         _stop(proc)
-
-
-def _run_dirs() -> set[Path]:
-    """The engines' private directories (engine_side.security.PrivateDir) here."""
-    import tempfile
-
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return {p for p in Path(base).glob("dc-*") if (p / "lock").exists()}
 
 
 def _wait_healthy(server: dict[str, Any]) -> None:
@@ -209,7 +202,7 @@ def test_a_server_stopped_by_sigterm_leaves_no_run_directory(served: dict[str, A
     executor's shutdown runs to its end and removes the run's private directory, though
     vLLM's engine core restores SIGTERM's default action before it and the API server
     sends one as it drains."""
-    made = _run_dirs() - server["dirs"]
+    made = run_dirs() - server["dirs"]
     assert made, "the server's run directory was not found"
     _stop(server["proc"])
     assert server["proc"].returncode is not None
