@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from engine_side.bench.page_hostile import from_fuzz, from_hostile
 from engine_side.bench.page_link import from_link
 from engine_side.bench.page_nodes import from_nodes
 from engine_side.bench.page_restarts import from_restarts
+from engine_side.bench.page_throughput import from_throughput
 
 SLOWER = "slower on"  # the last column of a comparison: where deltacast is slower
 NONE = "–"
@@ -394,47 +394,6 @@ def _beside(target: dict[str, Any]) -> str:
               ("digested", "with a digest"))
              if target.get(key) is not None]
     return f" ({'; '.join(parts)})" if parts else ""
-
-
-# ---------------------------------------------------------------- TP=2 throughput
-def from_throughput(doc: dict[str, Any]) -> Fields:
-    """``python -m engine_side.bench.vllm_throughput`` document → one line per round."""
-    rounds = doc["rounds"]
-    table = [[r["round"], round(r["default"]), round(r["delta"]), _r(r["ratio"]),
-              _r(r["default_cpu_ms_per_token"]), _r(r["delta_cpu_ms_per_token"]),
-              "throughput" if r["ratio"] < 1 else NONE] for r in rounds]
-    ratios = [r["ratio"] for r in rounds]
-    median = statistics.median(ratios)
-    table.append(["median", round(statistics.median(r["default"] for r in rounds)),
-                  round(statistics.median(r["delta"] for r in rounds)), _r(median),
-                  _r(statistics.median(r["default_cpu_ms_per_token"] for r in rounds)),
-                  _r(statistics.median(r["delta_cpu_ms_per_token"] for r in rounds)),
-                  "throughput" if median < 1 else NONE])
-    above = sum(1 for x in ratios if x >= 1)
-    return {"name": "vllm_throughput", "title": "End-to-end throughput at TP=2",
-            "what": f"LLM.generate of {doc['prompts']} prompts × {doc['max_tokens']} output "
-                    f"tokens on a tiny random Llama at TP={doc['tp']} on CPU, DeltaExecutor "
-                    "against vLLM's default executor, each in a fresh process, alternating: "
-                    "output tokens/s (median of the timed generates) and CPU ms per output "
-                    "token of the whole process tree.",
-            "columns": ["round", "default tok/s", "DeltaExecutor tok/s", "Delta ÷ default",
-                        "default CPU ms/token", "Delta CPU ms/token", SLOWER],
-            "rows": table,
-            "targets": [_target("DeltaExecutor ÷ default throughput, median of rounds",
-                                _r(median), "≥ 1", median >= 1),
-                        _target("token ids identical in every process",
-                                bool(doc["outputs_identical"]), "yes",
-                                bool(doc["outputs_identical"]))],
-            "notes": [f"Ratios over {len(ratios)} rounds: median {_cell(_r(median))}, "
-                      f"spread {_cell(_r(min(ratios)))}–{_cell(_r(max(ratios)))}, {above} of "
-                      f"{len(ratios)} ≥ 1; "
-                      "a model step is milliseconds of compute, so the channel's µs barely "
-                      "show and the spread is the shared machine's.",
-                      "The median row is each column's median (its ratio: the median of the "
-                      "rounds' ratios).",
-                      f"{doc['repeats']} timed generates per process after a warm-up; "
-                      "enforce_eager, block size 32, no prefix caching."],
-            "raw": doc}
 
 
 # ---------------------------------------------------------------- structured-output bitmask

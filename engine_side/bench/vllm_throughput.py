@@ -2,15 +2,21 @@
 
 ::
 
-    python -m engine_side.bench.vllm_throughput --rounds 2 --json tp.json
+    python -m engine_side.bench.vllm_throughput --rounds 2 --running 0,16 --json tp.json
 
-Each round runs the default executor and then DeltaExecutor (A B A B ...), each in a
-fresh process (an ``LLM`` cannot be rebuilt cheaply in-process) with the same
-prompts and engine options: the tiny random model (built if missing), enforce_eager,
-block size 32, no prefix caching (every timed batch does the same work).  A process
-warms up with a small batch, then times ``LLM.generate`` of the whole batch
-``--repeats`` times and reports output tokens/s.  Greedy and seeded requests, so
-every run must produce the same token ids; the parent checks that.  The box is
+Workloads (``--running``): 0 admits every prompt at the first step and gives each the
+same ``--max-tokens`` (a batch: they all leave at the last step); N caps the running
+requests at N (vLLM's ``max_num_seqs``) and draws each request's output length from
+0.5-1.5 × ``--max-tokens``, so as requests finish the waiting ones join: continuous
+batching, a join and a leave every ``max_tokens / N`` steps on average.
+
+Each round runs, per workload, the default executor and then DeltaExecutor (A B A B
+...), each in a fresh process (an ``LLM`` cannot be rebuilt cheaply in-process) with the
+same prompts and engine options: the tiny random model (built if missing),
+enforce_eager, block size 32, no prefix caching (every timed batch does the same work).
+A process warms up with a small batch, then times ``LLM.generate`` of all the prompts
+``--repeats`` times and reports output tokens/s.  Greedy and seeded requests, so every
+run of a workload must produce the same token ids; the parent checks that.  The box is
 shared, so compare the ratio within a round, not absolute tokens/s.
 """
 
@@ -34,16 +40,19 @@ DEFAULT_MODEL = Path("/tmp/deltacast-tiny-llama")
 EXECUTORS = ("default", "delta")
 
 
-def _requests(count: int, max_tokens: int) -> tuple[list[str], list[Any]]:
-    """Short prompts; three in four greedy, one in four seeded top-p (outputs comparable)."""
+def _requests(count: int, max_tokens: int, varied: bool) -> tuple[list[str], list[Any]]:
+    """Short prompts; three in four greedy, one in four seeded top-p (outputs comparable);
+    ``varied``: output lengths drawn from 0.5-1.5 × ``max_tokens``, else all ``max_tokens``."""
     from vllm import SamplingParams
 
     rng = random.Random(11)
     prompts = [text(rng, 16, 48) for _ in range(count)]
-    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=max_tokens,
+    lengths = [rng.randint(max(1, max_tokens // 2), max_tokens * 3 // 2) if varied
+               else max_tokens for _ in range(count)]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=n,
                              ignore_eos=True) if i % 4 == 3 else
-              SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-              for i in range(count)]
+              SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for i, n in enumerate(lengths)]
     return prompts, params
 
 
@@ -71,9 +80,12 @@ def child(args: argparse.Namespace) -> int:
         from engine_side.vllm import DeltaExecutor
 
         kw["distributed_executor_backend"] = DeltaExecutor
+    running = args.running[0]  # (a child runs one workload)
+    if running:
+        kw["max_num_seqs"] = running
     llm = LLM(model=args.model, tensor_parallel_size=args.tp, enforce_eager=True,
               block_size=32, max_model_len=512, seed=0, enable_prefix_caching=False, **kw)
-    prompts, params = _requests(args.prompts, args.max_tokens)
+    prompts, params = _requests(args.prompts, args.max_tokens, varied=bool(running))
     llm.generate(prompts[:8], params[:8], use_tqdm=False)
     runs, digest = [], ""
     for _ in range(args.repeats):
@@ -89,48 +101,72 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spawn(args: argparse.Namespace, executor: str, out: Path) -> dict[str, Any]:
+def _spawn(args: argparse.Namespace, running: int, executor: str, out: Path,
+           ) -> dict[str, Any]:
     argv = ["--executor", executor, "--child-out", str(out), "--model", args.model,
-            "--tp", str(args.tp), "--prompts", str(args.prompts),
+            "--tp", str(args.tp), "--prompts", str(args.prompts), "--running", str(running),
             "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)]
     bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1" if args.tp == 2 else "auto"}
     return run_child("engine_side.bench.vllm_throughput", argv, out, f"{executor} run", bind)
 
 
 def rounds(args: argparse.Namespace) -> dict[str, Any]:
-    """A B A B ...: per round the median tokens/s of each executor and their ratio."""
+    """A B A B ...: per round and workload the median tokens/s of each executor and their
+    ratio; a workload's outputs are identical when every run gave the same token ids."""
     tmp = Path(args.work_dir)
     tmp.mkdir(parents=True, exist_ok=True)
-    table, digests = [], set()
+    workloads = [{"running": n, "rounds": [], "digests": set()} for n in args.running]
     for r in range(1, args.rounds + 1):
-        row: dict[str, Any] = {"round": r}
-        for executor in EXECUTORS:
-            res = _spawn(args, executor, tmp / f"{executor}-{r}.json")
-            row[executor] = statistics.median(x["tok_s"] for x in res["runs"])
-            row[f"{executor}_cpu_ms_per_token"] = statistics.median(
-                1e3 * x["cpu_s"] / x["tokens"] for x in res["runs"])
-            row[f"{executor}_runs"] = res["runs"]
-            digests.add(res["digest"])
-            each = ", ".join(f"{x['tok_s']:.0f}" for x in res["runs"])
-            print(f"round {r} {executor}: {row[executor]:.0f} output tokens/s ({each})",
-                  file=sys.stderr, flush=True)
-        row["ratio"] = row["delta"] / row["default"]
-        table.append(row)
+        for w in workloads:
+            row: dict[str, Any] = {"round": r}
+            for executor in EXECUTORS:
+                res = _spawn(args, w["running"], executor,
+                             tmp / f"{executor}-{w['running']}-{r}.json")
+                row[executor] = statistics.median(x["tok_s"] for x in res["runs"])
+                row[f"{executor}_cpu_ms_per_token"] = statistics.median(
+                    1e3 * x["cpu_s"] / x["tokens"] for x in res["runs"])
+                row[f"{executor}_runs"] = res["runs"]
+                w["digests"].add(res["digest"])
+                each = ", ".join(f"{x['tok_s']:.0f}" for x in res["runs"])
+                print(f"round {r} running {w['running'] or 'all'} {executor}: "
+                      f"{row[executor]:.0f} output tokens/s ({each})", file=sys.stderr,
+                      flush=True)
+            row["ratio"] = row["delta"] / row["default"]
+            w["rounds"].append(row)
+    for w in workloads:
+        w["outputs_identical"] = len(w.pop("digests")) == 1
+        w["median_ratio"] = statistics.median(r["ratio"] for r in w["rounds"])
     return {"tp": args.tp, "prompts": args.prompts, "max_tokens": args.max_tokens,
-            "repeats": args.repeats, "rounds": table, "outputs_identical": len(digests) == 1,
-            "median_ratio": statistics.median(r["ratio"] for r in table)}
+            "repeats": args.repeats, "workloads": workloads,
+            "outputs_identical": all(w["outputs_identical"] for w in workloads)}
 
 
 def render(doc: dict[str, Any]) -> str:
-    lines = ["| round | default tok/s | DeltaExecutor tok/s | Delta ÷ default | "
+    lines = ["| running | round | default tok/s | DeltaExecutor tok/s | Delta ÷ default | "
              "CPU ms/token default | CPU ms/token Delta |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
-    lines += [f"| {r['round']} | {r['default']:,.0f} | {r['delta']:,.0f} | {r['ratio']:.3f} | "
-              f"{r['default_cpu_ms_per_token']:.2f} | {r['delta_cpu_ms_per_token']:.2f} |"
-              for r in doc["rounds"]]
-    lines.append(f"\nMedian ratio {doc['median_ratio']:.3f}; outputs identical across all "
-                 f"runs: {'yes' if doc['outputs_identical'] else '**no**'}.")
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for w in doc["workloads"]:
+        lines += [f"| {w['running'] or 'all'} | {r['round']} | {r['default']:,.0f} | "
+                  f"{r['delta']:,.0f} | {r['ratio']:.3f} | "
+                  f"{r['default_cpu_ms_per_token']:.2f} | {r['delta_cpu_ms_per_token']:.2f} |"
+                  for r in w["rounds"]]
+    lines += [f"\nRunning {w['running'] or 'all'}: median ratio {w['median_ratio']:.3f}; "
+              f"outputs identical across its runs: "
+              f"{'yes' if w['outputs_identical'] else '**no**'}." for w in doc["workloads"]]
     return "\n".join(lines)
+
+
+def _running_list(text: str) -> list[int]:
+    """``--running``: comma-separated running caps, each 0 (a batch) or 1-1024."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not values or any(not (v == 0 or 1 <= v <= 1024) for v in values) \
+            or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(
+            f"each value must be 0 or 1-1024, each once: {text!r}")
+    return values
 
 
 def main() -> int:
@@ -140,6 +176,11 @@ def main() -> int:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--prompts", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--running", type=_running_list, default=[0, 16, 64], metavar="N,N,...",
+                   help="workloads: 0 admits every prompt at once with one output length "
+                        "(a batch); N caps the running requests at N with output lengths "
+                        "0.5-1.5x --max-tokens, so requests join as others leave "
+                        "(default 0,16,64)")
     p.add_argument("--repeats", type=int, default=2, help="timed generates per process")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--work-dir", default="/tmp/deltacast-throughput")
