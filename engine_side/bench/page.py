@@ -32,8 +32,8 @@ from engine_side.bench.page_tables import cell as _cell
 DOCS = figures.ROOT / "docs" / "benchmarks"
 PAGE = figures.ROOT / "BENCHMARKS.md"
 #: section order; envelopes of other names follow, sorted
-ORDER = ("core", "latency", "mm", "report", "vllm_streams", "vllm_throughput", "vllm_nodes",
-         "vllm_link", "vllm_restarts", "bitmask")
+ORDER = ("core", "latency", "mm", "report", "vllm_streams", "vllm_throughput", "vllm_serving",
+         "vllm_nodes", "vllm_link", "vllm_restarts", "bitmask")
 LIMITS, DROPPED = "limits.md", "tried_and_dropped.md"
 SETUP = "bash .ci/setup --with-vllm"
 

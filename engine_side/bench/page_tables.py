@@ -17,6 +17,7 @@ from engine_side.bench.page_hostile import from_fuzz, from_hostile
 from engine_side.bench.page_link import from_link
 from engine_side.bench.page_nodes import from_nodes
 from engine_side.bench.page_restarts import from_restarts
+from engine_side.bench.page_serving import from_serving
 from engine_side.bench.page_throughput import from_throughput
 
 SLOWER = "slower on"  # the last column of a comparison: where deltacast is slower
@@ -424,7 +425,7 @@ CONVERTERS: dict[str, Callable[[Any], Fields]] = {
     "core": from_core, "latency": from_latency, "mm": from_mm, "report": from_report,
     "vllm_streams": from_streams, "vllm_throughput": from_throughput, "bitmask": from_bitmask,
     "fuzz": from_fuzz, "hostile": from_hostile, "vllm_nodes": from_nodes,
-    "vllm_link": from_link, "vllm_restarts": from_restarts}
+    "vllm_link": from_link, "vllm_restarts": from_restarts, "vllm_serving": from_serving}
 
 
 def reconvert(path: Path) -> bool:
