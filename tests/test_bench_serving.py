@@ -53,7 +53,7 @@ def test_the_table_names_where_delta_is_slower() -> None:
     fields = from_serving(doc)
     rows = fields["rows"]
     assert [r[:2] for r in rows] == [["40/s", 1], ["40/s", 2], ["40/s", "median"]]
-    assert rows[0][-1] == "ITL p50 ms, ITL p99 ms, throughput"
+    assert rows[0][-1] == "ITL p50, ITL p99, throughput"
     assert rows[1][-1] == "–" and rows[2][-1] == "–"
     assert all(len(r) == len(fields["columns"]) for r in rows)
     assert fields["targets"][0]["met"] is True

@@ -9,9 +9,10 @@ from typing import Any
 
 Fields = dict[str, Any]
 NONE = "–"
-#: (column, key in a run, sub-key, ratio key); lower is better for each
-_MEASURES = (("ITL p50 ms", "itl_ms", "p50", "itl_p50"), ("ITL p99 ms", "itl_ms", "p99", "itl_p99"),
-             ("TTFT p50 ms", "ttft_ms", "p50", "ttft_p50"))
+#: (name, key in a run, sub-key, ratio key); lower is better for each
+_MEASURES = (("ITL p50", "itl_ms", "p50", "itl_p50"), ("ITL p99", "itl_ms", "p99", "itl_p99"),
+             ("TTFT p50", "ttft_ms", "p50", "ttft_p50"))
+_NAMES = {r: label for label, _, _, r in _MEASURES} | {"tok_s": "tok/s"}
 
 
 def _row(name: Any, default: dict[str, Any], delta: dict[str, Any],
@@ -45,7 +46,7 @@ def from_serving(doc: dict[str, Any]) -> Fields:
         table.append([name, *_row("median", _median_run([r["default"] for r in rounds]),
                                   _median_run([r["delta"] for r in rounds]), med)])
         spreads.append(f"{name}: " + ", ".join(
-            f"{k} {min(r['ratios'][k] for r in rounds):.3f}–"
+            f"{_NAMES[k]} {min(r['ratios'][k] for r in rounds):.3f}–"
             f"{max(r['ratios'][k] for r in rounds):.3f}" for k in med))
         runs = [r[e] for r in rounds for e in ("default", "delta")]
         steps.append(f"{name} {statistics.median(x['steps'] for x in runs):,.0f}")
@@ -55,7 +56,7 @@ def from_serving(doc: dict[str, Any]) -> Fields:
     n = doc["max_tokens"]
     return {"name": "vllm_serving", "title": "Serving latency: requests arriving over time",
             "what": f"Requests arriving as a Poisson process for {doc['seconds']:g} s at each "
-                    f"load (arrivals a second; prompts of 16–112 tokens, "
+                    f"load (mean arrivals a second; prompts of 16–112 tokens, "
                     f"{max(1, n // 2)}–{n * 3 // 2} output tokens, greedy) to a tiny random "
                     f"Llama at TP={doc['tp']} on CPU, an engine loop adding each at its time "
                     "and stepping LLMEngine as a server does, so requests join and leave "
