@@ -33,7 +33,7 @@ DOCS = figures.ROOT / "docs" / "benchmarks"
 PAGE = figures.ROOT / "BENCHMARKS.md"
 #: section order; envelopes of other names follow, sorted
 ORDER = ("core", "latency", "mm", "report", "vllm_streams", "vllm_throughput", "vllm_serving",
-         "vllm_nodes", "vllm_link", "vllm_restarts", "bitmask")
+         "vllm_nodes", "vllm_nodes_serving", "vllm_link", "vllm_restarts", "bitmask")
 LIMITS, DROPPED = "limits.md", "tried_and_dropped.md"
 SETUP = "bash .ci/setup --with-vllm"
 

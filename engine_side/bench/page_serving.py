@@ -53,32 +53,47 @@ def from_serving(doc: dict[str, Any]) -> Fields:
         targets.append({"target": f"{name}: every request finished with all its tokens, "
                                   "every run", "value": bool(load["complete"]),
                         "limit": "yes", "met": bool(load["complete"])})
-    n = doc["max_tokens"]
-    return {"name": "vllm_serving", "title": "Serving latency: requests arriving over time",
+    n, base = doc["max_tokens"], doc.get("baseline", "default")
+    if doc.get("hosts"):  # vllm_nodes --serving-rate: rank 1 on the other host
+        section, title = "vllm_nodes_serving", ("Across two hosts: serving latency, "
+                                                "DeltaExecutor against vLLM's multi-node mode")
+        where = (f"at TP={doc['tp']} with rank 1 in another network namespace "
+                 f"({doc['hosts']})")
+        against = ("vLLM's multiprocessing executor with --nnodes 2 and a --headless node "
+                   "(`deltacast node` for DeltaExecutor)")
+        engine = "vLLM's defaults otherwise (max_model_len 256)"
+        ids = "the batch runs of the section above compare token ids"
+    else:
+        section, title = "vllm_serving", "Serving latency: requests arriving over time"
+        where, against = f"at TP={doc['tp']} on CPU", "vLLM's default executor"
+        engine = (f"max_num_seqs {doc['max_running']}; enforce_eager, block size 32, no "
+                  "prefix caching")
+        ids = "the throughput benchmark above compares token ids"
+    columns = ["load", "round"]
+    for label, _, _, _ in _MEASURES:
+        columns += [f"{base} {label} ms", f"Delta {label} ms"]
+    columns += [f"{base} tok/s", "Delta tok/s",
+                *(f"{_NAMES[r]} ÷ {base}" for r in ("itl_p50", "itl_p99", "ttft_p50", "tok_s")),
+                "slower on"]
+    return {"name": section, "title": title,
             "what": f"Requests arriving as a Poisson process for {doc['seconds']:g} s at each "
                     f"load (mean arrivals a second; prompts of 16–112 tokens, "
                     f"{max(1, n // 2)}–{n * 3 // 2} output tokens, greedy) to a tiny random "
-                    f"Llama at TP={doc['tp']} on CPU, an engine loop adding each at its time "
+                    f"Llama {where}, an engine loop adding each at its time "
                     "and stepping LLMEngine as a server does, so requests join and leave "
                     "every few steps: inter-token latency (ITL) and time to first token "
-                    "(TTFT) per request, and output tokens/s, DeltaExecutor against vLLM's "
-                    "default executor, each in a fresh process, alternating.",
-            "columns": ["load", "round", "default ITL p50 ms", "Delta ITL p50 ms",
-                        "default ITL p99 ms", "Delta ITL p99 ms", "default TTFT p50 ms",
-                        "Delta TTFT p50 ms", "default tok/s", "Delta tok/s", "ITL p50 ÷ default",
-                        "ITL p99 ÷ default", "TTFT p50 ÷ default", "tok/s ÷ default",
-                        "slower on"],
+                    f"(TTFT) per request, and output tokens/s, DeltaExecutor against "
+                    f"{against}, each in a fresh process, alternating.",
+            "columns": columns,
             "rows": table,
             "targets": targets,
-            "notes": ["Ratios are Delta ÷ default (ITL and TTFT: lower is better; tok/s: "
+            "notes": [f"Ratios are Delta ÷ {base} (ITL and TTFT: lower is better; tok/s: "
                       "higher); their spreads over the rounds: " + "; ".join(spreads) + ". "
                       "A median row is each column's median (its ratios: the medians of "
                       "the rounds' ratios).",
-                      f"Engine steps per run (median): {', '.join(steps)}; max_num_seqs "
-                      f"{doc['max_running']}; enforce_eager, block size 32, no prefix "
-                      "caching, async scheduling as vLLM chooses it; the engine core is a "
-                      "process of its own, as behind a server.",
+                      f"Engine steps per run (median): {', '.join(steps)}; {engine}; async "
+                      "scheduling as vLLM chooses it; the engine core is a process of its "
+                      "own, as behind a server.",
                       "Arrivals follow the wall clock, so which requests share a step "
-                      "differs between runs; the throughput benchmark above compares token "
-                      "ids."],
+                      f"differs between runs; {ids}."],
             "raw": doc}

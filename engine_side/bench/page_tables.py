@@ -425,7 +425,8 @@ CONVERTERS: dict[str, Callable[[Any], Fields]] = {
     "core": from_core, "latency": from_latency, "mm": from_mm, "report": from_report,
     "vllm_streams": from_streams, "vllm_throughput": from_throughput, "bitmask": from_bitmask,
     "fuzz": from_fuzz, "hostile": from_hostile, "vllm_nodes": from_nodes,
-    "vllm_link": from_link, "vllm_restarts": from_restarts, "vllm_serving": from_serving}
+    "vllm_link": from_link, "vllm_restarts": from_restarts, "vllm_serving": from_serving,
+    "vllm_nodes_serving": from_serving}
 
 
 def reconvert(path: Path) -> bool:

@@ -16,6 +16,11 @@ counters (``ss``).  Then faults on DeltaExecutor mid-generation: rank 1 killed
 (SIGKILL), frozen (SIGSTOP), its link cut (``ip link set down``), with
 ``deltacast_restarts`` 0 (the group fails rather than restarts): seconds from the fault
 until ``LLM.generate`` raised.
+
+``--serving-rate R --figures docs/benchmarks/vllm_nodes_serving.json`` runs instead
+requests arriving over time at R a second, as :mod:`engine_side.bench.vllm_serving`
+serves them, to both backends in alternating rounds: inter-token latency, time to first
+token and tokens/s across the two hosts.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from engine_side.bench import netns
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 29611  # each namespace has its own ports
 FAULTS = ("kill", "stop", "link")
+LINK = "veth, tbf 1 Gbit/s (no netem here: no added delay)"
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
        "HF_HUB_OFFLINE": "1",
        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -79,8 +85,11 @@ def commands(backend: str, a: netns.Host, model: Path, keys: Path, restarts: boo
 
 
 def run_once(backend: str, hosts: tuple[netns.Host, netns.Host], model: Path, keys: Path,
-             work: Path, args: argparse.Namespace, fault: str | None = None) -> dict[str, Any]:
-    """One engine and one node; with ``fault``, applied to rank 1 once generating."""
+             work: Path, args: argparse.Namespace, fault: str | None = None,
+             serving: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One engine and one node; with ``fault``, applied to rank 1 once generating; with
+    ``serving`` (rate, requests, max_tokens), requests arriving over time instead of one
+    timed batch."""
     import psutil
 
     a, b = hosts
@@ -90,7 +99,7 @@ def run_once(backend: str, hosts: tuple[netns.Host, netns.Host], model: Path, ke
     prompts = [[(7 * i + j) % 500 + 1 for j in range(8 + i % 5)] for i in range(args.prompts)]
     tokens = args.max_tokens if fault is None else 256 - max(map(len, prompts))  # running
     config.write_text(json.dumps({"llm": llm, "prompts": prompts, "max_tokens": tokens,
-                                  "peer": b.addr, "fault": fault}))
+                                  "peer": b.addr, "fault": fault, "serving": serving}))
     with open(log, "w") as engine_log, open(work / f"{tag}.node.log", "w") as node_log:
         engine = subprocess.Popen(
             a.run(sys.executable, "-m", "engine_side.bench.vllm_nodes_engine", str(config),
@@ -153,13 +162,41 @@ def rounds(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 runs.append(r)
                 print(f"round {i + 1} {backend}: {r['tokens'] / r['seconds']:.0f} tok/s, "
                       f"channel {r['bytes']['channel']:,} B", file=sys.stderr)
+        if args.serving_rate:
+            return serving_rounds(args, hosts, model, keys, work)
         for fault in args.faults:
             r = run_once("delta", hosts, model, keys, work, args, fault)
             faults.append(r)
             print(f"fault {fault}: detected in {r.get('detected_s', float('nan')):.2f} s",
                   file=sys.stderr)
     return {"prompts": args.prompts, "max_tokens": args.max_tokens, "runs": runs,
-            "faults": faults, "link": "veth, tbf 1 Gbit/s (no netem here: no added delay)"}
+            "faults": faults, "link": LINK}
+
+
+def serving_rounds(args: argparse.Namespace, hosts: tuple[netns.Host, netns.Host],
+                   model: Path, keys: Path, work: Path) -> dict[str, Any]:
+    """Requests arriving over time (engine_side.bench.vllm_serving) to both backends,
+    alternating: a document :func:`engine_side.bench.page_serving.from_serving` reads,
+    vLLM's multi-node mode in the place of its default executor."""
+    from engine_side.bench.vllm_serving import finish, ratios
+
+    rate, seconds, n = args.serving_rate, args.serving_seconds, args.serving_max_tokens
+    load: dict[str, Any] = {"rate": rate, "requests": max(1, round(rate * seconds)),
+                            "rounds": []}
+    spec = {"rate": rate, "requests": load["requests"], "max_tokens": n}
+    for i in range(args.rounds):
+        row: dict[str, Any] = {"round": i + 1}
+        for backend in ("delta", "vllm") if i % 2 == 0 else ("vllm", "delta"):
+            r = run_once(backend, hosts, model, keys, work, args, serving=spec)
+            row["delta" if backend == "delta" else "default"] = r
+            print(f"serving round {i + 1} {backend}: ITL p50 {r['itl_ms']['p50']:.2f} ms, "
+                  f"p99 {r['itl_ms']['p99']:.2f}; {r['tok_s']:.0f} tok/s", file=sys.stderr)
+        row["ratios"] = ratios(row["delta"], row["default"])
+        load["rounds"].append(row)
+    finish(load)
+    return {"name": "vllm_nodes_serving", "tp": 2, "seconds": seconds, "max_tokens": n,
+            "max_running": 256, "loads": [load], "complete": load["complete"],
+            "baseline": "vLLM", "hosts": LINK}
 
 
 def summary(doc: dict[str, Any]) -> dict[str, Any]:
@@ -185,6 +222,13 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--faults", nargs="*", default=list(FAULTS), choices=FAULTS)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--serving-rate", type=float, default=0.0, metavar="R",
+                   help="instead of batches and faults: serve requests arriving at R a "
+                        "second (Poisson) for --serving-seconds to both backends, --rounds "
+                        "times (engine_side.bench.vllm_serving's loop)")
+    p.add_argument("--serving-seconds", type=float, default=6.0)
+    p.add_argument("--serving-max-tokens", type=int, default=64,
+                   help="mean output length of the served requests (0.5-1.5x)")
     p.add_argument("--json", default="", help="write the raw document here")
     p.add_argument("--figures", default="", metavar="FILE",
                    help="write the figures envelope BENCHMARKS.md is made from")
@@ -199,6 +243,13 @@ def main() -> int:
     started = figures.stamp()
     with tempfile.TemporaryDirectory(prefix="deltacast-nodes-") as tmp:
         doc = rounds(args, Path(tmp))
+    if args.serving_rate:
+        if args.json:
+            Path(args.json).write_text(json.dumps(doc, indent=1))
+        print(json.dumps(doc["loads"][0]["median_ratios"], indent=1))
+        if args.figures and doc["complete"]:
+            write_figures(args.figures, "vllm_nodes_serving", doc, started)
+        return 0 if doc["complete"] else 1
     doc["summary"] = summary(doc)
     for run in doc["runs"]:  # compared in the summary; not kept in the figures
         run.pop("token_ids", None)

@@ -2,7 +2,9 @@
 
 ``python -m engine_side.bench.vllm_nodes_engine CONFIG.json OUT.json``: LLM at TP=2 with
 the arguments in CONFIG (``llm``: LLM's keyword arguments; ``prompts``, ``max_tokens``,
-``fault``).  It generates once to warm up, then a timed batch, reading the TCP sockets
+``fault``; ``serving``: requests arriving over time instead, as
+:func:`engine_side.bench.vllm_serving.serve` adds them).  It generates once to warm up,
+then a timed batch (or the arrivals), reading the TCP sockets
 of this namespace that lead to the other host before and after it (``ss``): the bytes
 on the engine process's sockets (the step channel: calls and replies) apart from the
 ranks' (collectives).  With ``fault``, it prints ``WARM`` on stderr after the warm-up
@@ -71,11 +73,18 @@ def main() -> None:
         if config.get("fault"):
             print("WARM", file=sys.stderr, flush=True)
         before = cross_host_bytes(peer, pids)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        result["seconds"] = time.perf_counter() - start
-        result["tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
-        result["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
+        serving = config.get("serving")
+        if serving:  # requests arriving over time (engine_side.bench.vllm_serving)
+            from engine_side.bench.vllm_serving import arrivals, serve
+
+            result.update(serve(llm, arrivals(serving["requests"], serving["rate"],
+                                              serving["max_tokens"])))
+        else:
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            result["seconds"] = time.perf_counter() - start
+            result["tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
+            result["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
         after = cross_host_bytes(peer, pids)
         result["bytes"] = {k: after[k] - before[k] for k in ("channel", "collectives")}
     except Exception as exc:

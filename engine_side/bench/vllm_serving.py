@@ -167,21 +167,31 @@ def rounds(args: argparse.Namespace) -> dict[str, Any]:
             for executor in EXECUTORS:
                 row[executor] = _run(args, load["rate"], load["requests"], executor,
                                      work / f"{executor}-{load['rate']:g}-{r}.json")
-            d, o = row["delta"], row["default"]
-            row["ratios"] = {"itl_p50": d["itl_ms"]["p50"] / o["itl_ms"]["p50"],
-                             "itl_p99": d["itl_ms"]["p99"] / o["itl_ms"]["p99"],
-                             "ttft_p50": d["ttft_ms"]["p50"] / o["ttft_ms"]["p50"],
-                             "tok_s": d["tok_s"] / o["tok_s"]}
+            row["ratios"] = ratios(row["delta"], row["default"])
             load["rounds"].append(row)
     for load in loads:
-        rows = load["rounds"]
-        load["complete"] = all(row[e]["complete"] == load["requests"]
-                               for row in rows for e in EXECUTORS)
-        load["median_ratios"] = {k: statistics.median(row["ratios"][k] for row in rows)
-                                 for k in rows[0]["ratios"]}
+        finish(load)
     return {"tp": args.tp, "seconds": args.seconds, "max_tokens": args.max_tokens,
             "max_running": args.max_running, "loads": loads,
             "complete": all(load["complete"] for load in loads)}
+
+
+def ratios(delta: dict[str, Any], default: dict[str, Any]) -> dict[str, float]:
+    """Delta ÷ default of one round's two runs (latencies: lower is better)."""
+    return {"itl_p50": delta["itl_ms"]["p50"] / default["itl_ms"]["p50"],
+            "itl_p99": delta["itl_ms"]["p99"] / default["itl_ms"]["p99"],
+            "ttft_p50": delta["ttft_ms"]["p50"] / default["ttft_ms"]["p50"],
+            "tok_s": delta["tok_s"] / default["tok_s"]}
+
+
+def finish(load: dict[str, Any]) -> None:
+    """A load's rounds (each with ``default``, ``delta`` and ``ratios``) summed up:
+    whether every run finished every request, and the median of each ratio."""
+    rows = load["rounds"]
+    load["complete"] = all(row[e]["complete"] == load["requests"]
+                           for row in rows for e in EXECUTORS)
+    load["median_ratios"] = {k: statistics.median(row["ratios"][k] for row in rows)
+                             for k in rows[0]["ratios"]}
 
 
 def _positive(kind: type) -> Any:
