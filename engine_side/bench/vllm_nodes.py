@@ -154,6 +154,8 @@ def rounds(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     faults: list[dict[str, Any]] = []
     with netns.two_hosts("b") as hosts:
+        if args.serving_rate:
+            return serving_rounds(args, hosts, model, keys, work)
         for i in range(args.rounds):
             order = ("delta", "vllm") if i % 2 == 0 else ("vllm", "delta")
             for backend in order:
@@ -162,8 +164,6 @@ def rounds(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 runs.append(r)
                 print(f"round {i + 1} {backend}: {r['tokens'] / r['seconds']:.0f} tok/s, "
                       f"channel {r['bytes']['channel']:,} B", file=sys.stderr)
-        if args.serving_rate:
-            return serving_rounds(args, hosts, model, keys, work)
         for fault in args.faults:
             r = run_once("delta", hosts, model, keys, work, args, fault)
             faults.append(r)

@@ -168,7 +168,7 @@ def minimal_ratios(p: dict[str, Any], summed: bool = False,
 
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 35's targets, judged on ``doc`` against vLLM's serializer (ratios against
-    bare pickle beside them), then the same-batch figures (reported)."""
+    bare pickle beside them); the same-batch steps' figures are the table's column."""
     out = []
     every = streams(doc)
     for name, w in every:
@@ -199,12 +199,6 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     x = _div(t["vllm_bytes"], t["bytes"])
     out.append(_verdict("all recorded: × fewer request bytes", x, None,
                         f"≥ {BYTES_TARGET:g}×", x is not None and x >= BYTES_TARGET))
-    for name, w in every:
-        k = w["same_batch"]
-        if k["steps"]:
-            out.append(_verdict(f"{name}: same-batch steps' median µs ÷ vLLM ({k['steps']} "
-                                "steps)", _median(k), _median(k, "bare"), "–", None,
-                                minimal_ratios(k)))
     return out
 
 
