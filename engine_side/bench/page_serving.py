@@ -58,8 +58,7 @@ def from_serving(doc: dict[str, Any]) -> Fields:
     if doc.get("hosts"):  # vllm_nodes --serving-rate: rank 1 on the other host
         section, title = "vllm_nodes_serving", ("Across two hosts: serving latency, "
                                                 "DeltaExecutor against vLLM's multi-node mode")
-        where = (f"at TP={doc['tp']} with rank 1 in another network namespace "
-                 f"({doc['hosts']})")
+        where = f"at TP={doc['tp']} with rank 1 in another network namespace ({doc['hosts']})"
         against = ("vLLM's multiprocessing executor with --nnodes 2 and a --headless node "
                    "(`deltacast node` for DeltaExecutor)")
         engine = "vLLM's defaults otherwise (max_model_len 256)"

@@ -350,15 +350,9 @@ def from_streams(doc: dict[str, Any]) -> Fields:
              "Python rank does to hand its runner a plain object; floor ÷ bare is its "
              "median step against bare pickle's (all recorded: summed).",
              "minimal = a minimal stateful channel (engine_side/bench/minimal_stateful.py, "
-             "execute_model only): handles and last step's counts in plain lists on each "
-             "end, a msgspec body of what departs from prediction, and nothing else: no "
-             "digest, no typed errors, no resync, no multimodal or grammar. It does a subset "
-             "of deltacast's work; minimal ÷ vLLM is its median step against vLLM's "
-             "serializer's (all recorded: summed), and beside each target below. "
-             "+ digest: the same channel keeping a state digest on both ends from "
-             "deltacast's digest terms (spec hashes, computed counts by handle, block rows, "
-             "the schedule term), updated by what each step changes, as a plain-list "
-             "rewrite of the state machine would.",
+             "execute_model only; a subset of deltacast's work, see Limits): its median "
+             "step against vLLM's serializer's (all recorded: summed); + digest: the same "
+             "keeping a state digest of deltacast's terms on both ends.",
              "Targets are judged against vLLM's serializer; the ratios against bare pickle "
              "and of the minimal stateful channel (without and with a digest) follow each "
              "in brackets."]
