@@ -7,12 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-Fields = dict[str, Any]
-
-
-def _target(target: str, value: Any, limit: str, met: bool | None) -> dict[str, Any]:
-    return {"target": target, "value": value, "limit": limit,
-            "met": None if met is None else bool(met)}
+from engine_side.bench.page_common import Fields, target
 
 
 def _pct(part: int, whole: int) -> float | None:
@@ -28,12 +23,12 @@ def from_fuzz(result: dict[str, Any]) -> Fields:
     cov = result.get("coverage")
     bad = result["untyped"] + result["violations"] + result["hangs"] + result["crashed"]
     targets = [
-        _target("cases past the first byte", result["counted"], "≥ 1,000,000",
+        target("cases past the first byte", result["counted"], "≥ 1,000,000",
                 result["counted"] >= 1_000_000),
-        _target("untyped exceptions", result["untyped"], "0", result["untyped"] == 0),
-        _target("crashes, hangs", result["crashed"] + result["hangs"], "0",
+        target("untyped exceptions", result["untyped"], "0", result["untyped"] == 0),
+        target("crashes, hangs", result["crashed"] + result["hangs"], "0",
                 result["crashed"] + result["hangs"] == 0),
-        _target("state changed by a refused case", result["violations"], "0",
+        target("state changed by a refused case", result["violations"], "0",
                 result["violations"] == 0)]
     notes = [f"{result['cases']:,} cases in {result['shards']} shards (half with the C "
              f"kernels, half with DELTACAST_PURE_PYTHON=1), {result['cpu_seconds']:,} CPU s; "
@@ -42,7 +37,7 @@ def from_fuzz(result: dict[str, Any]) -> Fields:
              "decoded: came out as a value; accepted: then applied to the state of its step "
              "(core Deltas with their digest, vLLM steps); rejected: a ProtocolError subclass."]
     if cov:
-        targets.append(_target("decoder branch coverage", f"{cov['branch_percent']}%",
+        targets.append(target("decoder branch coverage", f"{cov['branch_percent']}%",
                                "reported", None))
         weakest = sorted(cov["files"].items(), key=lambda kv: kv[1]["percent"])[:4]
         cases = cov.get("cases", "all")
@@ -90,21 +85,21 @@ def from_hostile(result: dict[str, Any]) -> Fields:
     targets = []
     for r in rows:
         if "pair" not in r:
-            targets.append(_target(f"{r['scenario']}: exact outputs, no honest rank flagged, "
+            targets.append(target(f"{r['scenario']}: exact outputs, no honest rank flagged, "
                                    "exit 0", "yes" if r["honest"] else "no", "yes",
                                    r["honest"]))
     for name, p in pairs.items():
         if name.startswith("snapshot flood") and "sleeps" not in name or name.startswith(
                 "handshake") and "uncapped" not in name:
-            targets.append(_target(f"{name}: steps/s with ÷ without", p["ratio"], "≥ 0.8",
+            targets.append(target(f"{name}: steps/s with ÷ without", p["ratio"], "≥ 0.8",
                                    p["ratio"] is not None and p["ratio"] >= 0.8))
         if "uncapped" in name:
-            targets.append(_target(f"{name}: steps/s with ÷ without", p["ratio"], "reported",
+            targets.append(target(f"{name}: steps/s with ÷ without", p["ratio"], "reported",
                                    None))
         if name.startswith("snapshot flood"):
-            targets.append(_target(f"{name}: dead-rank events", p["dead_events"], "0",
+            targets.append(target(f"{name}: dead-rank events", p["dead_events"], "0",
                                    p["dead_events"] == 0))
-            targets.append(_target(f"{name}: engine CPU per rejected message (µs)",
+            targets.append(target(f"{name}: engine CPU per rejected message (µs)",
                                    p["engine_cpu_us_per_refused"], "reported", None))
     return {"name": "hostile", "title": "Hostile peers against a real demo",
             "what": "deltacast demo --reference (two local workers) with a hostile peer beside "

@@ -6,13 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-Fields = dict[str, Any]
-NONE = "–"
-
-
-def _target(target: str, value: Any, limit: str, met: bool | None) -> dict[str, Any]:
-    return {"target": target, "value": value, "limit": limit,
-            "met": None if met is None else bool(met)}
+from engine_side.bench.page_common import NONE, Fields, target
 
 
 def _row(w: dict[str, Any]) -> list[Any]:
@@ -32,11 +26,11 @@ def from_link(doc: dict[str, Any]) -> Fields:
     """``python -m engine_side.bench.vllm_link`` document → one line per workload."""
     rows = doc["summary"]
     table = [_row(w) for w in rows]
-    targets = [_target(f"step latency at 1 Gbit/s, ours ÷ vLLM's MessageQueue (median), "
+    targets = [target(f"step latency at 1 Gbit/s, ours ÷ vLLM's MessageQueue (median), "
                        f"{w['workload']}-{w['running']}", round(w["ratio_median_us"], 3),
                        "< 1", w["ratio_median_us"] < 1) for w in rows]
     if doc.get("checked"):
-        targets.append(_target("steps the rank held that differ from the originals",
+        targets.append(target("steps the rank held that differ from the originals",
                                doc["differences"], "0", doc["differences"] == 0))
     spread = "; ".join(f"{w['workload']}-{w['running']} "
                        f"{min(w['ratios_median_us']):.3f}–{max(w['ratios_median_us']):.3f}"

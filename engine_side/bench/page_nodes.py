@@ -6,13 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-Fields = dict[str, Any]
-NONE = "–"
-
-
-def _target(target: str, value: Any, limit: str, met: bool | None) -> dict[str, Any]:
-    return {"target": target, "value": value, "limit": limit,
-            "met": None if met is None else bool(met)}
+from engine_side.bench.page_common import NONE, Fields, target
 
 
 def _row(name: Any, vllm: float, delta: float, vllm_b: float, delta_b: float,
@@ -38,14 +32,14 @@ def from_nodes(doc: dict[str, Any]) -> Fields:
     table.append(_row("median", v, d, vb, db, vc, dc, ratio=statistics.median(ratios),
                       fewer=fewer))
     targets = [
-        _target("step channel bytes between the hosts, × fewer (median of rounds)",
+        target("step channel bytes between the hosts, × fewer (median of rounds)",
                 round(fewer, 1), "≥ 15", fewer >= 15),
-        _target("DeltaExecutor ÷ vLLM multi-node throughput, median of rounds",
+        target("DeltaExecutor ÷ vLLM multi-node throughput, median of rounds",
                 round(s["ratio"], 3), "≥ 1", s["ratio"] >= 1),
-        _target("token ids identical in every run", s["identical"], "yes", s["identical"])]
+        target("token ids identical in every run", s["identical"], "yes", s["identical"])]
     for f in doc["faults"]:
         seen = f.get("detected_s")
-        targets.append(_target(f"rank 1 {_FAULT[f['fault']]}: seconds until generate raised",
+        targets.append(target(f"rank 1 {_FAULT[f['fault']]}: seconds until generate raised",
                                None if seen is None else round(seen, 2), "≤ 1",
                                seen is not None and seen <= 1))
     runs = len(ratios)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-Fields = dict[str, Any]
-NONE = "–"
+from engine_side.bench.page_common import NONE, Fields, target
+
 #: (name, key in a run, sub-key, ratio key); lower is better for each
 _MEASURES = (("ITL p50", "itl_ms", "p50", "itl_p50"), ("ITL p99", "itl_ms", "p99", "itl_p99"),
              ("TTFT p50", "ttft_ms", "p50", "ttft_p50"))
@@ -51,9 +51,8 @@ def from_serving(doc: dict[str, Any]) -> Fields:
             f"{max(r['ratios'][k] for r in rounds):.3f}" for k in med))
         runs = [r[e] for r in rounds for e in ("default", "delta")]
         steps.append(f"{name} {statistics.median(x['steps'] for x in runs):,.0f}")
-        targets.append({"target": f"{name}: every request finished with all its tokens, "
-                                  "every run", "value": bool(load["complete"]),
-                        "limit": "yes", "met": bool(load["complete"])})
+        targets.append(target(f"{name}: every request finished with all its tokens, every "
+                              "run", bool(load["complete"]), "yes", bool(load["complete"])))
     n, base = doc["max_tokens"], doc.get("baseline", "default")
     if doc.get("hosts"):  # vllm_nodes --serving-rate: rank 1 on the other host
         section, title = "vllm_nodes_serving", ("Across two hosts: serving latency, "

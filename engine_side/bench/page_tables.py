@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_side.bench import figures
+from engine_side.bench.page_common import NONE, Fields, target
 from engine_side.bench.page_hostile import from_fuzz, from_hostile
 from engine_side.bench.page_link import from_link
 from engine_side.bench.page_nodes import from_nodes
@@ -21,9 +22,7 @@ from engine_side.bench.page_serving import from_serving
 from engine_side.bench.page_throughput import from_throughput
 
 SLOWER = "slower on"  # the last column of a comparison: where deltacast is slower
-NONE = "–"
 
-Fields = dict[str, Any]
 
 
 def cell(value: Any) -> str:
@@ -69,10 +68,6 @@ def _r(value: float | None, digits: int = 3) -> float | None:
     return round(float(value), digits)
 
 
-def _target(target: str, value: Any, limit: str, met: bool | None) -> dict[str, Any]:
-    return {"target": target, "value": value, "limit": limit,
-            "met": None if met is None else bool(met)}
-
 
 # ---------------------------------------------------------------- core
 def from_core(rows: Sequence[dict[str, Any]]) -> Fields:
@@ -100,7 +95,7 @@ def from_core(rows: Sequence[dict[str, Any]]) -> Fields:
              "4096).",
              "decode_tokens_blocks has the engine send every sampled token; steady_decode has "
              "the workers own them."]
-    targets = [_target(t.what, _r(t.value), f"≤ {t.limit:.3g}", t.met)
+    targets = [target(t.what, _r(t.value), f"≤ {t.limit:.3g}", t.met)
                for t in check_targets(list(rows))]
     return {"name": "core", "title": "Core: bytes and CPU time per step",
             "what": "Synthetic continuous-batching steps (engine_side/workloads.py) at batch "
@@ -134,7 +129,7 @@ def from_latency(rows: Sequence[dict[str, Any]]) -> Fields:
                       _ms(vllm.get("cpu_s_per_step")), _r(p50), _r(cpu),
                       _slower(("p50", p50), ("CPU", cpu))])
         if (workers, batch) in LATENCY_TARGETS and p50 is not None:
-            targets.append(_target(f"ipc p50 ÷ vLLM shm p50, {workers} worker"
+            targets.append(target(f"ipc p50 ÷ vLLM shm p50, {workers} worker"
                                    f"{'s' if workers > 1 else ''}, batch {batch}",
                                    _r(p50), "< 1", p50 < 1))
     steps: dict[int, set[int]] = {}
@@ -193,18 +188,18 @@ def from_mm(rows: Sequence[dict[str, Any]]) -> Fields:
         first = (by.get((batch, workers, "store_first")) or {}).get("total_us")
         share = _div(frames_enc, memcpy)
         if share is not None:
-            targets.append(_target(f"frames encode ÷ memcpy, {batch} images, {workers} "
+            targets.append(target(f"frames encode ÷ memcpy, {batch} images, {workers} "
                                    f"worker{'s' if workers > 1 else ''}", _r(share, 4), "≤ 0.1",
                                    share <= 0.1))
         ratio = _div(first, memcpy)
         if ratio is not None:
-            targets.append(_target(f"store_first ÷ memcpy, {batch} images, {workers} "
+            targets.append(target(f"store_first ÷ memcpy, {batch} images, {workers} "
                                    f"worker{'s' if workers > 1 else ''}", _r(ratio), "≤ 1.5",
                                    ratio <= 1.5))
     hits = [r["bytes"] / r["batch"] for r in rows if r["format"] == "store_hit"]
     if hits:
         worst = max(hits)
-        targets.append(_target("store_hit bytes per image (worst case)", round(worst, 1),
+        targets.append(target("store_hit bytes per image (worst case)", round(worst, 1),
                                "≤ 100", worst <= 100))
     repeats = sorted({int(r["repeats"]) for r in rows if r.get("repeats")}, reverse=True)
     return {"name": "mm", "title": "Multimodal: pixel tensors to local workers",
@@ -363,7 +358,7 @@ def from_streams(doc: dict[str, Any]) -> Fields:
     if "kernels" in meta:
         notes.append("The protocol's C kernels were in use." if meta["kernels"] else
                      "The protocol ran its pure-Python kernels.")
-    targets = [_target(t["target"] + _beside(t), t["value"], t["limit"], t["met"])
+    targets = [target(t["target"] + _beside(t), t["value"], t["limit"], t["met"])
                for t in stream_targets(doc)]
     recorded = len(doc["workloads"])
     return {"name": "vllm_streams", "title": "vLLM streams",

@@ -7,13 +7,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-Fields = dict[str, Any]
-NONE = "–"
-
-
-def _target(target: str, value: Any, limit: str, met: bool | None) -> dict[str, Any]:
-    return {"target": target, "value": value, "limit": limit,
-            "met": None if met is None else bool(met)}
+from engine_side.bench.page_common import NONE, Fields, target
 
 
 def _workload(running: int) -> str:
@@ -43,9 +37,9 @@ def from_throughput(doc: dict[str, Any]) -> Fields:
                ("default", "delta", "default_cpu_ms_per_token", "delta_cpu_ms_per_token")}
         table.append(_row(name, "median", med["default"], med["delta"], median,
                           med["default_cpu_ms_per_token"], med["delta_cpu_ms_per_token"]))
-        targets += [_target(f"{name}: DeltaExecutor ÷ default throughput, median of rounds",
+        targets += [target(f"{name}: DeltaExecutor ÷ default throughput, median of rounds",
                             round(median, 3), "≥ 1", median >= 1),
-                    _target(f"{name}: token ids identical in every process",
+                    target(f"{name}: token ids identical in every process",
                             bool(w["outputs_identical"]), "yes", bool(w["outputs_identical"]))]
         spreads.append(f"{name} median {median:.3f}, spread {min(ratios):.3f}–"
                        f"{max(ratios):.3f}, {sum(x >= 1 for x in ratios)} of {len(ratios)} ≥ 1")

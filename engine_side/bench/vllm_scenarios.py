@@ -249,6 +249,21 @@ def async_scheduling(on: bool) -> Iterator[None]:
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def tree_cpu() -> float:
+    """User + system CPU seconds of this process and every descendant (engine core, ranks)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
 def run_child(module: str, argv: list[str], out: Path, what: str,
               env: dict[str, str] | None = None) -> dict[str, Any]:
     """``python -m module *argv`` in a fresh process (an LLM cannot be rebuilt cheaply

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine_side.bench.vllm_scenarios import build_tiny_model, run_child
+from engine_side.bench.vllm_scenarios import build_tiny_model, run_child, tree_cpu
 
 DEFAULT_MODEL = Path("/tmp/deltacast-tiny-llama")
 EXECUTORS = ("default", "delta")
@@ -66,19 +66,6 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _tree_cpu() -> float:
-    import psutil
-
-    me, total = psutil.Process(), 0.0
-    for p in [me, *me.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            continue
-    return total
-
-
 def serve(llm: Any, plan: list[tuple[float, list[int], int]]) -> dict[str, Any]:
     """Add each request of ``plan`` at its time and step the engine until all finish."""
     from vllm import SamplingParams
@@ -89,7 +76,7 @@ def serve(llm: Any, plan: list[tuple[float, list[int], int]]) -> dict[str, Any]:
     times: dict[str, list[float]] = {}
     counts: dict[str, int] = {}
     finished, k, steps = 0, 0, 0
-    c0, start = _tree_cpu(), time.perf_counter()
+    c0, start = tree_cpu(), time.perf_counter()
     while finished < len(plan):
         now = time.perf_counter() - start
         while k < len(plan) and plan[k][0] <= now:
@@ -112,7 +99,7 @@ def serve(llm: Any, plan: list[tuple[float, list[int], int]]) -> dict[str, Any]:
             times[out.request_id] += [t] * (got - counts[out.request_id])
             counts[out.request_id] = got
             finished += out.finished
-    elapsed, cpu = time.perf_counter() - start, _tree_cpu() - c0
+    elapsed, cpu = time.perf_counter() - start, tree_cpu() - c0
     ttft, itl = latencies(arrived, times)
     tokens = sum(counts.values())
     return {"seconds": elapsed, "steps": steps, "tokens": tokens, "tok_s": tokens / elapsed,

@@ -34,7 +34,7 @@ from typing import Any
 
 from engine_side.bench.figures import stamp
 from engine_side.bench.page_tables import write_figures
-from engine_side.bench.vllm_scenarios import build_tiny_model, run_child, text
+from engine_side.bench.vllm_scenarios import build_tiny_model, run_child, text, tree_cpu
 
 DEFAULT_MODEL = Path("/tmp/deltacast-tiny-llama")
 EXECUTORS = ("default", "delta")
@@ -56,21 +56,6 @@ def _requests(count: int, max_tokens: int, varied: bool) -> tuple[list[str], lis
     return prompts, params
 
 
-def _tree_cpu() -> float:
-    """User + system CPU seconds of this process and every descendant (engine core, ranks)."""
-    import psutil
-
-    me = psutil.Process()
-    total = 0.0
-    for p in [me, *me.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            continue
-    return total
-
-
 def child(args: argparse.Namespace) -> int:
     """One engine in this process: warm up, time ``--repeats`` generates, write JSON."""
     from vllm import LLM
@@ -89,9 +74,9 @@ def child(args: argparse.Namespace) -> int:
     llm.generate(prompts[:8], params[:8], use_tqdm=False)
     runs, digest = [], ""
     for _ in range(args.repeats):
-        c0, t0 = _tree_cpu(), time.perf_counter()
+        c0, t0 = tree_cpu(), time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed, cpu = time.perf_counter() - t0, _tree_cpu() - c0
+        elapsed, cpu = time.perf_counter() - t0, tree_cpu() - c0
         tokens = [list(c.token_ids) for o in outs for c in o.outputs]
         runs.append({"seconds": elapsed, "tokens": sum(map(len, tokens)), "cpu_s": cpu,
                      "tok_s": sum(map(len, tokens)) / elapsed})
