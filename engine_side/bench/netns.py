@@ -2,15 +2,19 @@
 
 :func:`two_hosts` makes namespaces A (10.231.N.1) and B (10.231.N.2), each with its end
 of the veth up, lo up and the link shaped to 1 Gbit/s (``tbf``: this kernel has no
-``netem``, so no added delay), and removes them on exit.  :func:`unavailable` says why
+``netem``, so no added delay), and removes them on exit -- SIGTERM included; those of a
+run killed outright (SIGKILL) go when the next one starts.  :func:`unavailable` says why
 a test must skip (not root, no ``ip``, namespaces not permitted).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import signal
 import subprocess
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -59,8 +63,40 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
+_OURS = re.compile(r"dct[a-z]*[ab](\d+)")  # two_hosts' names: dct, a tag, a or b, the pid
+
+
+def sweep() -> list[str]:
+    """Remove the namespaces of runs whose process is gone; their names."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    gone = []
+    for line in out.splitlines():
+        name = line.split(" ", 1)[0]
+        m = _OURS.fullmatch(name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            gone.append(name)
+        except PermissionError:  # (alive, another user's)
+            pass
+    return gone
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 @contextmanager
 def two_hosts(tag: str = "") -> Iterator[tuple[Host, Host]]:
+    """The two hosts (``tag``: lower-case letters naming the user); the namespaces and
+    their processes go on exit, on SIGTERM in the main thread too."""
+    sweep()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminated)
     n = os.getpid() % 200 + 20
     a = Host(f"dct{tag}a{os.getpid()}", f"va{os.getpid()}", f"10.231.{n}.1")
     b = Host(f"dct{tag}b{os.getpid()}", f"vb{os.getpid()}", f"10.231.{n}.2")
@@ -81,4 +117,6 @@ def two_hosts(tag: str = "") -> Iterator[tuple[Host, Host]]:
         for h in (a, b):
             h.kill_all()
             subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
