@@ -1,14 +1,19 @@
-"""The serving-latency benchmark's arrivals, latencies and table (no vLLM needed)."""
+"""The serving-latency benchmark's arrivals, latencies and table, and the benchmarks' list
+options (no vLLM needed)."""
 
 from __future__ import annotations
 
+import argparse
 import math
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from engine_side.bench.page_serving import from_serving
+from engine_side.bench.vllm_scenarios import listed
 from engine_side.bench.vllm_serving import arrivals, latencies
+from protocol.cli_support import int_in
 
 
 @given(st.integers(1, 300), st.floats(0.5, 500), st.integers(1, 400), st.integers(0, 99))
@@ -57,3 +62,16 @@ def test_the_table_names_where_delta_is_slower() -> None:
     assert rows[1][-1] == "–" and rows[2][-1] == "–"
     assert all(len(r) == len(fields["columns"]) for r in rows)
     assert fields["targets"][0]["met"] is True
+
+
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=6))
+def test_listed_parses_comma_separated_values_and_refuses_repeats(values: list[int]) -> None:
+    parse = listed(int_in(0, 50))  # (--rate and --running of the benchmarks)
+    text = ",".join(map(str, values))
+    if len(set(values)) == len(values):
+        assert parse(text) == values
+    else:
+        with pytest.raises(argparse.ArgumentTypeError, match="twice"):
+            parse(text)
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse(text + ",51")

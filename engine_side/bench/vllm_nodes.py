@@ -195,7 +195,7 @@ def serving_rounds(args: argparse.Namespace, hosts: tuple[netns.Host, netns.Host
         load["rounds"].append(row)
     finish(load)
     return {"name": "vllm_nodes_serving", "tp": 2, "seconds": seconds, "max_tokens": n,
-            "max_running": 256, "loads": [load], "complete": load["complete"],
+            "loads": [load], "complete": load["complete"],
             "baseline": "vLLM", "hosts": "a veth pair at 1 Gbit/s"}
 
 

@@ -13,6 +13,7 @@ a minute each on a 2-core box with the tiny model.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 VOCAB = 512
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
@@ -247,6 +248,22 @@ def async_scheduling(on: bool) -> Iterator[None]:
 
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+T = TypeVar("T")
+
+
+def listed(one: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """An argparse type: comma-separated values, each parsed by ``one`` (e.g.
+    :func:`protocol.cli_support.int_in`), none twice."""
+
+    def parse(text: str) -> list[T]:
+        values = [one(part) for part in text.split(",")]
+        if len(set(values)) != len(values):
+            raise argparse.ArgumentTypeError(f"a value given twice: {text}")
+        return values
+
+    return parse
 
 
 def tree_cpu() -> float:

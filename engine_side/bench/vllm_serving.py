@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine_side.bench.vllm_scenarios import build_tiny_model, run_child, tree_cpu
+from engine_side.bench.vllm_scenarios import build_tiny_model, listed, run_child, tree_cpu
+from protocol.cli_support import float_in, int_in
 
 DEFAULT_MODEL = Path("/tmp/deltacast-tiny-llama")
 EXECUTORS = ("default", "delta")
@@ -181,44 +182,22 @@ def finish(load: dict[str, Any]) -> None:
                              for k in rows[0]["ratios"]}
 
 
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-        return value
-    return parse
-
-
-def _rates(text: str) -> list[float]:
-    """``--rate``: comma-separated arrival rates, each positive, each once."""
-    try:
-        values = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
-    if not values or any(not 0 < v < 1e6 for v in values) or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"each rate must be positive, each once: {text!r}")
-    return values
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="tiny model dir (built if missing)")
-    p.add_argument("--tp", type=_positive(int), default=2)
-    p.add_argument("--rate", type=_rates, default=[40.0, 120.0], metavar="R,R,...",
+    p.add_argument("--tp", type=int_in(1), default=2)
+    p.add_argument("--rate", type=listed(float_in(0, exclusive=True)), default=[40.0, 120.0],
+                   metavar="R,R,...",
                    help="loads: mean arrivals per second (Poisson), each in turn "
                         "(default 40,120)")
-    p.add_argument("--seconds", type=_positive(float), default=6.0,
+    p.add_argument("--seconds", type=float_in(0, exclusive=True), default=6.0,
                    help="arrivals over this long at each rate")
-    p.add_argument("--requests", type=_positive(int), help=argparse.SUPPRESS)  # (a child)
-    p.add_argument("--max-tokens", type=_positive(int), default=64,
+    p.add_argument("--requests", type=int_in(1), help=argparse.SUPPRESS)  # (a child)
+    p.add_argument("--max-tokens", type=int_in(1), default=64,
                    help="mean output length (each drawn from 0.5-1.5x this)")
-    p.add_argument("--max-running", type=_positive(int), default=256,
+    p.add_argument("--max-running", type=int_in(1), default=256,
                    help="vLLM's max_num_seqs")
-    p.add_argument("--rounds", type=_positive(int), default=5)
+    p.add_argument("--rounds", type=int_in(1), default=5)
     p.add_argument("--work-dir", default="/tmp/deltacast-serving")
     p.add_argument("--json", default="", help="write the result document here")
     p.add_argument("--figures", default="", metavar="FILE",

@@ -34,7 +34,8 @@ from typing import Any
 
 from engine_side.bench.figures import stamp
 from engine_side.bench.page_tables import write_figures
-from engine_side.bench.vllm_scenarios import build_tiny_model, run_child, text, tree_cpu
+from engine_side.bench.vllm_scenarios import build_tiny_model, listed, run_child, text, tree_cpu
+from protocol.cli_support import int_in
 
 DEFAULT_MODEL = Path("/tmp/deltacast-tiny-llama")
 EXECUTORS = ("default", "delta")
@@ -141,19 +142,6 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _running_list(text: str) -> list[int]:
-    """``--running``: comma-separated running caps, each 0 (a batch) or 1-1024."""
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
-    if not values or any(not (v == 0 or 1 <= v <= 1024) for v in values) \
-            or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(
-            f"each value must be 0 or 1-1024, each once: {text!r}")
-    return values
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -161,7 +149,8 @@ def main() -> int:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--prompts", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--running", type=_running_list, default=[0, 16, 64], metavar="N,N,...",
+    p.add_argument("--running", type=listed(int_in(0, 1024)), default=[0, 16, 64],
+                   metavar="N,N,...",
                    help="workloads: 0 admits every prompt at once with one output length "
                         "(a batch); N caps the running requests at N with output lengths "
                         "0.5-1.5x --max-tokens, so requests join as others leave "
