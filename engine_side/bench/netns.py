@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+
+from engine_side.bench.children import exits_on_sigterm
 
 
 def unavailable() -> str | None:
@@ -85,22 +85,15 @@ def sweep() -> list[str]:
     return gone
 
 
-def _terminated(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 @contextmanager
 def two_hosts(tag: str = "") -> Iterator[tuple[Host, Host]]:
     """The two hosts (``tag``: lower-case letters naming the user); the namespaces and
     their processes go on exit, on SIGTERM in the main thread too."""
     sweep()
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _terminated)
     n = os.getpid() % 200 + 20
     a = Host(f"dct{tag}a{os.getpid()}", f"va{os.getpid()}", f"10.231.{n}.1")
     b = Host(f"dct{tag}b{os.getpid()}", f"vb{os.getpid()}", f"10.231.{n}.2")
-    try:
+    with exits_on_sigterm(), _removed(a, b):
         _ip("netns", "add", a.ns)
         _ip("netns", "add", b.ns)
         _ip("link", "add", a.dev, "type", "veth", "peer", "name", b.dev)
@@ -113,10 +106,15 @@ def two_hosts(tag: str = "") -> Iterator[tuple[Host, Host]]:
                                  "1gbit", "burst", "64kb", "latency", "5ms"),
                            capture_output=True)  # shaping is best effort
         yield a, b
+
+
+@contextmanager
+def _removed(*hosts: Host) -> Iterator[None]:
+    """The hosts' processes and namespaces go when the block ends, however it ends."""
+    try:
+        yield
     finally:
-        for h in (a, b):
+        for h in hosts:
             h.kill_all()
             subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 

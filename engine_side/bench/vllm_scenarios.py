@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from engine_side.bench.children import run_in_group
+
 VOCAB = 512
+CHILD_TIMEOUT_S = 3600.0  # one benchmark child's run (an LLM's load and generates)
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
          "seven", "wizards", "quietly", "hex")
 COMMON = {"enforce_eager": True, "block_size": 32, "seed": 0}
@@ -282,18 +285,27 @@ def tree_cpu() -> float:
 
 
 def run_child(module: str, argv: list[str], out: Path, what: str,
-              env: dict[str, str] | None = None) -> dict[str, Any]:
+              env: dict[str, str] | None = None,
+              timeout: float = CHILD_TIMEOUT_S) -> dict[str, Any]:
     """``python -m module *argv`` in a fresh process (an LLM cannot be rebuilt cheaply
     in-process) that writes its result as JSON to ``out``; that result, or RuntimeError
-    with the child's stderr tail naming ``what``."""
+    with the child's stderr tail naming ``what``.  The child and everything it starts
+    go when it outlives ``timeout`` seconds (RuntimeError) or this process is stopped
+    (SIGTERM included: :func:`engine_side.bench.children.run_in_group`)."""
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1",
                 "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                 "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                 **(env or {})}
     out.unlink(missing_ok=True)
-    proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True)
+    try:
+        _, _, stderr = run_in_group([sys.executable, "-m", module, *argv], timeout,
+                                    cwd=ROOT, env=full_env)
+    except subprocess.TimeoutExpired as exc:
+        written = exc.stderr  # what it wrote so far (bytes)
+        tail = written.decode(errors="replace") if isinstance(written, bytes) else written or ""
+        raise RuntimeError(f"{what} did not finish in {timeout:g} s and was stopped:\n"
+                           f"{tail[-3000:]}") from None
     if not out.exists():
-        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{what} failed:\n{stderr[-3000:]}")
     result: dict[str, Any] = json.loads(out.read_text())
     return result

@@ -1,0 +1,102 @@
+"""A benchmark's LLM children go with it: a child that outlives its timeout, and one
+whose benchmark is stopped with SIGTERM, is stopped with everything it started."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from engine_side.bench.vllm_scenarios import ROOT, run_child
+
+# A stand-in for a benchmark child: it starts a grandchild (as an LLM starts its engine
+# and workers), notes both pids, then writes its result -- or, with "hang", never does.
+_CHILD = textwrap.dedent("""
+    import json, os, subprocess, sys, time
+    pids, out, mode = sys.argv[1:4]
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(pids + ".tmp", "w") as f:
+        json.dump([os.getpid(), grandchild.pid], f)
+    os.replace(pids + ".tmp", pids)
+    if mode == "hang":
+        time.sleep(600)
+    with open(out, "w") as f:
+        json.dump({"tokens": 42}, f)
+    grandchild.kill()
+""")
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _gone(pids: list[int], within: float = 30.0) -> bool:
+    deadline = time.monotonic() + within
+    while any(map(_alive, pids)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _pids(path: Path, within: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + within
+    while not path.exists():
+        assert time.monotonic() < deadline, "the child never started"
+        time.sleep(0.05)
+    pids: list[int] = json.loads(path.read_text())
+    return pids
+
+
+@pytest.fixture
+def child(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "bench_child.py").write_text(_CHILD)
+    return {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+
+
+def test_result_comes_back(tmp_path: Path, child: dict[str, str]) -> None:
+    out = tmp_path / "out.json"
+    got = run_child("bench_child", [str(tmp_path / "pids"), str(out), "done"], out,
+                    "child run", env=child, timeout=60)
+    assert got == {"tokens": 42}
+
+
+def test_a_child_past_its_timeout_goes_with_what_it_started(
+        tmp_path: Path, child: dict[str, str]) -> None:
+    out, pids = tmp_path / "out.json", tmp_path / "pids"
+    with pytest.raises(RuntimeError, match="child run did not finish in 3 s"):
+        run_child("bench_child", [str(pids), str(out), "hang"], out, "child run",
+                  env=child, timeout=3)
+    started = _pids(pids, within=0)
+    assert _gone(started), f"left running: {[p for p in started if _alive(p)]}"
+
+
+def test_sigterm_to_the_benchmark_stops_its_child_group(
+        tmp_path: Path, child: dict[str, str]) -> None:
+    out, pids = tmp_path / "out.json", tmp_path / "pids"
+    bench = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        from pathlib import Path
+        from engine_side.bench.vllm_scenarios import run_child
+        run_child("bench_child", [{str(pids)!r}, {str(out)!r}, "hang"], Path({str(out)!r}),
+                  "child run", env={child!r})
+        """)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        started = _pids(pids)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 128 + signal.SIGTERM
+        assert _gone(started), f"left running: {[p for p in started if _alive(p)]}"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
