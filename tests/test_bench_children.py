@@ -17,15 +17,18 @@ import pytest
 from engine_side.bench.vllm_scenarios import ROOT, run_child
 
 # A stand-in for a benchmark child: it starts a grandchild (as an LLM starts its engine
-# and workers), notes both pids, then writes its result -- or, with "hang", never does.
+# and workers), notes both pids, then writes its result -- or, with "hang", never does;
+# "stubborn" also ignores SIGTERM.
 _CHILD = textwrap.dedent("""
-    import json, os, subprocess, sys, time
+    import json, os, signal, subprocess, sys, time
     pids, out, mode = sys.argv[1:4]
+    if mode == "stubborn":  # (SIGKILL alone stops it)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     with open(pids + ".tmp", "w") as f:
         json.dump([os.getpid(), grandchild.pid], f)
     os.replace(pids + ".tmp", pids)
-    if mode == "hang":
+    if mode in ("hang", "stubborn"):
         time.sleep(600)
     with open(out, "w") as f:
         json.dump({"tokens": 42}, f)
@@ -82,20 +85,32 @@ def test_a_child_past_its_timeout_goes_with_what_it_started(
     assert _gone(started), f"left running: {[p for p in started if _alive(p)]}"
 
 
-def test_sigterm_to_the_benchmark_stops_its_child_group(
-        tmp_path: Path, child: dict[str, str]) -> None:
-    out, pids = tmp_path / "out.json", tmp_path / "pids"
-    bench = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+def _bench(pids: Path, out: Path, mode: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """A benchmark process running the stand-in child with ``run_child``."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         from pathlib import Path
         from engine_side.bench.vllm_scenarios import run_child
-        run_child("bench_child", [{str(pids)!r}, {str(out)!r}, "hang"], Path({str(out)!r}),
-                  "child run", env={child!r})
+        run_child("bench_child", [{str(pids)!r}, {str(out)!r}, {mode!r}], Path({str(out)!r}),
+                  "child run", env={env!r})
         """)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.parametrize("mode", ["hang", "stubborn"])
+def test_sigterm_to_the_benchmark_stops_its_child_group(
+        tmp_path: Path, child: dict[str, str], mode: str) -> None:
+    """SIGTERM to the benchmark stops its child's group; a child that ignores SIGTERM is
+    killed after the grace period, and a second SIGTERM meanwhile does not cut that
+    short."""
+    out, pids = tmp_path / "out.json", tmp_path / "pids"
+    bench = _bench(pids, out, mode, child)
     try:
         started = _pids(pids)
         bench.send_signal(signal.SIGTERM)
+        if mode == "stubborn":
+            time.sleep(1.0)
+            bench.send_signal(signal.SIGTERM)
         assert bench.wait(60) == 128 + signal.SIGTERM
-        assert _gone(started), f"left running: {[p for p in started if _alive(p)]}"
+        assert _gone(started, within=5), f"left running: {[p for p in started if _alive(p)]}"
     finally:
         if bench.poll() is None:
             bench.kill()

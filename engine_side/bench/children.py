@@ -22,13 +22,15 @@ GRACE_S = 10.0  # a stopped child group's time to exit on SIGTERM before SIGKILL
 
 
 def _terminated(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one does not cut the cleanup
     raise SystemExit(128 + signum)
 
 
 @contextmanager
 def exits_on_sigterm() -> Iterator[None]:
     """While held (in the main thread; elsewhere it does nothing), SIGTERM raises
-    SystemExit(143); the previous handler comes back on exit."""
+    SystemExit(143) once, and later ones are ignored while the ``finally`` blocks run;
+    the previous handler comes back on exit."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
