@@ -1,5 +1,6 @@
-"""A benchmark's LLM children go with it: a child that outlives its timeout, and one
-whose benchmark is stopped with SIGTERM, is stopped with everything it started."""
+"""A benchmark's children go with it: an LLM child that outlives its timeout, or whose
+benchmark is stopped with SIGTERM, is stopped with everything it started; so are the
+shards of a fuzz campaign stopped with SIGTERM."""
 
 from __future__ import annotations
 
@@ -115,3 +116,35 @@ def test_sigterm_to_the_benchmark_stops_its_child_group(
         if bench.poll() is None:
             bench.kill()
             bench.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid``."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, IndexError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_sigterm_to_a_fuzz_campaign_stops_its_shards() -> None:
+    campaign = subprocess.Popen(
+        [sys.executable, "-m", "engine_side.bench.fuzz", "--cases", "10000000", "--jobs", "2"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 60
+        while len(shards := _children(campaign.pid)) < 2:
+            assert time.monotonic() < deadline, "the campaign started no shards"
+            time.sleep(0.1)
+        campaign.send_signal(signal.SIGTERM)
+        assert campaign.wait(60) == 128 + signal.SIGTERM
+        assert _gone(shards, within=5), f"left running: {[p for p in shards if _alive(p)]}"
+    finally:
+        if campaign.poll() is None:
+            campaign.kill()
+            campaign.wait()

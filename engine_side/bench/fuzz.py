@@ -49,6 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from engine_side.bench.children import exits_on_sigterm
 from engine_side.bench.fuzz_report import ROOT, Tally, branch_coverage, summarize
 
 TARGETS = ("core", "replies", "store", "recording", "seal", "vllm")
@@ -383,16 +384,25 @@ def _has_vllm() -> bool:
 
 def run_campaign(cases: int, jobs: int, shard_cases: int, coverage: bool, hang_s: float,
                  seed: int) -> dict[str, Any]:
-    """Shards of ``shard_cases``, alternately C and pure Python, ``jobs`` at a time."""
-    with tempfile.TemporaryDirectory(prefix="dc-fuzz-") as tmp:
-        return _campaign(Path(tmp), cases, jobs, shard_cases, coverage, hang_s, seed)
+    """Shards of ``shard_cases``, alternately C and pure Python, ``jobs`` at a time; the
+    running shards go with the campaign (SIGTERM included)."""
+    running: dict[int, tuple[subprocess.Popen[bytes], Path, bool]] = {}
+    with exits_on_sigterm(), tempfile.TemporaryDirectory(prefix="dc-fuzz-") as tmp:
+        try:
+            return _campaign(Path(tmp), running, cases, jobs, shard_cases, coverage, hang_s,
+                             seed)
+        finally:
+            for proc, _, _ in running.values():
+                proc.kill()
+                proc.wait()
 
 
-def _campaign(work: Path, cases: int, jobs: int, shard_cases: int, coverage: bool,
-              hang_s: float, seed: int) -> dict[str, Any]:
+def _campaign(work: Path, running: dict[int, tuple[subprocess.Popen[bytes], Path, bool]],
+              cases: int, jobs: int, shard_cases: int, coverage: bool, hang_s: float,
+              seed: int) -> dict[str, Any]:
+    """The campaign's loop; ``running``, the shards under way (filled and emptied here)."""
     n = max(2, -(-cases // shard_cases))
     queue = [(i, i % 2 == 1) for i in range(n)]
-    running: dict[int, tuple[subprocess.Popen[bytes], Path, bool]] = {}
     shards: list[dict[str, Any]] = []
     crashes: list[dict[str, Any]] = []
     vllm = _has_vllm()
