@@ -6,6 +6,7 @@ cleanly without vLLM or network namespaces; no wall-clock assertions.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,14 +19,29 @@ from engine_side.bench.page_link import from_link  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 RUNNING, STEPS = 16, 20
+RECORDED = "recorded-churn"  # an object stream replayed with --streams
+
+
+def _recording(directory: Path) -> Path:
+    """An object stream as vllm_streams records one: execute_model, then sample_tokens
+    (no grammar), every step."""
+    from engine_side.bench.objstream import write_stream
+
+    records: list[tuple[str, Any]] = []
+    for kind, obj in vllm_link.stream("churn", RUNNING, STEPS // 2):
+        records += [(kind, obj), ("sample_tokens", None)]
+    path = directory / f"{RECORDED}.dcobj"
+    write_stream(path, records, {"scenario": RECORDED})
+    return path
 
 
 @pytest.fixture(scope="module")
-def doc() -> dict[str, Any]:
+def doc(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     reason = netns.unavailable()
     if reason:
         pytest.skip(reason)
-    return vllm_link.run([RUNNING], STEPS, rounds=1, check=True)
+    streams = (str(_recording(tmp_path_factory.mktemp("link"))),)
+    return vllm_link.run([RUNNING], STEPS, rounds=1, check=True, streams=streams)
 
 
 def test_the_check_can_fail() -> None:
@@ -44,7 +60,7 @@ def test_the_check_can_fail() -> None:
 def test_every_step_held_is_the_one_sent(doc: dict[str, Any]) -> None:
     runs = doc["runs"]
     assert {(r["path"], r["workload"]) for r in runs} == {
-        (p, w) for p in vllm_link.PATHS for w in vllm_link.WORKLOADS}
+        (p, w) for p in vllm_link.PATHS for w in (*vllm_link.WORKLOADS, RECORDED)}
     for r in runs:
         assert r["checked"], r["path"]
         assert r["differences"] == 0, (r["path"], r["workload"], r["first"])
@@ -66,7 +82,7 @@ def test_each_row_has_positive_latencies(doc: dict[str, Any]) -> None:
 
 def test_the_figures_table(doc: dict[str, Any]) -> None:
     fields = from_link(doc)
-    assert len(fields["rows"]) == len(vllm_link.WORKLOADS)
+    assert len(fields["rows"]) == len(vllm_link.WORKLOADS) + 1
     assert all(len(r) == len(fields["columns"]) for r in fields["rows"])
     env = {**fields, "command": ".venv/bin/python -m engine_side.bench.vllm_link --figures f",
            "machine": dict.fromkeys(("cpu", "cores", "python", "torch", "vllm"), "?"),

@@ -52,7 +52,11 @@ def from_link(doc: dict[str, Any]) -> Fields:
              "decode-N: N requests in steady decode, all joining in the first step; "
              "churn-N: one request finishes and one (500 prompt tokens) joins every step. "
              "One step = one request-path message (execute_model; these streams have no "
-             "sample_tokens).",
+             "sample_tokens)." + (
+                 f" {', '.join(doc['streams'])}-N: the object stream recorded from a real "
+                 "vLLM run (engine_side/bench/vllm_streams.py), N its median running "
+                 "requests; its steps are execute_model and sample_tokens messages."
+                 if doc.get("streams") else ""),
              "Bytes: the engine host's veth tx bytes over a run ÷ steps (Ethernet, IP and TCP "
              "headers and TCP acks included; ours CURVE-encrypted, vLLM's plain); the first "
              f"step alone (every request joining), ours / vLLM's: {first}.",

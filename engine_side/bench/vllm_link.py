@@ -3,14 +3,17 @@
 ::
 
     .venv/bin/python -m engine_side.bench.vllm_link --json out/vllm_link.json \\
-        --figures docs/benchmarks/vllm_link.json [--steps N] [--running 256,4096]
+        --figures docs/benchmarks/vllm_link.json [--steps N] [--running 256,4096] \\
+        [--streams out/objstreams/online256.dcobj]
 
 Two network namespaces joined by a veth pair shaped to 1 Gbit/s (:mod:`engine_side.bench.
 netns`; ``tbf`` only: this kernel has no ``netem``, so no added delay; needs root) stand
 for two hosts.  A sender in A plays the engine, a receiver in B one remote rank; they
 replay the request path (``execute_model`` and ``sample_tokens`` messages) of synthetic
 vLLM streams (:func:`~engine_side.bench.vllm_replay.synthetic_decode`,
-:func:`~engine_side.bench.vllm_replay.synthetic_churn`) through two channels, in
+:func:`~engine_side.bench.vllm_replay.synthetic_churn`) and of recorded ones (``--streams``:
+object streams of real vLLM runs, as :mod:`engine_side.bench.vllm_streams` records them
+into ``out/objstreams``) through two channels, in
 lockstep (step i+1 leaves once the rank has answered step i, as a real rank's answer
 gates the next step):
 
@@ -78,6 +81,25 @@ def stream(workload: str, running: int, steps: int) -> list[tuple[str, Any]]:
 
     make = synthetic_decode if workload == "decode" else synthetic_churn
     return [(k, o) for k, o in make(running, steps) if k in REQUEST]
+
+
+def recorded(path: str) -> tuple[str, int, list[tuple[str, Any]]]:
+    """A recorded object stream's name (its file's stem), median running requests and
+    request-path messages."""
+    from engine_side.bench.vllm_replay import REQUEST, load_stream
+
+    msgs = [(k, o) for k, o in load_stream(Path(path)) if k in REQUEST]
+    batches = [len(o.num_scheduled_tokens) for k, o in msgs if k == "execute_model"]
+    if not batches:
+        raise ValueError(f"vllm_link: {path} holds no execute_model step")
+    return Path(path).stem, round(statistics.median(batches)), msgs
+
+
+def messages(spec: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The messages of a run's workload: its recorded stream's, or a synthetic one's."""
+    if spec.get("stream"):
+        return recorded(spec["stream"])[2]
+    return stream(spec["workload"], spec["running"], spec["steps_arg"])
 
 
 def compare(path: str, kind: str, expected: Any, got: Any) -> list[str]:
@@ -212,8 +234,11 @@ class Sender:
 
 def sender_main(args: argparse.Namespace) -> int:
     """Warm both paths up, then ``rounds`` rounds over every workload; JSON to --out."""
-    running = [int(x) for x in args.running.split(",")]
-    work = {(w, n): stream(w, n, args.steps) for n in running for w in WORKLOADS}
+    running = [int(x) for x in args.running.split(",") if x]
+    work = {(w, n, ""): stream(w, n, args.steps) for n in running for w in WORKLOADS}
+    for path in filter(None, args.streams.split(",")):
+        name, n, msgs = recorded(path)
+        work[(name, n, path)] = msgs
     warm = stream("decode", 16, 8)
     gc.collect()
     gc.freeze()  # the streams are the bench's fixture: keep them out of the collector's way
@@ -222,13 +247,13 @@ def sender_main(args: argparse.Namespace) -> int:
     try:
         for path in PATHS:
             s.run(path, warm, {"workload": "decode", "running": 16, "steps_arg": 8,
-                               "round": 0, "check": False})
+                               "round": 0, "check": False, "stream": ""})
         for r in range(1, args.rounds + 1):
             order = PATHS if r % 2 else PATHS[::-1]
-            for (w, n), msgs in work.items():
+            for (w, n, recording), msgs in work.items():
                 for path in order:
                     spec = {"workload": w, "running": n, "steps_arg": args.steps, "round": r,
-                            "check": args.check}
+                            "check": args.check, "stream": recording}
                     run = summarise_run(s.run(path, msgs, spec))
                     runs.append(run)
                     print(f"vllm_link: round {r} {w}-{n} {path}: median "
@@ -320,8 +345,7 @@ def _serve(args: argparse.Namespace, ctx: zmq.Context[Any], ctl: zmq.Socket[byte
     mq.wait_until_ready()
     key = bytes.fromhex(hello["secret"])
     while (cmd := _json(ctl, "command"))["op"] == "run":
-        expected = stream(cmd["workload"], cmd["running"], cmd["steps_arg"]) \
-            if cmd["check"] else None
+        expected = messages(cmd) if cmd["check"] else None
         holder = _Holder(expected)
         if cmd["path"] == "ours":  # attached to the node's ring before "ready": sees call 1
             channel = RankChannel(dealer, directory, 0, ring_replies=False)
@@ -381,8 +405,10 @@ def summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------- the two hosts
 def run(running: list[int], steps: int, rounds: int, check: bool = False,
-        spin_ms: float | None = None, timeout: float = 1800) -> dict[str, Any]:
-    """The whole benchmark in fresh namespaces: the receiver in B, the sender in A."""
+        spin_ms: float | None = None, timeout: float = 1800,
+        streams: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The whole benchmark in fresh namespaces: the receiver in B, the sender in A;
+    ``streams``, recorded object streams replayed beside the synthetic ones."""
     with netns.two_hosts("l") as (a, b), \
             tempfile.TemporaryDirectory(prefix="deltacast-link-") as tmp:
         out = Path(tmp) / "runs.json"
@@ -392,7 +418,8 @@ def run(running: list[int], steps: int, rounds: int, check: bool = False,
         sender = subprocess.Popen(
             a.run(sys.executable, "-m", MODULE, "sender", "--addr", a.addr, "--dev", a.dev,
                   "--running", ",".join(map(str, running)), "--steps", str(steps),
-                  "--rounds", str(rounds), "--out", str(out), *(["--check"] if check else [])),
+                  "--rounds", str(rounds), "--out", str(out), *(["--check"] if check else []),
+                  "--streams", ",".join(str(Path(f).resolve()) for f in streams)),
             cwd=ROOT, env=ENV)
         try:
             code = sender.wait(timeout)
@@ -406,6 +433,7 @@ def run(running: list[int], steps: int, rounds: int, check: bool = False,
             raise RuntimeError(f"vllm_link: the sender failed (exit status {code})")
         runs = json.loads(out.read_text())
     return {"steps": steps, "rounds": rounds, "running": running, "link": LINK,
+            "streams": [Path(f).stem for f in streams],
             "spin_ms": runs[0]["spin_ms"] if runs else spin_ms, "checked": check,
             "differences": sum(r["differences"] for r in runs), "runs": runs,
             "summary": summary(runs)}
@@ -424,8 +452,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--steps", type=int, required=True)
         p.add_argument("--rounds", type=int, required=True)
         p.add_argument("--check", action="store_true")
+        p.add_argument("--streams", default="")
         return sender_main(p.parse_args(argv[1:]))
-    p.add_argument("--running", default="256,4096", help="running requests, comma-separated")
+    p.add_argument("--running", default="256,4096",
+                   help="synthetic streams' running requests, comma-separated (may be empty)")
+    p.add_argument("--streams", default="", metavar="FILE,FILE",
+                   help="also replay these recorded object streams (*.dcobj, recorded by "
+                        "engine_side.bench.vllm_streams, e.g. out/objstreams/online256.dcobj)")
     p.add_argument("--steps", type=int, default=1000, help="steps per stream")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--spin-ms", type=float, default=None,
@@ -445,8 +478,14 @@ def main(argv: list[str] | None = None) -> int:
     from engine_side.bench.page_tables import write_figures
 
     started = figures.stamp()
-    doc = run([int(x) for x in args.running.split(",")], args.steps, args.rounds, args.check,
-              args.spin_ms)
+    streams = tuple(filter(None, args.streams.split(",")))
+    missing = [f for f in streams if not Path(f).is_file()]
+    if missing:
+        print(f"vllm_link: no such object stream: {', '.join(missing)} (record one with "
+              "python -m engine_side.bench.vllm_streams --only NAME)", file=sys.stderr)
+        return 2
+    doc = run([int(x) for x in args.running.split(",") if x], args.steps, args.rounds,
+              args.check, args.spin_ms, streams=streams)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1))
