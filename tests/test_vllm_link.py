@@ -88,3 +88,15 @@ def test_the_figures_table(doc: dict[str, Any]) -> None:
            "machine": dict.fromkeys(("cpu", "cores", "python", "torch", "vllm"), "?"),
            "date": "2026-01-01 00:00 UTC", "commit": "abcdef0"}
     assert envelope_problems(env) == []
+
+
+def test_streams_name_a_recording_or_a_scenario(tmp_path: Path) -> None:
+    """``--streams`` takes object stream files and scenario names; anything else is a
+    clear error, before any namespace is made."""
+    path = _recording(tmp_path)
+    assert vllm_link._stream_files([str(path)]) == (str(path),)
+    with pytest.raises(ValueError, match="no such object stream"):
+        vllm_link._stream_files([str(tmp_path / "missing.dcobj")])
+    with pytest.raises(ValueError, match="neither an object stream"):
+        vllm_link._stream_files(["online9999"])
+    assert vllm_link.main(["--streams", "online9999"]) == 2

@@ -55,7 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -439,6 +439,25 @@ def run(running: list[int], steps: int, rounds: int, check: bool = False,
             "summary": summary(runs)}
 
 
+def _stream_files(names: Iterable[str]) -> tuple[str, ...]:
+    """``--streams``: object stream files (*.dcobj) as they are, scenario names of
+    :mod:`engine_side.bench.vllm_streams` recorded into its cache unless there already."""
+    from engine_side.bench import vllm_streams
+
+    files, scenarios = [], vllm_streams.known_scenarios()
+    for name in names:
+        if name.endswith(".dcobj"):
+            if not Path(name).is_file():
+                raise ValueError(f"no such object stream: {name}")
+            files.append(name)
+        elif name in scenarios:
+            files.append(str(vllm_streams.record(vllm_streams.DEFAULT_CACHE, [name])[name]))
+        else:
+            raise ValueError(f"{name!r} is neither an object stream (*.dcobj) nor one of "
+                             f"the recorded scenarios: {', '.join(sorted(scenarios))}")
+    return tuple(files)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -456,9 +475,10 @@ def main(argv: list[str] | None = None) -> int:
         return sender_main(p.parse_args(argv[1:]))
     p.add_argument("--running", default="256,4096",
                    help="synthetic streams' running requests, comma-separated (may be empty)")
-    p.add_argument("--streams", default="", metavar="FILE,FILE",
-                   help="also replay these recorded object streams (*.dcobj, recorded by "
-                        "engine_side.bench.vllm_streams, e.g. out/objstreams/online256.dcobj)")
+    p.add_argument("--streams", default="", metavar="NAME,FILE",
+                   help="also replay recorded vLLM runs: scenarios of engine_side.bench."
+                        "vllm_streams (e.g. online256; recorded into out/objstreams unless "
+                        "there) or object stream files (*.dcobj)")
     p.add_argument("--steps", type=int, default=1000, help="steps per stream")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--spin-ms", type=float, default=None,
@@ -478,11 +498,10 @@ def main(argv: list[str] | None = None) -> int:
     from engine_side.bench.page_tables import write_figures
 
     started = figures.stamp()
-    streams = tuple(filter(None, args.streams.split(",")))
-    missing = [f for f in streams if not Path(f).is_file()]
-    if missing:
-        print(f"vllm_link: no such object stream: {', '.join(missing)} (record one with "
-              "python -m engine_side.bench.vllm_streams --only NAME)", file=sys.stderr)
+    try:
+        streams = _stream_files(filter(None, args.streams.split(",")))
+    except (RuntimeError, ValueError) as exc:
+        print(f"vllm_link: {exc}", file=sys.stderr)
         return 2
     doc = run([int(x) for x in args.running.split(",") if x], args.steps, args.rounds,
               args.check, args.spin_ms, streams=streams)
