@@ -16,6 +16,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed")
 from engine_side.bench import netns, vllm_link  # noqa: E402
 from engine_side.bench.figures import envelope_problems  # noqa: E402
 from engine_side.bench.page_link import from_link  # noqa: E402
+from engine_side.bench.vllm_streams import stream_files  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 RUNNING, STEPS = 16, 20
@@ -94,9 +95,9 @@ def test_streams_name_a_recording_or_a_scenario(tmp_path: Path) -> None:
     """``--streams`` takes object stream files and scenario names; anything else is a
     clear error, before any namespace is made."""
     path = _recording(tmp_path)
-    assert vllm_link._stream_files([str(path)]) == (str(path),)
+    assert stream_files([str(path)]) == (str(path),)
     with pytest.raises(ValueError, match="no such object stream"):
-        vllm_link._stream_files([str(tmp_path / "missing.dcobj")])
+        stream_files([str(tmp_path / "missing.dcobj")])
     with pytest.raises(ValueError, match="neither an object stream"):
-        vllm_link._stream_files(["online9999"])
+        stream_files(["online9999"])
     assert vllm_link.main(["--streams", "online9999"]) == 2

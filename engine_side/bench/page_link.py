@@ -38,6 +38,7 @@ def from_link(doc: dict[str, Any]) -> Fields:
     first = "; ".join(f"{w['workload']}-{w['running']} {round(w['ours_first_tx_bytes']):,} / "
                       f"{round(w['vllm_first_tx_bytes']):,} B" for w in rows)
     spin = "?" if doc.get("spin_ms") is None else f"{doc['spin_ms']:g} ms"
+    floor = doc.get("floor")
     notes = [f"{doc['rounds']} rounds, alternating which path goes first, after one "
              "untimed warm-up run of each; each cell is the median over rounds of the "
              "run's median (or p99) over its steps; the ratios are the medians of the "
@@ -63,6 +64,12 @@ def from_link(doc: dict[str, Any]) -> Fields:
              f"Link: {doc['link']}; both hosts share the machine's 2 cores. Our rank's spin "
              f"after each answer: {spin} (the executor tells remote ranks not to spin); "
              "vLLM's remote reader blocks in poll, as vLLM's does."]
+    if floor:
+        m = {k: round(v["median_us"]) for k, v in floor["modes"].items()}
+        notes.append(f"The transport's floor (--floor; engine_side/bench/link_floor.py: no "
+                     f"deltacast code, {floor['bytes']} B a step, median): one plain TCP hop "
+                     f"{m['plain']} µs, one CURVE hop {m['curve']} µs, CURVE to a relay "
+                     f"process then a node ring and doorbell {m['relayed']} µs.")
     return {"name": "vllm_link", "title": "Across two hosts: step latency, deltacast's "
                                           "channel against vLLM's MessageQueue",
             "what": "Synthetic vLLM steps (steady decode and churn at 256 and 4096 running "

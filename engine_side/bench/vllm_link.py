@@ -55,7 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -439,25 +439,6 @@ def run(running: list[int], steps: int, rounds: int, check: bool = False,
             "summary": summary(runs)}
 
 
-def _stream_files(names: Iterable[str]) -> tuple[str, ...]:
-    """``--streams``: object stream files (*.dcobj) as they are, scenario names of
-    :mod:`engine_side.bench.vllm_streams` recorded into its cache unless there already."""
-    from engine_side.bench import vllm_streams
-
-    files, scenarios = [], vllm_streams.known_scenarios()
-    for name in names:
-        if name.endswith(".dcobj"):
-            if not Path(name).is_file():
-                raise ValueError(f"no such object stream: {name}")
-            files.append(name)
-        elif name in scenarios:
-            files.append(str(vllm_streams.record(vllm_streams.DEFAULT_CACHE, [name])[name]))
-        else:
-            raise ValueError(f"{name!r} is neither an object stream (*.dcobj) nor one of "
-                             f"the recorded scenarios: {', '.join(sorted(scenarios))}")
-    return tuple(files)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -486,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
                         "remote ranks do not spin)")
     p.add_argument("--check", action="store_true",
                    help="compare every step the rank holds with the original")
+    p.add_argument("--floor", action="store_true",
+                   help="also measure the transport's floor, no deltacast code on the path "
+                        "(engine_side/bench/link_floor.py)")
     p.add_argument("--json", default="", help="write the raw document here")
     p.add_argument("--figures", default="", metavar="FILE",
                    help="write the figures envelope BENCHMARKS.md is made from")
@@ -499,12 +483,18 @@ def main(argv: list[str] | None = None) -> int:
 
     started = figures.stamp()
     try:
-        streams = _stream_files(filter(None, args.streams.split(",")))
+        from engine_side.bench.vllm_streams import stream_files
+
+        streams = stream_files(filter(None, args.streams.split(",")))
     except (RuntimeError, ValueError) as exc:
         print(f"vllm_link: {exc}", file=sys.stderr)
         return 2
     doc = run([int(x) for x in args.running.split(",") if x], args.steps, args.rounds,
               args.check, args.spin_ms, streams=streams)
+    if args.floor:
+        from engine_side.bench import link_floor
+
+        doc["floor"] = link_floor.run()
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1))

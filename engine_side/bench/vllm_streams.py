@@ -115,6 +115,23 @@ def record(cache: Path, names: Sequence[str], fresh: bool = False,
     return paths
 
 
+def stream_files(names: Iterable[str]) -> tuple[str, ...]:
+    """Object stream files for ``names``: files (*.dcobj) as they are, scenario names
+    recorded into DEFAULT_CACHE unless there already; ValueError for anything else."""
+    files, scenarios = [], known_scenarios()
+    for name in names:
+        if name.endswith(".dcobj"):
+            if not Path(name).is_file():
+                raise ValueError(f"no such object stream: {name}")
+            files.append(name)
+        elif name in scenarios:
+            files.append(str(record(DEFAULT_CACHE, [name])[name]))
+        else:
+            raise ValueError(f"{name!r} is neither an object stream (*.dcobj) nor one of "
+                             f"the recorded scenarios: {', '.join(sorted(scenarios))}")
+    return tuple(files)
+
+
 def load(path: Path) -> tuple[dict[str, Any], Messages]:
     """(meta, records) of an object stream."""
     from engine_side.bench.objstream import read_stream
