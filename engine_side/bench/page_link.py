@@ -51,13 +51,11 @@ def from_link(doc: dict[str, Any]) -> Fields:
              "has answered (ours: its K reply on the DEALER; vLLM: an empty message on a "
              "plain TCP ZMQ socket).",
              "decode-N: N requests in steady decode, all joining in the first step; "
-             "churn-N: one request finishes and one (500 prompt tokens) joins every step. "
-             "One step = one request-path message (execute_model; these streams have no "
-             "sample_tokens)." + (
-                 f" {', '.join(doc['streams'])}-N: the object stream recorded from a real "
-                 "vLLM run (engine_side/bench/vllm_streams.py), N its median running "
-                 "requests; its steps are execute_model and sample_tokens messages."
-                 if doc.get("streams") else ""),
+             "churn-N: one request finishes and one (500 prompt tokens) joins every step" + (
+                 f"; {', '.join(doc['streams'])}-N: a recorded vLLM run (vllm_streams), N "
+                 "its median running requests" if doc.get("streams") else "") + ". One "
+             "step = one request-path message (execute_model, and sample_tokens in "
+             "recorded runs).",
              "Bytes: the engine host's veth tx bytes over a run ÷ steps (Ethernet, IP and TCP "
              "headers and TCP acks included; ours CURVE-encrypted, vLLM's plain); the first "
              f"step alone (every request joining), ours / vLLM's: {first}.",
@@ -73,12 +71,13 @@ def from_link(doc: dict[str, Any]) -> Fields:
     return {"name": "vllm_link", "title": "Across two hosts: step latency, deltacast's "
                                           "channel against vLLM's MessageQueue",
             "what": "Synthetic vLLM steps (steady decode and churn at 256 and 4096 running "
-                    "requests) from an engine in one network namespace to one rank in another over "
-                    "a veth pair at 1 Gbit/s: deltacast's encoder, CURVE ROUTER → the node's relay "
-                    "(a process of its own) → the node's step ring (the rank woken by its doorbell "
-                    "FIFO), and decoder, against vLLM's MessageQueue with a remote (TCP) reader "
-                    "carrying the pickled execute_model RPC; per-step latency until the rank holds "
-                    "the step (median, p99 µs) and bytes on the wire.",
+                    "requests) and recorded vLLM runs from an engine in one network namespace "
+                    "to one rank in another over a veth pair at 1 Gbit/s: deltacast's encoder, "
+                    "CURVE ROUTER → the node's relay (a process of its own) → the node's step "
+                    "ring (the rank woken by its doorbell FIFO), and decoder, against vLLM's "
+                    "MessageQueue with a remote (TCP) reader carrying the pickled execute_model "
+                    "RPC; per-step latency until the rank holds the step (median, p99 µs) and "
+                    "bytes on the wire.",
             "columns": ["workload", "running", "steps", "ours median µs", "vLLM median µs",
                         "median ÷ vLLM", "ours p99 µs", "vLLM p99 µs", "p99 ÷ vLLM",
                         "ours B/step", "vLLM B/step", "× fewer B", "slower on"],
