@@ -18,3 +18,9 @@ def test_every_path_carries_every_step() -> None:
     for mode, figures in doc["modes"].items():
         assert 0 < figures["median_us"] <= figures["p99_us"], mode
         assert len(figures["medians_us"]) == 1, mode
+
+
+def test_too_few_steps_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="at least 10 steps"):
+        link_floor.run(steps=5, rounds=1)
+    assert link_floor.main(["--steps", "5"]) == 2

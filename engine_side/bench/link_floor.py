@@ -170,8 +170,10 @@ def _relayed_reader(ctx: zmq.Context[zmq.Socket[bytes]], addr: str, server_key: 
 
 def run(steps: int = 2000, rounds: int = 2) -> dict[str, Any]:
     """Every mode, ``rounds`` times in turn, in fresh namespaces: per mode the medians
-    over rounds of each run's median and p99 (µs), the first 100 steps of a run left out
-    (warm-up)."""
+    over rounds of each run's median and p99 (µs), a run's first tenth (at most 100
+    steps) left out as its warm-up."""
+    if steps < 10 or rounds < 1:
+        raise ValueError("link_floor: at least 10 steps and 1 round")
     public, secret = zmq.curve_keypair()
     runs: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
     with netns.two_hosts("f") as (a, b):
@@ -192,7 +194,7 @@ def run(steps: int = 2000, rounds: int = 2) -> dict[str, Any]:
                     if rdr.poll() is None:
                         rdr.kill()
                         rdr.wait()
-                lat = sorted(json.loads(out.stdout)[100:])
+                lat = sorted(json.loads(out.stdout)[min(100, steps // 10):])
                 runs[mode].append((statistics.median(lat), lat[int(0.99 * (len(lat) - 1))]))
     return {"steps": steps, "rounds": rounds, "bytes": len(MESSAGE),
             "modes": {m: {"median_us": statistics.median(r[0] for r in runs[m]),
@@ -216,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
     reason = netns.unavailable()
-    if reason:
-        print(f"link_floor: {reason}", file=sys.stderr)
+    if reason or args.steps < 10 or args.rounds < 1:
+        print(f"link_floor: {reason or 'at least 10 steps and 1 round'}", file=sys.stderr)
         return 2
     print(json.dumps(run(args.steps, args.rounds), indent=1))
     return 0

@@ -4,7 +4,7 @@
 
     .venv/bin/python -m engine_side.bench.vllm_link --json out/vllm_link.json \\
         --figures docs/benchmarks/vllm_link.json [--steps N] [--running 256,4096] \\
-        [--streams out/objstreams/online256.dcobj]
+        [--streams online256] [--floor]
 
 Two network namespaces joined by a veth pair shaped to 1 Gbit/s (:mod:`engine_side.bench.
 netns`; ``tbf`` only: this kernel has no ``netem``, so no added delay; needs root) stand
