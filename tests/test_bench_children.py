@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -63,6 +65,23 @@ def _pids(path: Path, within: float = 60.0) -> list[int]:
     return pids
 
 
+@contextmanager
+def _reaped(proc: subprocess.Popen[bytes]) -> Iterator[subprocess.Popen[bytes]]:
+    """``proc``, killed and reaped when the test leaves it running."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _stopped_with(proc: subprocess.Popen[bytes], started: list[int]) -> None:
+    """``proc`` exits as SIGTERM makes it (status 143), and ``started`` are gone."""
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    assert _gone(started, within=5), f"left running: {[p for p in started if _alive(p)]}"
+
+
 @pytest.fixture
 def child(tmp_path: Path) -> dict[str, str]:
     (tmp_path / "bench_child.py").write_text(_CHILD)
@@ -103,19 +122,13 @@ def test_sigterm_to_the_benchmark_stops_its_child_group(
     killed after the grace period, and a second SIGTERM meanwhile does not cut that
     short."""
     out, pids = tmp_path / "out.json", tmp_path / "pids"
-    bench = _bench(pids, out, mode, child)
-    try:
+    with _reaped(_bench(pids, out, mode, child)) as bench:
         started = _pids(pids)
         bench.send_signal(signal.SIGTERM)
         if mode == "stubborn":
             time.sleep(1.0)
             bench.send_signal(signal.SIGTERM)
-        assert bench.wait(60) == 128 + signal.SIGTERM
-        assert _gone(started, within=5), f"left running: {[p for p in started if _alive(p)]}"
-    finally:
-        if bench.poll() is None:
-            bench.kill()
-            bench.wait()
+        _stopped_with(bench, started)
 
 
 def _children(pid: int) -> list[int]:
@@ -132,19 +145,13 @@ def _children(pid: int) -> list[int]:
 
 
 def test_sigterm_to_a_fuzz_campaign_stops_its_shards() -> None:
-    campaign = subprocess.Popen(
-        [sys.executable, "-m", "engine_side.bench.fuzz", "--cases", "10000000", "--jobs", "2"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
-    try:
+    with _reaped(subprocess.Popen(
+            [sys.executable, "-m", "engine_side.bench.fuzz", "--cases", "10000000",
+             "--jobs", "2"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})) as campaign:
         deadline = time.monotonic() + 60
         while len(shards := _children(campaign.pid)) < 2:
             assert time.monotonic() < deadline, "the campaign started no shards"
             time.sleep(0.1)
         campaign.send_signal(signal.SIGTERM)
-        assert campaign.wait(60) == 128 + signal.SIGTERM
-        assert _gone(shards, within=5), f"left running: {[p for p in shards if _alive(p)]}"
-    finally:
-        if campaign.poll() is None:
-            campaign.kill()
-            campaign.wait()
+        _stopped_with(campaign, shards)
