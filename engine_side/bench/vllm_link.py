@@ -254,7 +254,7 @@ def sender_main(args: argparse.Namespace) -> int:
                 for path in order:
                     spec = {"workload": w, "running": n, "steps_arg": args.steps, "round": r,
                             "check": args.check, "stream": recording}
-                    run = summarise_run(s.run(path, msgs, spec))
+                    run = summarise_run(s.run(path, msgs, spec), [k for k, _ in msgs])
                     runs.append(run)
                     print(f"vllm_link: round {r} {w}-{n} {path}: median "
                           f"{run['median_us']:,.0f} µs, p99 {run['p99_us']:,.0f} µs, "
@@ -374,8 +374,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def summarise_run(run: dict[str, Any]) -> dict[str, Any]:
+def summarise_run(run: dict[str, Any], kinds: list[str] | None = None) -> dict[str, Any]:
+    """A run's figures.  A step is an ``execute_model`` message: with ``kinds`` (each
+    message's), the ``sample_tokens`` messages that follow steps are not timed, and
+    their bytes count in their step's."""
     lat = [(h - s) / 1e3 for s, h in zip(run.pop("starts"), run.pop("holds"), strict=True)]
+    if kinds is not None:
+        lat = [x for x, kind in zip(lat, kinds, strict=True) if kind == "execute_model"]
+        run["steps"] = len(lat)
     run.pop("steps_arg", None)
     return {**run, "latency_us": [round(x, 1) for x in lat],
             "median_us": statistics.median(lat), "p99_us": percentile(lat, 99),

@@ -78,8 +78,10 @@ class Online:
     tags: tuple[str, ...] = field(default=())
 
     def engine_kwargs(self) -> dict[str, Any]:
-        return {**COMMON, "max_model_len": self.max_model_len,
-                "max_num_seqs": max(self.target + 8, self.target * 3 // 2),
+        seqs = max(self.target + 8, self.target * 3 // 2)
+        return {**COMMON, "max_model_len": self.max_model_len, "max_num_seqs": seqs,
+                # (vLLM wants at least a token a sequence in a step)
+                **({"max_num_batched_tokens": seqs} if seqs > 2048 else {}),
                 "enable_prefix_caching": bool(self.prefix)}
 
     @property
@@ -122,12 +124,14 @@ ONLINE: dict[str, Online] = {o.name: o for o in (
     _online("online256", 256, 200, seed=13),
     _online("online64_prefix", 64, 200, seed=14, prefix=256, max_model_len=1024),
     _online("online64_async", 64, 200, seed=15, async_scheduling=True),
+    # a server at thousands of requests, for the two-host latency benchmark (vllm_link)
+    _online("online4096", 4096, 300, seed=16, tags=("link",)),
     # short runs for the committed golden corpus (tests/golden/streams)
     _online("golden16", 16, 70, seed=21, **_G),
     _online("golden16_prefix", 16, 70, seed=22, prefix=96, **_G),
     _online("golden16_async", 16, 70, seed=23, async_scheduling=True, **_G),
 )}
-ALL = (*SCENARIOS, *(n for n, o in ONLINE.items() if "golden" not in o.tags))
+ALL = (*SCENARIOS, *(n for n, o in ONLINE.items() if not o.tags))
 
 
 # ---------------------------------------------------------------- churn statistics
