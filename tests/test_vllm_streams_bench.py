@@ -146,8 +146,7 @@ def test_the_page_converter_reads_the_document() -> None:
     digested = env["columns"].index("+ digest ÷ vLLM")
     assert rows["decode"][digested] == rows["all recorded"][digested] == pytest.approx(1.2)
     named = {t["target"]: t for t in env["targets"]}
-    assert ("online64: median µs ÷ vLLM (bare pickle: 2.5; minimal stateful channel: 0.9; "
-            "with a digest: 1.2)") in named
+    assert "online64: median µs ÷ vLLM (bare: 2.5; minimal: 0.9; + digest: 1.2)" in named
     assert "all recorded: × fewer request bytes" in named  # no bracket without figures
     assert env["raw"] is doc
 

@@ -349,8 +349,8 @@ def from_streams(doc: dict[str, Any]) -> Fields:
              "step against vLLM's serializer's (all recorded: summed); + digest: the same "
              "keeping a state digest of deltacast's terms on both ends.",
              "Targets are judged against vLLM's serializer; the ratios against bare pickle "
-             "and of the minimal stateful channel (without and with a digest) follow each "
-             "in brackets."]
+             "(bare) and of the minimal stateful channel without and with a digest (minimal, "
+             "+ digest) follow each in brackets."]
     if checks:
         notes.append(f"{len(checks)} streams checked: {sum(c['records'] for c in checks):,} "
                      "messages decoded and compared with the originals, "
@@ -380,8 +380,7 @@ def from_streams(doc: dict[str, Any]) -> Fields:
 def _beside(target: dict[str, Any]) -> str:
     """A stream target's bare-pickle and minimal-channel ratios, in brackets."""
     parts = [f"{label}: {_cell(target[key])}" for key, label in
-             (("bare", "bare pickle"), ("minimal", "minimal stateful channel"),
-              ("digested", "with a digest"))
+             (("bare", "bare"), ("minimal", "minimal"), ("digested", "+ digest"))
              if target.get(key) is not None]
     return f" ({'; '.join(parts)})" if parts else ""
 
