@@ -52,14 +52,15 @@ def from_link(doc: dict[str, Any]) -> Fields:
              "plain TCP ZMQ socket).",
              "decode-N: N requests in steady decode, all joining in the first step; "
              "churn-N: one request finishes and one (500 prompt tokens) joins every step" + (
-                 f"; {', '.join(doc['streams'])}-N: a recorded vLLM run (vllm_streams), N "
+                 f"; {', '.join(f'{n}-N' for n in doc['streams'])}: a recorded vLLM run "
+                 "(vllm_streams), N "
                  "its median running requests, joins and leaves as the server had them; the "
                  "sample_tokens message after each of its steps rides along (checked, its "
                  "bytes in its step's, not timed)" if doc.get("streams") else "") + ". One "
              "step = one execute_model message.",
              "Bytes: the engine host's veth tx bytes over a run ÷ steps (Ethernet, IP and TCP "
              "headers and TCP acks included; ours CURVE-encrypted, vLLM's plain); the first "
-             f"step alone (every request joining), ours / vLLM's: {first}.",
+             f"step alone (synthetic: every request joining), ours / vLLM's: {first}.",
              f"Link: {doc['link']}; both hosts share the machine's 2 cores. Our rank's spin "
              f"after each answer: {spin} (the executor tells remote ranks not to spin); "
              "vLLM's remote reader blocks in poll, as vLLM's does."]
