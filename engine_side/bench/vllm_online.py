@@ -76,12 +76,13 @@ class Online:
     async_scheduling: bool = False
     max_model_len: int = 512
     tags: tuple[str, ...] = field(default=())
+    batched_tokens: int = 0  # max_num_batched_tokens (0: vLLM's; at least max_num_seqs)
 
     def engine_kwargs(self) -> dict[str, Any]:
-        seqs = max(self.target + 8, self.target * 3 // 2)
-        return {**COMMON, "max_model_len": self.max_model_len, "max_num_seqs": seqs,
-                # (vLLM wants at least a token a sequence in a step)
-                **({"max_num_batched_tokens": seqs} if seqs > 2048 else {}),
+        return {**COMMON, "max_model_len": self.max_model_len,
+                "max_num_seqs": max(self.target + 8, self.target * 3 // 2),
+                **({"max_num_batched_tokens": self.batched_tokens}
+                   if self.batched_tokens else {}),
                 "enable_prefix_caching": bool(self.prefix)}
 
     @property
@@ -125,7 +126,7 @@ ONLINE: dict[str, Online] = {o.name: o for o in (
     _online("online64_prefix", 64, 200, seed=14, prefix=256, max_model_len=1024),
     _online("online64_async", 64, 200, seed=15, async_scheduling=True),
     # a server at thousands of requests, for the two-host latency benchmark (vllm_link)
-    _online("online4096", 4096, 300, seed=16, tags=("link",)),
+    _online("online4096", 4096, 300, seed=16, batched_tokens=6144, tags=("link",)),
     # short runs for the committed golden corpus (tests/golden/streams)
     _online("golden16", 16, 70, seed=21, **_G),
     _online("golden16_prefix", 16, 70, seed=22, prefix=96, **_G),
