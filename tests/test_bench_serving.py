@@ -1,5 +1,5 @@
 """The serving-latency benchmark's arrivals, latencies and table, and the benchmarks' list
-options (no vLLM needed)."""
+options and percentiles (no vLLM needed)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine_side.bench.page_serving import from_serving
-from engine_side.bench.vllm_scenarios import listed
+from engine_side.bench.vllm_scenarios import listed, percentile
 from engine_side.bench.vllm_serving import arrivals, latencies
 from protocol.cli_support import int_in
 
@@ -75,3 +75,12 @@ def test_listed_parses_comma_separated_values_and_refuses_repeats(values: list[i
             parse(text)
     with pytest.raises(argparse.ArgumentTypeError):
         parse(text + ",51")
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=200), st.floats(0.1, 100))
+def test_percentile_is_the_nearest_rank(values: list[float], q: float) -> None:
+    """The smallest value with at least q% of the values at or below it."""
+    got = percentile(values, q)
+    assert got in values
+    assert sum(v <= got for v in values) >= q / 100 * len(values)
+    assert sum(v < got for v in values) < q / 100 * len(values)

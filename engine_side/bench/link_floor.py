@@ -37,6 +37,7 @@ from typing import Any
 import zmq
 
 from engine_side.bench import netns
+from engine_side.bench.vllm_scenarios import percentile
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = "engine_side.bench.link_floor"
@@ -194,8 +195,8 @@ def run(steps: int = 2000, rounds: int = 2) -> dict[str, Any]:
                     if rdr.poll() is None:
                         rdr.kill()
                         rdr.wait()
-                lat = sorted(json.loads(out.stdout)[min(100, steps // 10):])
-                runs[mode].append((statistics.median(lat), lat[int(0.99 * (len(lat) - 1))]))
+                lat = json.loads(out.stdout)[min(100, steps // 10):]
+                runs[mode].append((statistics.median(lat), percentile(lat, 99)))
     return {"steps": steps, "rounds": rounds, "bytes": len(MESSAGE),
             "modes": {m: {"median_us": statistics.median(r[0] for r in runs[m]),
                           "p99_us": statistics.median(r[1] for r in runs[m]),

@@ -47,7 +47,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import math
 import multiprocessing
 import os
 import statistics
@@ -62,6 +61,7 @@ from typing import Any
 import zmq
 
 from engine_side.bench import netns
+from engine_side.bench.vllm_scenarios import percentile
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = "engine_side.bench.vllm_link"
@@ -368,12 +368,6 @@ def _serve(args: argparse.Namespace, ctx: zmq.Context[Any], ctl: zmq.Socket[byte
 
 
 # ---------------------------------------------------------------- figures
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile ``q`` (0-100)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
 def summarise_run(run: dict[str, Any], kinds: list[str] | None = None) -> dict[str, Any]:
     """A run's figures.  A step is an ``execute_model`` message: with ``kinds`` (each
     message's), the ``sample_tokens`` messages that follow steps are not timed, and

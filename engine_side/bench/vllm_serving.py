@@ -31,7 +31,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine_side.bench.vllm_scenarios import build_tiny_model, listed, run_child, tree_cpu
+from engine_side.bench.vllm_scenarios import (
+    build_tiny_model,
+    listed,
+    percentile,
+    run_child,
+    tree_cpu,
+)
 from protocol.cli_support import float_in, int_in
 
 DEFAULT_MODEL = Path("/tmp/deltacast-tiny-llama")
@@ -60,11 +66,6 @@ def latencies(arrived: dict[str, float], token_times: dict[str, list[float]],
             ttft.append(times[0] - arrived[rid])
             itl += [b - a for a, b in zip(times, times[1:], strict=False)]
     return ttft, itl
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def serve(llm: Any, plan: list[tuple[float, list[int], int]]) -> dict[str, Any]:
@@ -106,8 +107,8 @@ def serve(llm: Any, plan: list[tuple[float, list[int], int]]) -> dict[str, Any]:
     return {"seconds": elapsed, "steps": steps, "tokens": tokens, "tok_s": tokens / elapsed,
             "cpu_ms_per_token": 1e3 * cpu / tokens,
             "complete": sum(counts[str(i)] == n for i, (_, _, n) in enumerate(plan)),
-            "ttft_ms": {"p50": 1e3 * _percentile(ttft, 0.5), "p99": 1e3 * _percentile(ttft, 0.99)},
-            "itl_ms": {"p50": 1e3 * _percentile(itl, 0.5), "p99": 1e3 * _percentile(itl, 0.99)}}
+            "ttft_ms": {"p50": 1e3 * percentile(ttft, 50), "p99": 1e3 * percentile(ttft, 99)},
+            "itl_ms": {"p50": 1e3 * percentile(itl, 50), "p99": 1e3 * percentile(itl, 99)}}
 
 
 def child(args: argparse.Namespace) -> int:
