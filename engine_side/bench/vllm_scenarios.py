@@ -270,6 +270,19 @@ def listed(one: Callable[[str], T]) -> Callable[[str], list[T]]:
     return parse
 
 
+def add_run_options(parser: argparse.ArgumentParser, name: str,
+                    executors: Sequence[str]) -> None:
+    """The options of a benchmark that runs each executor in a child of its own: its
+    work directory, result document and figures, and the child's (hidden) two."""
+    parser.add_argument("--work-dir", default=f"/tmp/deltacast-{name}")
+    parser.add_argument("--json", default="", help="write the result document here")
+    parser.add_argument("--figures", default="", metavar="FILE",
+                        help="also write the figures envelope for BENCHMARKS.md here "
+                             f"(docs/benchmarks/vllm_{name}.json)")
+    parser.add_argument("--executor", choices=executors, help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile ``q`` (0-100) of ``values`` (not empty)."""
     ordered = sorted(values)

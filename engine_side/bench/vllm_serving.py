@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_side.bench.vllm_scenarios import (
+    add_run_options,
     build_tiny_model,
     listed,
     percentile,
@@ -199,13 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-running", type=int_in(1), default=256,
                    help="vLLM's max_num_seqs")
     p.add_argument("--rounds", type=int_in(1), default=5)
-    p.add_argument("--work-dir", default="/tmp/deltacast-serving")
-    p.add_argument("--json", default="", help="write the result document here")
-    p.add_argument("--figures", default="", metavar="FILE",
-                   help="also write the figures envelope for BENCHMARKS.md here "
-                        "(docs/benchmarks/vllm_serving.json)")
-    p.add_argument("--executor", choices=EXECUTORS, help=argparse.SUPPRESS)
-    p.add_argument("--child-out", help=argparse.SUPPRESS)
+    add_run_options(p, "serving", EXECUTORS)
     args = p.parse_args(argv)
     if args.executor:
         return child(args)

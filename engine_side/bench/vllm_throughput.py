@@ -34,7 +34,14 @@ from typing import Any
 
 from engine_side.bench.figures import stamp
 from engine_side.bench.page_tables import write_figures
-from engine_side.bench.vllm_scenarios import build_tiny_model, listed, run_child, text, tree_cpu
+from engine_side.bench.vllm_scenarios import (
+    add_run_options,
+    build_tiny_model,
+    listed,
+    run_child,
+    text,
+    tree_cpu,
+)
 from protocol.cli_support import int_in
 
 DEFAULT_MODEL = Path("/tmp/deltacast-tiny-llama")
@@ -157,13 +164,7 @@ def main() -> int:
                         "(default 0,16,64)")
     p.add_argument("--repeats", type=int, default=2, help="timed generates per process")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--work-dir", default="/tmp/deltacast-throughput")
-    p.add_argument("--json", default="", help="write the result document here")
-    p.add_argument("--figures", default="", metavar="FILE",
-                   help="also write the figures envelope for BENCHMARKS.md here "
-                        "(docs/benchmarks/vllm_throughput.json)")
-    p.add_argument("--executor", choices=EXECUTORS, help=argparse.SUPPRESS)
-    p.add_argument("--child-out", help=argparse.SUPPRESS)
+    add_run_options(p, "throughput", EXECUTORS)
     args = p.parse_args()
     if args.executor:
         return child(args)
