@@ -385,3 +385,62 @@ def test_a_key_the_engine_does_not_know_is_refused_with_a_reason(
                 break
             time.sleep(0.05)
         assert relay.failure and "refused this node's CURVE key" in relay.failure
+
+
+def test_a_malformed_message_from_the_engine_is_dropped_and_the_next_call_relayed(
+        tmp_path: Path, keys: Path, engine: Engine, capfd: pytest.CaptureFixture[str]) -> None:
+    """What the relay cannot take (two frames; a relayed message of a target and nothing
+    for it; not a relayed message at all) is dropped and said once each on stderr; the
+    relay carries on with the engine's next call."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    with _relay(tmp_path, engine, _node_curve(keys)) as relay:
+        (two,) = _ranks(ctx, relay, [b"2"])
+        _hello(two)
+        assert engine.recv()[:2] == [b"2", wire.HELLO]
+        route = engine.remote._routes[1]
+        engine.remote.broadcast(engine.sock, [])  # every rank, and no frame for them
+        engine.remote.send(engine.sock, 2, [])
+        engine.sock.send_multipart([route, b"\xff\xff"])
+        engine.sock.send_multipart([route, wire.pack_relayed([b"2", b"x"]), b"y"])
+        call = [wire.call_head(wire.EXECUTE, 1, [b"body"]), b"body"]
+        engine.remote.broadcast(engine.sock, call)
+        assert _got(two) == call
+        assert not two.poll(100)  # nothing else reached the rank
+        assert relay.relayed == 1 and relay.failure is None  # the call alone
+        two.close(linger=0)
+    ctx.term()
+    err = capfd.readouterr().err
+    assert err.count("dropped a malformed message from the engine") == 4, err
+
+
+def test_a_fault_of_the_relay_itself_fails_it_and_drops_its_ranks_links(
+        tmp_path: Path, keys: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in the relay's thread (here: reading a message raises) must not leave its
+    ranks waiting on a relay that relays nothing: the relay fails with the error, and
+    each rank's link drops (so it exits, and the node with it)."""
+    import worker_side.vllm.relay as relay_module
+
+    def broken(payload: Any) -> list[memoryview]:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(relay_module, "unpack_relayed", broken)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    with _relay(tmp_path, engine, _node_curve(keys)) as relay:
+        (two,) = _ranks(ctx, relay, [b"2"])
+        monitor = two.get_monitor_socket()
+        try:
+            _hello(two)
+            assert engine.recv()[:2] == [b"2", wire.HELLO]
+            engine.remote.broadcast(engine.sock, [wire.call_head(wire.EXECUTE, 1, []), b""])
+            events = []
+            while monitor.poll(2000):
+                events.append(recv_monitor_message(monitor)["event"])
+                if zmq.EVENT_DISCONNECTED in events:
+                    break
+            assert zmq.EVENT_DISCONNECTED in events
+            assert relay.failure == "stopped by an internal error (RuntimeError: a bug)"
+        finally:
+            two.disable_monitor()
+            monitor.close(linger=0)
+            two.close(linger=0)
+    ctx.term()

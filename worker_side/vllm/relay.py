@@ -35,6 +35,7 @@ import contextlib
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,17 @@ class Relay:
 
     # ------------------------------------------------------------ the relay's thread
     def _run(self) -> None:
+        # A fault of the relay's own must not leave its ranks waiting on a relay that
+        # relays no more (they would outlive the engine): it fails as a lost link does.
+        try:
+            self._relay()
+        except Exception as exc:
+            traceback.print_exc()
+            self._fail(f"stopped by an internal error ({type(exc).__name__}: {exc})")
+        if self.failure is not None:
+            self._down.close(linger=0)  # each rank's link drops: it exits
+
+    def _relay(self) -> None:
         poller = zmq.Poller()
         for sock in (self._up, self._down, self._monitor, self._wake):
             poller.register(sock, zmq.POLLIN)
@@ -128,8 +140,6 @@ class Relay:
                                f"this node's hello in {WELCOME_S:.0f} s: node {self.node} is "
                                "already connected (one session per key), or the engine is "
                                "not waiting for it")
-        if self.failure is not None:
-            self._down.close(linger=0)  # each rank's link drops: it exits
 
     def _from_engine(self) -> None:
         while True:
@@ -141,6 +151,8 @@ class Relay:
                 if len(message) != 1:
                     raise MalformedMessage("a relayed message is one frame")
                 target, *frames = unpack_relayed(message[0].buffer)
+                if not frames:
+                    raise MalformedMessage("a relayed message with nothing for its ranks")
             except MalformedMessage as exc:  # (the engine's fault: CURVE vouches for it)
                 print(f"deltacast node {self.node}: dropped a malformed message from the "
                       f"engine ({exc})", file=sys.stderr, flush=True)
