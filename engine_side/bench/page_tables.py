@@ -215,8 +215,8 @@ def from_mm(rows: Sequence[dict[str, Any]]) -> Fields:
             "notes": [f"Median of {'/'.join(map(str, repeats))} repeats (fewer for more "
                       "images); one format at a time, workers drop everything between "
                       "formats.",
-                      "store_first writes into pages the store pre-faulted when it was made; "
-                      "memcpy's clone faults in fresh pages."],
+                      "memcpy copies into tensors written once beforehand, as store_first writes "
+                      "into pages the store faulted in when it was made."],
             "raw": list(rows)}
 
 
