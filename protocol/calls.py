@@ -127,11 +127,14 @@ def pack_relayed(frames: Sequence[Any]) -> bytes:
     """Several frames as one: their count (uint16), each one's length (uint32), then
     the frames, little-endian; between RELAY_DEFLATE_MIN and RELAY_DEFLATE_MAX bytes of
     frames, the lengths and frames deflated (zlib, level 1) behind their inflated size
-    (uint32) and the count's top bit, when that saves a tenth.  LocalProtocolError for
-    more than RELAY_FRAMES frames."""
+    (uint32) and the count's top bit, when that saves a tenth.  ``frames`` are a target
+    and what goes to it: LocalProtocolError for fewer than two, or more than RELAY_FRAMES."""
     if len(frames) > RELAY_FRAMES:
         raise LocalProtocolError("too many frames to relay", frames=len(frames),
                                  limit=RELAY_FRAMES)
+    if len(frames) < 2:
+        raise LocalProtocolError("a relayed message is a target and its frames",
+                                 frames=len(frames))
     lengths = [memoryview(f).nbytes for f in frames]
     head = struct.pack(f"<{len(lengths)}I", *lengths)
     size = len(head) + sum(lengths)  # inflated
@@ -146,7 +149,8 @@ def pack_relayed(frames: Sequence[Any]) -> bytes:
 
 def unpack_relayed(payload: Any) -> list[memoryview]:
     """The frames of a :func:`pack_relayed` payload (views into it, or into its
-    inflated bytes): at least one, at most RELAY_FRAMES; MalformedMessage if it is not one."""
+    inflated bytes): a target and at least one frame, at most RELAY_FRAMES in all;
+    MalformedMessage if it is not one."""
     view = memoryview(payload).cast("B")
     if len(view) < _RELAY_COUNT.size:
         raise MalformedMessage("a relayed message without its frame count", size=len(view))
@@ -156,7 +160,7 @@ def unpack_relayed(payload: Any) -> list[memoryview]:
         count &= ~_DEFLATED
         view = _inflate(view)
     at = 4 * count
-    if not 0 < count <= RELAY_FRAMES or at > len(view):
+    if not 1 < count <= RELAY_FRAMES or at > len(view):
         raise MalformedMessage("a relayed message's frame count is wrong", size=len(view))
     frames = []
     for length in struct.unpack_from(f"<{count}I", view):

@@ -35,7 +35,7 @@ WORLD = 4  # ranks 0, 1 here; 2, 3 on node 1
 
 
 _FRAMES = st.lists(st.binary(max_size=300) | st.builds(lambda n, b: b * n, st.integers(
-    0, 9000), st.binary(min_size=1, max_size=3)), min_size=1, max_size=64)
+    0, 9000), st.binary(min_size=1, max_size=3)), min_size=2, max_size=64)
 
 
 @given(_FRAMES)
@@ -56,9 +56,18 @@ def test_any_bytes_are_relayed_frames_or_malformed(payload: bytes) -> None:
         frames = wire.unpack_relayed(payload)
     except MalformedMessage:
         return
-    assert 0 < len(frames) <= wire.RELAY_FRAMES
+    assert 2 <= len(frames) <= wire.RELAY_FRAMES
     assert [bytes(f) for f in wire.unpack_relayed(wire.pack_relayed(frames))] == \
         [bytes(f) for f in frames]
+
+
+def test_a_relayed_message_is_a_target_and_at_least_one_frame() -> None:
+    for frames in ([], [b"*"]):
+        with pytest.raises(LocalProtocolError, match="a target and its frames"):
+            wire.pack_relayed(frames)
+        with pytest.raises(MalformedMessage, match="frame count"):
+            wire.unpack_relayed(struct.pack(f"<H{len(frames)}I", len(frames),
+                                             *map(len, frames)) + b"".join(frames))
 
 
 def test_a_deflated_message_that_claims_more_or_less_than_it_inflates_to_is_malformed() -> None:
@@ -398,8 +407,10 @@ def test_a_malformed_message_from_the_engine_is_dropped_and_the_next_call_relaye
         _hello(two)
         assert engine.recv()[:2] == [b"2", wire.HELLO]
         route = engine.remote._routes[1]
-        engine.remote.broadcast(engine.sock, [])  # every rank, and no frame for them
-        engine.remote.send(engine.sock, 2, [])
+        with pytest.raises(LocalProtocolError):  # the engine does not send one ...
+            engine.remote.broadcast(engine.sock, [])
+        for target in (wire.RELAY_ALL, b"2"):  # ... and the relay drops one: no frame
+            engine.sock.send_multipart([route, struct.pack("<HI", 1, 1) + target])
         engine.sock.send_multipart([route, b"\xff\xff"])
         engine.sock.send_multipart([route, wire.pack_relayed([b"2", b"x"]), b"y"])
         call = [wire.call_head(wire.EXECUTE, 1, [b"body"]), b"body"]

@@ -400,7 +400,9 @@ def test_relay_deflate_limits_as_stated(spec: str) -> None:
     assert (calls.RELAY_DEFLATE_MIN, calls.RELAY_DEFLATE_MAX) == (4 << 10, 4 << 20)
     assert "hold 4 KiB to 4 MiB (`RELAY_DEFLATE_MIN`, `RELAY_DEFLATE_MAX`)" in text
     assert "claims more than 4 MiB + 131,068 bytes" in text and calls.RELAY_FRAMES * 4 == 131068
-    assert "1 ≤ n+1 ≤ 32,767, `RELAY_FRAMES`" in text and calls.RELAY_FRAMES == 32767
+    assert "2 ≤ n+1 ≤ 32,767, `RELAY_FRAMES`" in text and calls.RELAY_FRAMES == 32767
+    with pytest.raises(calls.LocalProtocolError):  # the lower bound: a target and a frame
+        calls.pack_relayed([b"*"])
     assert "top bit (0x8000)" in text and calls._DEFLATED == 0x8000
 
 

@@ -101,7 +101,7 @@ class RemoteRanks:
                 raise MalformedMessage("a relay of no node, or of another node's key")
             frames = [bytes(f) for f in wire.unpack_relayed(parts[1].buffer)] \
                 if len(parts) == 2 else []
-            rank = wire.rank_of(frames[0], self.world_size) if len(frames) > 1 else None
+            rank = wire.rank_of(frames[0], self.world_size) if frames else None
             if rank is None or self.layout.node_of(rank, self.world_size) != node:
                 raise MalformedMessage("a relayed message from no rank of its node")
         except ProtocolError:
