@@ -229,7 +229,7 @@ def parse_hello(payload: bytes) -> dict[str, str]:
     each a string of at most 256 characters."""
     try:
         fields = json.loads(payload) if len(payload) <= 4096 else None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
         fields = None
     if not isinstance(fields, dict) or sorted(fields) != sorted(HELLO_FIELDS) or any(
             not isinstance(v, str) or len(v) > 256 for v in fields.values()):

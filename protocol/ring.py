@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from protocol.errors import MalformedMessage
+
 MAGIC = 0x676E_6952_6364  # "dcRing" (little-endian)
 VERSION = 1
 RING_FILE = "ring"
@@ -183,18 +185,19 @@ def pack_frames(frames: Sequence[Any]) -> list[Any]:
 
 
 def unpack_frames(payload: bytes) -> list[memoryview]:
-    """The frames of a MESSAGE payload (ValueError if it is not one)."""
+    """The frames of a MESSAGE payload (MalformedMessage if it is not one)."""
     view = memoryview(payload)
     if len(view) < 4:
-        raise ValueError("no frame count")
+        raise MalformedMessage("a ring message without its frame count", size=len(view))
     (n,) = _U32.unpack_from(view, 0)
     if n > (len(view) - 4) // 8:
-        raise ValueError("frame count exceeds the record")
+        raise MalformedMessage("a ring message's frame count exceeds the record", count=n)
     lengths = struct.unpack_from(f"<{n}Q", view, 4)
     at, frames = 4 + 8 * n, []
     for length in lengths:
         if at + length > len(view):
-            raise ValueError("frame exceeds the record")
+            raise MalformedMessage("a ring message's frame exceeds the record",
+                                   size=len(view))
         frames.append(view[at:at + length])
         at += length
     return frames

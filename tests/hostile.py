@@ -70,8 +70,9 @@ def mutated(draw: Any, seeds: list[list[bytes]]) -> list[bytes]:
         raw[i] = draw(st.integers(0, 255))
     elif how == "cut":
         del raw[i:]
-    elif how == "nest_at":
-        raw[i:i] = nested(draw(st.sampled_from([1, 30, DEEP, 5000])))
+    elif how == "nest_at":  # (a JSON frame nests in brackets)
+        depth = draw(st.sampled_from([1, 30, DEEP, 5000]))
+        raw[i:i] = b"[" * depth if raw[:1] == b"{" else nested(depth)
     else:
         raw.insert(i, draw(st.integers(0, 255)))
     frames[k] = bytes(raw)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine_side.ring import RingWriter
+from protocol.errors import MalformedMessage
 from protocol.messages import AnyMessage, Delta, DeltaBody, Heartbeat
 from protocol.replies import StepResult
 from protocol.ring import MESSAGE, ON_PUB, drain_bell, open_bell, pack_frames, unpack_frames
@@ -82,8 +83,8 @@ def test_frames_pack_and_bad_payloads_are_refused() -> None:
     parts = pack_frames([b"ab", b"", b"cde"])
     payload = b"".join(bytes(p) for p in parts)
     assert [bytes(f) for f in unpack_frames(payload)] == [b"ab", b"", b"cde"]
-    for bad in (payload[:-1], (5).to_bytes(4, "little") + b"\0" * 8):
-        with pytest.raises(ValueError):
+    for bad in (payload[:-1], (5).to_bytes(4, "little") + b"\0" * 8, b"\1\0"):
+        with pytest.raises(MalformedMessage):
             unpack_frames(bad)
 
 

@@ -242,7 +242,7 @@ class WorkerTransport:
     def _decode_record(self, payload: bytes) -> list[AnyMessage]:
         try:
             return [codec.decode(unpack_frames(payload))]
-        except (MalformedMessage, ValueError) as exc:
+        except MalformedMessage as exc:
             self.malformed.hit(exc)
             return []
 

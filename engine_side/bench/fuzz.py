@@ -16,6 +16,7 @@ replies    ``replies.decode_reply``
 store      ``store_handles.decode_refs`` and ``unpack_item``
 recording  ``recording.RecordReader`` over a whole file, each record decoded
 seal       ``seal.Opener.open``
+calls      the executor channel's parsers (``protocol.calls``, ``ring.unpack_frames``)
 vllm       the vLLM adapter walked along the golden streams: each step's frames through
            ``SchedulerOutputDecoder.decode`` in the decoder's state before that step,
            grammar frames through ``decode_grammar``, reply frames through
@@ -52,14 +53,14 @@ from typing import Any, NamedTuple
 from engine_side.bench.children import exits_on_sigterm
 from engine_side.bench.fuzz_report import ROOT, Tally, branch_coverage, summarize
 
-TARGETS = ("core", "replies", "store", "recording", "seal", "vllm")
+TARGETS = ("core", "replies", "store", "recording", "seal", "calls", "vllm")
 #: share of a shard's cases per target (vLLM only where it is installed)
-WEIGHTS = {"core": 0.40, "replies": 0.08, "store": 0.07, "recording": 0.05, "seal": 0.05,
-           "vllm": 0.35}
+WEIGHTS = {"core": 0.37, "replies": 0.08, "store": 0.07, "recording": 0.05, "seal": 0.05,
+           "calls": 0.03, "vllm": 0.35}
 #: the decoder modules whose branch coverage is reported
 DECODERS = ("protocol/codec.py", "protocol/ext.py", "protocol/tensors.py", "protocol/packing.py",
             "protocol/replies.py", "protocol/store_handles.py", "protocol/recording.py",
-            "protocol/seal.py", "protocol/state.py", "protocol/membership.py",
+            "protocol/seal.py", "protocol/calls.py", "protocol/state.py", "protocol/membership.py",
             "protocol/snapshot.py", "protocol/columns.py", "protocol/params.py",
             "protocol/items.py", "protocol/kernels.py", "worker_side/vllm/decoder.py",
             "worker_side/vllm/grammar.py", "worker_side/vllm/params.py",
@@ -99,6 +100,7 @@ class Runner:
         self.refs, self.items = fc.store_seeds()
         self.recording = fc.recording_seed(self.core, self.replies)
         self.seals = fc.seal_seeds()
+        self.calls = fc.call_seeds()
         self.vllm = fc.vllm_chains() if vllm else []
         self.tallies = {t: Tally() for t in TARGETS}
         # the recording target's scratch file (removed with the fuzzer, or at exit)
@@ -227,6 +229,11 @@ class Runner:
         self.case("seal", frames, seed, how,
                   lambda f: Opener(self.fc.SECRET, b"call").open(f[0] if f else b""))
 
+    def calls_case(self) -> None:
+        kind, seed = self.rng.choice(self.calls)
+        frames, how = self._mutate(seed)
+        self.case("calls", frames, seed, how, lambda f: self.fc.read_call(kind, f))
+
     def vllm_walk(self, budget: int) -> None:
         """Walk the vLLM streams record by record, ``per`` mutated cases against each
         record in the adapter's state before it, then the real record."""
@@ -329,7 +336,7 @@ class Runner:
         budget["core"] -= hyp
         steps = {"core": self.core_case, "replies": self.replies_case,
                  "store": self.store_case, "recording": self.recording_case,
-                 "seal": self.seal_case}
+                 "seal": self.seal_case, "calls": self.calls_case}
         order = [t for t, n in budget.items() for _ in range(max(0, n))]
         self.rng.shuffle(order)
         for i, target in enumerate(order):

@@ -11,6 +11,9 @@ they apply to (:mod:`engine_side.bench.fuzz`).
 * **store**: store refs and one packed item of the shared-memory store;
 * **recording**: a recording file of core frames and replies;
 * **seal**: sealed control-call blobs;
+* **calls**: the executor channel's messages (SPEC §16): hellos, check-ins, call
+  heads and numbers, ``K`` answers, relayed messages (plain and deflated), ring records,
+  ready times and identities, each with the parser that reads it (:data:`CALL_KINDS`);
 * **vllm**: the golden vLLM object streams (``tests/golden/streams/*.dcobj``) encoded by
   :class:`~engine_side.vllm.encoder.SchedulerOutputEncoder`: step, grammar and reply
   frames, each step with its decoder's state (:class:`VllmChain`).
@@ -158,6 +161,56 @@ def recording_seed(core: list[Frames], replies: list[Frames]) -> Frames:
                 writer.write("execute_model", frames)
             writer.write("reply", replies[0])
         return [path.read_bytes()]
+
+
+#: what reads each kind of the calls target's seeds (the frames of one message)
+CALL_KINDS = ("hello", "check_in", "call", "number", "done", "relayed", "ring", "ready",
+              "identity")
+
+
+def read_call(kind: str, frames: Frames) -> Any:
+    """``frames`` read as the executor channel reads a message of ``kind``."""
+    from protocol import calls
+    from protocol.ring import unpack_frames
+
+    first = frames[0] if frames else b""
+    if kind == "hello":
+        return calls.parse_hello(first)
+    if kind == "check_in":
+        return calls.parse_check_in(first)
+    if kind == "call":
+        return calls.parse_call(frames)
+    if kind == "number":
+        return calls.parse_number(first)
+    if kind == "done":
+        return calls.done_count(frames)
+    if kind == "relayed":
+        return [bytes(f) for f in calls.unpack_relayed(first)]
+    if kind == "ring":
+        return [bytes(f) for f in unpack_frames(first)]
+    if kind == "ready":
+        return calls.ready_seconds(frames)
+    return calls.rank_of(first, 8), calls.relay_node(first)
+
+
+def call_seeds() -> list[tuple[str, Frames]]:
+    from protocol import calls
+    from protocol.ring import pack_frames
+
+    step = [b"\x01" * 40, bytes(range(200))]
+    big = [bytes(range(256)) * 24]  # 6 KiB: relayed deflated
+    return [
+        ("hello", [calls.pack_hello(node="1", vllm="0.32.0", protocol="3", config="ab" * 32)]),
+        ("check_in", [calls.pack_check_in(12, 0xFEEDFACE)]),
+        ("call", [calls.call_head(calls.EXECUTE, 7, step), *step]),
+        ("call", [calls.call_head(calls.QUIT, 9, [])]),
+        ("number", [calls.NUMBER.pack(41)]),
+        ("done", calls.done_answer(1)), ("done", calls.done_answer(5)),
+        ("relayed", [calls.pack_relayed([b"1", calls.OUTPUT, *step])]),
+        ("relayed", [calls.pack_relayed([calls.RELAY_ALL, *big])]),
+        ("ring", [b"".join(bytes(p) for p in pack_frames([calls.DONE, *step]))]),
+        ("ready", [b"2.5"]), ("identity", [b"3"]), ("identity", [b"node1/0"]),
+    ]
 
 
 def seal_seeds() -> list[Frames]:

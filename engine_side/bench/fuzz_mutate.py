@@ -64,7 +64,8 @@ def _bytes(rng: random.Random, raw: bytearray, other: bytes) -> str:
         raw[i:i + rng.randrange(1, 32)] = other[a:a + rng.randrange(1, 64)]
         return "splice"
     if how == 7:
-        raw[i:i] = nested(rng.choice((1, 30, DEEP, 5000)))
+        depth = rng.choice((1, 30, DEEP, 5000))  # (JSON nests in brackets)
+        raw[i:i] = b"[" * depth if raw[:1] == b"{" else nested(depth)
         return "nest_at"
     if how == 8 and n:  # a multi-byte field: a run of bytes rewritten
         for k in range(i, min(n, i + rng.choice((2, 4, 8)))):

@@ -46,7 +46,7 @@ class Answers:
         """A record of ``rank``'s reply ring: an answer, or a marker keeping its place."""
         try:
             answer = [bytes(f) for f in unpack_frames(payload)] if kind == MESSAGE else None
-        except ValueError as exc:
+        except MalformedMessage as exc:
             raise RankFault(rank, malformed("a reply ring record that is not an answer",
                                             exc)) from exc
         self._file(rank, answer)

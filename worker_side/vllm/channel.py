@@ -222,7 +222,7 @@ class RankChannel:
             return self._from_dealer()
         try:
             return [bytes(f) for f in unpack_frames(payload)] or [b""]
-        except ValueError:
+        except MalformedMessage:
             return [b""]
 
     # -- waiting ---------------------------------------------------------------------
