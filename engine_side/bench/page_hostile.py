@@ -60,7 +60,8 @@ def from_fuzz(result: dict[str, Any]) -> Fields:
             "what": "Structure-aware mutation of real frames of every message kind and of the "
                     "golden vLLM streams, plus Hypothesis draws over the wire types, through "
                     "every decoder (core codec and replica apply, replies, store handles, "
-                    "recordings, seals, the vLLM step, grammar and reply decoders), with the C "
+                    "recordings, seals, the executor channel's calls, the vLLM step, grammar and "
+                    "reply decoders), with the C "
                     "kernels and in pure Python.",
             "columns": ["target", "kernels", "cases", "counted", "decoded", "accepted",
                         "rejected", "untyped", "state changed", "hangs", "errors"],
