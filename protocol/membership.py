@@ -218,8 +218,9 @@ def plan_membership(state: StateView, body: DeltaBody, specs: list[Spec] | None,
         if not 0 <= h <= MAX_HANDLE or not 0 <= new.computed <= MAX_COUNT:
             raise InvalidDelta("bad added request", handle=h, computed=new.computed)
         spec = specs[k] if specs is not None else decode_added_spec(new)
-        if new.mm_data and len(spec.mm) != len(new.mm_data):
-            raise InvalidDelta("mm data must match the spec's items", handle=h)
+        if (new.mm_data and len(spec.mm) != len(new.mm_data)) or (
+                new.mm_embed and len(spec.mm) != len(new.mm_embed)):
+            raise InvalidDelta("mm data and masks must match the spec's items", handle=h)
         tokens = None
         if state.token_mode == TOKEN_MODE_ENGINE:
             tokens = unpack_uints(new.output) if new.output else np.zeros(0, np.int64)

@@ -414,6 +414,17 @@ def test_extension_size_limits_as_stated(spec: str) -> None:
     assert bitmask.MAX_INFLATED == 1 << 28 and "2^28 bytes (`MAX_INFLATED`)" in text
 
 
+def test_multimodal_item_depth_as_stated(spec: str) -> None:
+    """§7.5's nesting bound is the one both adapters hold to."""
+    pytest.importorskip("vllm")
+    from engine_side.vllm import mm as engine_mm
+    from worker_side.vllm import mm as worker_mm
+
+    text = squash(section(spec, "### 7.5", "### 7.6"))
+    assert f"nest at most {engine_mm.MAX_DEPTH} deep" in text
+    assert engine_mm.MAX_DEPTH == worker_mm.MAX_DEPTH
+
+
 # -- the checkers notice an edited text ------------------------------------------------------
 MUTATIONS = [
     (DeltaBody, "#### DeltaBody", "| `sd` | schedule_drop |", "| `sx` | schedule_drop |"),

@@ -43,6 +43,7 @@ from engine_side.shm_store import ShmStore  # noqa: E402
 from engine_side.vllm import SchedulerOutputEncoder  # noqa: E402
 from engine_side.vllm.mm import UnsupportedItem, content_key  # noqa: E402
 from protocol import codec  # noqa: E402
+from protocol.errors import InvalidDelta, MalformedMessage  # noqa: E402
 from protocol.items import StoreRef, as_store_ref  # noqa: E402
 from protocol.messages import Delta, DeltaBody  # noqa: E402
 from protocol.store_handles import ForgedHandle, StaleHandle  # noqa: E402
@@ -374,3 +375,65 @@ def test_a_failed_step_takes_back_its_store_references(local: Local, fault: str)
         local.enc.encode(so)
     assert local.enc.items is not None and local.enc.items.counts == {}
     assert local.store._entries["X"].refs == 0  # written, then given back (test-only peek)
+
+
+def _deep(depth: int) -> Any:
+    value: Any = None
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: {**d, "i": [["pixel_values", _deep(600), ["b", False]]]},  # past the stack
+    lambda d: {**d, "i": [["pixel_values", 1, ["no such field"]]]},
+    lambda d: {**d, "i": [["pixel_values", "text", ["b", False]]]},
+    lambda d: {**d, "i": [["pixel_values", {"T": 1}, ["b", False]]]},
+    lambda d: {**d, "i": [["pixel_values", 1, ["f", False, [{"s": [1]}], 0]]]},
+    lambda d: {"@": "store", "i": []},
+    lambda d: [d],
+])
+def test_a_malformed_item_is_refused_before_the_state_changes(edit: Any) -> None:
+    """Inline items (no store) are rebuilt while the step can still be refused: a bad
+    one is MalformedMessage with the decoder as it was, and the genuine step then
+    decodes (it was rebuilt after the state had moved on, and nesting raised
+    RecursionError)."""
+    enc = SchedulerOutputEncoder(1, secret=SECRET)
+    dec = SchedulerOutputDecoder(secret=SECRET)
+    so = step([new_req("a", [("X", image(1, side=8))])])
+    expected = copy.deepcopy(so)
+    frames = _wire(enc.encode(so))
+    with pytest.raises(MalformedMessage):
+        dec.decode(_tamper(frames, edit))
+    assert dec.seq == 0 and dec.state is None
+    assert_vllm_equal(expected, dec.decode(frames))
+
+
+def test_a_malformed_embed_mask_is_refused_before_the_state_changes() -> None:
+    enc = SchedulerOutputEncoder(1, secret=SECRET)
+    dec = SchedulerOutputDecoder(secret=SECRET)
+    so = step([new_req("a", [("X", image(1, side=8))], torch.ones(8, 4))])
+    frames = _wire(enc.encode(so))
+    delta = codec.decode(frames)
+    assert isinstance(delta, Delta) and isinstance(delta.body, DeltaBody)
+    for field, value in (("mm_embed", ("not a mask",)), ("embeds", "not a tensor")):
+        added = msgspec.structs.replace(delta.body.added[0], **{field: value})
+        body = msgspec.structs.replace(delta.body, added=(added,))
+        with pytest.raises(MalformedMessage):
+            dec.decode(_wire(codec.encode(msgspec.structs.replace(delta, body=body))))
+        assert dec.seq == 0 and dec.state is None
+    added = msgspec.structs.replace(delta.body.added[0], mm_embed=(None, None))  # 2 for 1
+    body = msgspec.structs.replace(delta.body, added=(added,))
+    with pytest.raises(InvalidDelta, match="masks must match"):
+        dec.decode(_wire(codec.encode(msgspec.structs.replace(delta, body=body))))
+    dec.decode(frames)
+    assert dec.seq == 1
+
+
+def test_an_item_nested_past_the_wire_forms_depth_is_refused_before_sending() -> None:
+    enc = SchedulerOutputEncoder(1, secret=SECRET)
+    deep = MultiModalKwargsItem({"x": MultiModalFieldElem(
+        _deep(40), MultiModalBatchedField())})  # type: ignore[arg-type]
+    with pytest.raises(UnsupportedItem, match="nested too deep"):
+        enc.encode(step([new_req("a", [("X", deep)])]))
+    assert enc.seq == 0

@@ -14,7 +14,8 @@ they apply to (:mod:`engine_side.bench.fuzz`).
 * **calls**: the executor channel's messages (SPEC §16): hellos, check-ins, call
   heads and numbers, ``K`` answers, relayed messages (plain and deflated), ring records,
   ready times and identities, each with the parser that reads it (:data:`CALL_KINDS`);
-* **vllm**: the golden vLLM object streams (``tests/golden/streams/*.dcobj``) encoded by
+* **vllm**: the golden vLLM object streams (``tests/golden/streams/*.dcobj``) and a short
+  one with multimodal items inline (:func:`mm_objects`) encoded by
   :class:`~engine_side.vllm.encoder.SchedulerOutputEncoder`: step, grammar and reply
   frames, each step with its decoder's state (:class:`VllmChain`).
 """
@@ -270,6 +271,55 @@ def feed(dec: Any, enc: Any, kind: str, frames: Frames) -> Any:
     return enc.decode_reply(frames)
 
 
+def mm_objects() -> list[tuple[str, Any]]:
+    """A short vLLM stream whose new requests carry multimodal items inline (batched and
+    flat fields, a tuple, a placeholder mask) and prompt embeds, as on a channel without
+    a store."""
+    import torch
+    from vllm.multimodal.inputs import (
+        MultiModalBatchedField,
+        MultiModalFeatureSpec,
+        MultiModalFieldElem,
+        MultiModalFlatField,
+        MultiModalKwargsItem,
+        PlaceholderRange,
+    )
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    def item(k: int) -> Any:
+        patches: Any = [(torch.arange(2), torch.arange(4)), [torch.ones(2)]]
+        return MultiModalKwargsItem({
+            "pixel_values": MultiModalFieldElem(torch.full((3, 4, 4), float(k)),
+                                                MultiModalBatchedField()),
+            "patches": MultiModalFieldElem(patches,
+                                           MultiModalFlatField(slices=[slice(0, 2), slice(2, 6)],
+                                                               dim=0))})
+
+    def new(rid: str, k: int) -> Any:
+        mask = torch.tensor([True, False, True]) if k % 2 else None
+        features = [MultiModalFeatureSpec(item(k), "image", f"{rid}-i", PlaceholderRange(
+            1, 3, mask), f"{rid}-i")]
+        return NewRequestData(rid, [1, 2, 3, 4, 5], features, SamplingParams(), None, ([k],),
+                              0, None, prompt_embeds=torch.ones(5, 2) * k if k % 2 else None)
+
+    def step(news: list[Any], running: list[str], finished: set[str]) -> Any:
+        cached = CachedRequestData(list(running), set(), [], {}, [None] * len(running),
+                                   [5] * len(running), [1] * len(running))
+        sched = {**{nr.req_id: 5 for nr in news}, **dict.fromkeys(running, 1)}
+        return SchedulerOutput(
+            scheduled_new_reqs=news, scheduled_cached_reqs=cached, num_scheduled_tokens=sched,
+            total_num_scheduled_tokens=sum(sched.values()), scheduled_spec_decode_tokens={},
+            scheduled_encoder_inputs={nr.req_id: [0] for nr in news},
+            num_common_prefix_blocks=[], finished_req_ids=finished,
+            free_encoder_mm_hashes=[])
+
+    return [("execute_model", step([new("a", 1)], [], set())),
+            ("execute_model", step([new("b", 2)], ["a"], set())),
+            ("execute_model", step([], ["a", "b"], set())),
+            ("execute_model", step([new("c", 3)], ["b"], {"a"}))]
+
+
 def vllm_chains(names: tuple[str, ...] | None = None, max_records: int = 120
                 ) -> list[VllmChain]:
     """The golden streams encoded (needs vLLM; the synthetic streams need tests/ on the
@@ -288,4 +338,9 @@ def vllm_chains(names: tuple[str, ...] | None = None, max_records: int = 120
         dec, enc = fresh_pair(meta.get("kv_groups"))
         records = [(kind, step(dec, enc, kind, copy.deepcopy(obj))) for kind, obj in objects]
         chains.append(VllmChain(path.stem, objects, records, meta.get("kv_groups")))
+    if names is None or "mm" in names:
+        objects = mm_objects()
+        dec, enc = fresh_pair(1)
+        records = [(kind, step(dec, enc, kind, copy.deepcopy(obj))) for kind, obj in objects]
+        chains.append(VllmChain("mm", objects, records, 1))
     return chains

@@ -45,6 +45,7 @@ from protocol.errors import LocalProtocolError
 ITEM_TAG = ("@", "vllm")  # (tag field, value) of an item map (a StoreRef's tag is "store")
 TUPLE = "T"
 SLICE = "s"
+MAX_DEPTH = 32  # lists and tuples nested in an item's value or slices, at most
 
 
 class UnsupportedItem(LocalProtocolError):
@@ -54,12 +55,14 @@ class UnsupportedItem(LocalProtocolError):
 # ---------------------------------------------------------------- item -> wire
 
 
-def _nested(x: Any) -> Any:
+def _nested(x: Any, depth: int = 0) -> Any:
     t = type(x)
+    if t in (list, tuple) and depth == MAX_DEPTH:
+        raise UnsupportedItem("a multimodal item's value nested too deep", limit=MAX_DEPTH)
     if t is list:
-        return [_nested(v) for v in x]
+        return [_nested(v, depth + 1) for v in x]
     if t is tuple:
-        return {TUPLE: [_nested(v) for v in x]}
+        return {TUPLE: [_nested(v, depth + 1) for v in x]}
     if x is None or t in (int, float, bool) or isinstance(x, np.ndarray) or _is_torch(x):
         return x
     raise UnsupportedItem("unsupported value in a multimodal item", type=t.__name__)
@@ -69,14 +72,16 @@ def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
 
 
-def _slices(x: Any) -> Any:
+def _slices(x: Any, depth: int = 0) -> Any:
+    if depth == MAX_DEPTH:
+        raise UnsupportedItem("a multimodal field's slices nested too deep", limit=MAX_DEPTH)
     if type(x) is slice:
         parts = [x.start, x.stop, x.step]
         if any(p is not None and type(p) is not int for p in parts):
             raise UnsupportedItem("slice bounds must be int or None", slice=repr(x)[:80])
         return {SLICE: parts}
     if type(x) in (list, tuple):
-        out = [_slices(v) for v in x]
+        out = [_slices(v, depth + 1) for v in x]
         return out if type(x) is list else {TUPLE: out}
     raise UnsupportedItem("unsupported value in flat-field slices", type=type(x).__name__)
 

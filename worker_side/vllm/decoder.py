@@ -29,19 +29,20 @@ from protocol.codec import Frame
 from protocol.columns import I64
 from protocol.errors import InvalidDelta, MalformedMessage
 from protocol.ext import NewFix, OutputCounts, ReplyMsg, StepExt, decode_ext, resolve_ref
-from protocol.messages import Delta, Spec
+from protocol.messages import Delta, NewRequest, Spec
 from protocol.packing import unpack_sint_list, unpack_uint_list
 from protocol.seal import ChannelSeals
 from protocol.state import STEADY, Applied, ReplicaState, RowSet
 from protocol.tensors import make_enc_hook
 from worker_side.shm_reader import ShmReader
 from worker_side.vllm.grammar import GrammarDecoder
-from worker_side.vllm.mm import StoreResolver, embeds_from_wire, fresh, item_from_wire
+from worker_side.vllm.mm import StoreResolver, embeds_from_wire, item_from_wire, mask_from_wire
 from worker_side.vllm.params import SamplingMaker, spec_to_lora, spec_to_pooling
 from worker_side.vllm.replies import reply_msg
 
 HISTORY = 8  # steps whose batch replies and grammar outputs may name
 _NO_FIX = NewFix(0)
+Media = tuple[list[Any], list[Any], Any]  # item data, placeholder masks, prompt embeds
 
 
 @dataclass(slots=True)
@@ -59,6 +60,9 @@ class _Lists:
     departures: tuple[Any, Any] | None
     copies: list[int] | None
     prefix: list[int]
+    #: per added request, its item data, placeholder masks and prompt embeds as vLLM
+    #: objects (without a store: rebuilt here so a bad one refuses the step unchanged)
+    media: list[Media] | None
 
 
 def _keyed(rows: RowSet, batch: list[str], shift: int = 0) -> dict[str, list[int]]:
@@ -246,9 +250,14 @@ class SchedulerOutputDecoder:
             copies = unpack_uint_list(ext.block_copies) if ext.block_copies else []
             if len(copies) % 2:
                 raise MalformedMessage("block copies are not (source, destination) pairs")
+        news = applied.body.added if applied.body is not None else ()  # (with a store,
+        # their references resolve once the step is applied)
+        media = [self._media(r) for r in news] if self.items is None and any(
+            r.mm_data or r.mm_embed or r.embeds is not None for r in news) else None
         return _Lists(new_pos, cpos, _new_tokens(ext), histories, prefill, restored,
                       OutputCounts.read(ext.out_pos, ext.out_delta, ncached), copies,
-                      unpack_uint_list(ext.prefix_blocks) if ext.prefix_blocks else [])
+                      unpack_uint_list(ext.prefix_blocks) if ext.prefix_blocks else [],
+                      media)
 
     def _output(self, msg: Delta, ext: StepExt, applied: Applied,
                 opaque: dict[str, Any] | None, read: _Lists) -> Any:
@@ -283,7 +292,8 @@ class SchedulerOutputDecoder:
                         new_blocks[k] = tuple(lists)
             fixes = {f.i: f for f in ext.fixes} if ext.fixes else {}
             new_reqs = [self._new_request(k, h, p, applied.prompts[k], tables,
-                                          read.prefill[k], fixes.get(k, _NO_FIX))
+                                          read.prefill[k], fixes.get(k, _NO_FIX),
+                                          read.media[k] if read.media else None)
                         for k, (h, p) in enumerate(zip(applied.added, new_pos, strict=True))]
             for h, spec, prompt in zip(applied.added, self._added_specs(applied),
                                        applied.prompts, strict=True):
@@ -387,7 +397,7 @@ class SchedulerOutputDecoder:
 
     def _new_request(self, k: int, h: int, p: int, prompt: list[int] | None,
                      tables: dict[int, list[list[int]]], prefill: list[int] | None,
-                     fix: NewFix) -> Any:
+                     fix: NewFix, media: Media | None) -> Any:
         from vllm.v1.core.sched.output import NewRequestData
 
         state = self.state
@@ -396,31 +406,39 @@ class SchedulerOutputDecoder:
         assert spec is not None and req is not None  # noqa: S101 - added this step
         groups = state.kv_groups
         lists = tables.get(p)
+        data, masks, embeds = media or self._media(req)
         return NewRequestData(
             req_id=spec.req_id, prompt_token_ids=prompt,
-            mm_features=self._features(spec, req.mm_data, req.mm_embed) if spec.mm else [],
+            mm_features=self._features(spec, data, masks) if spec.mm else [],
             sampling_params=None if spec.sampling is None
             else self._sampling.make(spec.sampling, fix.int_floats, fix.logprob_ids_dtype),
             pooling_params=spec_to_pooling(spec.pooling),
             block_ids=tuple(lists) if lists is not None else tuple([] for _ in range(groups)),
             num_computed_tokens=int(state.cols.computed[h]),
             lora_request=spec_to_lora(spec.lora, fix.lora_3d),
-            prompt_embeds=None if req.embeds is None else embeds_from_wire(req.embeds, self.copy),
+            prompt_embeds=embeds,
             prompt_is_token_ids=None if spec.prompt_is_token_ids is None
             else list(spec.prompt_is_token_ids),
             prefill_token_ids=prefill,
             replay_start=fix.replay_start)
 
-    def _features(self, spec: Spec, data: tuple[Any, ...], embed: tuple[Any, ...]) -> list[Any]:
+    def _media(self, req: NewRequest) -> Media:
+        """A new request's item data, placeholder masks and prompt embeds as vLLM objects,
+        fresh (MalformedMessage for one that is not)."""
+        copy = self.copy
+        return ([item_from_wire(d, copy) for d in req.mm_data],
+                [mask_from_wire(e, copy) for e in req.mm_embed],
+                None if req.embeds is None else embeds_from_wire(req.embeds, copy))
+
+    @staticmethod
+    def _features(spec: Spec, data: list[Any], masks: list[Any]) -> list[Any]:
         from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
         n = len(spec.mm)
-        data = data or (None,) * n
-        embed = embed or (None,) * n
         return [MultiModalFeatureSpec(
-            data=item_from_wire(d, self.copy), modality=m.modality, identifier=m.identifier,
-            mm_position=PlaceholderRange(m.offset, m.length, fresh(e, self.copy)),
-            mm_hash=m.mm_hash) for m, d, e in zip(spec.mm, data, embed, strict=True)]
+            data=d, modality=m.modality, identifier=m.identifier,
+            mm_position=PlaceholderRange(m.offset, m.length, e), mm_hash=m.mm_hash)
+            for m, d, e in zip(spec.mm, data or [None] * n, masks or [None] * n, strict=True)]
 
 
 def _vllm_classes() -> tuple[Any, Any, Any]:

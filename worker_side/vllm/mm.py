@@ -38,6 +38,7 @@ from worker_side.shm_reader import ShmReader
 ITEM_TAG = ("@", "vllm")  # (tag field, value) of an item map (a StoreRef's tag is "store")
 TUPLE = "T"
 SLICE = "s"
+MAX_DEPTH = 32  # lists and tuples nested in an item's value or slices, at most
 
 
 def fresh(x: Any, copy: bool = False) -> Any:
@@ -49,14 +50,16 @@ def fresh(x: Any, copy: bool = False) -> Any:
     return x
 
 
-def _nested(x: Any, copy: bool) -> Any:
+def _nested(x: Any, copy: bool, depth: int = 0) -> Any:
     t = type(x)
+    if t in (list, dict) and depth == MAX_DEPTH:
+        raise MalformedMessage("a multimodal item's value nested too deep", limit=MAX_DEPTH)
     if t is list:
-        return [_nested(v, copy) for v in x]
+        return [_nested(v, copy, depth + 1) for v in x]
     if t is dict:
         if list(x) != [TUPLE] or type(x[TUPLE]) is not list:
             raise MalformedMessage("bad nested value in a multimodal item")
-        return tuple(_nested(v, copy) for v in x[TUPLE])
+        return tuple(_nested(v, copy, depth + 1) for v in x[TUPLE])
     if x is None or t in (int, float, bool):
         return x
     if isinstance(x, np.ndarray) or type(x).__module__.startswith("torch"):
@@ -64,12 +67,15 @@ def _nested(x: Any, copy: bool) -> Any:
     raise MalformedMessage("unexpected value in a multimodal item", type=t.__name__)
 
 
-def _slices(x: Any) -> Any:
+def _slices(x: Any, depth: int = 0) -> Any:
+    if depth == MAX_DEPTH:
+        raise MalformedMessage("a multimodal field's slices nested too deep", limit=MAX_DEPTH)
     if type(x) is list:
-        return [_slices(v) for v in x]
+        return [_slices(v, depth + 1) for v in x]
     if type(x) is dict and list(x) == [TUPLE] and type(x[TUPLE]) is list:
-        return tuple(_slices(v) for v in x[TUPLE])
-    if type(x) is dict and list(x) == [SLICE] and type(x[SLICE]) is list and len(x[SLICE]) == 3:
+        return tuple(_slices(v, depth + 1) for v in x[TUPLE])
+    if type(x) is dict and list(x) == [SLICE] and type(x[SLICE]) is list and \
+            len(x[SLICE]) == 3 and all(p is None or type(p) is int for p in x[SLICE]):
         return slice(*x[SLICE])
     raise MalformedMessage("bad flat-field slices in a multimodal item")
 
@@ -109,6 +115,14 @@ def item_from_wire(data: Any, copy: bool = False) -> Any:
     return item
 
 
+def mask_from_wire(x: Any, copy: bool = False) -> Any:
+    """A placeholder's ``is_embed`` mask as received: None, or a fresh tensor object
+    (MalformedMessage for anything else)."""
+    if x is None or isinstance(x, np.ndarray) or type(x).__module__.startswith("torch"):
+        return fresh(x, copy)
+    raise MalformedMessage("a placeholder mask is not a tensor", type=type(x).__name__)
+
+
 def embeds_from_wire(x: Any, copy: bool = False) -> Any:
     """Prompt embeds as received (a fresh tensor object, or its own copy if ``copy``).
 
@@ -132,4 +146,4 @@ class StoreResolver(ItemResolver):
         super().__init__(reader)
 
 
-__all__ = ["StoreResolver", "embeds_from_wire", "fresh", "item_from_wire"]
+__all__ = ["StoreResolver", "embeds_from_wire", "fresh", "item_from_wire", "mask_from_wire"]
