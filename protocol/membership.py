@@ -58,8 +58,9 @@ class Applied:
     """What one applied body did, decoded (receivers build their step objects from it).
 
     ``finished``: handles whose entries ended; ``finished_ids``: their ids, then the
-    body's unknown ids; ``added``: handles added, in body order, and ``prompts`` their
-    decoded prompts (None when the caller gave the specs, or without token ids);
+    body's unknown ids; ``added``: handles added, in body order, ``specs`` their specs
+    and ``prompts`` their decoded prompts (None when the caller gave the specs, or
+    without token ids);
     ``schedule_changed``, and how: ``dropped`` positions of the previous schedule and
     ``appended`` handles (both empty when a whole new schedule came); per KV
     group the decoded block rows ``blocks`` (appended) and ``replaced`` (None: none);
@@ -69,7 +70,7 @@ class Applied:
     Lists are shared empty ones until something fills them: read, never extend.
     """
 
-    __slots__ = ("finished", "finished_ids", "added", "prompts", "schedule_changed",
+    __slots__ = ("finished", "finished_ids", "added", "specs", "prompts", "schedule_changed",
                  "dropped", "appended", "blocks", "replaced", "body", "recounted",
                  "spec_rows", "encoder_rows", "preempted", "resumed", "zero")
 
@@ -78,6 +79,7 @@ class Applied:
         self.finished: list[int] = _NONE
         self.finished_ids: list[str] = _NONE  # type: ignore[assignment]
         self.added: list[int] = _NONE
+        self.specs: list[Spec] = _NONE  # type: ignore[assignment]
         self.prompts: list[list[int] | None] = _NONE  # type: ignore[assignment]
         self.schedule_changed = False
         self.dropped: list[int] = _NONE  # positions of the previous schedule dropped, and
@@ -212,7 +214,7 @@ def plan_membership(state: StateView, body: DeltaBody, specs: list[Spec] | None,
         applied.finished_ids = applied.finished_ids + list(rare.finished_unknown)
     adds: list[Add] = []
     if body.added:
-        applied.added, applied.prompts = [], []
+        applied.added, applied.specs, applied.prompts = [], [], []
     for k, new in enumerate(body.added):  # 2. adds
         h = new.handle
         if not 0 <= h <= MAX_HANDLE or not 0 <= new.computed <= MAX_COUNT:
@@ -228,6 +230,7 @@ def plan_membership(state: StateView, body: DeltaBody, specs: list[Spec] | None,
             raise InvalidDelta("tokens in worker-token mode", handle=h)
         adds.append((h, new, spec, dg.spec_term(h, new.spec), tokens))
         applied.added.append(h)
+        applied.specs.append(spec)
         applied.prompts.append(None if specs is not None or spec.prompt_none
                                else unpack_uint_list(spec.prompt))
     fin_set, added = set(fin), set(applied.added)

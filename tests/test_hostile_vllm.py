@@ -348,3 +348,69 @@ def test_reply_lists_that_do_not_fit_the_batch_are_malformed(what: str,
     enc, _, _ = _vllm_pair()
     with pytest.raises(MalformedMessage):
         enc.decode_reply([msgspec.msgpack.encode(ReplyMsg(seq=enc.seq, **fields))])
+
+
+def _respec(frames: list[bytes], sampling: dict[str, Any], fixes: tuple[Any, ...] = ()
+            ) -> list[bytes]:
+    """The first step of ``frames`` (one new request) with its sampling spec's fields
+    set and the extension's fixes replaced, stamped with the digest it leads to (so only
+    the rank's own checks can refuse it)."""
+    from protocol.messages import decode_spec
+    from protocol.state import ReplicaState
+
+    msg = codec.decode(frames)
+    assert isinstance(msg, Delta) and msg.body is not None
+    new = msg.body.added[0]
+    spec = decode_spec(new.spec)
+    assert spec.sampling is not None
+    spec = msgspec.structs.replace(spec, sampling=msgspec.structs.replace(spec.sampling,
+                                                                           **sampling))
+    new = msgspec.structs.replace(new, spec=msgspec.Raw(msgspec.msgpack.encode(spec)))
+    ext = msgspec.structs.replace(decode_ext(msg.body.extension), fixes=fixes)
+    body = msgspec.structs.replace(msg.body, added=(new,), extension=encode_ext(ext))
+    state = ReplicaState(keep_tables=False)
+    state.apply(body)
+    return [bytes(f) for f in codec.encode(msgspec.structs.replace(msg, body=body,
+                                                                    digest=state.digest))]
+
+
+@pytest.mark.parametrize(("sampling", "fixes"), [
+    ({"output_kind": 99}, ()),
+    ({"temperature": float("inf")}, (NewFix(0, int_floats=("temperature",)),)),
+    ({"temperature": float("nan")}, (NewFix(0, int_floats=("temperature",)),)),
+    ({"prompt_logprob_token_ids": [[300]]}, (NewFix(0, logprob_ids_dtype="|u1"),)),
+], ids=["output kind", "inf as int", "nan as int", "ids past their dtype"])
+def test_parameters_that_make_no_vllm_object_refuse_the_step_unchanged(
+        sampling: dict[str, Any], fixes: tuple[Any, ...]) -> None:
+    """A new request's parameters become vLLM objects before its step applies: ones that
+    cannot (an unknown output kind, a float sent as an int that is none) refuse the step
+    with MalformedMessage and the decoder as it was; the genuine step then decodes."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    enc, dec = SchedulerOutputEncoder(secret=SECRET), SchedulerOutputDecoder(SECRET)
+    so = SchedulerOutput([NewRequestData("a", [1, 2, 3], [], SamplingParams(temperature=1),
+                                         None, ([1],), 0, None)],
+                         CachedRequestData.make_empty(), {"a": 3}, 3, {}, {}, set(), [],
+                         preempted_req_ids=set())
+    frames = [bytes(f) for f in enc.encode(so)]
+    with pytest.raises(MalformedMessage):
+        dec.decode(_respec(frames, sampling, fixes))
+    assert dec.seq == 0 and dec.state is None
+    assert dec.decode(frames).scheduled_new_reqs[0].req_id == "a"
+
+
+def test_the_first_fix_of_a_new_request_is_the_one_used() -> None:
+    """SPEC §16 (NewFix ``i``): a rank uses the first fix with its index."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    enc, dec = SchedulerOutputEncoder(secret=SECRET), SchedulerOutputDecoder(SECRET)
+    so = SchedulerOutput([NewRequestData("a", [1, 2, 3], [], SamplingParams(temperature=2),
+                                         None, ([1],), 0, None)],
+                         CachedRequestData.make_empty(), {"a": 3}, 3, {}, {}, set(), [],
+                         preempted_req_ids=set())
+    frames = _respec([bytes(f) for f in enc.encode(so)], {},
+                     (NewFix(0, int_floats=("temperature",)), NewFix(0)))
+    got = dec.decode(frames).scheduled_new_reqs[0].sampling_params.temperature
+    assert got == 2 and type(got) is int

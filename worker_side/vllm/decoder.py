@@ -43,6 +43,7 @@ from worker_side.vllm.replies import reply_msg
 HISTORY = 8  # steps whose batch replies and grammar outputs may name
 _NO_FIX = NewFix(0)
 Media = tuple[list[Any], list[Any], Any]  # item data, placeholder masks, prompt embeds
+Params = tuple[Any, Any, Any, int]  # sampling, pooling, LoRA request, replay start
 
 
 @dataclass(slots=True)
@@ -60,8 +61,10 @@ class _Lists:
     departures: tuple[Any, Any] | None
     copies: list[int] | None
     prefix: list[int]
-    #: per added request, its item data, placeholder masks and prompt embeds as vLLM
-    #: objects (without a store: rebuilt here so a bad one refuses the step unchanged)
+    #: per added request, its parameters as vLLM objects, and its item data, placeholder
+    #: masks and prompt embeds (without a store): made here, so a bad one refuses the
+    #: step with the state unchanged
+    params: list[Params]
     media: list[Media] | None
 
 
@@ -250,6 +253,9 @@ class SchedulerOutputDecoder:
             copies = unpack_uint_list(ext.block_copies) if ext.block_copies else []
             if len(copies) % 2:
                 raise MalformedMessage("block copies are not (source, destination) pairs")
+        fixes = {f.i: f for f in reversed(ext.fixes)} if ext.fixes else {}  # (the first)
+        params = [self._params(spec, fixes.get(k, _NO_FIX))
+                  for k, spec in enumerate(applied.specs)]
         news = applied.body.added if applied.body is not None else ()  # (with a store,
         # their references resolve once the step is applied)
         media = [self._media(r) for r in news] if self.items is None and any(
@@ -257,7 +263,7 @@ class SchedulerOutputDecoder:
         return _Lists(new_pos, cpos, _new_tokens(ext), histories, prefill, restored,
                       OutputCounts.read(ext.out_pos, ext.out_delta, ncached), copies,
                       unpack_uint_list(ext.prefix_blocks) if ext.prefix_blocks else [],
-                      media)
+                      params, media)
 
     def _output(self, msg: Delta, ext: StepExt, applied: Applied,
                 opaque: dict[str, Any] | None, read: _Lists) -> Any:
@@ -290,10 +296,8 @@ class SchedulerOutputDecoder:
                 for k, lists in zip(at, tables.values(), strict=True):
                     if k >= 0:
                         new_blocks[k] = tuple(lists)
-            fixes = {f.i: f for f in ext.fixes} if ext.fixes else {}
-            new_reqs = [self._new_request(k, h, p, applied.prompts[k], tables,
-                                          read.prefill[k], fixes.get(k, _NO_FIX),
-                                          read.media[k] if read.media else None)
+            new_reqs = [self._new_request(h, p, applied.prompts[k], tables, read.prefill[k],
+                                          read.params[k], read.media[k] if read.media else None)
                         for k, (h, p) in enumerate(zip(applied.added, new_pos, strict=True))]
             for h, spec, prompt in zip(applied.added, self._added_specs(applied),
                                        applied.prompts, strict=True):
@@ -395,9 +399,9 @@ class SchedulerOutputDecoder:
             rest = [p for p in rest if hs[p] not in back] + [p for p in rest if hs[p] in back]
         return rest
 
-    def _new_request(self, k: int, h: int, p: int, prompt: list[int] | None,
+    def _new_request(self, h: int, p: int, prompt: list[int] | None,
                      tables: dict[int, list[list[int]]], prefill: list[int] | None,
-                     fix: NewFix, media: Media | None) -> Any:
+                     params: Params, media: Media | None) -> Any:
         from vllm.v1.core.sched.output import NewRequestData
 
         state = self.state
@@ -407,20 +411,25 @@ class SchedulerOutputDecoder:
         groups = state.kv_groups
         lists = tables.get(p)
         data, masks, embeds = media or self._media(req)
+        sampling, pooling, lora, replay_start = params
         return NewRequestData(
             req_id=spec.req_id, prompt_token_ids=prompt,
             mm_features=self._features(spec, data, masks) if spec.mm else [],
-            sampling_params=None if spec.sampling is None
-            else self._sampling.make(spec.sampling, fix.int_floats, fix.logprob_ids_dtype),
-            pooling_params=spec_to_pooling(spec.pooling),
+            sampling_params=sampling, pooling_params=pooling,
             block_ids=tuple(lists) if lists is not None else tuple([] for _ in range(groups)),
             num_computed_tokens=int(state.cols.computed[h]),
-            lora_request=spec_to_lora(spec.lora, fix.lora_3d),
-            prompt_embeds=embeds,
+            lora_request=lora, prompt_embeds=embeds,
             prompt_is_token_ids=None if spec.prompt_is_token_ids is None
             else list(spec.prompt_is_token_ids),
             prefill_token_ids=prefill,
-            replay_start=fix.replay_start)
+            replay_start=replay_start)
+
+    def _params(self, spec: Spec, fix: NewFix) -> Params:
+        """A new request's parameters as vLLM objects (MalformedMessage if they make none)."""
+        return (None if spec.sampling is None
+                else self._sampling.make(spec.sampling, fix.int_floats, fix.logprob_ids_dtype),
+                spec_to_pooling(spec.pooling), spec_to_lora(spec.lora, fix.lora_3d),
+                fix.replay_start)
 
     def _media(self, req: NewRequest) -> Media:
         """A new request's item data, placeholder masks and prompt embeds as vLLM objects,

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from protocol.errors import MalformedMessage
+from protocol.errors import MalformedMessage, malformed
 from protocol.params import (
     PER_REQUEST_FIELDS,
     LoRASpec,
@@ -85,18 +85,25 @@ def spec_to_sampling(spec: SamplingSpec, int_floats: Iterable[str] = (), dtype: 
         v = values[name]
         if isinstance(v, list):
             values[name] = list(v)
-    for f in int_floats:
+    for f in int_floats:  # (floats sent for ints the engine's parameters held)
+        if not float(values[f]).is_integer():
+            raise MalformedMessage("a float field sent as an int holds no int", field=f)
         values[f] = int(values[f])
     values["output_kind"] = _output_kind(values["output_kind"])
     values["_all_stop_token_ids"] = set(values["_all_stop_token_ids"])
     values["structured_outputs"] = _structured_from_spec(spec.structured_outputs)
     rd = spec.repetition_detection
     if rd is not None:
-        values["repetition_detection"] = RepetitionDetectionParams(
-            rd.max_pattern_size, rd.min_pattern_size, rd.min_count)
+        values["repetition_detection"] = _bare(  # (as the engine's: not validated again)
+            RepetitionDetectionParams, max_pattern_size=rd.max_pattern_size,
+            min_pattern_size=rd.min_pattern_size, min_count=rd.min_count)
     if dtype and values["prompt_logprob_token_ids"] is not None:
-        values["prompt_logprob_token_ids"] = np.array(values["prompt_logprob_token_ids"],
-                                                      dtype=np.dtype(dtype))
+        try:
+            values["prompt_logprob_token_ids"] = np.array(values["prompt_logprob_token_ids"],
+                                                          dtype=np.dtype(dtype))
+        except (OverflowError, ValueError) as exc:
+            raise malformed("prompt logprob token ids that are not of their dtype",
+                            exc) from exc
     return _bare(SamplingParams, **values)
 
 
