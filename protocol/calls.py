@@ -51,6 +51,7 @@ RESENT, PING = b"Y", b"P"  # a call again (then its frames); the newest call num
 # rank -> engine (CONTROL answers a control call with its sealed result)
 READY, FAILED, OUTPUT, DONE, ERROR, CHECK_IN = b"R", b"F", b"O", b"K", b"E", b"H"
 RESEND = b"N"  # 8 bytes: the first call number the rank lacks
+ASK_AGAIN_S = 1.0  # a rank repeats an unanswered N this often (at most)
 HELLO, WELCOME, REFUSED = b"h", b"w", b"x"  # a remote rank's hello and the engine's answers
 LIVENESS_S = 0.6  # deltacast_liveness_s's default: a peer unheard this long is lost
 

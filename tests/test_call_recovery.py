@@ -226,3 +226,31 @@ def test_a_rank_not_the_output_rank_answers_step_calls_in_bulk(
         sock.close(linger=0)
     assert engine.answered == steps + 1  # the last three are held until a next answer
     assert engine.answers == 4  # K(64), K(64), K(22), the control call's result
+
+
+def test_a_rank_asking_in_a_loop_gets_its_calls_once_per_quiet_interval(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Each answer to ``N`` may be the last 64 calls: a rank asking again for calls just
+    sent again (sooner than it would repeat an unanswered request) is dropped and
+    counted, not answered; a request for calls not yet sent again, or one after the
+    quiet interval, is."""
+    from engine_side.vllm import resend
+
+    sent: list[list[Any]] = []
+    faults = PeerFaults(logging.getLogger("test"), "test")
+    r = Retransmitter(lambda rank, frames: sent.append(frames), Counter(), faults)
+    for n in range(1, 11):
+        r.record(n, [wire.call_head(wire.EXECUTE, n, []), b"%d" % n])
+    clock = [100.0]
+    monkeypatch.setattr(resend.time, "monotonic", lambda: clock[0])
+    ask = [wire.NUMBER.pack(3)]
+    assert r.resend(0, ask) is None and len(sent) == 8  # calls 3..10
+    for _ in range(50):  # a loop of the same request: nothing more is sent
+        assert r.resend(0, ask) is None
+    assert len(sent) == 8 and faults.by_peer["rank 0"] == 50
+    assert r.resend(1, ask) is None and len(sent) == 16  # another rank's own request
+    r.record(11, [wire.call_head(wire.EXECUTE, 11, []), b"11"])
+    assert r.resend(0, [wire.NUMBER.pack(11)]) is None and len(sent) == 17  # a new call
+    clock[0] += resend.RESEND_QUIET_S
+    assert r.resend(0, ask) is None and len(sent) == 26  # the quiet interval passed
+    assert resend.RESEND_QUIET_S < wire.ASK_AGAIN_S  # an honest rank is never dropped

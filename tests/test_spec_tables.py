@@ -414,6 +414,16 @@ def test_extension_size_limits_as_stated(spec: str) -> None:
     assert bitmask.MAX_INFLATED == 1 << 28 and "2^28 bytes (`MAX_INFLATED`)" in text
 
 
+def test_resend_intervals_as_stated(spec: str) -> None:
+    """§16's repeat and quiet intervals of ``N`` are the rank's and the executor's."""
+    from engine_side.vllm.resend import RESEND_QUIET_S
+    from protocol import calls
+
+    text = squash(spec)
+    assert calls.ASK_AGAIN_S == 1.0 and "(again every second while none comes)" in text
+    assert f"less than {RESEND_QUIET_S:g} s before MAY be dropped" in text
+
+
 def test_multimodal_item_depth_as_stated(spec: str) -> None:
     """§7.5's nesting bound is the one both adapters hold to."""
     pytest.importorskip("vllm")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
@@ -19,13 +20,17 @@ from typing import Any
 import zmq
 
 from protocol import calls as wire
-from protocol.errors import ProtocolError
+from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.faults import PeerFaults
 
 log = logging.getLogger(__name__)
 
 RESEND_CALLS = 64  # calls kept for retransmission (the executor keeps a few in flight)
 RESEND_BYTES = 256 << 20  # and at most this many bytes of them (the newest always kept)
+#: an N for calls sent again to that rank less than this long before is dropped (counted):
+#: a rank repeats its request only every ASK_AGAIN_S, so only a rank that asks in a loop
+#: loses one; each answer may be RESEND_CALLS calls of up to RESEND_BYTES
+RESEND_QUIET_S = wire.ASK_AGAIN_S / 2
 
 
 class CallLog:
@@ -68,6 +73,7 @@ class Retransmitter:
         self.send, self.stats, self.faults = send, stats, faults
         self.sent = CallLog()
         self.newest = 0
+        self._answered: dict[int, tuple[int, float]] = {}  # rank -> (newest resent, when)
 
     def record(self, number: int, call: list[Any]) -> None:
         self.sent.record(number, call)
@@ -82,12 +88,19 @@ class Retransmitter:
         except ProtocolError as exc:
             self.faults.hit(f"rank {rank}", exc)
             return None
+        now = time.monotonic()
+        resent, when = self._answered.get(rank, (0, 0.0))
+        if first <= resent and now - when < RESEND_QUIET_S:
+            self.faults.hit(f"rank {rank}", RemoteProtocolError(
+                "asked again for calls just sent again", first=first))
+            return None
         calls = self.sent.since(first)
         if calls is None:
             return (f"rank {rank} lacks call {first}, which is no longer kept for "
                     f"retransmission (oldest kept: {self.sent.oldest}, newest sent: "
                     f"{self.newest})")
         self.stats["resent_calls"] += len(calls)
+        self._answered[rank] = (self.newest, now)
         try:
             for call in calls:
                 self.send(rank, [wire.RESENT, *call])

@@ -37,6 +37,7 @@ from typing import Any
 import zmq
 
 from protocol.calls import (
+    ASK_AGAIN_S,
     CALL_HEAD,
     DONE_MAX,
     NUMBER,
@@ -53,7 +54,6 @@ from worker_side.transport import spin_poll
 
 log = logging.getLogger(__name__)
 _BLOCK_MS = 1000  # a sleeping rank re-checks the ring at least this often
-_ASK_AGAIN_S = 1.0  # a request for calls again is repeated this often until answered
 INJECT_ENV = "DELTACAST_INJECT"
 
 
@@ -186,9 +186,9 @@ class RankChannel:
 
     def _ask(self) -> None:
         """Ask the executor for the calls from the expected one on (again every
-        _ASK_AGAIN_S while they do not come)."""
+        ASK_AGAIN_S while they do not come)."""
         now = time.monotonic()
-        if now - self._asked < _ASK_AGAIN_S:
+        if now - self._asked < ASK_AGAIN_S:
             return
         if not self._asked:
             log.warning("rank %d: call %d missing or damaged: asking for it again", self.rank,
@@ -198,7 +198,7 @@ class RankChannel:
 
     def _from_resent(self) -> list[bytes]:
         while not self._resent:
-            if self.sock.poll(int(_ASK_AGAIN_S * 1000), zmq.POLLIN):
+            if self.sock.poll(int(ASK_AGAIN_S * 1000), zmq.POLLIN):
                 self._stash_dealer()
             else:
                 self._ask()
