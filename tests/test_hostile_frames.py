@@ -19,7 +19,6 @@ import logging
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from hypothesis import strategies as st
 from oracle import state_fingerprint
 from replica_bodies import first_step
 
+from engine_side.bench.fuzz_corpus import call_seeds, read_call
 from engine_side.transport import EngineTransport
 from protocol import calls, codec, replies
 from protocol.endpoints import channel_endpoints
@@ -41,7 +41,6 @@ from protocol.messages import MESSAGE_TYPES, CheckIn, Delta, DeltaBody, Goodbye,
 from protocol.packing import pack_uints
 from protocol.recording import RecordReader, RecordWriter
 from protocol.replies import StepResult, encode_reply, pack_tokens
-from protocol.ring import pack_frames, unpack_frames
 from protocol.store_handles import PackedItem, decode_refs, encode_refs, make_handle, unpack_item
 
 
@@ -290,39 +289,18 @@ def test_peer_faults_are_bounded_per_peer_and_in_number(caplog: pytest.LogCaptur
 
 
 # ---------------------------------------------------------------- the executor channel
-def _step_call() -> list[bytes]:
-    step = [b"\x01" * 40, bytes(range(200))]
-    return [calls.call_head(calls.EXECUTE, 7, step), *step]
+CALL_SEEDS = call_seeds()  # each message kind of the channel (SPEC §16) with its parser
 
 
-#: each parser of the executor channel (SPEC §16) with a message it reads
-CALL_PARSERS: dict[str, tuple[Callable[[list[bytes]], Any], list[bytes]]] = {
-    "hello": (lambda f: calls.parse_hello(one(f)),
-              [calls.pack_hello(node="1", vllm="0.32.0", protocol="3", config="ab" * 32)]),
-    "check-in": (lambda f: calls.parse_check_in(one(f)), [calls.pack_check_in(12, 99)]),
-    "call": (calls.parse_call, _step_call()),
-    "number": (lambda f: calls.parse_number(one(f)), [calls.NUMBER.pack(41)]),
-    "done": (calls.done_count, calls.done_answer(5)),
-    "relayed": (lambda f: calls.unpack_relayed(one(f)),
-                [calls.pack_relayed([b"1", calls.OUTPUT, *_step_call()[1:]])]),
-    "relayed, deflated": (lambda f: calls.unpack_relayed(one(f)),
-                          [calls.pack_relayed([calls.RELAY_ALL, bytes(range(256)) * 24])]),
-    "ring record": (lambda f: unpack_frames(one(f)),
-                    [b"".join(bytes(p) for p in pack_frames(_step_call()))]),
-    "ready": (calls.ready_seconds, [b"2.5"]),
-    "identity": (lambda f: (calls.rank_of(one(f), 8), calls.relay_node(one(f))),
-                 [b"node1/0"]),
-}
-
-
-@pytest.mark.parametrize("name", sorted(CALL_PARSERS))
-@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("seed", CALL_SEEDS, ids=[f"{k}-{i}" for i, (k, _) in
+                                                  enumerate(CALL_SEEDS)])
+@settings(max_examples=120, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_the_executor_channels_parsers_raise_only_typed_errors(name: str,
-                                                                data: st.DataObject) -> None:
-    parse, seed = CALL_PARSERS[name]
-    assert typed(parse, seed) is not None  # the seed itself reads
-    typed(parse, data.draw(mutated([seed])))
+def test_the_executor_channels_parsers_raise_only_typed_errors(
+        seed: tuple[str, list[bytes]], data: st.DataObject) -> None:
+    kind, frames = seed
+    assert typed(lambda f: read_call(kind, f), frames) is not None  # the seed itself reads
+    typed(lambda f: read_call(kind, f), data.draw(mutated([frames])))
 
 
 def test_a_hello_nested_past_the_recursion_limit_is_malformed() -> None:

@@ -13,7 +13,7 @@ they apply to (:mod:`engine_side.bench.fuzz`).
 * **seal**: sealed control-call blobs;
 * **calls**: the executor channel's messages (SPEC §16): hellos, check-ins, call
   heads and numbers, ``K`` answers, relayed messages (plain and deflated), ring records,
-  ready times and identities, each with the parser that reads it (:data:`CALL_KINDS`);
+  ready times and identities, each with the parser that reads it (:func:`read_call`);
 * **vllm**: the golden vLLM object streams (``tests/golden/streams/*.dcobj``) and a short
   one with multimodal items inline (:func:`mm_objects`) encoded by
   :class:`~engine_side.vllm.encoder.SchedulerOutputEncoder`: step, grammar and reply
@@ -162,11 +162,6 @@ def recording_seed(core: list[Frames], replies: list[Frames]) -> Frames:
                 writer.write("execute_model", frames)
             writer.write("reply", replies[0])
         return [path.read_bytes()]
-
-
-#: what reads each kind of the calls target's seeds (the frames of one message)
-CALL_KINDS = ("hello", "check_in", "call", "number", "done", "relayed", "ring", "ready",
-              "identity")
 
 
 def read_call(kind: str, frames: Frames) -> Any:

@@ -162,7 +162,7 @@ class SchedulerOutputDecoder:
         """The step's batch (ids in schedule order): the last one's when it repeats, edited
         when the body dropped and appended, else made afresh."""
         names = self.names
-        for h, spec in zip(applied.added, self._added_specs(applied), strict=True):
+        for h, spec in zip(applied.added, applied.specs, strict=True):
             if h >= len(names):
                 names.extend([""] * (h + 1 - len(names)))
             names[h] = spec.req_id
@@ -205,9 +205,6 @@ class SchedulerOutputDecoder:
         if kept < len(batch):
             nst.update(zip(batch[kept:], nsched[kept:].tolist(), strict=True))
         return nst
-
-    def _added_specs(self, applied: Applied) -> list[Spec]:
-        return [self.state.specs[h] for h in applied.added]  # type: ignore[union-attr,misc]
 
     def _read(self, ext: StepExt, applied: Applied, schedule: I64,
               state: ReplicaState) -> _Lists:
@@ -299,7 +296,7 @@ class SchedulerOutputDecoder:
             new_reqs = [self._new_request(h, p, applied.prompts[k], tables, read.prefill[k],
                                           read.params[k], read.media[k] if read.media else None)
                         for k, (h, p) in enumerate(zip(applied.added, new_pos, strict=True))]
-            for h, spec, prompt in zip(applied.added, self._added_specs(applied),
+            for h, spec, prompt in zip(applied.added, applied.specs,
                                        applied.prompts, strict=True):
                 self.outputs.add(h, len(prompt) if prompt is not None else
                                  spec.embeds[1][0] if spec.embeds and spec.embeds[1] else 0)

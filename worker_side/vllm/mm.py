@@ -62,9 +62,7 @@ def _nested(x: Any, copy: bool, depth: int = 0) -> Any:
         return tuple(_nested(v, copy, depth + 1) for v in x[TUPLE])
     if x is None or t in (int, float, bool):
         return x
-    if isinstance(x, np.ndarray) or type(x).__module__.startswith("torch"):
-        return fresh(x, copy)
-    raise MalformedMessage("unexpected value in a multimodal item", type=t.__name__)
+    return _tensor(x, copy, "a value in a multimodal item that is no number")
 
 
 def _slices(x: Any, depth: int = 0) -> Any:
@@ -115,12 +113,16 @@ def item_from_wire(data: Any, copy: bool = False) -> Any:
     return item
 
 
+def _tensor(x: Any, copy: bool, what: str) -> Any:
+    if isinstance(x, np.ndarray) or type(x).__module__.startswith("torch"):
+        return fresh(x, copy)
+    raise MalformedMessage(f"{what} is not a tensor", type=type(x).__name__)
+
+
 def mask_from_wire(x: Any, copy: bool = False) -> Any:
     """A placeholder's ``is_embed`` mask as received: None, or a fresh tensor object
     (MalformedMessage for anything else)."""
-    if x is None or isinstance(x, np.ndarray) or type(x).__module__.startswith("torch"):
-        return fresh(x, copy)
-    raise MalformedMessage("a placeholder mask is not a tensor", type=type(x).__name__)
+    return None if x is None else _tensor(x, copy, "a placeholder mask")
 
 
 def embeds_from_wire(x: Any, copy: bool = False) -> Any:
@@ -128,10 +130,7 @@ def embeds_from_wire(x: Any, copy: bool = False) -> Any:
 
     Raises MalformedMessage for anything but a tensor (a store reference without a
     store, say)."""
-    if isinstance(x, np.ndarray) or type(x).__module__.startswith("torch"):
-        return fresh(x, copy)
-    raise MalformedMessage("prompt embeds are not a tensor (a store ref without a store?)",
-                           type=type(x).__name__)
+    return _tensor(x, copy, "prompt embeds (a store ref without a store?)")
 
 
 class StoreResolver(ItemResolver):
