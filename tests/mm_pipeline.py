@@ -119,7 +119,9 @@ class Receiver:
         replica = self.replica
         state, applied, body = replica.data, replica.applied, msg.body
         assert state is not None and applied is not None
-        for h, new in self.items.resolve(state, applied, body).items():
+        news = self.items.resolve(state, applied, state.schedule)  # (after the replica applied)
+        self.items.commit()
+        for h, new in zip(applied.added, news, strict=True):
             self.cache[h] = (state.requests[h], request_spec(state.spec_of(h), new))  # type: ignore[assignment]
         return rebuild_request(state, body, applied, self.cache)
 

@@ -15,6 +15,7 @@ reference exactly for them.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,7 @@ from engine_side.mirror import rows as make_rows
 from engine_side.shm_store import ShmStore
 from protocol import codec
 from protocol.items import COPY_SEPARATOR, as_store_ref
-from protocol.messages import Delta, MMItem, Spec
+from protocol.messages import Delta, MMItem, NewRequest, Spec
 from protocol.packing import pack_uints
 from protocol.state import ReplicaState
 from worker_side.item_resolver import ItemResolver
@@ -105,10 +106,13 @@ class Reader:
     def apply(self, frames: list[Any], sent: dict[str, Entry]) -> None:
         msg = codec.decode(frames, copy=True)
         assert isinstance(msg, Delta)
-        applied = self.state.apply(msg.body, expected_digest=msg.digest)
-        resolved = self.items.resolve(self.state, applied, msg.body)
-        for h in applied.added:
-            spec, new = self.state.spec_of(h), resolved.get(h, self.state.requests[h])
+        news: list[Sequence[NewRequest]] = []  # resolved while the step can be refused
+        applied = self.state.apply(
+            msg.body, expected_digest=msg.digest, before_commit=lambda a, schedule:
+            news.append(self.items.resolve(self.state, a, schedule)))
+        self.items.commit()
+        for h, new in zip(applied.added, news[0], strict=True):
+            spec = self.state.spec_of(h)
             entry = sent[spec.req_id]
             assert new is not None
             assert_same(tuple(new.mm_data), tuple(entry.mm_data))

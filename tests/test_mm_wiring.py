@@ -339,7 +339,9 @@ while (count := struct.unpack("<I", read(4))[0]):
     reply = []
     if any(type(e).__name__ == "Applied" for e in events):
         state, applied = replica.data, replica.applied
-        for h, new in items.resolve(state, applied, msg.body).items():
+        news = items.resolve(state, applied, state.schedule)  # (after the replica applied)
+        items.commit()
+        for h, new in zip(applied.added, news):
             cache[h] = (state.requests[h], request_spec(state.spec_of(h), new))
         for s in rebuild_request(state, msg.body, applied, cache).specs:
             for f in s.mm_features:

@@ -334,10 +334,31 @@ def _regenerate(data: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("edit", "error"), [(_forge, ForgedHandle), (_regenerate, ForgedHandle)])
-def test_forged_handle_is_refused(local: Local, edit: Any, error: type) -> None:
-    frames = _wire(local.enc.encode(step([new_req("a", [("X", image(1))])])))
+@pytest.mark.parametrize("at", [0, 1])
+def test_forged_handle_is_refused_before_the_state_changes(local: Local, edit: Any, error: type,
+                                                          at: int) -> None:
+    """A reference that does not resolve (the first or second of a request's items)
+    refuses the step with the rank's state and the reader's holds as they were, so the
+    genuine step then applies (references resolved after the state had moved on, and an
+    item resolved before the bad one stayed held)."""
+    so = step([new_req("a", [("X", image(1)), ("Y", image(2))])])
+    expected = copy.deepcopy(so)
+    frames = _wire(local.enc.encode(so))
+    delta = codec.decode(frames)
+    assert isinstance(delta, Delta) and isinstance(delta.body, DeltaBody)
+    added = delta.body.added[0]
+    data = list(added.mm_data)
+    data[at] = edit(data[at])
+    body = msgspec.structs.replace(delta.body, added=(msgspec.structs.replace(
+        added, mm_data=tuple(data)),))
     with pytest.raises(error):
-        local.dec.decode(_tamper(frames, edit))
+        local.dec.decode(_wire(codec.encode(msgspec.structs.replace(delta, body=body))))
+    assert local.dec.seq == 0 and local.dec.state is None
+    assert not local.reader.holds("X") and not local.reader.holds("Y")
+    assert local.dec.items is not None and local.dec.items.counts == {}
+    assert_vllm_equal(expected, local.dec.decode(frames))
+    assert local.reader.holds("X") and local.reader.holds("Y")
+    assert local.dec.items.counts == {"X": 1, "Y": 1}
 
 
 def test_stale_handle_is_refused(local: Local) -> None:
@@ -350,6 +371,7 @@ def test_stale_handle_is_refused(local: Local) -> None:
     replay.attach_store(local.reader)
     with pytest.raises(StaleHandle):
         replay.decode(first)
+    assert replay.seq == 0 and replay.state is None
 
 
 def test_unsupported_item_is_refused_before_sending() -> None:

@@ -120,6 +120,12 @@ class ShmReader:
         if int(self._pins[slot]) == generation:
             self._pins[slot] = 0
 
+    def forget(self, key: str) -> None:
+        """Undo the first resolve of ``key`` (a step refused after it): the item stays
+        pinned for this reader, so its handle resolves again; views already handed out
+        must not be used."""
+        self._held.pop(key, None)
+
     def release(self, key: str) -> None:
         """Stop holding ``key``: its views must not be used any more."""
         held = self._held.pop(key, None)

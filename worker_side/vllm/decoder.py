@@ -44,6 +44,7 @@ HISTORY = 8  # steps whose batch replies and grammar outputs may name
 _NO_FIX = NewFix(0)
 Media = tuple[list[Any], list[Any], Any]  # item data, placeholder masks, prompt embeds
 Params = tuple[Any, Any, Any, int]  # sampling, pooling, LoRA request, replay start
+_NO_MEDIA: Media = ([], [], None)  # (read only)
 
 
 @dataclass(slots=True)
@@ -62,8 +63,8 @@ class _Lists:
     copies: list[int] | None
     prefix: list[int]
     #: per added request, its parameters as vLLM objects, and its item data, placeholder
-    #: masks and prompt embeds (without a store): made here, so a bad one refuses the
-    #: step with the state unchanged
+    #: masks and prompt embeds (store references resolved): made here, so a bad one
+    #: refuses the step with the state unchanged
     params: list[Params]
     media: list[Media] | None
 
@@ -88,7 +89,6 @@ class SchedulerOutputDecoder:
     def __init__(self, secret: bytes | None = None, copy: bool = False) -> None:
         self.seals = ChannelSeals(secret, b"reply", b"step")
         self.items: StoreResolver | None = None
-        self._resolved: dict[int, Any] = {}  # handle -> its NewRequest, store refs resolved
         self.copy = copy
         self.state: ReplicaState | None = None
         self.seq = 0
@@ -133,11 +133,13 @@ class SchedulerOutputDecoder:
         except BaseException:
             if opener is not None:  # a refused step leaves its seal unused (resent: opens)
                 opener.counter = opened
+            if self.items is not None:
+                self.items.abandon()
             raise
         self.state = state
         self.seq = msg.seq
         if self.items is not None:
-            self._resolved = self.items.resolve(self.state, applied, msg.body)
+            self.items.commit()
         return self._output(msg, ext, applied, opaque, read[0])
 
     # ------------------------------------------------------------ sample_tokens
@@ -253,9 +255,9 @@ class SchedulerOutputDecoder:
         fixes = {f.i: f for f in reversed(ext.fixes)} if ext.fixes else {}  # (the first)
         params = [self._params(spec, fixes.get(k, _NO_FIX))
                   for k, spec in enumerate(applied.specs)]
-        news = applied.body.added if applied.body is not None else ()  # (with a store,
-        # their references resolve once the step is applied)
-        media = [self._media(r) for r in news] if self.items is None and any(
+        news = () if applied.body is None else applied.body.added if self.items is None \
+            else self.items.resolve(state, applied, schedule)  # (a local channel's store)
+        media = [self._media(r) for r in news] if any(
             r.mm_data or r.mm_embed or r.embeds is not None for r in news) else None
         return _Lists(new_pos, cpos, _new_tokens(ext), histories, prefill, restored,
                       OutputCounts.read(ext.out_pos, ext.out_delta, ncached), copies,
@@ -403,11 +405,11 @@ class SchedulerOutputDecoder:
 
         state = self.state
         assert state is not None  # noqa: S101
-        spec, req = state.specs[h], self._resolved.get(h, state.requests[h])
-        assert spec is not None and req is not None  # noqa: S101 - added this step
+        spec = state.specs[h]
+        assert spec is not None  # noqa: S101 - added this step
         groups = state.kv_groups
         lists = tables.get(p)
-        data, masks, embeds = media or self._media(req)
+        data, masks, embeds = media or _NO_MEDIA
         sampling, pooling, lora, replay_start = params
         return NewRequestData(
             req_id=spec.req_id, prompt_token_ids=prompt,

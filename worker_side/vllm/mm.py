@@ -134,12 +134,13 @@ def embeds_from_wire(x: Any, copy: bool = False) -> Any:
 
 
 class StoreResolver(ItemResolver):
-    """A local channel's rank end (``SchedulerOutputDecoder.attach_store``): after each
-    applied step, the store references of the requests it added become zero-copy views
-    (items in the wire map above, prompt embeds as tensors) and released items are let
-    go (:class:`worker_side.item_resolver.ItemResolver`).  Raises RemoteProtocolError
-    (ForgedHandle, StaleHandle, UnknownItem, MalformedMessage) for references that do
-    not resolve; re-attach then."""
+    """A local channel's rank end (``SchedulerOutputDecoder.attach_store``): while a
+    step can still be refused, the store references of the requests it adds become
+    zero-copy views (items in the wire map above, prompt embeds as tensors); once it
+    has applied, released items are let go
+    (:class:`worker_side.item_resolver.ItemResolver`).  References that do not resolve
+    (ForgedHandle, StaleHandle, UnknownItem, MalformedMessage) refuse the step with the
+    rank's state and held items unchanged."""
 
     def __init__(self, reader: ShmReader) -> None:
         super().__init__(reader)
