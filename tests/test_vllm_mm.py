@@ -300,6 +300,23 @@ def test_prompt_embeds_travel_by_content_key(local: Local) -> None:
     assert not local.reader.holds(content_key(embeds))
 
 
+def test_stored_embeds_beside_items_sent_without_data(local: Local) -> None:
+    """A request whose items travel without data (``mm_data`` empty: vLLM's features
+    then have none) and whose prompt embeds are stored resolves its embeds (a
+    ValueError, untyped, where the items were zipped with no data)."""
+    embeds = torch.randn(8, 32)
+    frames = _wire(local.enc.encode(step([new_req("a", [("X", image(1))], embeds)])))
+    delta = codec.decode(frames)
+    assert isinstance(delta, Delta) and isinstance(delta.body, DeltaBody)
+    added = msgspec.structs.replace(delta.body.added[0], mm_data=())
+    body = msgspec.structs.replace(delta.body, added=(added,))
+    got = local.dec.decode(_wire(codec.encode(msgspec.structs.replace(delta, body=body))))
+    new = got.scheduled_new_reqs[0]
+    assert [f.data for f in new.mm_features] == [None]
+    assert torch.equal(new.prompt_embeds, embeds)
+    assert local.reader.holds(content_key(embeds)) and not local.reader.holds("X")
+
+
 def test_copy_gives_writable_private_tensors() -> None:
     enc = SchedulerOutputEncoder(1, secret=SECRET)
     dec = SchedulerOutputDecoder(secret=SECRET, copy=True)

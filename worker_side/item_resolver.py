@@ -144,9 +144,10 @@ class ItemResolver:
         self._taken.clear()
 
     def _resolved(self, spec: Spec, new: NewRequest) -> NewRequest:
-        """``new`` with its references resolved (as many items as the spec: checked)."""
+        """``new`` with its references resolved (its items, if any, as many as the
+        spec's: checked before)."""
         data = tuple(self._fetch(r, m.identifier) if (r := as_store_ref(d)) is not None else d
-                     for m, d in zip(spec.mm, new.mm_data, strict=True))
+                     for m, d in zip(spec.mm, new.mm_data, strict=True)) if new.mm_data else ()
         eref = as_store_ref(new.embeds)
         return msgspec.structs.replace(new, mm_data=data, embeds=new.embeds if eref is None
                                        else self._fetch(eref, item_identifier(eref.key)))

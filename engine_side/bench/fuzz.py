@@ -17,7 +17,9 @@ store      ``store_handles.decode_refs`` and ``unpack_item``
 recording  ``recording.RecordReader`` over a whole file, each record decoded
 seal       ``seal.Opener.open``
 calls      the executor channel's parsers (``protocol.calls``, ``ring.unpack_frames``)
-vllm       the vLLM adapter walked along the golden streams: each step's frames through
+vllm       the vLLM adapter walked along the golden streams and a multimodal one (items
+           inline, and by reference through a store: its references resolved, counts
+           and held items part of the state): each step's frames through
            ``SchedulerOutputDecoder.decode`` in the decoder's state before that step,
            grammar frames through ``decode_grammar``, reply frames through
            ``SchedulerOutputEncoder.decode_reply``
@@ -62,7 +64,8 @@ DECODERS = ("protocol/codec.py", "protocol/ext.py", "protocol/tensors.py", "prot
             "protocol/replies.py", "protocol/store_handles.py", "protocol/recording.py",
             "protocol/seal.py", "protocol/calls.py", "protocol/state.py", "protocol/membership.py",
             "protocol/snapshot.py", "protocol/columns.py", "protocol/params.py",
-            "protocol/items.py", "protocol/kernels.py", "worker_side/vllm/decoder.py",
+            "protocol/items.py", "protocol/kernels.py", "worker_side/item_resolver.py",
+            "worker_side/shm_reader.py", "worker_side/vllm/decoder.py",
             "worker_side/vllm/grammar.py", "worker_side/vllm/params.py",
             "worker_side/vllm/mm.py", "engine_side/vllm/replies.py")
 CASE_TIMEOUT_S = 10.0
@@ -71,12 +74,14 @@ HYPOTHESIS_SHARE = 0.02  # of a shard's core and replies cases: Hypothesis draws
 
 class VllmState(NamedTuple):
     """What a vLLM case may change: the decoder's seq, replica state (None: not made
-    yet), batches and seal counter, the encoder's seq and batches."""
+    yet), batches and seal counter, item counts and held store keys (None: no store),
+    the encoder's seq and batches."""
 
     seq: int
     state: str | None
     batches: int
     seal_counter: int | None
+    items: tuple[Any, ...] | None
     encoder_seq: int
     encoder_batches: int
 
@@ -242,7 +247,7 @@ class Runner:
         done = 0
         while done < budget:
             for chain in self.vllm:
-                dec, enc = fc.fresh_pair(chain.kv_groups)
+                dec, enc = fc.fresh_pair(chain.kv_groups, chain.store)
                 for k, (kind, seed) in enumerate(chain.records):
                     for _ in range(min(per, budget - done)):
                         frames, how = self._mutate(seed)
@@ -261,9 +266,12 @@ class Runner:
         def state() -> Any:
             s = dec.state
             opener = getattr(getattr(dec, "seals", None), "opener", None)
+            items = dec.items
             return VllmState(dec.seq, None if s is None else fc.fingerprint(s),
-                             len(dec.batches), getattr(opener, "counter", None), enc.seq,
-                             len(enc.batches))
+                             len(dec.batches), getattr(opener, "counter", None),
+                             None if items is None else (sorted(items.counts.items()),
+                                                         sorted(items.reader.held_keys)),
+                             enc.seq, len(enc.batches))
 
         tally = self.tallies["vllm"]
         violations = tally.violations

@@ -15,17 +15,19 @@ they apply to (:mod:`engine_side.bench.fuzz`).
   heads and numbers, ``K`` answers, relayed messages (plain and deflated), ring records,
   ready times and identities, each with the parser that reads it (:func:`read_call`);
 * **vllm**: the golden vLLM object streams (``tests/golden/streams/*.dcobj``) and a short
-  one with multimodal items inline (:func:`mm_objects`) encoded by
-  :class:`~engine_side.vllm.encoder.SchedulerOutputEncoder`: step, grammar and reply
-  frames, each step with its decoder's state (:class:`VllmChain`).
+  one with multimodal items (:func:`mm_objects`), inline and through a shared-memory
+  store, encoded by :class:`~engine_side.vllm.encoder.SchedulerOutputEncoder`: step,
+  grammar and reply frames, each step with its decoder's state (:class:`VllmChain`).
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import os
 import sys
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,9 +230,10 @@ class VllmChain:
     objects: list[tuple[str, Any]]
     records: list[tuple[str, Frames]]
     kv_groups: int | None
+    store: bool = False  # items by reference through a store of the pair's own
 
     def replay(self, k: int) -> tuple[Any, Any]:
-        dec, enc = fresh_pair(self.kv_groups)
+        dec, enc = fresh_pair(self.kv_groups, self.store)
         for kind, obj in self.objects[:k]:
             step(dec, enc, kind, copy.deepcopy(obj))
         return dec, enc
@@ -249,12 +252,25 @@ def step(dec: Any, enc: Any, kind: str, obj: Any) -> Frames:
     return frames
 
 
-def fresh_pair(kv_groups: int | None) -> tuple[Any, Any]:
+def fresh_pair(kv_groups: int | None, store: bool = False) -> tuple[Any, Any]:
+    """A (decoder, encoder) pair; with ``store`` joined by a small store of their own
+    (closed when the pair is collected)."""
     from engine_side.vllm.encoder import SchedulerOutputEncoder
     from worker_side.vllm.decoder import SchedulerOutputDecoder
 
-    return SchedulerOutputDecoder(secret=SECRET), SchedulerOutputEncoder(kv_groups,
-                                                                         secret=SECRET)
+    dec = SchedulerOutputDecoder(secret=SECRET)
+    if not store:
+        return dec, SchedulerOutputEncoder(kv_groups, secret=SECRET)
+    from engine_side.shm_store import ShmStore
+    from worker_side.shm_reader import ShmReader
+
+    shm = ShmStore(1 << 20, max_items=64)
+    reader = ShmReader.attach(shm.add_reader(os.getpid()))
+    dec.attach_store(reader)
+    enc = SchedulerOutputEncoder(kv_groups, secret=SECRET, store=shm)
+    weakref.finalize(enc, shm.close)
+    weakref.finalize(dec, reader.close)
+    return dec, enc
 
 
 def feed(dec: Any, enc: Any, kind: str, frames: Frames) -> Any:
@@ -267,9 +283,9 @@ def feed(dec: Any, enc: Any, kind: str, frames: Frames) -> Any:
 
 
 def mm_objects() -> list[tuple[str, Any]]:
-    """A short vLLM stream whose new requests carry multimodal items inline (batched and
-    flat fields, a tuple, a placeholder mask) and prompt embeds, as on a channel without
-    a store."""
+    """A short vLLM stream whose new requests carry multimodal items (batched and flat
+    fields, a tuple, a placeholder mask) and prompt embeds, some leaving the encoder
+    cache."""
     import torch
     from vllm.multimodal.inputs import (
         MultiModalBatchedField,
@@ -298,7 +314,8 @@ def mm_objects() -> list[tuple[str, Any]]:
         return NewRequestData(rid, [1, 2, 3, 4, 5], features, SamplingParams(), None, ([k],),
                               0, None, prompt_embeds=torch.ones(5, 2) * k if k % 2 else None)
 
-    def step(news: list[Any], running: list[str], finished: set[str]) -> Any:
+    def step(news: list[Any], running: list[str], finished: set[str],
+             freed: tuple[str, ...] = ()) -> Any:
         cached = CachedRequestData(list(running), set(), [], {}, [None] * len(running),
                                    [5] * len(running), [1] * len(running))
         sched = {**{nr.req_id: 5 for nr in news}, **dict.fromkeys(running, 1)}
@@ -307,12 +324,12 @@ def mm_objects() -> list[tuple[str, Any]]:
             total_num_scheduled_tokens=sum(sched.values()), scheduled_spec_decode_tokens={},
             scheduled_encoder_inputs={nr.req_id: [0] for nr in news},
             num_common_prefix_blocks=[], finished_req_ids=finished,
-            free_encoder_mm_hashes=[])
+            free_encoder_mm_hashes=list(freed))
 
     return [("execute_model", step([new("a", 1)], [], set())),
             ("execute_model", step([new("b", 2)], ["a"], set())),
             ("execute_model", step([], ["a", "b"], set())),
-            ("execute_model", step([new("c", 3)], ["b"], {"a"}))]
+            ("execute_model", step([new("c", 3)], ["b"], {"a"}, ("a-i",)))]
 
 
 def vllm_chains(names: tuple[str, ...] | None = None, max_records: int = 120
@@ -333,9 +350,10 @@ def vllm_chains(names: tuple[str, ...] | None = None, max_records: int = 120
         dec, enc = fresh_pair(meta.get("kv_groups"))
         records = [(kind, step(dec, enc, kind, copy.deepcopy(obj))) for kind, obj in objects]
         chains.append(VllmChain(path.stem, objects, records, meta.get("kv_groups")))
-    if names is None or "mm" in names:
-        objects = mm_objects()
-        dec, enc = fresh_pair(1)
-        records = [(kind, step(dec, enc, kind, copy.deepcopy(obj))) for kind, obj in objects]
-        chains.append(VllmChain("mm", objects, records, 1))
+    for name, store in (("mm", False), ("mm-store", True)):
+        if names is None or name in names:
+            objects = mm_objects()
+            dec, enc = fresh_pair(1, store)
+            records = [(kind, step(dec, enc, kind, copy.deepcopy(obj))) for kind, obj in objects]
+            chains.append(VllmChain(name, objects, records, 1, store))
     return chains
