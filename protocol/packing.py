@@ -18,7 +18,6 @@ import numpy.typing as npt
 from protocol import kernels
 from protocol.errors import MalformedMessage
 
-UInts = npt.NDArray[np.uint64]
 _MAX_WIDTH = 64
 INT64_MAX = (1 << 63) - 1  # the largest value an int64 column or packed array holds
 _EMPTY = np.zeros(0, dtype=np.int64)

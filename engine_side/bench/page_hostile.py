@@ -10,10 +10,6 @@ from typing import Any
 from engine_side.bench.page_common import Fields, target
 
 
-def _pct(part: int, whole: int) -> float | None:
-    return round(100 * part / whole, 1) if whole else None
-
-
 def from_fuzz(result: dict[str, Any]) -> Fields:
     """``python -m engine_side.bench.fuzz`` → one line per target and kernels."""
     rows: Sequence[dict[str, Any]] = result["rows"]
