@@ -189,12 +189,35 @@ def test_streams_with_items_round_trip_through_frames(stream: dict[str, Any],
         _scramble(got)
 
 
+def _forged_copy(frames: list[bytes], pick: int) -> list[bytes] | None:
+    """The step with the handle of one of its store references (the ``pick``-th, mod
+    their number) forged; None if it has none."""
+    delta = codec.decode(frames)
+    assert isinstance(delta, Delta) and isinstance(delta.body, DeltaBody)
+    spots = [(k, j) for k, new in enumerate(delta.body.added)
+             for j, d in enumerate(new.mm_data) if type(d) is dict and d.get("h")]
+    if not spots:
+        return None
+    k, j = spots[pick % len(spots)]
+    new = delta.body.added[k]
+    data = list(new.mm_data)
+    data[j] = _forge(data[j])
+    added = list(delta.body.added)
+    added[k] = msgspec.structs.replace(new, mm_data=tuple(data))
+    body = msgspec.structs.replace(delta.body, added=tuple(added))
+    return _wire(codec.encode(msgspec.structs.replace(delta, body=body)))
+
+
 @settings(max_examples=25, deadline=None)
 @given(stream=scheduler_streams(max_steps=8), data=st.data())
 def test_streams_with_items_round_trip_through_the_store(stream: dict[str, Any],
                                                          data: st.DataObject) -> None:
+    """Every step comes back equal with both ends agreeing on every item count; a copy
+    of a step with one reference forged, decoded first, is refused with the rank's
+    seq, counts and held items as they were."""
     stream = with_items(stream, data)
     pair = Local(stream["kv_groups"])
+    assert pair.dec.items is not None
     try:
         for so in stream["steps"]:
             expected = copy.deepcopy(so)
@@ -202,6 +225,14 @@ def test_streams_with_items_round_trip_through_the_store(stream: dict[str, Any],
             assert len(frames) <= 1 + sum(f.mm_position.is_embed is not None
                                           for nr in so.scheduled_new_reqs
                                           for f in nr.mm_features)  # only is_embed masks
+            forged = _forged_copy(frames, data.draw(st.integers(0, 7))) \
+                if data.draw(st.booleans()) else None
+            if forged is not None:
+                before = (pair.dec.seq, pair.dec.items.counts, sorted(pair.reader.held_keys))
+                with pytest.raises(ForgedHandle):
+                    pair.dec.decode(forged)
+                assert (pair.dec.seq, pair.dec.items.counts,
+                        sorted(pair.reader.held_keys)) == before
             got = pair.dec.decode(frames)
             assert_vllm_equal(expected, got)
             pair.check_lifetimes()
