@@ -26,6 +26,16 @@ from protocol.state import Applied, ReplicaState, RowSet
 _EXT_DECODER = msgspec.msgpack.Decoder(dict[str, bytes])
 
 
+def decode_extension(body: DeltaBody) -> dict[str, bytes]:
+    """The reference profile's extension of ``body`` (§6.4): a map str → bin, or empty.
+    MalformedMessage for bytes that are not one (a receiver checks it before the step
+    applies: :class:`worker_side.replica.WorkerReplica`'s ``check``)."""
+    try:
+        return _EXT_DECODER.decode(body.extension) if body.extension else {}
+    except DECODE_ERRORS as exc:
+        raise malformed("the extension slot does not decode", exc) from exc
+
+
 def wire_spec(spec: RequestSpec) -> tuple[Spec, tuple[Any, ...], tuple[Any, ...], Any]:
     """(the wire spec, each item's data, each item's placeholder mask, the prompt embeds)."""
     prompt, embeds = spec.prompt_token_ids, spec.prompt_embeds
@@ -97,10 +107,6 @@ def rebuild_request(state: ReplicaState, body: DeltaBody, applied: Applied,
     ids = [specs[h].req_id for h in sched]
     engine = state.token_mode == TOKEN_MODE_ENGINE
     names = lambda hs: frozenset(state.spec_of(h).req_id for h in hs)  # noqa: E731
-    try:
-        extension = _EXT_DECODER.decode(body.extension) if body.extension else {}
-    except DECODE_ERRORS as exc:
-        raise malformed("the extension slot does not decode", exc) from exc
     return ExecuteModelRequest(
         req_ids=ids, specs=[specs[h] for h in sched],
         num_scheduled_tokens=state.nsched.copy(),
@@ -117,7 +123,7 @@ def rebuild_request(state: ReplicaState, body: DeltaBody, applied: Applied,
         has_structured_output_requests=body.has_structured_output,
         pending_structured_output_tokens=body.pending_structured_output,
         num_spec_tokens_to_schedule=rare.num_spec_tokens_to_schedule,
-        extension=extension)
+        extension=decode_extension(body))
 
 
 def ragged_rows(r: Ragged, shift: int = 0) -> Rows | None:

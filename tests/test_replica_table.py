@@ -17,6 +17,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import pytest
 from oracle import Oracle, replica_request, state_fingerprint
@@ -36,6 +37,7 @@ from protocol.messages import (
     SnapshotRequest,
 )
 from protocol.params import SamplingSpec
+from protocol.rebuild import decode_extension
 from protocol.request import ExecuteModelRequest, Ragged, RequestSpec, requests_equal
 from protocol.state import ReplicaState
 from worker_side import events as ev
@@ -354,6 +356,26 @@ def test_a_rejected_delta_changes_nothing_and_its_true_copy_then_applies() -> No
     assert w.replica.seq == 3 and w.replica.applied is None
     assert _feed(w, d4) == [ev.Applied(4)]
     assert w.replica.state is State.SYNCED and w.replica.data.digest == d4.digest  # type: ignore[union-attr]
+    assert requests_equal(replica_request(w.replica), w.engine.requests[4])
+
+
+def test_a_delta_its_profile_check_refuses_changes_nothing() -> None:
+    """``check`` (the reference worker's: the extension decodes, SPEC 6.4) runs before
+    the Delta applies: an extension that is not a map of bytes is refused with the
+    state as it was, and the genuine Delta then applies (it was found only when the
+    worker rebuilt the step, after its state had moved on)."""
+    w = synced()  # at 3
+    w.replica.check = lambda delta: decode_extension(delta.body)
+    d4 = w.engine.step()
+    before = state_fingerprint(w.replica.data)  # type: ignore[arg-type]
+    for junk in (b"\xc1", msgspec.msgpack.encode({"k": 1}), msgspec.msgpack.encode([b"x"])):
+        bad = Delta(d4.epoch, d4.seq, d4.digest, msgspec.structs.replace(d4.body,
+                                                                           extension=junk))
+        events = _feed(w, bad)
+        assert isinstance(events[0], ev.RejectedDelta) and "extension" in events[0].reason
+        assert state_fingerprint(w.replica.data) == before  # type: ignore[arg-type]
+        assert w.replica.seq == 3
+    assert _feed(w, d4) == [ev.Applied(4)]
     assert requests_equal(replica_request(w.replica), w.engine.requests[4])
 
 

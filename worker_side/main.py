@@ -49,7 +49,7 @@ from protocol.errors import IncompatibleVersion, ProtocolError
 from protocol.faults import PeerFaults
 from protocol.ipc_dir import EndpointError
 from protocol.messages import CheckIn, Goodbye, NewRequest, SnapshotRequest
-from protocol.rebuild import rebuild_request
+from protocol.rebuild import decode_extension, rebuild_request
 from protocol.replies import StepResult, pack_tokens
 from protocol.request import RequestSpec
 from worker_side import events as ev
@@ -129,7 +129,8 @@ class Worker:
         self.args, self.rank = args, args.rank
         self.runner = None if args.ack_only else _make_runner(args)
         self.replica = WorkerReplica(silence_timeout=1.0, snapshot_retry=0.5,
-                                     on_event=self._on_step)
+                                     on_event=self._on_step,
+                                     check=lambda delta: decode_extension(delta.body))
         keys = _keys(args)
         identity = f"{self.rank}-{os.getpid()}".encode()
         self.transport = WorkerTransport(args.connect, keys, rcvhwm=args.rcvhwm,
@@ -229,7 +230,7 @@ class Worker:
         assert data is not None and last is not None and applied is not None  # Applied
         try:
             req = rebuild_request(data, last.body, applied, self._specs)
-        except ProtocolError as exc:  # step-only data the state check cannot see
+        except ProtocolError as exc:  # step-only data the checks before it applied missed
             self.counts["bad_steps"] += 1
             self.bad_steps.hit("the engine", exc)
             return

@@ -142,12 +142,16 @@ class WorkerReplica:
             happens, while ``data`` (and ``applied``, ``last``) are that state -- one
             ``receive`` may load a snapshot and apply several buffered deltas, and a
             receiver that acts per step must act on each.
+        check: called with each in-order Delta before it applies (its profile's
+            step-only fields, e.g. the extension); a ProtocolError it raises refuses
+            the Delta as a failed state check does, the state unchanged.
     """
 
     def __init__(self, silence_timeout: float = 1.0, snapshot_retry: float = 0.5,
                  max_buffer: int = 4096, start: tuple[int, ReplicaState] | None = None,
-                 on_event: Callable[[ev.Event], None] | None = None) -> None:
-        self.on_event = on_event
+                 on_event: Callable[[ev.Event], None] | None = None,
+                 check: Callable[[Delta], object] | None = None) -> None:
+        self.on_event, self.check = on_event, check
         self.state = State.AWAITING_SNAPSHOT
         self.epoch = -1
         self.seq = -1
@@ -247,6 +251,8 @@ class WorkerReplica:
         assert self.data is not None
         was = self.state
         try:
+            if self.check is not None:
+                self.check(delta)
             applied = self.data.apply(delta.body, expected_digest=delta.digest)
         except ProtocolError as exc:
             self.stats["rejected"] += 1
